@@ -1,0 +1,23 @@
+# Two commands on a fresh machine: `make lab` (the main job) and `make test`. Both build .venv first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+$(BIN)/.installed: pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+.PHONY: lab test test-all clean
+lab: $(BIN)/.installed
+	$(BIN)/evict demo
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -m "not slow" tests
+
+test-all: $(BIN)/.installed
+	$(BIN)/python -m pytest tests
+
+clean:
+	rm -rf $(VENV)

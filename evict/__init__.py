@@ -1,0 +1,3 @@
+"""evict: attention is an associative memory; a fixed-size memory must evict."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,25 @@
+"""The worked examples of the lesson, computed by the op: interference, overwrite, survival."""
+
+from __future__ import annotations
+
+import torch
+
+from evict.ops import memory
+
+
+def _seq(*rows):
+    return torch.tensor(rows, dtype=torch.float64)[None, :, None, :]
+
+
+def run_demo() -> None:
+    z = [0.0] * 4
+    k_cat, k_dog = [1.0, 0, 0, 0], [0.6, 0.8, 0, 0]
+    mochi, rex, biscuit = [2.0, 1, 0, 1], [0.0, 3, 1, 2], [1.0, 0, 2, 2]
+    o, _ = memory(_seq(z, z, k_cat), _seq(k_cat, k_dog, z), _seq(mochi, rex, z), scale=1.0)
+    print(f"additive: write cat->Mochi, dog->Rex; read cat = {o[0, 2, 0].tolist()}  (Mochi + 0.6 * Rex: interference)")
+    beta = torch.ones(1, 3, 1, dtype=torch.float64)
+    o, _ = memory(_seq(z, z, k_cat), _seq(k_cat, k_cat, z), _seq(mochi, biscuit, z), beta=beta, delta=True, scale=1.0)
+    print(f"delta:    write cat->Mochi, cat->Biscuit; read cat = {o[0, 2, 0].tolist()}  (Biscuit exactly: targeted replace)")
+    la = torch.log(torch.tensor([1.0, 0.9, 0.5, 0.9], dtype=torch.float64))[None, :, None]
+    o, _ = memory(_seq(z, z, z, k_cat), _seq(k_cat, z, z, z), _seq(mochi, z, z, z), log_alpha=la, scale=1.0)
+    print(f"gated:    Mochi, then decay 0.9, 0.5, 0.9; read cat = {o[0, 3, 0].tolist()}  (0.405 * Mochi survives)")

@@ -1,0 +1,49 @@
+"""The memory op: one update rule (decay -> delta erase -> write -> read) in every form, behind one entry point.
+
+    o, S = memory(q, k, v, log_alpha=..., beta=..., delta=True)      # sequences [B, T, H, D]
+    o, S = memory_step(q, k, v, S, log_alpha=..., beta=..., delta=True)  # one token [B, H, D]
+
+Forms: "reference" (token loop, float64-capable), "chunked" (WY/UT chunks), "triton" (CUDA kernels, when built).
+"""
+
+from __future__ import annotations
+
+from ._check import check_inputs, state_dtype
+from .chunked import memory_chunked
+from .reference import memory_reference
+from .step import memory_step
+
+IMPLS = ("auto", "reference", "chunked")
+CHUNK_SIZES = (16, 32, 64, 128)
+
+__all__ = ["memory", "memory_step", "IMPLS", "CHUNK_SIZES"]
+
+
+def memory(
+    q, k, v, *,
+    log_alpha=None, beta=None, delta=False, scale=None,
+    initial_state=None, output_final_state=False,
+    impl="auto", chunk_size=64, check=True,
+):
+    """The generalized associative-memory update over a sequence.
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; log_alpha: [B, T, H] (scalar gate) or [B, T, H, K] (per channel),
+    values <= 0, None = no decay; beta: [B, T, H], None = 1; delta: erase against the faded state before writing;
+    scale: default K ** -0.5; initial_state: [B, H, K, V] float32 (float64 for float64 inputs).
+    Returns (o [B, T, H, V] in q's dtype, final state or None unless output_final_state).
+    `check=True` validates values too (finite, log_alpha <= 0, beta in [0, 2]); it costs a host sync.
+    """
+    check_inputs(q, k, v, log_alpha, beta, initial_state, step=False, check_values=check)
+    if impl not in IMPLS:
+        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size!r}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if impl == "reference":
+        o, S = memory_reference(q, k, v, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale, initial_state=initial_state)
+    else:
+        o, S = memory_chunked(
+            q, k, v, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale,
+            initial_state=initial_state, chunk_size=chunk_size,
+        )
+    return o.to(q.dtype), (S if output_final_state else None)

@@ -1,0 +1,27 @@
+"""One decode step of the memory op: [B, H, D] tensors and a state [B, H, K, V]."""
+
+from __future__ import annotations
+
+from ._check import check_inputs, state_dtype
+from .reference import rule
+
+
+def memory_step(q, k, v, state, *, log_alpha=None, beta=None, delta=False, scale=None, check=False):
+    """(o_t, S_t) = step(q_t, k_t, v_t, S_{t-1}): the T = 1 case of `memory`.
+
+    q, k [B, H, K]; v [B, H, V]; state [B, H, K, V] float32 (float64 for float64 inputs);
+    log_alpha [B, H] or [B, H, K]; beta [B, H]. Returns o [B, H, V] in q's dtype and the new state.
+    `check=True` also rejects NaN/Inf, positive log_alpha and beta outside [0, 2] (costs a host sync).
+    """
+    check_inputs(q, k, v, log_alpha, beta, state, step=True, check_values=check)
+    if state is None:
+        raise ValueError("state: expected a tensor of shape [B, H, Dk, Dv], got None")
+    sd = state_dtype(q.dtype)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    o, S = rule(
+        q.to(sd), k.to(sd), v.to(sd), state.to(sd),
+        None if log_alpha is None else log_alpha.to(sd),
+        None if beta is None else beta.to(sd),
+        delta, scale,
+    )
+    return o.to(q.dtype), S

@@ -1,0 +1,243 @@
+"""The memory op: every faster form against the float64 token-by-token reference."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from evict.ops import memory, memory_step
+from tests.conftest import rel
+
+GATES = ("none", "scalar", "channel")
+
+
+def make_inputs(B, T, H, K, V, *, gate, beta_max, dtype=torch.float64, init=False, seed=None, strong=False):
+    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+    q = r(B, T, H, K)
+    k = F.normalize(r(B, T, H, K), dim=-1)
+    v = r(B, T, H, V)
+    if gate == "none":
+        la = None
+    else:
+        shape = (B, T, H) if gate == "scalar" else (B, T, H, K)
+        la = -20 * torch.rand(*shape, generator=g, dtype=torch.float64) if strong else F.logsigmoid(r(*shape) + 2.5)
+    beta = None if beta_max is None else beta_max * torch.rand(B, T, H, generator=g, dtype=torch.float64)
+    S0 = r(B, H, K, V) if init else None
+    cast = lambda x: None if x is None else x.to(dtype)
+    return dict(q=cast(q), k=cast(k), v=cast(v), log_alpha=cast(la), beta=cast(beta), initial_state=S0 if S0 is None else S0.to(torch.float64 if dtype == torch.float64 else torch.float32))
+
+
+def run(inputs, delta, **kw):
+    x = dict(inputs)
+    return memory(x.pop("q"), x.pop("k"), x.pop("v"), delta=delta, output_final_state=True, **x, **kw)
+
+
+@pytest.mark.parametrize("gate,delta,beta_max", list(itertools.product(GATES, (False, True), (1.0, 2.0))))
+@pytest.mark.parametrize("T", [1, 2, 63, 64, 65, 200])
+def test_chunked_matches_reference_float64(gate, delta, beta_max, T):
+    for cs, init in ((16, False), (32, True), (64, True), (64, False)):
+        x = make_inputs(2, T, 3, 12, 7, gate=gate, beta_max=beta_max, init=init)
+        o_ref, s_ref = run(x, delta, impl="reference")
+        o, s = run(x, delta, impl="chunked", chunk_size=cs)
+        assert o.dtype == torch.float64 and s.dtype == torch.float64
+        assert rel(o, o_ref) <= 1e-10, (cs, init)
+        assert rel(s, s_ref) <= 1e-10, (cs, init)
+
+
+@pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
+def test_chunked_matches_reference_long(gate, delta):
+    x = make_inputs(1, 1000, 2, 16, 8, gate=gate, beta_max=1.0, init=True)
+    o_ref, s_ref = run(x, delta, impl="reference")
+    for cs in (16, 64, 128):
+        o, s = run(x, delta, impl="chunked", chunk_size=cs)
+        assert rel(o, o_ref) <= 1e-10 and rel(s, s_ref) <= 1e-10, cs
+
+
+@pytest.mark.parametrize("gate,delta,beta_max", list(itertools.product(GATES, (False, True), (1.0, 2.0))))
+def test_chunked_float32_matches_reference(gate, delta, beta_max):
+    x64 = make_inputs(2, 200, 2, 16, 8, gate=gate, beta_max=beta_max, init=True, seed=7)
+    o_ref, s_ref = run(x64, delta, impl="reference")
+    x32 = {n: None if t is None else t.float() for n, t in x64.items()}
+    o, s = run(x32, delta, impl="chunked", chunk_size=32)
+    assert o.dtype == torch.float32 and s.dtype == torch.float32
+    assert rel(o, o_ref) <= 1e-5 and rel(s, s_ref) <= 1e-5
+
+
+def _grads(x, delta, **kw):
+    leaves = {n: t.clone().requires_grad_(True) for n, t in x.items() if t is not None}
+    o, s = run(leaves, delta, **kw)
+    g = torch.Generator().manual_seed(1)
+    loss = (o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum() + (s * torch.randn(s.shape, generator=g, dtype=s.dtype)).sum()
+    return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+
+
+@pytest.mark.parametrize("gate,delta,beta_max", list(itertools.product(GATES, (False, True), (1.0, 2.0))))
+@pytest.mark.parametrize("T,cs", [(1, 16), (63, 32), (65, 64), (200, 16)])
+def test_gradients_match_reference(gate, delta, beta_max, T, cs):
+    x = make_inputs(2, T, 2, 10, 6, gate=gate, beta_max=beta_max, init=True)
+    g_ref = _grads(x, delta, impl="reference")
+    g = _grads(x, delta, impl="chunked", chunk_size=cs)
+    assert set(g) == set(g_ref) == {n for n, t in x.items() if t is not None}
+    for name in g_ref:
+        assert rel(g[name], g_ref[name]) <= 1e-10, name
+
+
+@pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
+def test_split_sequence_equals_whole(gate, delta):
+    x = make_inputs(2, 150, 2, 8, 8, gate=gate, beta_max=1.0, init=True)
+    o, s = run(x, delta, impl="chunked", chunk_size=32)
+    cut = 77
+    first = {n: (t[:, :cut] if t is not None and n != "initial_state" else t) for n, t in x.items()}
+    o1, s1 = run(first, delta, impl="chunked", chunk_size=32)
+    second = {n: (t[:, cut:] if t is not None and n != "initial_state" else t) for n, t in x.items()}
+    second["initial_state"] = s1
+    o2, s2 = run(second, delta, impl="chunked", chunk_size=32)
+    assert rel(torch.cat([o1, o2], 1), o) <= 1e-12 and rel(s2, s) <= 1e-12
+
+
+@pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
+def test_step_iterated_equals_sequence(gate, delta):
+    x = make_inputs(2, 40, 3, 8, 5, gate=gate, beta_max=2.0, init=True)
+    o_seq, s_seq = run(x, delta, impl="chunked", chunk_size=16)
+    S = x["initial_state"]
+    for t in range(40):
+        la = None if x["log_alpha"] is None else x["log_alpha"][:, t]
+        o, S = memory_step(x["q"][:, t], x["k"][:, t], x["v"][:, t], S, log_alpha=la, beta=x["beta"][:, t], delta=delta, check=True)
+        assert rel(o, o_seq[:, t]) <= 1e-12
+    assert rel(S, s_seq) <= 1e-12
+
+
+def test_step_dtypes():
+    q = torch.randn(2, 3, 8, dtype=torch.bfloat16)
+    S = torch.zeros(2, 3, 8, 4)
+    o, S2 = memory_step(q, q, torch.randn(2, 3, 4, dtype=torch.bfloat16), S, delta=True, beta=torch.rand(2, 3, dtype=torch.bfloat16))
+    assert o.dtype == torch.bfloat16 and S2.dtype == torch.float32
+
+
+@pytest.mark.parametrize("gate,delta", [("scalar", True), ("channel", True), ("channel", False)])
+def test_strong_decay_long_sequence_float32(gate, delta):
+    """log alpha down to -20 per step over T = 65,536: finite, and equal to the reference."""
+    x64 = make_inputs(1, 65536, 1, 8, 4, gate=gate, beta_max=1.0, init=True, strong=True, seed=3)
+    x32 = {n: None if t is None else t.float() for n, t in x64.items()}
+    o, s = run(x32, delta, impl="chunked", chunk_size=64)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    o_ref, s_ref = run(x64, delta, impl="reference")
+    assert rel(o, o_ref) <= 1e-5 and rel(s, s_ref) <= 1e-5
+
+
+def test_constant_minus_20_decay_forgets_everything():
+    x = make_inputs(1, 300, 2, 8, 4, gate="channel", beta_max=1.0, init=True, seed=5)
+    x = {n: None if t is None else t.float() for n, t in x.items()}
+    x["log_alpha"] = torch.full_like(x["log_alpha"], -20.0)
+    o, s = run(x, True, impl="chunked", chunk_size=128)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    # with alpha = e^-20 the state is (to float32) just the last write: S = beta_T k_T^T v_T
+    last = x["beta"][:, -1, :, None, None] * x["k"][:, -1, :, :, None] * x["v"][:, -1, :, None, :]
+    assert rel(s, last) <= 1e-6
+
+
+# -- the worked examples of MEMORY.md (d = 4, scale = 1) -------------------------------------------------------
+
+def seq(*rows):
+    """[T, D] rows -> [1, T, 1, D] float64."""
+    return torch.tensor(rows, dtype=torch.float64)[None, :, None, :]
+
+
+K_CAT, K_DOG = [1.0, 0, 0, 0], [0.6, 0.8, 0, 0]
+V_MOCHI, V_REX, V_BISCUIT = [2.0, 1, 0, 1], [0.0, 3, 1, 2], [1.0, 0, 2, 2]
+
+
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_example_interference(impl):
+    o, S = memory(seq(K_CAT, K_DOG, K_CAT), seq(K_CAT, K_DOG, [0.0] * 4), seq(V_MOCHI, V_REX, [0.0] * 4),
+                  scale=1.0, impl=impl, output_final_state=True)
+    read = o[0, 2, 0]
+    assert torch.allclose(read, torch.tensor([2, 2.8, 0.6, 2.2], dtype=torch.float64), atol=1e-14)
+    assert torch.allclose(read - torch.tensor(V_MOCHI, dtype=torch.float64), 0.6 * torch.tensor(V_REX, dtype=torch.float64), atol=1e-14)
+
+
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_example_delta_overwrite(impl):
+    k_other = [0.0, 0, 1, 0]
+    ks = seq(K_CAT, k_other, K_CAT, [0.0] * 4, [0.0] * 4)
+    vs = seq(V_MOCHI, V_REX, V_BISCUIT, [0.0] * 4, [0.0] * 4)
+    qs = seq(K_CAT, k_other, K_CAT, K_CAT, k_other)
+    o, _ = memory(qs, ks, vs, beta=torch.ones(1, 5, 1, dtype=torch.float64), delta=True, scale=1.0, impl=impl)
+    assert torch.equal(o[0, 3, 0], torch.tensor(V_BISCUIT, dtype=torch.float64))
+    assert torch.equal(o[0, 4, 0], torch.tensor(V_REX, dtype=torch.float64))
+
+
+def test_example_chunk_equals_sequence_pseudo_value():
+    """With S0 = 0, beta = 1, keys k_cat, k_dog in one chunk: u_2 = v_Rex - 0.6 v_Mochi = [-1.2, 2.4, 1, 1.4]."""
+    from evict.ops.memory.chunked import _decayed_dots
+
+    k = torch.tensor([K_CAT, K_DOG], dtype=torch.float64)
+    v = torch.tensor([V_MOCHI, V_REX], dtype=torch.float64)
+    A = _decayed_dots((k,), k, None)[0].tril(-1)
+    u = torch.linalg.solve_triangular(A, v, upper=False, unitriangular=True)
+    assert torch.allclose(u[1], torch.tensor([-1.2, 2.4, 1, 1.4], dtype=torch.float64), atol=1e-14)
+    # and the sequential rule writes the same pseudo-value: u_2 = v_2 - k_2 S_1
+    S1 = torch.outer(k[0], v[0])
+    assert torch.allclose(v[1] - k[1] @ S1, u[1], atol=1e-14)
+    # so the chunked op's state equals the sequential one
+    _, S = memory(k[None, :, None], k[None, :, None], v[None, :, None], delta=True, impl="chunked", output_final_state=True)
+    assert torch.allclose(S[0, 0], S1 + torch.outer(k[1], u[1]), atol=1e-14)
+
+
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_example_survival(impl):
+    zeros = [0.0] * 4
+    la = torch.log(torch.tensor([1.0, 0.9, 0.5, 0.9], dtype=torch.float64))[None, :, None]
+    o, _ = memory(seq(zeros, zeros, zeros, K_CAT), seq(K_CAT, zeros, zeros, zeros), seq(V_MOCHI, zeros, zeros, zeros),
+                  log_alpha=la, scale=1.0, impl=impl)
+    assert torch.allclose(o[0, 3, 0], 0.405 * torch.tensor(V_MOCHI, dtype=torch.float64), atol=1e-14)
+
+
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_example_same_key_twice(impl):
+    k = torch.tensor([[1.0, 3.0]] * 2, dtype=torch.float64)[None, :, None]
+    v = torch.tensor([[2.0, 4.0], [0.0, 1.0]], dtype=torch.float64)[None, :, None]
+    o_add, _ = memory(k, k, v, scale=1.0, impl=impl)
+    assert torch.allclose(o_add[0, 1, 0], torch.tensor([20.0, 50.0], dtype=torch.float64), atol=1e-12)
+    beta = torch.full((1, 2, 1), 0.1, dtype=torch.float64)
+    o_delta, _ = memory(k, k, v, beta=beta, delta=True, scale=1.0, impl=impl)
+    assert torch.allclose(o_delta[0, 1, 0], torch.tensor([0.0, 1.0], dtype=torch.float64), atol=1e-12)
+
+
+# -- validation ------------------------------------------------------------------------------------------------
+
+def _ok(B=2, T=5, H=3, K=4, V=6):
+    return torch.randn(B, T, H, K), torch.randn(B, T, H, K), torch.randn(B, T, H, V)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda a: {**a, "q": a["q"][0]}, r"^q: expected shape \[B, T, H, D\]"),
+    (lambda a: {**a, "k": a["k"][:, :4]}, r"^k: expected the shape of q"),
+    (lambda a: {**a, "v": a["v"][:1]}, r"^v: expected leading dims"),
+    (lambda a: {**a, "k": a["k"].double()}, r"^k: expected dtype"),
+    (lambda a: {**a, "q": a["q"].long(), "k": a["k"].long()}, r"^q: expected a floating dtype"),
+    (lambda a: {**a, "log_alpha": torch.zeros(2, 5, 3, 6)}, r"^log_alpha: expected shape \[2, 5, 3\]"),
+    (lambda a: {**a, "log_alpha": torch.full((2, 5, 3), 0.5)}, r"^log_alpha: expected values <= 0"),
+    (lambda a: {**a, "beta": torch.zeros(2, 5)}, r"^beta: expected shape \[2, 5, 3\]"),
+    (lambda a: {**a, "beta": torch.full((2, 5, 3), 2.5)}, r"^beta: expected values in \[0, 2\]"),
+    (lambda a: {**a, "initial_state": torch.zeros(2, 3, 4, 4)}, r"^initial_state: expected shape \[2, 3, 4, 6\]"),
+    (lambda a: {**a, "initial_state": torch.zeros(2, 3, 4, 6, dtype=torch.bfloat16)}, r"^initial_state: expected float32"),
+    (lambda a: {**a, "v": a["v"].index_fill(1, torch.tensor([2]), float("nan"))}, r"^v: contains NaN or Inf"),
+    (lambda a: {**a, "chunk_size": 48}, r"^chunk_size: expected one of"),
+    (lambda a: {**a, "impl": "fast"}, r"^impl: expected one of"),
+])
+def test_bad_inputs_raise_clear_errors(mutate, match):
+    q, k, v = _ok()
+    args = mutate(dict(q=q, k=k, v=v))
+    with pytest.raises(ValueError, match=match):
+        memory(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+def test_step_requires_state():
+    q = torch.randn(2, 3, 4)
+    with pytest.raises(ValueError, match=r"^state: expected"):
+        memory_step(q, q, q, None)
+    with pytest.raises(ValueError, match=r"^q: expected shape \[B, H, D\]"):
+        memory_step(q[None], q, q, torch.zeros(2, 3, 4, 4))
