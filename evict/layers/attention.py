@@ -1,0 +1,43 @@
+"""Softmax attention mixer (GPT-2 / Llama style): MHA or GQA, RoPE or external positions, KV cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from evict.cache import KVState
+from evict.ops import attention
+from evict.ops.rope import rope
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.kv_heads, cfg.head_size
+        self.rope = cfg.pos == "rope"
+        self.theta = cfg.rope_theta
+        self.wqkv = nn.Linear(cfg.d_model, (self.n_heads + 2 * self.n_kv) * self.hd, bias=cfg.bias)
+        self.wo = nn.Linear(self.n_heads * self.hd, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor, state: KVState | None = None, pos: int = 0) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.wqkv(x).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
+        q = q.view(B, T, self.n_heads, self.hd)  # [B, T, H, D]
+        k, v = k.view(B, T, self.n_kv, self.hd), v.view(B, T, self.n_kv, self.hd)  # [B, T, Hkv, D]
+        if self.rope:
+            positions = torch.arange(pos, pos + T, device=x.device)
+            q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
+        if state is not None:
+            state.k[:, pos : pos + T] = k
+            state.v[:, pos : pos + T] = v
+            k, v = state.k[:, : pos + T], state.v[:, : pos + T]
+        o = attention(q, k, v, causal=True)  # queries are the last T of pos + T keys
+        return self.wo(o.reshape(B, T, self.n_heads * self.hd))
+
+    def new_state(self, batch_size: int, max_len: int, device=None, dtype=torch.float32) -> KVState:
+        shape = (batch_size, max_len, self.n_kv, self.hd)
+        return KVState(k=torch.zeros(shape, device=device, dtype=dtype), v=torch.zeros(shape, device=device, dtype=dtype))
+
+    def state_size(self, context_len: int) -> int:
+        """Numbers held per sequence: keys and values of every token."""
+        return 2 * self.n_kv * self.hd * context_len

@@ -1,0 +1,199 @@
+"""The one language model: embeddings -> n_layers x (mixer, FFN) from the config's pattern -> norm -> head.
+
+Residual stream: pre-norm `h += mixer(norm(h)); h += ffn(norm(h))`, or, with AttnRes, every sublayer input
+(and the final norm's input) is a learned softmax mix over depth sources (embedding, completed blocks, current block).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from evict.cache import HybridCache
+from evict.layers.attention import Attention
+from evict.layers.attn_res import AttnResBlocks, AttnResRead
+from evict.layers.ffn import SiTU, SwiGLU
+from evict.layers.memory_mixer import MemoryMixer
+from evict.layers.mla import MLA
+from evict.layers.mlp import GeluMLP
+from evict.layers.moe import MoE
+from evict.layers.norms import RMSNorm
+
+from .config import MIXERS, ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+def build_mixer(cfg: ModelConfig, letter: str) -> nn.Module:
+    kind = MIXERS[letter]
+    if kind == "attention":
+        return Attention(cfg)
+    if kind == "mla":
+        return MLA(cfg)
+    return MemoryMixer(cfg, kind)
+
+
+def build_ffn(cfg: ModelConfig, kind: str) -> nn.Module:
+    d, hidden = cfg.d_model, cfg.ffn_hidden
+    if kind == "gelu":
+        return GeluMLP(d, hidden, bias=cfg.bias)
+    if kind == "swiglu":
+        return SwiGLU(d, hidden)
+    if kind == "situ":
+        return SiTU(d, hidden)
+    m = cfg.moe
+    return MoE(d, m.n_routed, m.top_k, m.d_expert, n_shared=m.n_shared, latent_dim=m.latent_dim,
+               routed_scaling=m.routed_scaling, bias_update_rate=m.bias_update_rate, aux_loss_coef=m.aux_loss_coef,
+               expert="situ" if cfg.ffn == "situ" else "swiglu")
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, letter: str, ffn_kind: str):
+        super().__init__()
+        self.letter, self.ffn_kind = letter, ffn_kind
+        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = build_mixer(cfg, letter)
+        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn = build_ffn(cfg, ffn_kind)
+        if cfg.attn_res:
+            self.read_mixer = AttnResRead(cfg.d_model, cfg.norm_eps)
+            self.read_ffn = AttnResRead(cfg.d_model, cfg.norm_eps)
+
+
+class LM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.pos == "learned" else None
+        self.blocks = nn.ModuleList(Block(cfg, m, f) for m, f in zip(cfg.layer_mixers(), cfg.layer_ffns()))
+        self.final_read = AttnResRead(cfg.d_model, cfg.norm_eps) if cfg.attn_res else None
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        if not any(p.is_meta for p in self.parameters()):
+            self.init_weights()
+        log.info("LM %s", " ".join(f"{b.letter}{'/moe' if b.ffn_kind == 'moe' else ''}" for b in self.blocks))
+
+    def init_weights(self) -> None:
+        """Initialise every parameter:
+        - nn.Linear weights ~ N(0, init_std); output projections (`wo`, `w2`) ~ N(0, init_std / sqrt(2 n_layers)); biases 0
+        - embeddings (token, learned positions) ~ N(0, init_std); RMSNorm weights 1
+        - kept from the modules' own init: short-conv kernels U(±k^-1/2); decay A_log = log U(1, 16) and dt_bias
+          (dt log-uniform in [1e-3, 1e-1]); MLA W_uk, W_uv ~ N(0, init_std); MoE expert stacks (their own init);
+          AttnRes queries 0 (uniform mix over depth at start)
+        """
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, mod in self.named_modules():
+            if isinstance(mod, nn.Linear):
+                nn.init.normal_(mod.weight, std=out_std if name.split(".")[-1] in ("wo", "w2") else std)
+                if mod.bias is not None:
+                    nn.init.zeros_(mod.bias)
+            elif isinstance(mod, nn.Embedding):
+                nn.init.normal_(mod.weight, std=std)
+
+    # -- forward ----------------------------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
+        """tokens [B, T] int64 -> logits [B, T, vocab]. With a cache: continue from cache.pos, then advance it."""
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64:
+            got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            raise ValueError(f"tokens: expected an int64 tensor [B, T], got {got}")
+        B, T = tokens.shape
+        pos = 0
+        if cache is not None:
+            if cache.batch_size != B:
+                raise ValueError(f"cache: built for batch {cache.batch_size}, got tokens for batch {B}")
+            cache.reserve(T)
+            pos = cache.pos
+        h = self.embed(tokens)  # [B, T, D]
+        if self.wpe is not None:
+            if pos + T > self.cfg.max_seq_len:
+                raise ValueError(f"tokens: learned positions cover {self.cfg.max_seq_len} tokens, got up to {pos + T}")
+            h = h + self.wpe(torch.arange(pos, pos + T, device=tokens.device))
+        states = [None] * len(self.blocks) if cache is None else cache.states
+        if self.final_read is None:
+            for blk, st in zip(self.blocks, states):
+                h = h + blk.mixer(blk.norm1(h), st, pos)
+                h = h + blk.ffn(blk.norm2(h))
+        else:
+            depth = AttnResBlocks(h)
+            for i, (blk, st) in enumerate(zip(self.blocks, states)):
+                depth.add(blk.mixer(blk.norm1(depth.read(blk.read_mixer)), st, pos))
+                depth.add(blk.ffn(blk.norm2(depth.read(blk.read_ffn))))
+                if (i + 1) % self.cfg.attn_res_block == 0:
+                    depth.close_block()
+            h = depth.read(self.final_read)
+        if cache is not None:
+            cache.advance(T)
+        return self.head(self.norm(h))
+
+    # -- training hooks ---------------------------------------------------------------------------------------
+    def moe_layers(self) -> list[MoE]:
+        return [b.ffn for b in self.blocks if isinstance(b.ffn, MoE)]
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """Sum of the MoE auxiliary losses of the last forward (None when no layer has one)."""
+        losses = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
+        return sum(losses) if losses else None
+
+    def after_step(self) -> None:
+        """Called by the training loop after each optimizer step: MoE selection-bias balancing."""
+        for m in self.moe_layers():
+            m.update_bias()
+
+    # -- inference --------------------------------------------------------------------------------------------
+    def new_cache(self, batch_size: int, max_len: int, device=None, dtype=None) -> HybridCache:
+        p = next(self.parameters())
+        device = p.device if device is None else device
+        dtype = p.dtype if dtype is None else dtype
+        return HybridCache([b.mixer.new_state(batch_size, max_len, device, dtype) for b in self.blocks], batch_size, max_len)
+
+    def state_size(self, context_len: int) -> int:
+        """Numbers of memory held per sequence at this context length (KV, latents, recurrent states)."""
+        return sum(b.mixer.state_size(context_len) for b in self.blocks)
+
+    def generate(self, prompt: torch.Tensor, **kw) -> torch.Tensor:
+        from evict.generate import generate
+
+        return generate(self, prompt, **kw)
+
+    # -- persistence ------------------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """Write `model.safetensors` and `config.json` into the folder `path`."""
+        from safetensors.torch import save_model
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(self.cfg.to_json())
+        save_model(self, str(path / "model.safetensors"))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, device=None) -> "LM":
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"path: expected a folder with config.json and model.safetensors, got {path}")
+        model = cls(ModelConfig.from_dict(json.loads((path / "config.json").read_text())))
+        model.load_weights(path, device=device)
+        return model
+
+    def load_weights(self, path: str | Path, device=None) -> None:
+        """Load weights saved by `save`; a checkpoint of another config fails naming the differing fields."""
+        from safetensors.torch import load_model
+
+        path = Path(path)
+        saved = json.loads((path / "config.json").read_text())
+        mine = json.loads(self.cfg.to_json())
+        diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+        if diff:
+            shown = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs model {mine.get(k)!r}" for k in diff[:4])
+            raise ValueError(f"checkpoint: {path} was saved from another config ({shown})")
+        load_model(self, str(path / "model.safetensors"), device=str(device or next(self.parameters()).device))
