@@ -9,17 +9,39 @@ import sys
 
 def _bench(args) -> None:
     if args.what == "ops":
-        from evict.bench.ops import bench_cpu
+        from evict.bench.ops import bench_cpu, bench_cuda
 
-        if args.device != "cpu":
-            raise SystemExit(f"--device: only 'cpu' is available in this build, got {args.device!r}")
-        bench_cpu(lengths=tuple(args.lengths), out=args.out)
+        if args.device == "cuda":
+            bench_cuda(out=args.out)
+        elif args.device == "cpu":
+            bench_cpu(lengths=tuple(args.lengths), out=args.out)
+        else:
+            raise SystemExit(f"--device: expected 'cpu' or 'cuda', got {args.device!r}")
 
 
 def _demo(args) -> None:
     from evict.demo import run_demo
 
     run_demo()
+
+
+def _size(args) -> None:
+    from evict.models import accounting, presets
+
+    cfgs = {}
+    for name in args.preset:
+        try:
+            cfgs[name] = presets.get(name, size=args.size)
+        except ValueError as e:
+            raise SystemExit(f"preset: {e}") from None
+    reports = [accounting.size_report(name, cfg, args.context, args.bytes) for name, cfg in cfgs.items()]
+    print("\n\n".join(accounting.render(r) for r in reports))
+    png = accounting.plot_memory(cfgs, args.context, args.plot or f"runs/size/{'_vs_'.join(cfgs)}.png", args.bytes)
+    print(f"\nplot: {png}")
+    if args.json:
+        from evict.bench.common import write_json
+
+        print(f"json: {write_json(args.json, {'reports': reports})}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048, 4096])
     b.add_argument("--out", default=None, help="JSON output path")
     b.set_defaults(fn=_bench)
+    z = sub.add_parser("size", help="the accountant: parameters (total / active) and memory per sequence vs context")
+    z.add_argument("preset", nargs="+", help="preset name(s), e.g. gpt2_124m kimi_linear_48b kimi_k3")
+    z.add_argument("--size", default="tiny", choices=["tiny", "small"], help="for the trainable families (released shapes ignore it)")
+    z.add_argument("--context", type=int, nargs="+", default=[1024, 8192, 131072, 1048576])
+    z.add_argument("--bytes", type=int, default=2, help="bytes per KV / latent / conv number (S is float32 regardless)")
+    z.add_argument("--plot", default=None, help="PNG path (default runs/size/<preset>.png)")
+    z.add_argument("--json", default=None, help="JSON output path")
+    z.set_defaults(fn=_size)
     return p
 
 

@@ -51,3 +51,121 @@ def bench_cpu(lengths=(256, 1024, 2048, 4096), rules=tuple(RULES), *, B=1, H=4, 
     if out:
         print(f"wrote {write_json(out, {'card': info, 'rows': rows})}")
     return rows
+
+
+# -- CUDA: evict's Triton kernels vs fla vs SDPA flash attention, with roofline fractions ----------------------
+
+CUDA_SHAPES = ((4, 8192), (1, 32768))  # (B, T) at H16 D128, as in shared/anchors
+
+
+def _ceilings(dev) -> dict:
+    """Measured bf16 matmul TFLOP/s (8192^3, random data) and device copy bandwidth (bytes read + written)."""
+    from triton.testing import do_bench
+
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    ms = do_bench(lambda: a @ b, return_mode="median")
+    x = torch.randn(2**28, device=dev)  # 1 GiB
+    y = torch.empty_like(x)
+    ms_copy = do_bench(lambda: y.copy_(x), return_mode="median")
+    return {"tflops": 2 * 8192**3 / ms / 1e9, "tbps": 2 * x.numel() * 4 / ms_copy / 1e9}
+
+
+def _row(name, shape, ms, flops, nbytes, ceil, note=""):
+    roof_ms = max(flops / (ceil["tflops"] * 1e9), nbytes / (ceil["tbps"] * 1e9))
+    return {"op": name, "shape": shape, "ms": round(ms, 4), "roofline_ms": round(roof_ms, 4),
+            "of_roofline": round(roof_ms / ms, 3), "note": note}
+
+
+def _memory_cost(B, T, H, D, C=64, train=False):
+    """FLOPs of the chunked algorithm (state matmuls 3 K V, Gram blocks ~C (K + V) per token) and minimal bytes."""
+    flops = 2 * B * H * T * (3 * D * D + C * 2 * D) * (3 if train else 1)
+    nbytes = B * T * H * D * 2 * 5 * (3 if train else 1)  # q, k, v, gate, o in bf16 (backward: ~twice more)
+    return flops, nbytes
+
+
+def bench_cuda(shapes=CUDA_SHAPES, *, H=16, D=128, out=None, backward=True) -> list[dict]:
+    """Forward and forward+backward for KDA and Gated DeltaNet at bf16, plus the decode step at B8 H16 D128."""
+    from triton.testing import do_bench
+
+    dev = "cuda"
+    bench = lambda fn, rep=200: do_bench(fn, warmup=25, rep=rep, return_mode="median")
+    ceil = _ceilings(dev)
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+        fla = {"kda": chunk_kda, "gated_deltanet": chunk_gated_delta_rule}
+        fla_step = {"kda": fused_recurrent_kda, "gated_deltanet": fused_recurrent_gated_delta_rule}
+    except ImportError:
+        fla, fla_step = {}, {}
+    rows = []
+    for B, T in shapes:
+        shape = f"B{B} T{T} H{H} D{D}"
+        for rule in ("kda", "gated_deltanet"):
+            x = rule_inputs(rule, B, T, H, D, dtype=torch.bfloat16, device=dev)
+            q, k, v, la, beta = x["q"], x["k"], x["v"], x["log_alpha"], x["beta"]
+            fwd = lambda: memory(q, k, v, log_alpha=la, beta=beta, delta=True, check=False, impl="triton")
+            flops, nbytes = _memory_cost(B, T, H, D)
+            rows.append(_row(f"evict {rule} fwd", shape, bench(fwd), flops, nbytes, ceil))
+            if rule in fla:
+                f = lambda: fla[rule](q, k, v, la, beta)
+                rows.append(_row(f"fla {rule} fwd", shape, bench(f), flops, nbytes, ceil))
+            leaves = [t.clone().requires_grad_(True) for t in (q, k, v, la, beta)]
+            flops, nbytes = _memory_cost(B, T, H, D, train=True)
+            if backward:
+                def fb():
+                    o, _ = memory(*leaves[:3], log_alpha=leaves[3], beta=leaves[4], delta=True, check=False, impl="triton")
+                    o.sum().backward()
+                rows.append(_row(f"evict {rule} fwd+bwd", shape, bench(fb, rep=500), flops, nbytes, ceil,
+                                 "backward = recomputed PyTorch chunked form"))
+            if rule in fla:
+                def fb_fla():
+                    o, _ = fla[rule](*leaves)
+                    o.sum().backward()
+                try:
+                    rows.append(_row(f"fla {rule} fwd+bwd", shape, bench(fb_fla, rep=500), flops, nbytes, ceil))
+                except Exception as e:  # fla's own guard refuses gated bwd on Triton 3.6 + Hopper
+                    rows.append({"op": f"fla {rule} fwd+bwd", "shape": shape, "note": f"refused: {str(e)[:60]}"})
+            del leaves
+        qs, ks, vs = (torch.randn(B, H, T, D, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        sdpa = lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        fl = 2 * B * H * T * T * D
+        nb = 4 * B * T * H * D * 2
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            rows.append(_row("sdpa flash causal fwd", shape, bench(sdpa), fl, nb, ceil))
+            rows.append(_row("sdpa flash causal fwd+bwd", shape, bench(lambda: sdpa().sum().backward(), rep=500), 3.5 * fl, 2 * nb, ceil))
+        del qs, ks, vs
+    rows += _bench_step(dev, ceil, fla_step, bench, H=H, D=D)
+    print(markdown_table(rows, ["op", "shape", "ms", "roofline_ms", "of_roofline", "note"]))
+    info = card()
+    info["ceilings"] = {k: round(v, 1) for k, v in ceil.items()}
+    print(f"\n{info}")
+    if out:
+        print(f"wrote {write_json(out, {'card': info, 'rows': rows})}")
+    return rows
+
+
+def _bench_step(dev, ceil, fla_step, bench, *, B=8, H=16, D=128) -> list[dict]:
+    """One decode token per sequence against a float32 state: eager launch and CUDA-graph replay."""
+    from evict.ops import memory_step
+
+    rows = []
+    shape = f"B{B} H{H} D{D}"
+    nbytes = 2 * B * H * D * D * 4  # the state read and written once
+    for rule in ("kda", "gated_deltanet"):
+        x = rule_inputs(rule, B, 1, H, D, dtype=torch.bfloat16, device=dev)
+        q, k, v, la, beta = (x[n][:, 0] for n in ("q", "k", "v", "log_alpha", "beta"))
+        S = torch.randn(B, H, D, D, device=dev)
+        step = lambda: memory_step(q, k, v, S, log_alpha=la, beta=beta, delta=True, out=S)
+        rows.append(_row(f"evict {rule} step (eager, in place)", shape, bench(step), 0, nbytes, ceil))
+        step()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        rows.append(_row(f"evict {rule} step (graph replay)", shape, bench(g.replay), 0, nbytes, ceil))
+        if rule in fla_step:
+            S0 = torch.randn(B, H, D, D, device=dev)
+            f = lambda: fla_step[rule](q[:, None], k[:, None], v[:, None], la[:, None], beta[:, None],
+                                       initial_state=S0, output_final_state=True)
+            rows.append(_row(f"fla {rule} fused_recurrent step", shape, bench(f), 0, nbytes, ceil))
+    return rows

@@ -53,7 +53,7 @@ def build_ffn(cfg: ModelConfig, kind: str) -> nn.Module:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, letter: str, ffn_kind: str):
+    def __init__(self, cfg: ModelConfig, letter: str, ffn_kind: str, first: bool = False):
         super().__init__()
         self.letter, self.ffn_kind = letter, ffn_kind
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -61,7 +61,8 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = build_ffn(cfg, ffn_kind)
         if cfg.attn_res:
-            self.read_mixer = AttnResRead(cfg.d_model, cfg.norm_eps)
+            # the first mixer's only source is the embedding: a read over one source is the identity, so none is built
+            self.read_mixer = None if first else AttnResRead(cfg.d_model, cfg.norm_eps)
             self.read_ffn = AttnResRead(cfg.d_model, cfg.norm_eps)
 
 
@@ -72,7 +73,9 @@ class LM(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.pos == "learned" else None
-        self.blocks = nn.ModuleList(Block(cfg, m, f) for m, f in zip(cfg.layer_mixers(), cfg.layer_ffns()))
+        self.blocks = nn.ModuleList(
+            Block(cfg, m, f, first=i == 0) for i, (m, f) in enumerate(zip(cfg.layer_mixers(), cfg.layer_ffns()))
+        )
         self.final_read = AttnResRead(cfg.d_model, cfg.norm_eps) if cfg.attn_res else None
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -84,7 +87,8 @@ class LM(nn.Module):
 
     def init_weights(self) -> None:
         """Initialise every parameter:
-        - nn.Linear weights ~ N(0, init_std); output projections (`wo`, `w2`) ~ N(0, init_std / sqrt(2 n_layers)); biases 0
+        - nn.Linear weights ~ N(0, init_std); biases 0; the projections that write into the residual stream
+          (`wo`, `w2`, and each MoE's `output_weights()`) ~ N(0, init_std / sqrt(2 n_layers))
         - embeddings (token, learned positions) ~ N(0, init_std); RMSNorm weights 1
         - kept from the modules' own init: short-conv kernels U(±k^-1/2); decay A_log = log U(1, 16) and dt_bias
           (dt log-uniform in [1e-3, 1e-1]); MLA W_uk, W_uv ~ N(0, init_std); MoE expert stacks (their own init);
@@ -99,6 +103,9 @@ class LM(nn.Module):
                     nn.init.zeros_(mod.bias)
             elif isinstance(mod, nn.Embedding):
                 nn.init.normal_(mod.weight, std=std)
+        for moe in self.moe_layers():
+            for w in moe.output_weights():
+                nn.init.normal_(w, std=out_std)
 
     # -- forward ----------------------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
@@ -126,7 +133,8 @@ class LM(nn.Module):
         else:
             depth = AttnResBlocks(h)
             for i, (blk, st) in enumerate(zip(self.blocks, states)):
-                depth.add(blk.mixer(blk.norm1(depth.read(blk.read_mixer)), st, pos))
+                x = depth.completed[0] if blk.read_mixer is None else depth.read(blk.read_mixer)
+                depth.add(blk.mixer(blk.norm1(x), st, pos))
                 depth.add(blk.ffn(blk.norm2(depth.read(blk.read_ffn))))
                 if (i + 1) % self.cfg.attn_res_block == 0:
                     depth.close_block()

@@ -19,11 +19,11 @@ def _stack(sources) -> torch.Tensor:
     if not isinstance(sources, (list, tuple)) or len(sources) == 0:
         raise ValueError(f"sources: expected a non-empty list of [B, T, D] tensors, got {sources!r:.60}")
     first = sources[0]
-    want = list(first.shape) if isinstance(first, torch.Tensor) and first.dim() == 3 else "[B, T, D]"
+    want = list(first.shape) if isinstance(first, torch.Tensor) and first.dim() == 3 else None
     for i, v in enumerate(sources):
         if not isinstance(v, torch.Tensor) or list(v.shape) != want:
             got = list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-            raise ValueError(f"sources: expected every source of shape {want} ([B, T, D]), source {i} is {got}")
+            raise ValueError(f"sources: expected every source of shape {want or '[B, T, D]'} (as source 0), source {i} is {got}")
     return torch.stack(list(sources))  # [S, B, T, D]
 
 
