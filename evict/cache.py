@@ -18,6 +18,7 @@ import torch
 class KVState:
     k: torch.Tensor  # [B, L_max, H_kv, D]
     v: torch.Tensor  # [B, L_max, H_kv, D]
+    conv: torch.Tensor | None = None  # [B, k-1, C] short-conv tail, when the layer has one
 
 
 @dataclass

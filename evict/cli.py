@@ -19,6 +19,18 @@ def _bench(args) -> None:
             raise SystemExit(f"--device: expected 'cpu' or 'cuda', got {args.device!r}")
 
 
+def _train(args) -> None:
+    from evict.lab.train_cli import run_train
+
+    run_train(args)
+
+
+def _generate(args) -> None:
+    from evict.lab.generate_cli import run_generate
+
+    run_generate(args)
+
+
 def _demo(args) -> None:
     from evict.demo import run_demo
 
@@ -44,6 +56,26 @@ def _size(args) -> None:
         print(f"json: {write_json(args.json, {'reports': reports})}")
 
 
+def _recall(args) -> None:
+    from dataclasses import replace
+
+    from evict.lab.recall import FULL, QUICK, run_sweep
+
+    sweep = FULL if args.full else QUICK
+    overrides = {k: v for k, v in {
+        "archs": tuple(args.archs) if args.archs else None,
+        "settings": tuple(tuple(s) for s in args.setting) if args.setting else None,
+        "d_models": tuple(args.d_model) if args.d_model else None,
+        "lrs": tuple(args.lr) if args.lr else None,
+        "steps": args.steps, "workers": args.workers, "device": args.device, "vocab_size": args.vocab,
+    }.items() if v is not None}
+    try:
+        sweep = replace(sweep, **overrides)
+        run_sweep(sweep, out=args.out)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="evict", description="Attention is an associative memory; a fixed-size memory must evict.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -55,6 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048, 4096])
     b.add_argument("--out", default=None, help="JSON output path")
     b.set_defaults(fn=_bench)
+    r = sub.add_parser("recall", help="the recall lab: MQAR accuracy across memories as pairs grow (the main job)")
+    mode = r.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="the default: a few minutes on a 2-core CPU")
+    mode.add_argument("--full", action="store_true", help="Zoology's grid: (L, K) up to (512, 64), d 64-256, 4 lrs; GPU")
+    r.add_argument("--archs", nargs="+", help="architectures (preset families), default all seven")
+    r.add_argument("--setting", nargs=2, type=int, action="append", metavar=("L", "K"), help="(seq_len, pairs); repeatable")
+    r.add_argument("--d-model", type=int, nargs="+")
+    r.add_argument("--lr", type=float, nargs="+")
+    r.add_argument("--steps", type=int)
+    r.add_argument("--vocab", type=int)
+    r.add_argument("--workers", type=int, help="parallel processes (default 2 quick, 1 full)")
+    r.add_argument("--device", help="cpu, cuda or auto")
+    r.add_argument("--out", help="output folder; an existing one is resumed")
+    r.set_defaults(fn=_recall)
     z = sub.add_parser("size", help="the accountant: parameters (total / active) and memory per sequence vs context")
     z.add_argument("preset", nargs="+", help="preset name(s), e.g. gpt2_124m kimi_linear_48b kimi_k3")
     z.add_argument("--size", default="tiny", choices=["tiny", "small"], help="for the trainable families (released shapes ignore it)")
@@ -63,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--plot", default=None, help="PNG path (default runs/size/<preset>.png)")
     z.add_argument("--json", default=None, help="JSON output path")
     z.set_defaults(fn=_size)
+    from evict.lab import generate_cli, train_cli
+
+    train_cli.add_parser(sub, _train)
+    generate_cli.add_parser(sub, _generate)
     return p
 
 

@@ -9,6 +9,8 @@ from evict.cache import KVState
 from evict.ops import attention
 from evict.ops.rope import rope
 
+from .conv import ShortConv
+
 
 class Attention(nn.Module):
     def __init__(self, cfg):
@@ -17,11 +19,17 @@ class Attention(nn.Module):
         self.rope = cfg.pos == "rope"
         self.theta = cfg.rope_theta
         self.wqkv = nn.Linear(cfg.d_model, (self.n_heads + 2 * self.n_kv) * self.hd, bias=cfg.bias)
+        self.conv = ShortConv((self.n_heads + 2 * self.n_kv) * self.hd, cfg.conv_size) if cfg.short_conv else None
         self.wo = nn.Linear(self.n_heads * self.hd, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor, state: KVState | None = None, pos: int = 0) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.wqkv(x).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
+        qkv = self.wqkv(x)
+        if self.conv is not None:
+            qkv, tail = self.conv(qkv, None if state is None else state.conv)
+            if state is not None:
+                state.conv = tail
+        q, k, v = qkv.split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
         q = q.view(B, T, self.n_heads, self.hd)  # [B, T, H, D]
         k, v = k.view(B, T, self.n_kv, self.hd), v.view(B, T, self.n_kv, self.hd)  # [B, T, Hkv, D]
         if self.rope:
@@ -39,5 +47,6 @@ class Attention(nn.Module):
         return KVState(k=torch.zeros(shape, device=device, dtype=dtype), v=torch.zeros(shape, device=device, dtype=dtype))
 
     def state_size(self, context_len: int) -> int:
-        """Numbers held per sequence: keys and values of every token."""
-        return 2 * self.n_kv * self.hd * context_len
+        """Numbers held per sequence: keys and values of every token (+ the conv tail, if any)."""
+        tail = 0 if self.conv is None else self.conv.weight.shape[0] * (self.conv.kernel - 1)
+        return 2 * self.n_kv * self.hd * context_len + tail

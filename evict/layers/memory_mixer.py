@@ -44,6 +44,7 @@ class MemoryMixer(nn.Module):
             raise ValueError(f"kind: expected one of {sorted(KINDS)}, got {kind!r}")
         self.kind = kind
         self.gate, self.delta, use_conv, self.features, self.normalizer, gated_out = KINDS[kind]
+        use_conv = use_conv or cfg.short_conv
         H, D, d = cfg.n_heads, cfg.head_size, cfg.d_model
         self.H, self.D, self.chunk_size = H, D, cfg.chunk_size
         self.gate_form, self.neg_eigval = cfg.gate_form, cfg.neg_eigval

@@ -47,6 +47,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     bias: bool = False  # biases in attention / GELU MLP linears (GPT-2: True)
     norm_eps: float = 1e-6
+    short_conv: bool = False  # also give attention ("A") and linear ("L") the delta family's short causal conv
     # linear / delta family
     conv_size: int = 4
     gate_form: str = "softplus"  # "softplus" (Kimi Linear) | "bounded" (K3: log alpha in [-5, 0])

@@ -1,0 +1,220 @@
+"""The recall lab: MQAR accuracy across every memory, as pairs grow (`evict recall`).
+
+A sweep is a grid of (architecture, (seq_len, pairs), d_model, lr) runs of 2-layer models; each cell reports the
+best validation accuracy over learning rates (as in Zoology). Outputs under runs/recall/<timestamp>/:
+config.json, results.jsonl, table.md, scorecard.md, recall_vs_pairs.png, recall_vs_state.png.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from evict.bench.common import markdown_table
+from evict.lab.sweep import run_jobs
+from evict.models import LM, presets
+from evict.tasks.mqar import MQARConfig, MQARTask
+from evict.train import TrainConfig, train
+
+ARCHS = ("attention", "linear", "deltanet", "gated_deltanet", "kda", "gla", "kimi_linear")
+SCORECARD = [  # (architecture, stores, write, read, eviction, sweep arch measured for it)
+    ("GPT-2", "every k,v — O(N)", "append", "softmax, sharp", "none", "attention"),
+    ("Linear attention", "fixed d×d", "add kᵀv", "qS, blended", "accidental (interference)", "linear"),
+    ("DeltaNet", "fixed d×d", "erase-then-write", "qS", "targeted replace", "deltanet"),
+    ("Gated DeltaNet", "fixed d×d", "fade·erase·write", "qS", "replace + global decay", "gated_deltanet"),
+    ("KDA", "fixed d×d", "per-channel fade·erase·write", "qS", "replace + per-channel decay", "kda"),
+    ("GLA", "fixed d×d", "per-channel fade·write", "qS", "per-channel decay", "gla"),
+    ("MLA", "latents — O(N), ~28× smaller", "append latents", "softmax, sharp", "none (smaller rent)", "mla"),
+    ("Kimi Linear 3:1", "both", "both", "both", "division of labour", "kimi_linear"),
+    ("Kimi K3", "states + shelves + experts + depth snapshots", "+ routing", "+ depth attention", "four policies", "k3_mini"),
+]
+
+
+@dataclass
+class RecallSweep:
+    archs: tuple = ARCHS
+    settings: tuple = ((64, 4), (64, 8), (64, 16))  # (seq_len, num_pairs)
+    d_models: tuple = (64,)
+    lrs: tuple = (3e-3,)
+    head_dim: int = 16
+    n_layers: int = 2
+    vocab_size: int = 256
+    steps: int = 400
+    batch_size: int = 32
+    eval_every: int = 100
+    eval_batches: int = 4
+    target_accuracy: float = 0.99
+    simple: bool = False
+    seed: int = 0
+    workers: int = 2
+    device: str = "cpu"
+    notes: dict = field(default_factory=dict)
+
+
+QUICK = RecallSweep()
+FULL = RecallSweep(
+    settings=((64, 4), (128, 8), (256, 16), (512, 64)), d_models=(64, 128, 256),
+    lrs=(1e-4, 4.6e-4, 2.2e-3, 1e-2), head_dim=32, vocab_size=8192, steps=8000, batch_size=256, eval_every=500,
+    eval_batches=8, workers=1, device="auto",
+)
+
+
+def model_config(arch: str, d_model: int, sweep: RecallSweep, seq_len: int):
+    """A 2-layer model of `arch` at width d_model; heads of sweep.head_dim; dense SwiGLU FFNs (no MoE) everywhere.
+
+    Every mixer gets the same kernel-4 short causal conv on q/k/v (the delta family has it anyway): recall then
+    measures the memory, not how fast plain attention learns a previous-token head from scratch.
+    """
+    hd = min(sweep.head_dim, d_model)
+    return presets.get(
+        arch, size="tiny", vocab_size=sweep.vocab_size, d_model=d_model, n_layers=sweep.n_layers,
+        n_heads=d_model // hd, head_dim=hd, d_ff=2 * d_model, moe=None, attn_res=False, short_conv=True,
+        kv_lora_rank=max(16, d_model // 2), qk_nope_dim=hd, qk_rope_dim=max(2, hd // 2), v_head_dim=hd,
+        chunk_size=64 if seq_len >= 64 else 16, max_seq_len=max(seq_len, 64),
+    )
+
+
+def run_one(job: dict) -> dict:
+    """Train one (arch, L, K, d, lr) cell; module-level so worker processes can run it."""
+    logging.getLogger("evict").setLevel(logging.WARNING)
+    sweep = RecallSweep(**{k: tuple(v) if isinstance(v, list) else v for k, v in job["sweep"].items()})
+    L, K, d = job["seq_len"], job["pairs"], job["d_model"]
+    torch.manual_seed(sweep.seed)
+    cfg = model_config(job["arch"], d, sweep, L)
+    model = LM(cfg)
+    task = MQARTask(MQARConfig(vocab_size=sweep.vocab_size, seq_len=L, num_pairs=K, simple=sweep.simple))
+    tc = TrainConfig(steps=sweep.steps, batch_size=sweep.batch_size, lr=job["lr"], weight_decay=0.1, warmup_steps=0,
+                     eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, target_accuracy=sweep.target_accuracy,
+                     seed=sweep.seed, device=sweep.device, out_dir=job["dir"], progress=False, log_every=50)
+    res = train(model, task, tc)
+    return {
+        "arch": job["arch"], "seq_len": L, "pairs": K, "d_model": d, "lr": job["lr"],
+        "accuracy": res.best_val_accuracy, "final_accuracy": res.final_val_accuracy, "steps": res.steps_done,
+        "seconds": round(res.wall_seconds, 1), "state_size": model.state_size(L),
+        "params": sum(p.numel() for p in model.parameters()), "label": f"{job['arch']} K={K} acc={res.best_val_accuracy:.2f}",
+    }
+
+
+def jobs_for(sweep: RecallSweep, root: Path) -> list[dict]:
+    sw = dataclasses.asdict(sweep)
+    jobs = []
+    for (L, K) in sweep.settings:
+        for arch in sweep.archs:
+            for d in sweep.d_models:
+                for lr in sweep.lrs:
+                    name = f"{arch}_L{L}_K{K}_d{d}_lr{lr:g}"
+                    jobs.append({"arch": arch, "seq_len": L, "pairs": K, "d_model": d, "lr": lr, "dir": str(root / "runs" / name), "sweep": sw})
+    return jobs
+
+
+def best_over_lr(results: list[dict]) -> dict:
+    """(arch, L, K, d) -> the result with the highest accuracy over learning rates."""
+    best = {}
+    for r in results:
+        key = (r["arch"], r["seq_len"], r["pairs"], r["d_model"])
+        if key not in best or r["accuracy"] > best[key]["accuracy"]:
+            best[key] = r
+    return best
+
+
+def table(sweep: RecallSweep, best: dict, d: int) -> str:
+    cols = [f"K={K} (L={L})" for L, K in sweep.settings]
+    rows = []
+    for arch in sweep.archs:
+        row = {"architecture": arch, "state (numbers/seq, largest L)": best[(arch, *sweep.settings[-1], d)]["state_size"]}
+        for (L, K), c in zip(sweep.settings, cols):
+            row[c] = f"{best[(arch, L, K, d)]['accuracy']:.3f}"
+        rows.append(row)
+    return markdown_table(rows, ["architecture", *cols, "state (numbers/seq, largest L)"])
+
+
+def scorecard(sweep: RecallSweep, best: dict) -> str:
+    L, K = sweep.settings[-1]
+    d = max(sweep.d_models)
+    col = f"measured MQAR acc (K={K}, L={L}, d={d})"
+    rows = []
+    for name, stores, write, read, evict, arch in SCORECARD:
+        r = best.get((arch, L, K, d))
+        rows.append({"Architecture": name, "Stores": stores, "Write": write, "Read": read, "Eviction": evict,
+                     col: f"{r['accuracy']:.3f}" if r else "not in this sweep"})
+    return markdown_table(rows, ["Architecture", "Stores", "Write", "Read", "Eviction", col])
+
+
+def plots(sweep: RecallSweep, best: dict, root: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = max(sweep.d_models)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ks = [K for _, K in sweep.settings]
+    for arch in sweep.archs:
+        ax.plot(ks, [best[(arch, L, K, d)]["accuracy"] for L, K in sweep.settings], marker="o", label=arch)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ks, [str(k) for k in ks])
+    ax.set_xlabel("key-value pairs K")
+    ax.set_ylabel("MQAR accuracy (best over lr)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(f"Recall vs pairs — 2 layers, d={d}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    p1 = root / "recall_vs_pairs.png"
+    fig.savefig(p1, dpi=120)
+    plt.close(fig)
+
+    L, K = sweep.settings[-1]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for arch in sweep.archs:
+        pts = sorted((best[(arch, L, K, dd)]["state_size"], best[(arch, L, K, dd)]["accuracy"]) for dd in sweep.d_models)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=arch)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"memory held per sequence at L={L} (numbers, all layers)")
+    ax.set_ylabel("MQAR accuracy (best over lr)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(f"Recall vs state size — K={K}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    p2 = root / "recall_vs_state.png"
+    fig.savefig(p2, dpi=120)
+    plt.close(fig)
+    return [p1, p2]
+
+
+def run_sweep(sweep: RecallSweep, out: str | Path | None = None) -> Path:
+    """Run (or resume, when `out` already holds part of it) the sweep; write and print the results."""
+    unknown = [a for a in sweep.archs if a not in presets.FAMILIES]
+    if unknown:
+        raise ValueError(f"archs: unknown architecture(s) {unknown}; expected names from {list(presets.FAMILIES)}")
+    for L, K in sweep.settings:
+        MQARConfig(vocab_size=sweep.vocab_size, seq_len=L, num_pairs=K, simple=sweep.simple)  # validates
+    root = Path(out) if out else Path("runs/recall") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    root.mkdir(parents=True, exist_ok=True)
+    cfg_path = root / "config.json"
+    if cfg_path.exists():
+        saved = json.loads(cfg_path.read_text())
+        if saved != json.loads(json.dumps(dataclasses.asdict(sweep))):
+            raise ValueError(f"out: {root} holds a sweep with another config; use a new folder or the same options")
+    cfg_path.write_text(json.dumps(dataclasses.asdict(sweep), indent=2))
+    jobs = jobs_for(sweep, root)
+    print(f"recall sweep: {len(jobs)} runs -> {root}")
+    results = run_jobs(run_one, jobs, workers=sweep.workers, desc="recall")
+    with (root / "results.jsonl").open("w") as f:
+        for r in results:
+            f.write(json.dumps(r) + "\n")
+    best = best_over_lr(results)
+    tables = "\n\n".join(f"d_model = {d}\n\n{table(sweep, best, d)}" for d in sweep.d_models)
+    card = scorecard(sweep, best)
+    (root / "table.md").write_text(tables + "\n")
+    (root / "scorecard.md").write_text(card + "\n")
+    pngs = plots(sweep, best, root)
+    print(f"\nMQAR accuracy (best over lr {list(sweep.lrs)}), {sweep.n_layers} layers, vocab {sweep.vocab_size}\n\n{tables}\n")
+    print(f"{card}\n")
+    print("wrote " + ", ".join(str(p) for p in [root / "table.md", root / "scorecard.md", *pngs]))
+    return root

@@ -1,0 +1,60 @@
+"""Run a grid of independent jobs across processes, resumably: a job is done when its result.json exists."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+from pathlib import Path
+from typing import Callable
+
+from tqdm import tqdm
+
+
+def _worker(args):
+    i, fn, job, threads = args
+    import torch
+
+    torch.set_num_threads(threads)
+    return i, fn(job)
+
+
+def run_jobs(fn: Callable[[dict], dict], jobs: list[dict], *, workers: int = 1, desc: str = "runs") -> list[dict]:
+    """Apply fn to every job (a dict with a "dir" key) not already finished; returns all results in job order.
+
+    fn must be a module-level function (it is pickled to worker processes) and write nothing but under job["dir"].
+    A finished job's result is read back from <dir>/result.json, so an interrupted sweep resumes where it stopped.
+    """
+    results: dict[int, dict] = {}
+    todo = []
+    for i, job in enumerate(jobs):
+        done = Path(job["dir"]) / "result.json"
+        if done.exists():
+            results[i] = json.loads(done.read_text())
+        else:
+            todo.append(i)
+    threads = max(1, (os.cpu_count() or 1) // max(workers, 1))
+    bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc=desc, dynamic_ncols=True)
+    payload = [(i, fn, jobs[i], threads) for i in todo]
+    if workers <= 1:
+        outs = (_worker(p) for p in payload)
+        pool = None
+    else:
+        pool = mp.get_context("spawn").Pool(workers)
+        outs = pool.imap_unordered(_worker, payload)
+    try:
+        for i, res in outs:
+            results[i] = res
+            out = Path(jobs[i]["dir"]) / "result.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_suffix(".tmp")
+            tmp.write_text(json.dumps(res, indent=2))
+            tmp.replace(out)
+            bar.set_postfix_str(res.get("label", ""))
+            bar.update(1)
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.close()
+            pool.join()
+    return [results[i] for i in range(len(jobs))]

@@ -1,0 +1,166 @@
+"""MQAR generator: layout, ranges, labels, determinism, disjoint seeds, placement skew, speed, validation."""
+
+import time
+
+import pytest
+import torch
+
+from evict.tasks.base import Task
+from evict.tasks.mqar import MQARConfig, MQARTask, batch_seed, make_mqar, slot_probs
+
+
+def _context(cfg, x):
+    K = cfg.num_pairs
+    return x[:, 0 : 2 * K : 2], x[:, 1 : 2 * K : 2]  # keys [n, K], values [n, K]
+
+
+@pytest.mark.parametrize("L,K", [(64, 4), (128, 8), (67, 5), (256, 64)])
+def test_ranges_and_distinct(L, K):
+    cfg = MQARConfig(vocab_size=512, seq_len=L, num_pairs=K)
+    x, y = make_mqar(cfg, 500, seed=3)
+    assert x.shape == y.shape == (500, L) and x.dtype == y.dtype == torch.int64
+    keys, values = _context(cfg, x)
+    V = cfg.vocab_size
+    assert keys.min() >= 1 and keys.max() <= V // 2 - 1
+    assert values.min() >= V // 2 and values.max() <= V - 1
+    for t in (keys, values):
+        s = t.sort(dim=1).values
+        assert (s[:, 1:] != s[:, :-1]).all(), "duplicate key or value within one example"
+
+
+def test_labels_at_query_positions():
+    cfg = MQARConfig(vocab_size=256, seq_len=64, num_pairs=6)
+    K, n = cfg.num_pairs, 400
+    x, y = make_mqar(cfg, n, seed=11)
+    keys, values = _context(cfg, x)
+    labelled = y != -100  # [n, L]
+    assert (labelled.sum(1) == K).all()
+    assert not labelled[:, : 2 * K].any()
+    pos = labelled.nonzero()[:, 1].view(n, K)
+    assert ((pos - 2 * K) % 2 == 0).all() and (pos < 2 * K + 2 * cfg.num_slots).all()
+    q = x.gather(1, pos)  # [n, K] the query keys
+    assert torch.equal(q.sort(1).values, keys.sort(1).values), "each key queried exactly once"
+    match = q[:, :, None] == keys[:, None, :]  # [n, K, K]
+    expected = (match * values[:, None, :]).sum(-1)  # the value paired with each query key
+    assert torch.equal(y.gather(1, pos), expected)
+    filler = torch.ones_like(labelled)
+    filler[:, : 2 * K] = False
+    filler &= ~labelled
+    assert (x[filler] == 0).all()
+
+
+def test_random_filler_keeps_layout():
+    base = MQARConfig(vocab_size=128, seq_len=48, num_pairs=4)
+    noisy = MQARConfig(vocab_size=128, seq_len=48, num_pairs=4, random_filler=True)
+    x0, y0 = make_mqar(base, 200, seed=5)
+    x1, y1 = make_mqar(noisy, 200, seed=5)
+    assert torch.equal(y0, y1)
+    keep = x0 != 0
+    assert torch.equal(x1[keep], x0[keep])
+    assert (x1[~keep] != 0).float().mean() > 0.9 and x1.max() < 128
+
+
+def test_simple_layout():
+    cfg = MQARConfig(vocab_size=64, seq_len=12, num_pairs=4, simple=True)
+    K = cfg.num_pairs
+    x, y = make_mqar(cfg, 300, seed=2)
+    lab = (y != -100).nonzero()[:, 1].view(300, K)
+    assert (lab == torch.arange(2 * K, 3 * K)).all()
+    keys, _ = _context(cfg, x)
+    assert torch.equal(x[:, 2 * K : 3 * K].sort(1).values, keys.sort(1).values)
+    assert (x[:, 3 * K :] == 0).all()
+
+
+def test_keys_uniform_over_pool():
+    cfg = MQARConfig(vocab_size=16, seq_len=12, num_pairs=3)  # keys from 1 … 7
+    x, _ = make_mqar(cfg, 20000, seed=0)
+    keys, _ = _context(cfg, x)
+    freq = torch.bincount(keys.flatten(), minlength=8)[1:].double() / 20000  # each key in 3/7 of examples
+    assert (freq - 3 / 7).abs().max() < 0.02
+    first = torch.bincount(keys[:, 0], minlength=8)[1:].double() / 20000  # order is random too
+    assert (first - 1 / 7).abs().max() < 0.02
+
+
+def test_placement_skew():
+    cfg = MQARConfig(seq_len=128, num_pairs=4)
+    S = cfg.num_slots
+    x, y = make_mqar(cfg, 5000, seed=7)
+    slots = ((y != -100).nonzero()[:, 1] - 2 * cfg.num_pairs) // 2
+    counts = torch.bincount(slots, minlength=S).double()
+    assert slots.double().mean() < 0.6 * (S - 1) / 2, "queries should crowd near the context"
+    assert counts[0] > 5 * counts[-1]
+    p = slot_probs(cfg)
+    assert torch.isclose(p.sum(), torch.tensor(1.0, dtype=torch.float64)) and (p[1:] < p[:-1]).all()
+
+
+def test_determinism_and_seeds():
+    cfg = MQARConfig()
+    a, b = make_mqar(cfg, 64, seed=9), make_mqar(cfg, 64, seed=9)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], make_mqar(cfg, 64, seed=10)[0])
+    task = MQARTask(cfg)
+    for split in ("train", "val"):
+        x1, y1 = task.get_batch(split, 17, 8)
+        x2, y2 = task.get_batch(split, 17, 8)
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+        assert not torch.equal(x1, task.get_batch(split, 18, 8)[0])
+
+
+def test_train_val_disjoint():
+    cfg = MQARConfig()
+    steps = range(0, 20000, 7)
+    train = {batch_seed("train", cfg.train_seed, s) for s in steps}
+    val = {batch_seed("val", cfg.test_seed, s) for s in steps}
+    assert len(train) == len(val) == len(steps) and not train & val
+    assert all(s < 2**32 for s in train | val)
+    assert batch_seed("train", 5, 0) != batch_seed("val", 5, 0)  # disjoint even with equal base seeds
+    task = MQARTask(cfg)
+    tr = torch.cat([task.get_batch("train", s, 64)[0] for s in range(20)])
+    va = torch.cat([task.get_batch("val", s, 64)[0] for s in range(20)])
+    both = torch.cat([tr, va]).unique(dim=0)
+    assert both.shape[0] == tr.shape[0] + va.shape[0], "a train example reappears in val"
+
+
+def test_task_protocol():
+    task = MQARTask(MQARConfig(vocab_size=1024, seq_len=128, num_pairs=8))
+    assert isinstance(task, Task)
+    assert (task.vocab_size, task.seq_len) == (1024, 128) and "mqar" in task.name
+    x, y = task.get_batch("train", 0, 4)
+    assert x.shape == (4, 128) and x.device.type == "cpu" and y.dtype == torch.int64
+
+
+def test_vectorised_speed():
+    t = time.perf_counter()
+    x, y = make_mqar(MQARConfig(), 10_000, seed=0)
+    assert time.perf_counter() - t < 2.0
+    assert x.shape == (10_000, 64) and ((y != -100).sum(1) == 4).all()
+
+
+@pytest.mark.parametrize(
+    "kwargs,word",
+    [
+        ({"seq_len": 15, "num_pairs": 4}, "seq_len"),
+        ({"seq_len": 11, "num_pairs": 4, "simple": True}, "seq_len"),
+        ({"num_pairs": 0}, "num_pairs"),
+        ({"vocab_size": 8, "num_pairs": 4, "seq_len": 64}, "vocab_size"),
+        ({"vocab_size": 2}, "vocab_size"),
+        ({"power_a": 0.0}, "power_a"),
+        ({"train_seed": -1}, "train_seed"),
+        ({"test_seed": 2**32}, "test_seed"),
+    ],
+)
+def test_validation(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        MQARConfig(**kwargs)
+
+
+def test_call_validation():
+    cfg, task = MQARConfig(), MQARTask()
+    with pytest.raises(ValueError, match="seed"):
+        make_mqar(cfg, 4, seed=2**32)
+    with pytest.raises(ValueError, match="^n "):
+        make_mqar(cfg, 0, seed=0)
+    with pytest.raises(ValueError, match="split"):
+        task.get_batch("test", 0, 4)
+    with pytest.raises(ValueError, match="step"):
+        task.get_batch("train", -1, 4)
