@@ -12,7 +12,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 
 .PHONY: lab test test-all clean
 lab: $(BIN)/.installed
-	$(BIN)/evict demo
+	$(BIN)/evict recall --quick
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -m "not slow" tests

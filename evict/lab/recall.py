@@ -41,11 +41,12 @@ class RecallSweep:
     archs: tuple = ARCHS
     settings: tuple = ((64, 4), (64, 8), (64, 16))  # (seq_len, num_pairs)
     d_models: tuple = (64,)
-    lrs: tuple = (3e-3,)
+    lrs: tuple = (1e-2,)
     head_dim: int = 16
     n_layers: int = 2
-    vocab_size: int = 256
+    vocab_size: int = 128
     steps: int = 400
+    chunk_size: int = 16  # short chunks: fastest on a CPU, and per-channel decay stays in the two-factor range
     batch_size: int = 32
     eval_every: int = 100
     eval_batches: int = 4
@@ -60,7 +61,7 @@ class RecallSweep:
 QUICK = RecallSweep()
 FULL = RecallSweep(
     settings=((64, 4), (128, 8), (256, 16), (512, 64)), d_models=(64, 128, 256),
-    lrs=(1e-4, 4.6e-4, 2.2e-3, 1e-2), head_dim=32, vocab_size=8192, steps=8000, batch_size=256, eval_every=500,
+    lrs=(1e-4, 4.6e-4, 2.2e-3, 1e-2), head_dim=32, vocab_size=8192, steps=8000, batch_size=256, eval_every=500, chunk_size=64,
     eval_batches=8, workers=1, device="auto",
 )
 
@@ -76,7 +77,7 @@ def model_config(arch: str, d_model: int, sweep: RecallSweep, seq_len: int):
         arch, size="tiny", vocab_size=sweep.vocab_size, d_model=d_model, n_layers=sweep.n_layers,
         n_heads=d_model // hd, head_dim=hd, d_ff=2 * d_model, moe=None, attn_res=False, short_conv=True,
         kv_lora_rank=max(16, d_model // 2), qk_nope_dim=hd, qk_rope_dim=max(2, hd // 2), v_head_dim=hd,
-        chunk_size=64 if seq_len >= 64 else 16, max_seq_len=max(seq_len, 64),
+        chunk_size=sweep.chunk_size, max_seq_len=max(seq_len, 64),
     )
 
 

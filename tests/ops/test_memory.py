@@ -127,6 +127,20 @@ def test_strong_decay_long_sequence_float32(gate, delta):
     assert rel(o, o_ref) <= 1e-5 and rel(s, s_ref) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_per_channel_two_factor_form_equals_exact_form(dtype):
+    """Both per-channel Gram forms (two-factor matmul below the safe spread, exact sub-chunk ratios) agree."""
+    from evict.ops.memory.chunked import _decayed_dots
+
+    g = torch.Generator().manual_seed(11)
+    x, y = torch.randn(3, 64, 16, generator=g, dtype=dtype), torch.randn(3, 64, 16, generator=g, dtype=dtype)
+    la = torch.nn.functional.logsigmoid(torch.randn(3, 64, 16, generator=g, dtype=dtype) + 2)
+    gc = la.cumsum(-2)
+    assert float((-gc[..., -1, :]).max()) < 30  # inside the safe spread for both dtypes
+    (a,), (b,) = _decayed_dots((x,), y, gc, factor=True), _decayed_dots((x,), y, gc, factor=False)
+    assert rel(a, b) <= (1e-12 if dtype == torch.float64 else 1e-5)
+
+
 def test_constant_minus_20_decay_forgets_everything():
     x = make_inputs(1, 300, 2, 8, 4, gate="channel", beta_max=1.0, init=True, seed=5)
     x = {n: None if t is None else t.float() for n, t in x.items()}

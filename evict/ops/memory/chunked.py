@@ -14,6 +14,11 @@ from __future__ import annotations
 import torch
 
 SUB = 8  # sub-chunk length for per-channel decay ratios
+# Largest in-chunk decay (-g at the chunk's end) for which the two-factor form e^{g_i} * e^{-g_j} is used for per-channel
+# gates: e^{-g_j} <= e^{SAFE_SPREAD} leaves a factor >= e^28 (float32 max ~ e^88.7; float64 ~ e^709.8) of headroom
+# for |x_ik| |y_jk|, and each product keeps its relative precision. Beyond it (strong decay) the exact sub-chunked
+# ratios are used.
+SAFE_SPREAD = {torch.float32: 60.0, torch.float64: 600.0}
 
 
 def _to_chunks(x: torch.Tensor, n: int, c: int, dtype: torch.dtype) -> torch.Tensor:
@@ -63,11 +68,21 @@ def _channel_decayed_dots(xs, y, g):
     return outs
 
 
-def _decayed_dots(xs, y, g):
-    """For each x in xs: sum_k x_ik y_jk exp(g_i - g_j) for j <= i, zero above. x, y [..., C, K] -> [..., C, C]."""
-    if g is not None and g.dim() == y.dim():
-        return _channel_decayed_dots(xs, y, g)
+def _decayed_dots(xs, y, g, *, factor: bool | None = None):
+    """For each x in xs: sum_k x_ik y_jk exp(g_i - g_j) for j <= i, zero above. x, y [..., C, K] -> [..., C, C].
+
+    Per-channel g: `factor=None` picks the two-factor matmul form when the chunk's decay spread is below
+    SAFE_SPREAD (one host sync), else the exact sub-chunked ratios; True / False force one form (tests).
+    """
     keep = _tril(y.shape[-2], y.device)
+    if g is not None and g.dim() == y.dim():
+        if factor is None:
+            factor = float((-g[..., -1, :]).detach().max()) <= SAFE_SPREAD[g.dtype]
+        if not factor:
+            return _channel_decayed_dots(xs, y, g)
+        y_in = y * (-g).exp()  # e^{-g_j} <= e^{SAFE_SPREAD}
+        eg = g.exp()
+        return [((x * eg) @ y_in.transpose(-1, -2)).masked_fill(~keep, 0.0) for x in xs]
     ratio = None if g is None else (g[..., :, None] - g[..., None, :]).masked_fill(~keep, float("-inf")).exp()
     outs = []
     for x in xs:
