@@ -25,6 +25,7 @@ class KVState:
 class LatentState:
     c: torch.Tensor  # [B, L_max, r]  normalized latent
     k_rope: torch.Tensor  # [B, L_max, d_rope]  rotated (or NoPE) shared key slice
+    conv: torch.Tensor | None = None  # [B, k-1, C] short-conv tail, when the layer has one
 
 
 @dataclass

@@ -15,6 +15,7 @@ from evict.cache import LatentState
 from evict.ops import attention
 from evict.ops.rope import rope
 
+from .conv import ShortConv
 from .norms import RMSNorm
 
 
@@ -32,6 +33,8 @@ class MLA(nn.Module):
         else:
             self.wq = nn.Linear(d, H * (n + p), bias=False)
         self.wdkv = nn.Linear(d, r + p, bias=False)
+        # optional short causal conv over [q ; c ; k_rope] before normalization / RoPE (cfg.short_conv)
+        self.conv = ShortConv(H * (n + p) + r + p, cfg.conv_size) if cfg.short_conv else None
         self.kv_norm = RMSNorm(r, cfg.norm_eps)
         self.wuk = nn.Parameter(torch.empty(H, n, r))  # k_nope = W_uk c per head
         self.wuv = nn.Parameter(torch.empty(H, e, r))  # v = W_uv c per head
@@ -40,22 +43,22 @@ class MLA(nn.Module):
         self.wgate = nn.Linear(d, H * e, bias=False) if cfg.mla_gate else None
         self.wo = nn.Linear(H * e, d, bias=False)
 
-    def _latents(self, x, pos):
-        """c [B, T, r] (normalized) and k_rope [B, T, p] (rotated unless NoPE) for the new tokens."""
-        c, k_rope = self.wdkv(x).split([self.r, self.p], dim=-1)
-        c = self.kv_norm(c)
-        if self.use_rope:
-            k_rope = rope(k_rope[:, :, None], torch.arange(pos, pos + x.shape[1], device=x.device), self.theta)[:, :, 0]
-        return c, k_rope
-
     def forward(self, x: torch.Tensor, state: LatentState | None = None, pos: int = 0, absorb: bool | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         H, n, p = self.H, self.n, self.p
-        q = self.wq(x).view(B, T, H, n + p)
-        q_nope, q_rope = q.split([n, p], dim=-1)  # [B, T, H, n], [B, T, H, p]
+        q, ckv = self.wq(x), self.wdkv(x)  # [B, T, H (n + p)], [B, T, r + p]
+        if self.conv is not None:
+            qc, tail = self.conv(torch.cat([q, ckv], dim=-1), None if state is None else state.conv)
+            q, ckv = qc.split([H * (n + p), self.r + p], dim=-1)
+            if state is not None:
+                state.conv = tail
+        q_nope, q_rope = q.view(B, T, H, n + p).split([n, p], dim=-1)  # [B, T, H, n], [B, T, H, p]
+        c, k_rope = ckv.split([self.r, p], dim=-1)
+        c = self.kv_norm(c)  # [B, T, r]
         if self.use_rope:
-            q_rope = rope(q_rope, torch.arange(pos, pos + T, device=x.device), self.theta)
-        c, k_rope = self._latents(x, pos)
+            positions = torch.arange(pos, pos + T, device=x.device)
+            q_rope = rope(q_rope, positions, self.theta)
+            k_rope = rope(k_rope[:, :, None], positions, self.theta)[:, :, 0]
         if state is not None:
             state.c[:, pos : pos + T] = c
             state.k_rope[:, pos : pos + T] = k_rope
@@ -90,5 +93,6 @@ class MLA(nn.Module):
                            k_rope=torch.zeros(batch_size, max_len, self.p, device=device, dtype=dtype))
 
     def state_size(self, context_len: int) -> int:
-        """Numbers held per sequence: the latent and the shared rope key of every token."""
-        return (self.r + self.p) * context_len
+        """Numbers held per sequence: the latent and the shared rope key of every token (+ the conv tail, if any)."""
+        tail = 0 if self.conv is None else self.conv.weight.shape[0] * (self.conv.kernel - 1)
+        return (self.r + self.p) * context_len + tail

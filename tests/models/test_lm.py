@@ -16,9 +16,9 @@ def _model(name, **kw):
     return LM(cfg).double()
 
 
-@pytest.mark.parametrize("name", TINY)
-def test_prefill_then_decode_equals_full_forward(name):
-    m = _model(name)
+@pytest.mark.parametrize("name,kw", [(n, {}) for n in TINY] + [(n, {"short_conv": True}) for n in ("attention", "linear", "mla")])
+def test_prefill_then_decode_equals_full_forward(name, kw):
+    m = _model(name, **kw)
     tok = torch.randint(0, m.cfg.vocab_size, (2, 45))
     full = m(tok)
     cache = m.new_cache(2, 45)
@@ -148,3 +148,17 @@ def test_trains_a_few_steps(name):
         m.after_step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.5
+
+
+def test_short_conv_is_a_causal_depthwise_convolution():
+    from evict.layers.conv import ShortConv
+
+    conv = ShortConv(5, 4).double()
+    x = torch.randn(2, 9, 5, dtype=torch.float64)
+    y, tail = conv(x)
+    w = conv.weight[:, 0]  # [C, k], w[:, -1] multiplies the current token
+    for t in (0, 3, 8):
+        want = sum(w[:, 3 - s] * x[:, t - s] for s in range(4) if t - s >= 0)
+        assert torch.allclose(y[:, t], want, atol=1e-14)
+    y2, _ = conv(x[:, 6:], tail=conv(x[:, :6])[1])
+    assert torch.allclose(y2, y[:, 6:], atol=1e-14) and torch.equal(tail, x[:, -3:])
