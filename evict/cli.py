@@ -17,6 +17,10 @@ def _bench(args) -> None:
             bench_cpu(lengths=tuple(args.lengths), out=args.out)
         else:
             raise SystemExit(f"--device: expected 'cpu' or 'cuda', got {args.device!r}")
+    elif args.what == "decode":
+        from evict.bench.decode import cli_run
+
+        cli_run(args)
 
 
 def _train(args) -> None:
@@ -82,10 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the memory op's worked examples, computed live")
     d.set_defaults(fn=_demo)
     b = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
-    b.add_argument("what", choices=["ops"])
+    b.add_argument("what", choices=["ops", "decode"])
     b.add_argument("--device", default="cpu")
     b.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048, 4096])
     b.add_argument("--out", default=None, help="JSON output path")
+    from evict.bench.decode import add_arguments as add_decode_arguments
+
+    add_decode_arguments(b)
     b.set_defaults(fn=_bench)
     r = sub.add_parser("recall", help="the recall lab: MQAR accuracy across memories as pairs grow (the main job)")
     mode = r.add_mutually_exclusive_group()

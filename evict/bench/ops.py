@@ -73,8 +73,10 @@ def _ceilings(dev) -> dict:
 
 def _row(name, shape, ms, flops, nbytes, ceil, note=""):
     roof_ms = max(flops / (ceil["tflops"] * 1e9), nbytes / (ceil["tbps"] * 1e9))
-    return {"op": name, "shape": shape, "ms": round(ms, 4), "roofline_ms": round(roof_ms, 4),
-            "of_roofline": round(roof_ms / ms, 3), "note": note}
+    row = {"op": name, "shape": shape, "ms": round(ms, 4), "roofline_ms": round(roof_ms, 4),
+           "of_roofline": round(roof_ms / ms, 3), "note": note}
+    print(row, flush=True)
+    return row
 
 
 def _memory_cost(B, T, H, D, C=64, train=False):
@@ -84,8 +86,12 @@ def _memory_cost(B, T, H, D, C=64, train=False):
     return flops, nbytes
 
 
-def bench_cuda(shapes=CUDA_SHAPES, *, H=16, D=128, out=None, backward=True) -> list[dict]:
-    """Forward and forward+backward for KDA and Gated DeltaNet at bf16, plus the decode step at B8 H16 D128."""
+def bench_cuda(shapes=CUDA_SHAPES, *, H=16, D=128, out=None, backward=False, fla_backward=False) -> list[dict]:
+    """Decode step at B8 H16 D128, then forward (and optionally forward+backward) for KDA and Gated DeltaNet at bf16.
+
+    Rows print as they are measured. `backward`: evict's fwd+bwd (its backward is the recomputed PyTorch chunked
+    form, slow); `fla_backward`: fla's fwd+bwd (its kernels autotune for minutes on first use).
+    """
     from triton.testing import do_bench
 
     dev = "cuda"
@@ -98,7 +104,8 @@ def bench_cuda(shapes=CUDA_SHAPES, *, H=16, D=128, out=None, backward=True) -> l
         fla_step = {"kda": fused_recurrent_kda, "gated_deltanet": fused_recurrent_gated_delta_rule}
     except ImportError:
         fla, fla_step = {}, {}
-    rows = []
+    rows = _bench_step(dev, ceil, fla_step, bench, H=H, D=D)
+    fla_jobs = []
     for B, T in shapes:
         shape = f"B{B} T{T} H{H} D{D}"
         for rule in ("kda", "gated_deltanet"):
@@ -107,9 +114,8 @@ def bench_cuda(shapes=CUDA_SHAPES, *, H=16, D=128, out=None, backward=True) -> l
             fwd = lambda: memory(q, k, v, log_alpha=la, beta=beta, delta=True, check=False, impl="triton")
             flops, nbytes = _memory_cost(B, T, H, D)
             rows.append(_row(f"evict {rule} fwd", shape, bench(fwd), flops, nbytes, ceil))
-            if rule in fla:
-                f = lambda: fla[rule](q, k, v, la, beta)
-                rows.append(_row(f"fla {rule} fwd", shape, bench(f), flops, nbytes, ceil))
+            if rule in fla:  # timed last: fla autotunes on first use
+                fla_jobs.append((f"fla {rule} fwd", shape, fla[rule], (q, k, v, la, beta), flops, nbytes))
             leaves = [t.clone().requires_grad_(True) for t in (q, k, v, la, beta)]
             flops, nbytes = _memory_cost(B, T, H, D, train=True)
             if backward:
@@ -118,7 +124,7 @@ def bench_cuda(shapes=CUDA_SHAPES, *, H=16, D=128, out=None, backward=True) -> l
                     o.sum().backward()
                 rows.append(_row(f"evict {rule} fwd+bwd", shape, bench(fb, rep=500), flops, nbytes, ceil,
                                  "backward = recomputed PyTorch chunked form"))
-            if rule in fla:
+            if rule in fla and fla_backward:
                 def fb_fla():
                     o, _ = fla[rule](*leaves)
                     o.sum().backward()
@@ -135,7 +141,8 @@ def bench_cuda(shapes=CUDA_SHAPES, *, H=16, D=128, out=None, backward=True) -> l
             rows.append(_row("sdpa flash causal fwd", shape, bench(sdpa), fl, nb, ceil))
             rows.append(_row("sdpa flash causal fwd+bwd", shape, bench(lambda: sdpa().sum().backward(), rep=500), 3.5 * fl, 2 * nb, ceil))
         del qs, ks, vs
-    rows += _bench_step(dev, ceil, fla_step, bench, H=H, D=D)
+    for name, shape, fn, args, flops, nbytes in fla_jobs:
+        rows.append(_row(name, shape, bench(lambda: fn(*args)), flops, nbytes, ceil))
     print(markdown_table(rows, ["op", "shape", "ms", "roofline_ms", "of_roofline", "note"]))
     info = card()
     info["ceilings"] = {k: round(v, 1) for k, v in ceil.items()}

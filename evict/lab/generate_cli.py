@@ -34,8 +34,8 @@ def resolve_model_dir(path: str) -> Path:
 class Streamer:
     """Collects token ids and writes the newly decodable text (held back while a UTF-8 character is incomplete)."""
 
-    def __init__(self, tokenizer, out=sys.stdout, stop_text: str | None = None):
-        self.tok, self.out, self.stop_text = tokenizer, out, stop_text
+    def __init__(self, tokenizer, out=None, stop_text: str | None = None):
+        self.tok, self.out, self.stop_text = tokenizer, out or sys.stdout, stop_text
         self.ids: list[int] = []
         self.shown = 0
         self.first_token_time: float | None = None

@@ -15,6 +15,8 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+
 from evict.models import LM, presets
 from evict.models.config import ModelConfig
 from evict.plots import plot_metrics
@@ -80,7 +82,7 @@ def _check_resume(out: Path, run: dict) -> None:
         return
     prev = json.loads(prev_path.read_text())
     for key in ("model", "task"):
-        if prev.get(key) != run[key]:
+        if prev.get(key) != json.loads(json.dumps(run[key])):
             raise SystemExit(f"--out: {out} holds a run with another {key} config; pick a new --out folder")
 
 
@@ -102,6 +104,7 @@ def run_train(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "run.json").write_text(json.dumps(run, indent=2))
 
+    torch.manual_seed(args.seed)  # the initial weights are a function of --seed
     model = LM(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {args.config or f'{args.preset} ({args.size})'}, {n_params / 1e6:.2f} M parameters; "

@@ -3,7 +3,8 @@
     o, S = memory(q, k, v, log_alpha=..., beta=..., delta=True)      # sequences [B, T, H, D]
     o, S = memory_step(q, k, v, S, log_alpha=..., beta=..., delta=True)  # one token [B, H, D]
 
-Forms: "reference" (token loop, float64-capable), "chunked" (WY/UT chunks), "triton" (CUDA kernels, when built).
+Forms: "reference" (token loop, float64-capable), "chunked" (WY/UT chunks), "triton" (CUDA kernels; triton is optional).
+"auto" picks "triton" for CUDA inputs (not float64) when triton imports, else "chunked".
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from ._check import check_inputs, state_dtype
 from .chunked import memory_chunked
 from .reference import memory_reference
 from .step import memory_step
+from .triton import runs_on as triton_runs_on
 
-IMPLS = ("auto", "reference", "chunked")
+IMPLS = ("auto", "reference", "chunked", "triton")
 CHUNK_SIZES = (16, 32, 64, 128)
 
 __all__ = ["memory", "memory_step", "IMPLS", "CHUNK_SIZES"]
@@ -39,7 +41,18 @@ def memory(
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size!r}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if impl == "reference":
+    if impl == "auto":
+        impl = "triton" if q.is_cuda and triton_runs_on(q) else "chunked"
+    if impl == "triton":
+        if not triton_runs_on(q):
+            raise ValueError(f"impl: 'triton' needs the triton package and CUDA tensors (not float64), got {q.device} {q.dtype}")
+        from .triton.autograd import memory_triton
+
+        o, S = memory_triton(
+            q, k, v, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale,
+            initial_state=initial_state, chunk_size=chunk_size,
+        )
+    elif impl == "reference":
         o, S = memory_reference(q, k, v, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale, initial_state=initial_state)
     else:
         o, S = memory_chunked(
