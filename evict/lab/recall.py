@@ -39,8 +39,8 @@ SCORECARD = [  # (architecture, stores, write, read, eviction, sweep arch measur
 @dataclass
 class RecallSweep:
     archs: tuple = ARCHS
-    settings: tuple = ((64, 4), (64, 8), (64, 16))  # (seq_len, num_pairs)
-    d_models: tuple = (64,)
+    settings: tuple = ((32, 2), (32, 4), (32, 8))  # (seq_len, num_pairs)
+    d_models: tuple = (32,)
     lrs: tuple = (1e-2,)
     head_dim: int = 16
     n_layers: int = 2
