@@ -54,7 +54,7 @@ def generate(model, prompt: torch.Tensor, *, max_new_tokens: int = 64, temperatu
     for _ in range(max_new_tokens):
         nxt = sample_next(logits[:, -1], temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
         if len(stops):
-            nxt = torch.where(done, out[-1][:, -1] if len(out) > 1 else nxt, nxt)
+            nxt = torch.where(done, out[-1][:, -1], nxt)  # a finished row repeats its stop token
             done = done | torch.isin(nxt, stops)
         out.append(nxt[:, None])
         if on_token is not None:

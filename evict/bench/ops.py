@@ -132,7 +132,6 @@ def bench_cuda(shapes=CUDA_SHAPES, *, H=16, D=128, out=None, backward=False, fla
                     rows.append(_row(f"fla {rule} fwd+bwd", shape, bench(fb_fla, rep=500), flops, nbytes, ceil))
                 except Exception as e:  # fla's own guard refuses gated bwd on Triton 3.6 + Hopper
                     rows.append({"op": f"fla {rule} fwd+bwd", "shape": shape, "note": f"refused: {str(e)[:60]}"})
-            del leaves
         qs, ks, vs = (torch.randn(B, H, T, D, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         sdpa = lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
         fl = 2 * B * H * T * T * D
@@ -140,7 +139,6 @@ def bench_cuda(shapes=CUDA_SHAPES, *, H=16, D=128, out=None, backward=False, fla
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
             rows.append(_row("sdpa flash causal fwd", shape, bench(sdpa), fl, nb, ceil))
             rows.append(_row("sdpa flash causal fwd+bwd", shape, bench(lambda: sdpa().sum().backward(), rep=500), 3.5 * fl, 2 * nb, ceil))
-        del qs, ks, vs
     for name, shape, fn, args, flops, nbytes in fla_jobs:
         rows.append(_row(name, shape, bench(lambda: fn(*args)), flops, nbytes, ceil))
     print(markdown_table(rows, ["op", "shape", "ms", "roofline_ms", "of_roofline", "note"]))

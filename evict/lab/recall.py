@@ -160,15 +160,7 @@ def plots(sweep: RecallSweep, best: dict, root: Path) -> list[Path]:
         ax.plot(ks, [best[(arch, L, K, d)]["accuracy"] for L, K in sweep.settings], marker="o", label=arch)
     ax.set_xscale("log", base=2)
     ax.set_xticks(ks, [str(k) for k in ks])
-    ax.set_xlabel("key-value pairs K")
-    ax.set_ylabel("MQAR accuracy (best over lr)")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"Recall vs pairs — 2 layers, d={d}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    p1 = root / "recall_vs_pairs.png"
-    fig.savefig(p1, dpi=120)
-    plt.close(fig)
+    p1 = _finish(plt, fig, ax, "key-value pairs K", f"Recall vs pairs — {sweep.n_layers} layers, d={d}", root / "recall_vs_pairs.png")
 
     L, K = sweep.settings[-1]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -176,16 +168,22 @@ def plots(sweep: RecallSweep, best: dict, root: Path) -> list[Path]:
         pts = sorted((best[(arch, L, K, dd)]["state_size"], best[(arch, L, K, dd)]["accuracy"]) for dd in sweep.d_models)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=arch)
     ax.set_xscale("log")
-    ax.set_xlabel(f"memory held per sequence at L={L} (numbers, all layers)")
+    p2 = _finish(plt, fig, ax, f"memory held per sequence at L={L} (numbers, all layers)", f"Recall vs state size — K={K}",
+                 root / "recall_vs_state.png")
+    return [p1, p2]
+
+
+def _finish(plt, fig, ax, xlabel: str, title: str, path: Path) -> Path:
+    """Shared styling of the lab's accuracy plots; saves and closes the figure."""
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("MQAR accuracy (best over lr)")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"Recall vs state size — K={K}")
+    ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    p2 = root / "recall_vs_state.png"
-    fig.savefig(p2, dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    return [p1, p2]
+    return path
 
 
 def run_sweep(sweep: RecallSweep, out: str | Path | None = None) -> Path:

@@ -9,7 +9,7 @@ Forms: "reference" (token loop, float64-capable), "chunked" (WY/UT chunks), "tri
 
 from __future__ import annotations
 
-from ._check import check_inputs, state_dtype
+from ._check import check_inputs
 from .chunked import memory_chunked
 from .reference import memory_reference
 from .step import memory_step
