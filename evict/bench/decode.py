@@ -110,9 +110,43 @@ def time_decode(model: LM, batch: int, context: int, *, steps: int, warmup: int)
     return statistics.median(times)
 
 
+@torch.inference_mode()
+def time_decode_graphed(model: LM, batch: int, context: int, *, steps: int, warmup: int) -> float:
+    """Median seconds of one decode step replayed from a CUDA graph captured at `context` (CUDA only).
+
+    The graph holds one whole decode step at a fixed position: each replay writes the same cache slot and reads
+    the same `context` past tokens, i.e. exactly the work of a step at that context, without Python dispatch.
+    Raises RuntimeError when the model cannot be captured (e.g. MoE dispatch sizes its expert batches on the host).
+    """
+    device = next(model.parameters()).device
+    cache = filled_cache(model, batch, context, extra=1)
+    tok = torch.zeros(batch, 1, dtype=torch.int64, device=device)  # [B, 1]
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm up (Triton compiles) off the capture stream
+        for _ in range(2):
+            cache.pos = context
+            model(tok, cache=cache)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    cache.pos = context
+    with torch.cuda.graph(graph):
+        nxt = model(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+    times = []
+    for i in range(warmup + steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        graph.replay()
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    del nxt, graph
+    return statistics.median(times)
+
+
 def run(*, device: str = "cpu", kinds=KINDS, contexts=None, size: str | None = None, width: dict | None = None,
         steps: int = 20, warmup: int = 3, max_batch_bytes: int | None = None, max_batch: int | None = None,
-        threads: int | None = None, out: str | Path | None = None, progress: bool = True) -> dict:
+        threads: int | None = None, out: str | Path | None = None, progress: bool = True, graphs: bool = False) -> dict:
     """Time every (model, context, batch); print a table; write JSON to `out` and a PNG beside it. Returns the JSON."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -149,11 +183,16 @@ def run(*, device: str = "cpu", kinds=KINDS, contexts=None, size: str | None = N
         for mode, batch in (("1", 1), ("max", big)):
             bar.set_postfix(model=kind, context=ctx, batch=batch)
             if batch not in timed:
-                timed[batch] = time_decode(model, batch, ctx, steps=steps, warmup=warmup)
-            step_s = timed[batch]
+                timed[batch] = (time_decode(model, batch, ctx, steps=steps, warmup=warmup), "eager")
+                if graphs and cuda:
+                    try:
+                        timed[batch] = (time_decode_graphed(model, batch, ctx, steps=steps, warmup=warmup), "graph")
+                    except RuntimeError as e:  # keep the eager time, say why
+                        timed[batch] = (timed[batch][0], f"eager (no graph: {str(e).splitlines()[0][:60]})")
+            step_s, how = timed[batch]
             rows.append({"model": kind, "context": ctx, "batch": batch, "batch_mode": mode,
                          "ms_per_token": 1e3 * step_s / batch, "ms_per_step": 1e3 * step_s,
-                         "tokens_per_s": batch / step_s, "cache_MiB_per_seq": per_seq / 2**20})
+                         "tokens_per_s": batch / step_s, "cache_MiB_per_seq": per_seq / 2**20, "timing": how})
         if cuda:
             torch.cuda.empty_cache()
     bar.close()
@@ -163,7 +202,7 @@ def run(*, device: str = "cpu", kinds=KINDS, contexts=None, size: str | None = N
                                           for k, m in models.items()},
                "params": {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()},
                "steps": steps, "warmup": warmup, "max_batch_bytes": max_batch_bytes, "max_batch": max_batch,
-               "rows": rows}
+               "graphs": graphs and cuda, "rows": rows}
     print(render(payload))
     print(f"\njson: {write_json(out, payload)}")
     print(f"plot: {plot(payload, out.with_suffix('.png'))}")
@@ -179,7 +218,7 @@ def _ratios(rows: list[dict]) -> None:
 
 
 def render(payload: dict) -> str:
-    cols = ["model", "context", "batch", "ms_per_token", "tokens_per_s", "cache_MiB_per_seq", "speedup_vs_attention"]
+    cols = ["model", "context", "batch", "ms_per_token", "tokens_per_s", "cache_MiB_per_seq", "speedup_vs_attention", "timing"]
     fmt = []
     for r in payload["rows"]:
         fmt.append({**r, "ms_per_token": f"{r['ms_per_token']:.3f}", "tokens_per_s": f"{r['tokens_per_s']:.0f}",
@@ -231,6 +270,7 @@ def add_arguments(b) -> None:
     g.add_argument("--max-batch-bytes", type=int, help="cache budget for the batched point (default 256 MiB CPU, 64 GiB CUDA)")
     g.add_argument("--max-batch", type=int, help="cap on the batched point (default 32 CPU, 256 CUDA)")
     g.add_argument("--threads", type=int, help="torch CPU threads")
+    g.add_argument("--graphs", action="store_true", help="CUDA: also time each step replayed from a CUDA graph (kept when capture works)")
 
 
 def cli_run(args) -> dict:
@@ -242,6 +282,6 @@ def cli_run(args) -> dict:
     try:
         return run(device=args.device, kinds=tuple(args.models or KINDS), contexts=args.contexts, size=args.size,
                    width=width, steps=args.steps, warmup=args.warmup, max_batch_bytes=args.max_batch_bytes,
-                   max_batch=args.max_batch, threads=args.threads, out=args.out)
+                   max_batch=args.max_batch, threads=args.threads, out=args.out, graphs=args.graphs)
     except ValueError as e:
         raise SystemExit(f"bench decode: {e}") from None
