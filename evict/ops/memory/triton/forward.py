@@ -1,17 +1,20 @@
-"""Chunked forward: two kernels, one parallel over chunks, one sequential over them.
+"""Chunked forward: three kernels: per-chunk WY factors (parallel), state carry (sequential), output (parallel).
 
-Legend: B batch, T time, H heads, K key dim, V value dim, N chunks of C tokens, SC sub-chunk (16 tokens);
-BK / BV = K / V padded to powers of two (BV may also be a block of V). Derivation: README.md beside this folder.
+Legend: B batch, T time, H heads, K key dim, V value dim; chunks of C = 64 tokens, N of them, Tp = N C;
+sub-chunks of SC = 16 rows (I, J index them); BK / BV = K / V padded to powers of two (BV may be a block of V).
+Derivation: README.md beside this folder. Per chunk, with g the prefix sums of log alpha inside it:
 
-1. `_prepare_kernel`, grid (N, B*H). Per chunk: g = prefix sums of log alpha (stored, float32);
-   A = Diag(beta) strictly-lower [k_i . k_j e^{g_i - g_j}], P = lower [q_i . k_j e^{g_i - g_j}];
-   W = L^-1 Diag(beta) (K * e^g), U_bar = L^-1 Diag(beta) V with L = I + A (delta; else U_bar = Diag(beta) V).
-   L^-1 is applied by blocks of SC rows: X_I = (I + A_II)^-1 (R_I - sum_{J<I} A_IJ X_J); the small inverses come
-   from forward substitution. Per-channel ratios of block (I, J<I) factor through r = the last token before I:
-   e^{g_i - g_j} = e^{g_i - g_r} e^{g_r - g_j}, both <= 1; diagonal blocks use the exact ratios, one key column at a time.
-2. `_recur_kernel`, grid (V / BV, B*H). Carries S [BK, BV] in float32 across chunks:
-   U = U_bar - W S;  O = scale (Q * e^g) S + scale P U;  S = e^{g_C} * S + (K * e^{g_C - g})^T U.
-Every exponent is a difference of prefix sums that is <= 0, so log alpha = -20 per step stays finite.
+1. `_intra_kernel`, grid (N, B H): g (stored, float32); the Gram blocks
+       A~_IJ = [k_i . k_j e^{g_i - g_j}]  (strictly lower),   P_IJ = [q_i . k_j e^{g_i - g_j}]  (lower)
+   one [SC, SC] dot per block; T = (I + Diag(beta) A~)^-1 by blocks (diagonal blocks by forward substitution,
+   the others as T_IJ = -T_II sum_{J<=M<I} A_IM T_MJ); W = T Diag(beta) (K * e^g), U_bar = T Diag(beta) V.
+   Per-channel gates: block (I, J) factors through r = the first row of I, e^{g_i - g_j} = e^{g_i - g_r} e^{g_r - g_j}:
+   both factors are <= 1 off the diagonal; on it e^{g_r - g_j} <= e^{spread of the sub-chunk}, used while that
+   spread is <= SPREAD, else the diagonal block takes the exact ratios one key column at a time.
+2. `_state_kernel`, grid (V / BV, B H): S [BK, BV] float32 carried across chunks; stores S at each chunk's start (Hs)
+   and U = U_bar - W S;  S <- e^{g_C} * S + (K * e^{g_C - g})^T U.
+3. `_out_kernel`, grid (V / BV, N, B H): O = scale ((Q * e^g) S + P U).
+Every exponent is a difference of prefix sums that is <= 0 (or bounded by SPREAD), so log alpha = -20 stays finite.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
+C = 64  # chunk
 SC = 16  # sub-chunk: rows per triangular block (also tl.dot's smallest size)
+SPREAD = 40.0  # largest in-sub-chunk decay for the factored diagonal block: e^40 leaves e^48 of float32 headroom
 
 
 @triton.jit
-def _load_rows(ptr, t0, rows, T, stride, cols, ncols):
+def _rows(ptr, t0, rows, T, stride, cols, ncols):
     """Rows t0 + rows (< T) and columns cols (< ncols) of a row-major [T, stride] slab, as float32 (0 outside)."""
     t = t0 + rows
     m = (t < T)[:, None] & (cols < ncols)[None, :]
@@ -32,224 +37,324 @@ def _load_rows(ptr, t0, rows, T, stride, cols, ncols):
 
 
 @triton.jit
-def _unit_lower_inverse(A, SC: tl.constexpr):
-    """(I + A)^-1 for a strictly lower [SC, SC] A, by forward substitution (row m uses rows < m only)."""
-    r = tl.arange(0, SC)
-    Tm = (r[:, None] == r[None, :]).to(tl.float32)
-    for m in range(1, SC):
-        a_m = tl.sum(tl.where(r[:, None] == m, A, 0.0), axis=0)  # [SC] row m of A (zero at and past m)
-        row = tl.sum(a_m[:, None] * Tm, axis=0)  # sum_j A[m, j] T[j, :]
-        Tm = tl.where(r[:, None] == m, Tm - row[None, :], Tm)
-    return Tm
+def _hrows(ptr, t, cols, ncols):
+    """Rows t (all valid) of a head-major float32 [Tp, ncols] buffer, columns cols < ncols (0 past them)."""
+    return tl.load(ptr + t[:, None] * ncols + cols[None, :], mask=(cols < ncols)[None, :], other=0.0)
 
 
 @triton.jit
-def _prepare_kernel(
-    q, k, v, la, beta, G, W, U, P,
+def _hstore(ptr, t, cols, ncols, x):
+    tl.store(ptr + t[:, None] * ncols + cols[None, :], x, mask=(cols < ncols)[None, :])
+
+
+@triton.jit
+def _block(ptr, r0, c0, SC: tl.constexpr, C: tl.constexpr):
+    """The [SC, SC] block at rows r0.., columns c0.. of a head-major [Tp, C] float32 buffer."""
+    rs = tl.arange(0, SC)
+    return tl.load(ptr + (r0 + rs)[:, None] * C + c0 + rs[None, :])
+
+
+@triton.jit
+def _store_block(ptr, r0, c0, x, SC: tl.constexpr, C: tl.constexpr):
+    rs = tl.arange(0, SC)
+    tl.store(ptr + (r0 + rs)[:, None] * C + c0 + rs[None, :], x)
+
+
+@triton.jit
+def _lower(ptr, t0, C: tl.constexpr, STRICT: tl.constexpr):
+    """The chunk's [C, C] lower-triangular matrix from a head-major [Tp, C] buffer (blocks above were never written)."""
+    rc = tl.arange(0, C)
+    if STRICT:
+        m = rc[:, None] > rc[None, :]
+    else:
+        m = rc[:, None] >= rc[None, :]
+    return tl.load(ptr + (t0 + rc)[:, None] * C + rc[None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def _spread(g_r, gI):
+    """Largest decay from the sub-chunk's first row r to any of its rows, over channels (>= 0 for log alpha <= 0)."""
+    return tl.max(tl.max(g_r[None, :] - gI, axis=1), axis=0)
+
+
+@triton.jit
+def _diag_gram_exact(kI, qI, gI, k_bh, G_bh, r0, T, sk, ck, K: tl.constexpr, SC: tl.constexpr):
+    """Diagonal Gram blocks with exact per-channel ratios, one key column j at a time (strong decay only):
+    a_ij = sum_c k_ic k_jc e^{g_ic - g_jc}, p_ij = sum_c q_ic k_jc e^{g_ic - g_jc} for j <= i (garbage above)."""
+    rs = tl.arange(0, SC)
+    a = tl.zeros([SC, SC], tl.float32)
+    p = tl.zeros([SC, SC], tl.float32)
+    for j in range(SC):
+        kj = tl.load(k_bh + (r0 + j).to(tl.int64) * sk + ck, mask=(ck < K) & (r0 + j < T), other=0.0).to(tl.float32)
+        gj = tl.load(G_bh + (r0 + j) * K + ck, mask=ck < K, other=0.0)
+        e = tl.exp(tl.where(rs[:, None] >= j, gI - gj[None, :], 0.0)) * kj[None, :]
+        a = tl.where(rs[None, :] == j, tl.sum(kI * e, axis=1)[:, None], a)
+        p = tl.where(rs[None, :] == j, tl.sum(qI * e, axis=1)[:, None], p)
+    return a, p
+
+
+@triton.jit
+def _intra_kernel(
+    q, k, v, la, beta, G, Ub, W, Tm, Am, Pm,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
-    C: tl.constexpr, SC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    C: tl.constexpr, SC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPREAD: tl.constexpr,
     GATE: tl.constexpr, DELTA: tl.constexpr, HAS_BETA: tl.constexpr, PREC: tl.constexpr,
 ):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_n * C
-    Tp = N * C
-    ck, cv, rs = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, SC)
-    # token-major inputs: (b, t, h) row at ((b T + t) H + h)
-    q_bh = q + (i_b.to(tl.int64) * T * H + i_h) * K
-    k_bh = k + (i_b.to(tl.int64) * T * H + i_h) * K
-    v_bh = v + (i_b.to(tl.int64) * T * H + i_h) * V
-    # head-major buffers, padded to Tp rows
-    G_bh = G + i_bh.to(tl.int64) * Tp * (K if GATE == 2 else 1)
-    W_bh = W + i_bh.to(tl.int64) * Tp * K
-    U_bh = U + i_bh.to(tl.int64) * Tp * V
-    P_bh = P + i_bh.to(tl.int64) * Tp * C
+    rc, rs, ck, cv = tl.arange(0, C), tl.arange(0, SC), tl.arange(0, BK), tl.arange(0, BV)
+    tok = i_b.to(tl.int64) * T * H + i_h  # token-major row of (b, t = 0, h); token t is row tok + t H
+    q_bh, k_bh, v_bh = q + tok * K, k + tok * K, v + tok * V
+    hm = i_bh.to(tl.int64) * N * C  # head-major first row
+    G_bh = G + hm * (K if GATE == 2 else 1)
+    W_bh, U_bh = W + hm * K, Ub + hm * V
+    T_bh, A_bh, P_bh = Tm + hm * C, Am + hm * C, Pm + hm * C
 
-    rc = tl.arange(0, C)
     if GATE == 2:
-        la_c = _load_rows(la + (i_b.to(tl.int64) * T * H + i_h) * K, t0, rc, T, H * K, ck, K)
-        tl.store(G_bh + (t0 + rc)[:, None] * K + ck[None, :], tl.cumsum(la_c, axis=0), mask=(ck < K)[None, :])
+        g = tl.cumsum(_rows(la + tok * K, t0, rc, T, H * K, ck, K), axis=0)
+        _hstore(G_bh, t0 + rc, ck, K, g)
     if GATE == 1:
-        la_c = tl.load(la + (i_b.to(tl.int64) * T + t0 + rc) * H + i_h, mask=t0 + rc < T, other=0.0).to(tl.float32)
-        tl.store(G_bh + t0 + rc, tl.cumsum(la_c, axis=0))
+        lac = tl.load(la + tok + (t0 + rc).to(tl.int64) * H, mask=t0 + rc < T, other=0.0).to(tl.float32)
+        tl.store(G_bh + t0 + rc, tl.cumsum(lac, axis=0))
     tl.debug_barrier()
 
+    # Gram blocks: A~ (k.k, strictly lower, only for the delta rule) and P (q.k, lower)
     for I in tl.static_range(C // SC):
-        r0 = t0 + I * SC  # first token of sub-chunk I
-        kI = _load_rows(k_bh, r0, rs, T, H * K, ck, K)
-        qI = _load_rows(q_bh, r0, rs, T, H * K, ck, K)
-        vI = _load_rows(v_bh, r0, rs, T, H * V, cv, V)
-        if HAS_BETA:
-            bI = tl.load(beta + (i_b.to(tl.int64) * T + r0 + rs) * H + i_h, mask=r0 + rs < T, other=0.0).to(tl.float32)
-        else:
-            bI = tl.full([SC], 1.0, tl.float32)
+        r0 = t0 + I * SC
+        kI = _rows(k_bh, r0, rs, T, H * K, ck, K)
+        qI = _rows(q_bh, r0, rs, T, H * K, ck, K)
         if GATE == 2:
-            gI = tl.load(G_bh + (r0 + rs)[:, None] * K + ck[None, :], mask=(ck < K)[None, :], other=0.0)
+            gI = _hrows(G_bh, r0 + rs, ck, K)
+            g_r = tl.load(G_bh + r0 * K + ck, mask=ck < K, other=0.0)
+            xf = tl.exp(gI - g_r[None, :])
+            kx, qx = kI * xf, qI * xf
         if GATE == 1:
             gI = tl.load(G_bh + r0 + rs)
-
-        # diagonal block: A_II (strictly lower) and P_II (lower) with exact ratios
-        if GATE == 2:  # exact ratios, one key column j at a time ([SC, SC, K] at once spilled: 1.9x slower)
-            A_II = tl.zeros([SC, SC], tl.float32)
-            P_II = tl.zeros([SC, SC], tl.float32)
-            for j in range(SC):
-                kj = tl.load(k_bh + (r0 + j).to(tl.int64) * H * K + ck, mask=(ck < K) & (r0 + j < T), other=0.0).to(tl.float32)
-                gj = tl.load(G_bh + (r0 + j) * K + ck, mask=ck < K, other=0.0)
-                e = tl.exp(tl.where(rs[:, None] >= j, gI - gj[None, :], 0.0)) * kj[None, :]  # [SC, BK]
-                A_II = tl.where(rs[None, :] == j, tl.sum(kI * e, axis=1)[:, None], A_II)
-                P_II = tl.where(rs[None, :] == j, tl.sum(qI * e, axis=1)[:, None], P_II)
+        for J in tl.static_range(I):
+            kJ = _rows(k_bh, t0 + J * SC, rs, T, H * K, ck, K)
+            if GATE == 2:
+                ky = kJ * tl.exp(g_r[None, :] - _hrows(G_bh, t0 + J * SC + rs, ck, K))
+                a = tl.dot(kx, tl.trans(ky), input_precision=PREC)
+                p = tl.dot(qx, tl.trans(ky), input_precision=PREC)
+            else:
+                a = tl.dot(kI, tl.trans(kJ), input_precision=PREC)
+                p = tl.dot(qI, tl.trans(kJ), input_precision=PREC)
+                if GATE == 1:
+                    ratio = tl.exp(gI[:, None] - tl.load(G_bh + t0 + J * SC + rs)[None, :])
+                    a, p = a * ratio, p * ratio
+            if DELTA:
+                _store_block(A_bh, r0, J * SC, a, SC, C)
+            _store_block(P_bh, r0, J * SC, p, SC, C)
+        if GATE == 2:
+            if _spread(g_r, gI) <= SPREAD:
+                ky = kI * tl.exp(g_r[None, :] - gI)
+                a = tl.dot(kx, tl.trans(ky), input_precision=PREC)
+                p = tl.dot(qx, tl.trans(ky), input_precision=PREC)
+            else:
+                a, p = _diag_gram_exact(kI, qI, gI, k_bh, G_bh, r0, T, H * K, ck, K, SC)
         else:
-            A_II = tl.dot(kI, tl.trans(kI), input_precision=PREC)
-            P_II = tl.dot(qI, tl.trans(kI), input_precision=PREC)
+            a = tl.dot(kI, tl.trans(kI), input_precision=PREC)
+            p = tl.dot(qI, tl.trans(kI), input_precision=PREC)
             if GATE == 1:
                 ratio = tl.exp(tl.where(rs[:, None] >= rs[None, :], gI[:, None] - gI[None, :], 0.0))
-                A_II = A_II * ratio
-                P_II = P_II * ratio
-        A_II = tl.where(rs[:, None] > rs[None, :], A_II * bI[:, None], 0.0)
-        P_II = tl.where(rs[:, None] >= rs[None, :], P_II, 0.0)
-
+                a, p = a * ratio, p * ratio
         if DELTA:
-            if GATE == 2:
-                rw = kI * tl.exp(gI) * bI[:, None]
-            elif GATE == 1:
-                rw = kI * (tl.exp(gI) * bI)[:, None]
-            else:
-                rw = kI * bI[:, None]
-        ru = vI * bI[:, None]
+            _store_block(A_bh, r0, I * SC, tl.where(rs[:, None] > rs[None, :], a, 0.0), SC, C)
+        _store_block(P_bh, r0, I * SC, tl.where(rs[:, None] >= rs[None, :], p, 0.0), SC, C)
 
-        if GATE == 2 and I > 0:
-            g_r = tl.load(G_bh + (r0 - 1) * K + ck, mask=ck < K, other=0.0)
-            kdI = kI * tl.exp(gI - g_r[None, :])
-            qdI = qI * tl.exp(gI - g_r[None, :])
-        for J in tl.static_range(I):
-            kJ = _load_rows(k_bh, t0 + J * SC, rs, T, H * K, ck, K)
-            if GATE == 2:
-                gJ = tl.load(G_bh + (t0 + J * SC + rs)[:, None] * K + ck[None, :], mask=(ck < K)[None, :], other=0.0)
-                krJ = kJ * tl.exp(g_r[None, :] - gJ)
-                A_IJ = tl.dot(kdI, tl.trans(krJ), input_precision=PREC)
-                P_IJ = tl.dot(qdI, tl.trans(krJ), input_precision=PREC)
-            else:
-                A_IJ = tl.dot(kI, tl.trans(kJ), input_precision=PREC)
-                P_IJ = tl.dot(qI, tl.trans(kJ), input_precision=PREC)
-                if GATE == 1:
-                    gJ = tl.load(G_bh + t0 + J * SC + rs)
-                    ratio = tl.exp(gI[:, None] - gJ[None, :])
-                    A_IJ = A_IJ * ratio
-                    P_IJ = P_IJ * ratio
-            tl.store(P_bh + (r0 + rs)[:, None] * C + (J * SC + rs)[None, :], P_IJ)
-            if DELTA:
-                A_IJ = A_IJ * bI[:, None]
-                wJ = tl.load(W_bh + (t0 + J * SC + rs)[:, None] * K + ck[None, :], mask=(ck < K)[None, :], other=0.0)
-                uJ = tl.load(U_bh + (t0 + J * SC + rs)[:, None] * V + cv[None, :], mask=(cv < V)[None, :], other=0.0)
-                rw -= tl.dot(A_IJ, wJ, input_precision=PREC)
-                ru -= tl.dot(A_IJ, uJ, input_precision=PREC)
-        tl.store(P_bh + (r0 + rs)[:, None] * C + (I * SC + rs)[None, :], P_II)
-        for J in tl.static_range(I + 1, C // SC):
-            tl.store(P_bh + (r0 + rs)[:, None] * C + (J * SC + rs)[None, :], tl.zeros([SC, SC], tl.float32))
-        if DELTA:
-            Tinv = _unit_lower_inverse(A_II, SC)
-            tl.store(W_bh + (r0 + rs)[:, None] * K + ck[None, :], tl.dot(Tinv, rw, input_precision=PREC), mask=(ck < K)[None, :])
-            ru = tl.dot(Tinv, ru, input_precision=PREC)
-        tl.store(U_bh + (r0 + rs)[:, None] * V + cv[None, :], ru, mask=(cv < V)[None, :])
+    if HAS_BETA:
+        bc = tl.load(beta + tok + (t0 + rc).to(tl.int64) * H, mask=t0 + rc < T, other=0.0).to(tl.float32)
+    else:
+        bc = tl.where(t0 + rc < T, 1.0, 0.0)
+    vc = _rows(v_bh, t0, rc, T, H * V, cv, V) * bc[:, None]
+    if DELTA:
         tl.debug_barrier()
+        # diagonal blocks of T by forward substitution: row m of (I + A)^-1 is e_m - sum_{j<m} A_mj T_j
+        for I in tl.static_range(C // SC):
+            Tii = (rs[:, None] == rs[None, :]).to(tl.float32)
+            for m in range(1, SC):
+                t_m = t0 + I * SC + m
+                a_m = tl.load(A_bh + t_m * C + I * SC + rs)  # zero at j >= m
+                if HAS_BETA:
+                    a_m = a_m * tl.load(beta + tok + t_m.to(tl.int64) * H, mask=t_m < T, other=0.0).to(tl.float32)
+                Tii = tl.where(rs[:, None] == m, Tii - tl.sum(a_m[:, None] * Tii, axis=0)[None, :], Tii)
+            _store_block(T_bh, t0 + I * SC, I * SC, Tii, SC, C)
+        tl.debug_barrier()
+        # blocks below the diagonal, one block row at a time: T_IJ = -T_II sum_{J <= M < I} Diag(beta_I) A~_IM T_MJ
+        for I in tl.static_range(1, C // SC):
+            r0 = t0 + I * SC
+            Tii = _block(T_bh, r0, I * SC, SC, C)
+            if HAS_BETA:
+                bI = tl.load(beta + tok + (r0 + rs).to(tl.int64) * H, mask=r0 + rs < T, other=0.0).to(tl.float32)
+            for J in tl.static_range(I):
+                acc = tl.zeros([SC, SC], tl.float32)
+                for M in tl.static_range(J, I):
+                    acc += tl.dot(_block(A_bh, r0, M * SC, SC, C), _block(T_bh, t0 + M * SC, J * SC, SC, C),
+                                  input_precision=PREC)
+                if HAS_BETA:
+                    acc = acc * bI[:, None]
+                _store_block(T_bh, r0, J * SC, -tl.dot(Tii, acc, input_precision=PREC), SC, C)
+            tl.debug_barrier()
+        Tc = _lower(T_bh, t0, C, False)
+        kc = _rows(k_bh, t0, rc, T, H * K, ck, K) * bc[:, None]
+        if GATE == 2:
+            kc = kc * tl.exp(_hrows(G_bh, t0 + rc, ck, K))
+        if GATE == 1:
+            kc = kc * tl.exp(tl.load(G_bh + t0 + rc))[:, None]
+        _hstore(W_bh, t0 + rc, ck, K, tl.dot(Tc, kc, input_precision=PREC))
+        vc = tl.dot(Tc, vc, input_precision=PREC)
+    _hstore(U_bh, t0 + rc, cv, V, vc)
 
 
 @triton.jit
-def _recur_kernel(
-    q, k, G, W, U, P, s0, sT, o,
-    scale, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
+def _state_kernel(
+    k, G, Ub, W, U, Hs, s0, sT,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, DELTA: tl.constexpr, HAS_S0: tl.constexpr, PREC: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    Tp = N * C
     ck, rc = tl.arange(0, BK), tl.arange(0, C)
     cv = i_v * BV + tl.arange(0, BV)
     mk, mv = ck < K, cv < V
-    q_bh = q + (i_b.to(tl.int64) * T * H + i_h) * K
     k_bh = k + (i_b.to(tl.int64) * T * H + i_h) * K
-    o_bh = o + (i_b.to(tl.int64) * T * H + i_h) * V
-    G_bh = G + i_bh.to(tl.int64) * Tp * (K if GATE == 2 else 1)
-    W_bh = W + i_bh.to(tl.int64) * Tp * K
-    U_bh = U + i_bh.to(tl.int64) * Tp * V
-    P_bh = P + i_bh.to(tl.int64) * Tp * C
-    s_off = i_bh.to(tl.int64) * K * V + ck[:, None] * V + cv[None, :]
+    hm = i_bh.to(tl.int64) * N * C
+    G_bh = G + hm * (K if GATE == 2 else 1)
+    W_bh, Ub_bh, U_bh = W + hm * K, Ub + hm * V, U + hm * V
+    s_off = ck[:, None] * V + cv[None, :]
     m_s = mk[:, None] & mv[None, :]
     if HAS_S0:
-        S = tl.load(s0 + s_off, mask=m_s, other=0.0)
+        S = tl.load(s0 + i_bh.to(tl.int64) * K * V + s_off, mask=m_s, other=0.0)
     else:
         S = tl.zeros([BK, BV], tl.float32)
     for n in range(N):
         t0 = n * C
-        qn = _load_rows(q_bh, t0, rc, T, H * K, ck, K)
-        kn = _load_rows(k_bh, t0, rc, T, H * K, ck, K)
-        Pn = tl.load(P_bh + (t0 + rc)[:, None] * C + rc[None, :])
-        u = tl.load(U_bh + (t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0)
+        tl.store(Hs + (i_bh.to(tl.int64) * N + n) * K * V + s_off, S, mask=m_s)
+        u = tl.load(Ub_bh + (t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0)
         if DELTA:
-            wn = tl.load(W_bh + (t0 + rc)[:, None] * K + ck[None, :], mask=mk[None, :], other=0.0)
-            u -= tl.dot(wn, S, input_precision=PREC)
+            u -= tl.dot(_hrows(W_bh, t0 + rc, ck, K), S, input_precision=PREC)
+        tl.store(U_bh + (t0 + rc)[:, None] * V + cv[None, :], u, mask=mv[None, :])
+        kn = _rows(k_bh, t0, rc, T, H * K, ck, K)
         if GATE == 2:
-            gn = tl.load(G_bh + (t0 + rc)[:, None] * K + ck[None, :], mask=mk[None, :], other=0.0)
+            gn = _hrows(G_bh, t0 + rc, ck, K)
             g_end = tl.load(G_bh + (t0 + C - 1) * K + ck, mask=mk, other=0.0)
-            qn = qn * tl.exp(gn)
             kn = kn * tl.exp(g_end[None, :] - gn)
-            decay = tl.exp(g_end)[:, None]
+            S = S * tl.exp(g_end)[:, None]
         if GATE == 1:
             gn = tl.load(G_bh + t0 + rc)
             g_end = tl.load(G_bh + t0 + C - 1)
-            qn = qn * tl.exp(gn)[:, None]
             kn = kn * tl.exp(g_end - gn)[:, None]
-            decay = tl.exp(g_end)
-        on = scale * (tl.dot(qn, S, input_precision=PREC) + tl.dot(Pn, u, input_precision=PREC))
-        tl.store(o_bh + (t0 + rc)[:, None].to(tl.int64) * H * V + cv[None, :], on.to(o.dtype.element_ty),
-                 mask=(t0 + rc < T)[:, None] & mv[None, :])
-        if GATE == 0:
-            S = S + tl.dot(tl.trans(kn), u, input_precision=PREC)
-        else:
-            S = S * decay + tl.dot(tl.trans(kn), u, input_precision=PREC)
-    tl.store(sT + s_off, S, mask=m_s)
+            S = S * tl.exp(g_end)
+        S += tl.dot(tl.trans(kn), u, input_precision=PREC)
+    tl.store(sT + i_bh.to(tl.int64) * K * V + s_off, S, mask=m_s)
 
 
-def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunk_size=64,
-                   precision=None, block_v=None, warps=(4, 4), stages=None):
-    """Chunked forward on [B, T, H, D] tensors. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32).
+@triton.jit
+def _out_kernel(
+    q, G, U, Pm, Hs, o, scale,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr,
+):
+    i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    t0 = i_n * C
+    ck, rc = tl.arange(0, BK), tl.arange(0, C)
+    cv = i_v * BV + tl.arange(0, BV)
+    mk, mv = ck < K, cv < V
+    tok = i_b.to(tl.int64) * T * H + i_h
+    hm = i_bh.to(tl.int64) * N * C
+    qn = _rows(q + tok * K, t0, rc, T, H * K, ck, K)
+    if GATE == 2:
+        qn = qn * tl.exp(_hrows(G + hm * K, t0 + rc, ck, K))
+    if GATE == 1:
+        qn = qn * tl.exp(tl.load(G + hm + t0 + rc))[:, None]
+    S = tl.load(Hs + (i_bh.to(tl.int64) * N + i_n) * K * V + ck[:, None] * V + cv[None, :],
+                mask=mk[:, None] & mv[None, :], other=0.0)
+    u = tl.load(U + (hm + t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0)
+    on = tl.dot(qn, S, input_precision=PREC) + tl.dot(_lower(Pm + hm * C, t0, C, False), u, input_precision=PREC)
+    tl.store(o + (tok + (t0 + rc).to(tl.int64) * H)[:, None] * V + cv[None, :], (scale * on).to(o.dtype.element_ty),
+             mask=(t0 + rc < T)[:, None] & mv[None, :])
 
-    `precision` is tl.dot's input_precision; default "tf32x3" for float32 inputs (float32-grade), "tf32" otherwise.
-    `block_v` (V columns per program of the carry kernel) and `warps` (per kernel) and `stages` (software pipelining of the carry loop) are tuning knobs.
-    """
+
+def _gate(log_alpha):
+    return 0 if log_alpha is None else (1 if log_alpha.dim() == 3 else 2)
+
+
+def precision_for(dtype) -> str:
+    """tl.dot's input precision: float32-grade "tf32x3" for float32 inputs, "tf32" for 16-bit ones."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def _sms(dev) -> int:
+    return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+
+
+def state_block_v(B, H, V, dev) -> int:
+    """V columns per program of the sequential kernels: narrower when B H alone cannot fill the GPU."""
+    return 16 if B * H * triton.cdiv(V, 32) < _sms(dev) else 32
+
+
+def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4):
+    """Kernel 1: (G, U_bar, W, T, A~, P) on head-major buffers (W / T / A~ empty without the delta rule)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    C = min(max(chunk_size, SC), 64)  # P [C, C] lives in registers: 64 at most
     N = max(1, triton.cdiv(T, C))
-    Tp = N * C
-    dev = q.device
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    gate = 0 if log_alpha is None else (1 if log_alpha.dim() == 3 else 2)
-    la = log_alpha.contiguous() if log_alpha is not None else q
-    bt = beta.contiguous() if beta is not None else q
-    prec = precision or ("tf32x3" if q.dtype == torch.float32 else "tf32")
+    dev, f32 = q.device, torch.float32
+    gate = _gate(log_alpha)
+    G = torch.empty(B * H * N * C * (K if gate == 2 else 1) if gate else 1, dtype=f32, device=dev)
+    Ub = torch.empty(B * H * N * C * V, dtype=f32, device=dev)
+    W = torch.empty(B * H * N * C * K if delta else 1, dtype=f32, device=dev)
+    Tm, Am = (torch.empty(B * H * N * C * C if delta else 1, dtype=f32, device=dev) for _ in range(2))
+    Pm = torch.empty(B * H * N * C * C, dtype=f32, device=dev)
+    BK, BV = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+    _intra_kernel[(N, B * H)](
+        q, k, v, log_alpha if gate else q, beta if beta is not None else q, G, Ub, W, Tm, Am, Pm,
+        T, H=H, K=K, V=V, N=N, C=C, SC=SC, BK=BK, BV=BV, SPREAD=SPREAD,
+        GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=precision_for(q.dtype), num_warps=warps, num_stages=1,
+    )
+    return dict(G=G, Ub=Ub, W=W, Tm=Tm, Am=Am, Pm=Pm, N=N, gate=gate)
+
+
+def carry(k, x, initial_state, delta: bool, *, V: int, block_v=None, warps=4, stages=2):
+    """Kernel 2: per-chunk start states Hs [B H N K V] float32, U (head-major), and the final state [B, H, K, V]."""
+    B, T, H, K = k.shape
+    N, gate, dev = x["N"], x["gate"], k.device
     f32 = torch.float32
-    G = torch.empty(B * H * Tp * (K if gate == 2 else 1) if gate else 1, dtype=f32, device=dev)
-    W = torch.empty(B * H * Tp * K if delta else 1, dtype=f32, device=dev)
-    U = torch.empty(B * H * Tp * V, dtype=f32, device=dev)
-    P = torch.empty(B * H * Tp * C, dtype=f32, device=dev)
-    BK, BVf = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
-    _prepare_kernel[(N, B * H)](
-        q, k, v, la, bt, G, W, U, P, T, H=H, K=K, V=V, N=N, C=C, SC=SC, BK=BK, BV=BVf,
-        GATE=gate, DELTA=bool(delta), HAS_BETA=beta is not None, PREC=prec, num_warps=warps[0], num_stages=1,
-    )
-    o = torch.empty(B, T, H, V, dtype=q.dtype, device=dev)
+    U = torch.empty(B * H * N * C * V, dtype=f32, device=dev)
+    Hs = torch.empty(B * H * N * K * V, dtype=f32, device=dev)
     sT = torch.empty(B, H, K, V, dtype=f32, device=dev)
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(max(16, triton.next_power_of_2(V)), block_v or state_block_v(B, H, V, dev))
     s0 = initial_state.contiguous().to(f32) if initial_state is not None else sT
-    if block_v is None:  # narrow V blocks (and a pipelined loop) when B H alone cannot fill the GPU
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if q.is_cuda else 1
-        block_v = 16 if B * H * triton.cdiv(V, 32) < sms else 32
-    if stages is None:
-        stages = 2 if block_v <= 16 and q.dtype != torch.float32 else 1  # shared memory: 2 stages fit for 16-bit inputs
-    BV = min(BVf, max(16, block_v))
-    _recur_kernel[(triton.cdiv(V, BV), B * H)](
-        q, k, G, W, U, P, s0, sT, o, float(scale), T, H=H, K=K, V=V, N=N, C=C, BK=BK, BV=BV,
-        GATE=gate, DELTA=bool(delta), HAS_S0=initial_state is not None, PREC=prec, num_warps=warps[1], num_stages=stages,
+    _state_kernel[(triton.cdiv(V, BV), B * H)](
+        k, x["G"], x["Ub"], x["W"], U, Hs, s0, sT, T, H=H, K=K, V=V, N=N, C=C, BK=BK, BV=BV,
+        GATE=gate, DELTA=delta, HAS_S0=initial_state is not None, PREC=precision_for(k.dtype),
+        num_warps=warps, num_stages=stages,
     )
+    return U, Hs, sT
+
+
+def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None,
+                   block_v=None, warps=(4, 4, 4), stages=2, keep=False):
+    """Chunked forward on [B, T, H, D] tensors. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32),
+    plus the intermediates when `keep` (what the backward needs)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    log_alpha = log_alpha.contiguous() if log_alpha is not None else None
+    beta = beta.contiguous() if beta is not None else None
+    x = intra(q, k, v, log_alpha, beta, bool(delta), warps=warps[0])
+    U, Hs, sT = carry(k, x, initial_state, bool(delta), V=V, block_v=block_v, warps=warps[1], stages=stages)
+    o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(max(16, triton.next_power_of_2(V)), 64)
+    _out_kernel[(triton.cdiv(V, BV), x["N"], B * H)](
+        q, x["G"], U, x["Pm"], Hs, o, float(scale), T, H=H, K=K, V=V, N=x["N"], C=C, BK=BK, BV=BV,
+        GATE=x["gate"], PREC=precision_for(q.dtype), num_warps=warps[2],
+    )
+    if keep:
+        x.update(U=U, Hs=Hs)
+        return o, sT, x
     return o, sT
