@@ -86,52 +86,88 @@ def _memory_cost(B, T, H, D, C=64, train=False):
     return flops, nbytes
 
 
-def bench_cuda(shapes=CUDA_SHAPES, *, H=16, D=128, out=None, backward=False, fla_backward=False) -> list[dict]:
-    """Decode step at B8 H16 D128, then forward (and optionally forward+backward) for KDA and Gated DeltaNet at bf16.
+def _fla():
+    """fla's chunked and fused-recurrent entry points, when fla is installed (optional comparison oracle)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+    except ImportError:
+        return {}, {}
+    return ({"kda": chunk_kda, "gated_deltanet": chunk_gated_delta_rule},
+            {"kda": fused_recurrent_kda, "gated_deltanet": fused_recurrent_gated_delta_rule})
 
-    Rows print as they are measured. `backward`: evict's fwd+bwd (its backward is the recomputed PyTorch chunked
-    form, slow); `fla_backward`: fla's fwd+bwd (its kernels autotune for minutes on first use).
+
+def _kernel_profile(fn, steps: int = 5) -> list[tuple[str, float]]:
+    """CUDA kernel time per kernel name (ms per call of fn), largest first, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.key_averages():  # kernels carry self device time; the ops around them carry none
+        t = getattr(e, "self_device_time_total", None)
+        t = e.self_cuda_time_total if t is None else t
+        if t > 0:
+            per[e.key] = per.get(e.key, 0.0) + t / 1e3 / steps
+    return sorted(per.items(), key=lambda kv: -kv[1])
+
+
+def bench_cuda(shapes=CUDA_SHAPES, *, H=16, D=128, out=None, fla_backward=True, profile=True) -> list[dict]:
+    """Decode step at B8 H16 D128, then forward and forward+backward of KDA and Gated DeltaNet at bf16 against fla
+    (when installed) and SDPA flash attention; each row also as a fraction of the measured roofline.
+
+    Rows print as they are measured. fla's outputs and gradients are compared with evict's on the same inputs
+    (relative error in the note). `profile`: CUDA time per kernel of evict's fwd+bwd at the first shape.
     """
     from triton.testing import do_bench
 
     dev = "cuda"
     bench = lambda fn, rep=200: do_bench(fn, warmup=25, rep=rep, return_mode="median")
     ceil = _ceilings(dev)
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-        from fla.ops.kda import chunk_kda, fused_recurrent_kda
-        fla = {"kda": chunk_kda, "gated_deltanet": chunk_gated_delta_rule}
-        fla_step = {"kda": fused_recurrent_kda, "gated_deltanet": fused_recurrent_gated_delta_rule}
-    except ImportError:
-        fla, fla_step = {}, {}
+    fla, fla_step = _fla()
     rows = _bench_step(dev, ceil, fla_step, bench, H=H, D=D)
-    fla_jobs = []
+    profiles = {}
     for B, T in shapes:
         shape = f"B{B} T{T} H{H} D{D}"
         for rule in ("kda", "gated_deltanet"):
             x = rule_inputs(rule, B, T, H, D, dtype=torch.bfloat16, device=dev)
-            q, k, v, la, beta = x["q"], x["k"], x["v"], x["log_alpha"], x["beta"]
-            fwd = lambda: memory(q, k, v, log_alpha=la, beta=beta, delta=True, check=False, impl="triton")
+            args = (x["q"], x["k"], x["v"], x["log_alpha"], x["beta"])
+            leaves = [t.clone().requires_grad_(True) for t in args]
+            do = torch.randn_like(x["v"])
+
+            def fwd():
+                return memory(*args[:3], log_alpha=args[3], beta=args[4], delta=True, check=False, impl="triton")[0]
+
+            def fb():
+                o, _ = memory(*leaves[:3], log_alpha=leaves[3], beta=leaves[4], delta=True, check=False, impl="triton")
+                return torch.autograd.grad(o, leaves, do)
+
             flops, nbytes = _memory_cost(B, T, H, D)
             rows.append(_row(f"evict {rule} fwd", shape, bench(fwd), flops, nbytes, ceil))
-            if rule in fla:  # timed last: fla autotunes on first use
-                fla_jobs.append((f"fla {rule} fwd", shape, fla[rule], (q, k, v, la, beta), flops, nbytes))
-            leaves = [t.clone().requires_grad_(True) for t in (q, k, v, la, beta)]
-            flops, nbytes = _memory_cost(B, T, H, D, train=True)
-            if backward:
-                def fb():
-                    o, _ = memory(*leaves[:3], log_alpha=leaves[3], beta=leaves[4], delta=True, check=False, impl="triton")
-                    o.sum().backward()
-                rows.append(_row(f"evict {rule} fwd+bwd", shape, bench(fb, rep=500), flops, nbytes, ceil,
-                                 "backward = recomputed PyTorch chunked form"))
-            if rule in fla and fla_backward:
+            flops_t, nbytes_t = _memory_cost(B, T, H, D, train=True)
+            rows.append(_row(f"evict {rule} fwd+bwd", shape, bench(fb, rep=500), flops_t, nbytes_t, ceil))
+            if profile and (B, T) == shapes[0]:
+                profiles[rule] = _kernel_profile(fb)
+            if rule not in fla:
+                continue
+            f = fla[rule]
+            with torch.no_grad():
+                agree = f"out vs evict {rel_err(f(*args)[0], fwd()):.1e}"
+            rows.append(_row(f"fla {rule} fwd", shape, bench(lambda: f(*args)), flops, nbytes, ceil, agree))
+            if fla_backward:
                 def fb_fla():
-                    o, _ = fla[rule](*leaves)
-                    o.sum().backward()
+                    o, _ = f(*leaves)
+                    return torch.autograd.grad(o, leaves, do)
                 try:
-                    rows.append(_row(f"fla {rule} fwd+bwd", shape, bench(fb_fla, rep=500), flops, nbytes, ceil))
+                    g_fla, g_ev = fb_fla(), fb()
+                    agree = "grads vs evict " + " ".join(f"{n}:{rel_err(a, b):.0e}" for n, a, b in zip("qkvab", g_fla, g_ev))
+                    rows.append(_row(f"fla {rule} fwd+bwd", shape, bench(fb_fla, rep=500), flops_t, nbytes_t, ceil, agree))
                 except Exception as e:  # fla's own guard refuses gated bwd on Triton 3.6 + Hopper
-                    rows.append({"op": f"fla {rule} fwd+bwd", "shape": shape, "note": f"refused: {str(e)[:60]}"})
+                    rows.append({"op": f"fla {rule} fwd+bwd", "shape": shape, "note": f"refused: {str(e)[:70]}"})
         qs, ks, vs = (torch.randn(B, H, T, D, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         sdpa = lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
         fl = 2 * B * H * T * T * D
@@ -139,15 +175,21 @@ def bench_cuda(shapes=CUDA_SHAPES, *, H=16, D=128, out=None, backward=False, fla
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
             rows.append(_row("sdpa flash causal fwd", shape, bench(sdpa), fl, nb, ceil))
             rows.append(_row("sdpa flash causal fwd+bwd", shape, bench(lambda: sdpa().sum().backward(), rep=500), 3.5 * fl, 2 * nb, ceil))
-    for name, shape, fn, args, flops, nbytes in fla_jobs:
-        rows.append(_row(name, shape, bench(lambda: fn(*args)), flops, nbytes, ceil))
     print(markdown_table(rows, ["op", "shape", "ms", "roofline_ms", "of_roofline", "note"]))
+    for rule, per in profiles.items():
+        print(f"\nCUDA time per kernel, evict {rule} fwd+bwd, {shapes[0]}:")
+        print(markdown_table([{"kernel": k[:60], "ms": round(v, 4)} for k, v in per[:12]], ["kernel", "ms"]))
     info = card()
     info["ceilings"] = {k: round(v, 1) for k, v in ceil.items()}
     print(f"\n{info}")
     if out:
-        print(f"wrote {write_json(out, {'card': info, 'rows': rows})}")
+        print(f"wrote {write_json(out, {'card': info, 'rows': rows, 'profiles': profiles})}")
     return rows
+
+
+def rel_err(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _bench_step(dev, ceil, fla_step, bench, *, B=8, H=16, D=128) -> list[dict]:

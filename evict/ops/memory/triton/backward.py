@@ -226,7 +226,7 @@ def _dkey_kernel(
     tl.debug_barrier()
 
     # 3. sub-chunk blocks: the Gram matrices' transposed products
-    for I in tl.static_range(C // SC):
+    for I in range(C // SC):
         r0 = t0 + I * SC
         qI = _rows(q_bh, r0, rs, T, H * K, ck, K)
         kI = _rows(k_bh, r0, rs, T, H * K, ck, K)
@@ -239,56 +239,43 @@ def _dkey_kernel(
             xf = tl.exp(gI - g_r[None, :])
         if GATE == 1:
             gI = tl.load(G_bh + r0 + rs)
-        # row side: block (I, J <= I), reference r = first row of I
-        for J in tl.static_range(I + 1):
+        # row side: blocks (I, J < I), reference r = first row of I (and J = I here unless per-channel)
+        for J in range(I + (GATE != 2)):
             dPb = _block(dP_bh, r0, J * SC, SC, C)
             if DELTA:
                 dAb = _block(dA_bh, r0, J * SC, SC, C)
             kJ = _rows(k_bh, t0 + J * SC, rs, T, H * K, ck, K)
             if GATE == 2:
-                if J < I:
-                    ky = kJ * tl.exp(g_r[None, :] - _hrows(G_bh, t0 + J * SC + rs, ck, K))
-                    dqI += tl.dot(dPb, ky, input_precision=PREC)
-                    if DELTA:
-                        dkr += tl.dot(dAb, ky, input_precision=PREC)
-            else:
-                if GATE == 1:
-                    gJ = tl.load(G_bh + t0 + J * SC + rs)
-                    if J < I:
-                        ratio = tl.exp(gI[:, None] - gJ[None, :])
-                    else:
-                        ratio = tl.exp(tl.where(rs[:, None] >= rs[None, :], gI[:, None] - gJ[None, :], 0.0))
-                    dPb = dPb * ratio
-                    if DELTA:
-                        dAb = dAb * ratio
-                dqI += tl.dot(dPb, kJ, input_precision=PREC)
+                kJ = kJ * tl.exp(g_r[None, :] - _hrows(G_bh, t0 + J * SC + rs, ck, K))
+            if GATE == 1:
+                gJ = tl.load(G_bh + t0 + J * SC + rs)
+                ratio = tl.exp(tl.where((rs[:, None] >= rs[None, :]) | (J < I), gI[:, None] - gJ[None, :], 0.0))
+                dPb = dPb * ratio
                 if DELTA:
-                    dkr += tl.dot(dAb, kJ, input_precision=PREC)
-        # column side: block (I2 >= I, I), reference r2 = first row of I2
-        for I2 in tl.static_range(I, C // SC):
+                    dAb = dAb * ratio
+            dqI += tl.dot(dPb, kJ, input_precision=PREC)
+            if DELTA:
+                dkr += tl.dot(dAb, kJ, input_precision=PREC)
+        # column side: blocks (I2 > I, I), reference r2 = first row of I2 (and I2 = I unless per-channel)
+        for I2 in range(I + (GATE == 2), C // SC):
             r2 = t0 + I2 * SC
             dPb = _block(dP_bh, r2, I * SC, SC, C)
-            if DELTA:
-                dAb = _block(dA_bh, r2, I * SC, SC, C)
             q2 = _rows(q_bh, r2, rs, T, H * K, ck, K)
             if DELTA:
+                dAb = _block(dA_bh, r2, I * SC, SC, C)
                 k2 = _rows(k_bh, r2, rs, T, H * K, ck, K)
             if GATE == 2:
-                if I2 > I:
-                    g2 = _hrows(G_bh, r2 + rs, ck, K)
-                    g_r2 = tl.load(G_bh + r2 * K + ck, mask=mk, other=0.0)
-                    xf2 = tl.exp(g2 - g_r2[None, :])
-                    col = tl.dot(tl.trans(dPb), q2 * xf2, input_precision=PREC)
-                    if DELTA:
-                        col += tl.dot(tl.trans(dAb), k2 * xf2, input_precision=PREC)
-                    dkc += col * tl.exp(g_r2[None, :] - gI)
+                g2 = _hrows(G_bh, r2 + rs, ck, K)
+                g_r2 = tl.load(G_bh + r2 * K + ck, mask=mk, other=0.0)
+                xf2 = tl.exp(g2 - g_r2[None, :])
+                col = tl.dot(tl.trans(dPb), q2 * xf2, input_precision=PREC)
+                if DELTA:
+                    col += tl.dot(tl.trans(dAb), k2 * xf2, input_precision=PREC)
+                dkc += col * tl.exp(g_r2[None, :] - gI)
             else:
                 if GATE == 1:
                     g2 = tl.load(G_bh + r2 + rs)
-                    if I2 > I:
-                        ratio = tl.exp(g2[:, None] - gI[None, :])
-                    else:
-                        ratio = tl.exp(tl.where(rs[:, None] >= rs[None, :], g2[:, None] - gI[None, :], 0.0))
+                    ratio = tl.exp(tl.where((rs[:, None] >= rs[None, :]) | (I2 > I), g2[:, None] - gI[None, :], 0.0))
                     dPb = dPb * ratio
                     if DELTA:
                         dAb = dAb * ratio
@@ -334,7 +321,8 @@ def _dkey_kernel(
                      mask=r0 + rs < T)
 
 
-def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, scale, block_v=None, warps=(4, 4, 8)):
+def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, scale, block_v=None, warps=(4, 8, 8),
+                    value_block=64, key_block=32, stages=2, fwd_warps=(8, 4)):
     """Gradients (dq, dk, dv, dlog_alpha, dbeta, dinitial_state) of the chunked forward, given dO (or None) and the
     final state's gradient (or None). Recomputes the forward's per-chunk factors and start states."""
     B, T, H, K = q.shape
@@ -344,8 +332,8 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     log_alpha = log_alpha.contiguous() if log_alpha is not None else None
     beta = beta.contiguous() if beta is not None else None
     delta = bool(delta)
-    x = intra(q, k, v, log_alpha, beta, delta)
-    U, Hs, sT = carry(k, x, initial_state, delta, V=V, block_v=block_v)
+    x = intra(q, k, v, log_alpha, beta, delta, warps=fwd_warps[0])
+    U, Hs, sT = carry(k, x, initial_state, delta, V=V, block_v=block_v, warps=fwd_warps[1], stages=stages)
     N, gate = x["N"], x["gate"]
     prec = precision_for(q.dtype)
     BK, BVf = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
@@ -357,13 +345,13 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     _dstate_kernel[(triton.cdiv(V, BVs), B * H)](
         q, k, do, x["G"], x["W"], x["Pm"], dU, dHs, dsT.contiguous() if dsT is not None else ds0, ds0, float(scale),
         T, H=H, K=K, V=V, N=N, C=C, BK=BK, BV=BVs, GATE=gate, DELTA=delta, HAS_DST=dsT is not None, PREC=prec,
-        num_warps=warps[0], num_stages=2,
+        num_warps=warps[0], num_stages=stages,
     )
     dPm = torch.empty(B * H * N * C * C, dtype=f32, device=dev)
     dAm = torch.empty(B * H * N * C * C if delta else 1, dtype=f32, device=dev)
     dB = torch.empty(B * H * N * C if beta is not None else 1, dtype=f32, device=dev)
     dv = torch.empty_like(v)
-    BV2 = min(BVf, 64)
+    BV2 = min(BVf, value_block)
     _dvalue_kernel[(N, B * H)](
         v, beta if beta is not None else v, do, x["Ub"], U, dU, x["Tm"], dPm, dAm, dB, dv, float(scale),
         T, H=H, V=V, N=N, C=C, BV=BV2, DELTA=delta, HAS_BETA=beta is not None, PREC=prec, num_warps=warps[1],
@@ -372,7 +360,7 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     dg = torch.empty(B, T, H, *((K,) if gate == 2 else ()), dtype=f32, device=dev) if gate else dB
     dbeta = torch.empty_like(beta) if beta is not None else dB
     XQ, XW, XC = (torch.empty(B * H * N * C * K, dtype=f32, device=dev) for _ in range(3))
-    BV3 = min(BVf, 32)
+    BV3 = min(BVf, key_block)
     _dkey_kernel[(N, B * H)](
         q, k, beta if beta is not None else q, U, dU, x["W"], x["Tm"], x["Am"], dPm, dAm, x["G"], Hs, dHs, dB, do,
         dq, dk, dg, dbeta, XQ, XW, XC, float(scale),

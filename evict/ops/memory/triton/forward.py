@@ -120,7 +120,7 @@ def _intra_kernel(
     tl.debug_barrier()
 
     # Gram blocks: A~ (k.k, strictly lower, only for the delta rule) and P (q.k, lower)
-    for I in tl.static_range(C // SC):
+    for I in range(C // SC):
         r0 = t0 + I * SC
         kI = _rows(k_bh, r0, rs, T, H * K, ck, K)
         qI = _rows(q_bh, r0, rs, T, H * K, ck, K)
@@ -131,7 +131,7 @@ def _intra_kernel(
             kx, qx = kI * xf, qI * xf
         if GATE == 1:
             gI = tl.load(G_bh + r0 + rs)
-        for J in tl.static_range(I):
+        for J in range(I):
             kJ = _rows(k_bh, t0 + J * SC, rs, T, H * K, ck, K)
             if GATE == 2:
                 ky = kJ * tl.exp(g_r[None, :] - _hrows(G_bh, t0 + J * SC + rs, ck, K))
@@ -167,11 +167,10 @@ def _intra_kernel(
         bc = tl.load(beta + tok + (t0 + rc).to(tl.int64) * H, mask=t0 + rc < T, other=0.0).to(tl.float32)
     else:
         bc = tl.where(t0 + rc < T, 1.0, 0.0)
-    vc = _rows(v_bh, t0, rc, T, H * V, cv, V) * bc[:, None]
     if DELTA:
         tl.debug_barrier()
         # diagonal blocks of T by forward substitution: row m of (I + A)^-1 is e_m - sum_{j<m} A_mj T_j
-        for I in tl.static_range(C // SC):
+        for I in range(C // SC):
             Tii = (rs[:, None] == rs[None, :]).to(tl.float32)
             for m in range(1, SC):
                 t_m = t0 + I * SC + m
@@ -182,14 +181,14 @@ def _intra_kernel(
             _store_block(T_bh, t0 + I * SC, I * SC, Tii, SC, C)
         tl.debug_barrier()
         # blocks below the diagonal, one block row at a time: T_IJ = -T_II sum_{J <= M < I} Diag(beta_I) A~_IM T_MJ
-        for I in tl.static_range(1, C // SC):
+        for I in range(1, C // SC):
             r0 = t0 + I * SC
             Tii = _block(T_bh, r0, I * SC, SC, C)
             if HAS_BETA:
                 bI = tl.load(beta + tok + (r0 + rs).to(tl.int64) * H, mask=r0 + rs < T, other=0.0).to(tl.float32)
-            for J in tl.static_range(I):
+            for J in range(I):
                 acc = tl.zeros([SC, SC], tl.float32)
-                for M in tl.static_range(J, I):
+                for M in range(J, I):
                     acc += tl.dot(_block(A_bh, r0, M * SC, SC, C), _block(T_bh, t0 + M * SC, J * SC, SC, C),
                                   input_precision=PREC)
                 if HAS_BETA:
@@ -203,7 +202,9 @@ def _intra_kernel(
         if GATE == 1:
             kc = kc * tl.exp(tl.load(G_bh + t0 + rc))[:, None]
         _hstore(W_bh, t0 + rc, ck, K, tl.dot(Tc, kc, input_precision=PREC))
-        vc = tl.dot(Tc, vc, input_precision=PREC)
+        vc = tl.dot(Tc, _rows(v_bh, t0, rc, T, H * V, cv, V) * bc[:, None], input_precision=PREC)
+    else:
+        vc = _rows(v_bh, t0, rc, T, H * V, cv, V) * bc[:, None]
     _hstore(U_bh, t0 + rc, cv, V, vc)
 
 
@@ -296,7 +297,7 @@ def state_block_v(B, H, V, dev) -> int:
     return 16 if B * H * triton.cdiv(V, 32) < _sms(dev) else 32
 
 
-def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4):
+def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=8):
     """Kernel 1: (G, U_bar, W, T, A~, P) on head-major buffers (W / T / A~ empty without the delta rule)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -337,9 +338,10 @@ def carry(k, x, initial_state, delta: bool, *, V: int, block_v=None, warps=4, st
 
 
 def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None,
-                   block_v=None, warps=(4, 4, 4), stages=2, keep=False):
+                   block_v=None, warps=(8, 4, 4), stages=2, out_block_v=64, keep=False):
     """Chunked forward on [B, T, H, D] tensors. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32),
-    plus the intermediates when `keep` (what the backward needs)."""
+    plus the intermediates when `keep`. Tuning knobs: `warps` per kernel (intra, carry, out), `block_v` / `stages`
+    of the carry kernel (V columns per program, software pipelining), `out_block_v` of the output kernel."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -349,7 +351,7 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     U, Hs, sT = carry(k, x, initial_state, bool(delta), V=V, block_v=block_v, warps=warps[1], stages=stages)
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
     BK = max(16, triton.next_power_of_2(K))
-    BV = min(max(16, triton.next_power_of_2(V)), 64)
+    BV = min(max(16, triton.next_power_of_2(V)), out_block_v)
     _out_kernel[(triton.cdiv(V, BV), x["N"], B * H)](
         q, x["G"], U, x["Pm"], Hs, o, float(scale), T, H=H, K=K, V=V, N=x["N"], C=C, BK=BK, BV=BV,
         GATE=x["gate"], PREC=precision_for(q.dtype), num_warps=warps[2],

@@ -1,0 +1,71 @@
+"""Per-kernel CUDA time of evict's Triton forward and backward across knob variants (H200 tuning aid).
+
+Each variant sets every knob at once; each kernel's time depends only on its own knobs, so the best value of each
+knob is read off its kernel's row. Usage (GPU): python dev/triton_tune.py [--shapes 4x8192,1x32768]
+"""
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from evict.bench.common import markdown_table
+from evict.bench.ops import rule_inputs
+from evict.ops.memory.triton.backward import backward_triton
+from evict.ops.memory.triton.forward import forward_triton
+
+VARIANTS = {  # name -> (forward knobs, backward knobs)
+    "v0": (dict(warps=(8, 4, 4), stages=2, out_block_v=64), dict(warps=(4, 8, 8), value_block=64, key_block=32, stages=2)),
+    "v1": (dict(warps=(4, 8, 8), stages=1, out_block_v=128, block_v=32),
+           dict(warps=(8, 4, 16), value_block=32, key_block=64, stages=1, block_v=32)),
+    "v2": (dict(warps=(16, 4, 8), stages=3, out_block_v=32, block_v=64),
+           dict(warps=(4, 16, 4), value_block=128, key_block=16, stages=3, block_v=64)),
+    "v3": (dict(warps=(8, 8, 4), stages=2, out_block_v=64, block_v=16),
+           dict(warps=(8, 8, 8), value_block=64, key_block=32, stages=2, block_v=16)),
+}
+
+
+def kernel_times(fn, steps=5):
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        t = e.self_cuda_time_total if t is None else t
+        if t > 0:
+            per[e.key] = per.get(e.key, 0.0) + t / 1e3 / steps
+    return per
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="4x8192,1x32768")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    a = ap.parse_args()
+    for shape in a.shapes.split(","):
+        B, T = map(int, shape.split("x"))
+        for rule in ("kda", "gated_deltanet"):
+            x = rule_inputs(rule, B, T, 16, 128, dtype=torch.bfloat16, device="cuda")
+            q, k, v, la, beta = x["q"], x["k"], x["v"], x["log_alpha"], x["beta"]
+            do = torch.randn_like(v)
+            table = {}
+            for name in a.variants.split(","):
+                fk, bk = VARIANTS[name]
+
+                def run():
+                    forward_triton(q, k, v, log_alpha=la, beta=beta, delta=True, scale=128 ** -0.5, **fk)
+                    backward_triton(q, k, v, la, beta, None, do, None, delta=True, scale=128 ** -0.5,
+                                    fwd_warps=fk["warps"][:2], **bk)
+                for kname, ms in kernel_times(run).items():
+                    table.setdefault(kname[:40], {})[name] = round(ms, 4)
+            rows = [{"kernel": kn, **t} for kn, t in sorted(table.items(), key=lambda kv: -max(kv[1].values()))]
+            print(f"\n{rule} B{B} T{T} H16 D128 bf16 (ms per call; forward kernels appear twice: fwd + bwd recompute)")
+            print(markdown_table(rows, ["kernel", *a.variants.split(",")]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
