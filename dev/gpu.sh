@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine call: `bash dev/gpu.sh tests tune bench` (any subset, in that order).
-# Installs the fla wheels from .whl when present (carry .whl), reuses a carried Triton cache (.tcache) and ships the
-# updated cache back as $OUT/tcache.tgz (unpack it here into .tcache to carry it to the next call).
+# Installs the fla wheels from .whl when present (carry .whl).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.tcache PYTHONPATH=$PWD
 mkdir -p .tcache "${OUT:=/tmp/out}"
@@ -14,7 +13,7 @@ for what in "$@"; do
   case $what in
     tests) python3 -m pytest tests/ops/test_memory_triton.py -m gpu -n 8 -q 2>&1 | tee $OUT/gpu_tests.log | tail -25 ;;
     tune) python3 dev/triton_tune.py 2>&1 | tee $OUT/tune.log ;;
+    precision) python3 dev/check_precision.py 2>&1 | tee $OUT/precision.log ;;
     bench) python3 -m evict.cli bench ops --device cuda --out $OUT/bench_ops_cuda.json 2>&1 | tee $OUT/bench.log ;;
   esac
 done
-tar czf $OUT/tcache.tgz .tcache

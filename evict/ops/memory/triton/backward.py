@@ -322,7 +322,7 @@ def _dkey_kernel(
 
 
 def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, scale, block_v=None, warps=(4, 8, 8),
-                    value_block=64, key_block=32, stages=2, fwd_warps=(8, 4)):
+                    value_block=64, key_block=32, stages=2, fwd_warps=(8, 4), precision=None):
     """Gradients (dq, dk, dv, dlog_alpha, dbeta, dinitial_state) of the chunked forward, given dO (or None) and the
     final state's gradient (or None). Recomputes the forward's per-chunk factors and start states."""
     B, T, H, K = q.shape
@@ -332,10 +332,10 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     log_alpha = log_alpha.contiguous() if log_alpha is not None else None
     beta = beta.contiguous() if beta is not None else None
     delta = bool(delta)
-    x = intra(q, k, v, log_alpha, beta, delta, warps=fwd_warps[0])
-    U, Hs, sT = carry(k, x, initial_state, delta, V=V, block_v=block_v, warps=fwd_warps[1], stages=stages)
+    prec = precision or precision_for(q.dtype)
+    x = intra(q, k, v, log_alpha, beta, delta, warps=fwd_warps[0], precision=prec)
+    U, Hs, sT = carry(k, x, initial_state, delta, V=V, block_v=block_v, warps=fwd_warps[1], stages=stages, precision=prec)
     N, gate = x["N"], x["gate"]
-    prec = precision_for(q.dtype)
     BK, BVf = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
     do = torch.zeros(B, T, H, V, dtype=q.dtype, device=dev) if do is None else do.contiguous()
     dU = torch.empty(B * H * N * C * V, dtype=f32, device=dev)
@@ -354,7 +354,7 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     BV2 = min(BVf, value_block)
     _dvalue_kernel[(N, B * H)](
         v, beta if beta is not None else v, do, x["Ub"], U, dU, x["Tm"], dPm, dAm, dB, dv, float(scale),
-        T, H=H, V=V, N=N, C=C, BV=BV2, DELTA=delta, HAS_BETA=beta is not None, PREC=prec, num_warps=warps[1],
+        T, H=H, V=V, N=N, C=C, BV=BV2, DELTA=delta, HAS_BETA=beta is not None, PREC=prec, num_warps=warps[1], num_stages=1,
     )
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty(B, T, H, *((K,) if gate == 2 else ()), dtype=f32, device=dev) if gate else dB
@@ -365,7 +365,7 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
         q, k, beta if beta is not None else q, U, dU, x["W"], x["Tm"], x["Am"], dPm, dAm, x["G"], Hs, dHs, dB, do,
         dq, dk, dg, dbeta, XQ, XW, XC, float(scale),
         T, H=H, K=K, V=V, N=N, C=C, SC=SC, BK=BK, BV=BV3, SPREAD=SPREAD,
-        GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=prec, num_warps=warps[2],
+        GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=prec, num_warps=warps[2], num_stages=1,
     )
     dla = None
     if gate:

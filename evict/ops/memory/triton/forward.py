@@ -297,7 +297,7 @@ def state_block_v(B, H, V, dev) -> int:
     return 16 if B * H * triton.cdiv(V, 32) < _sms(dev) else 32
 
 
-def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=8):
+def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=8, precision=None):
     """Kernel 1: (G, U_bar, W, T, A~, P) on head-major buffers (W / T / A~ empty without the delta rule)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -313,12 +313,13 @@ def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=8):
     _intra_kernel[(N, B * H)](
         q, k, v, log_alpha if gate else q, beta if beta is not None else q, G, Ub, W, Tm, Am, Pm,
         T, H=H, K=K, V=V, N=N, C=C, SC=SC, BK=BK, BV=BV, SPREAD=SPREAD,
-        GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=precision_for(q.dtype), num_warps=warps, num_stages=1,
+        GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=precision or precision_for(q.dtype), num_warps=warps,
+        num_stages=1,
     )
     return dict(G=G, Ub=Ub, W=W, Tm=Tm, Am=Am, Pm=Pm, N=N, gate=gate)
 
 
-def carry(k, x, initial_state, delta: bool, *, V: int, block_v=None, warps=4, stages=2):
+def carry(k, x, initial_state, delta: bool, *, V: int, block_v=None, warps=4, stages=2, precision=None):
     """Kernel 2: per-chunk start states Hs [B H N K V] float32, U (head-major), and the final state [B, H, K, V]."""
     B, T, H, K = k.shape
     N, gate, dev = x["N"], x["gate"], k.device
@@ -331,14 +332,14 @@ def carry(k, x, initial_state, delta: bool, *, V: int, block_v=None, warps=4, st
     s0 = initial_state.contiguous().to(f32) if initial_state is not None else sT
     _state_kernel[(triton.cdiv(V, BV), B * H)](
         k, x["G"], x["Ub"], x["W"], U, Hs, s0, sT, T, H=H, K=K, V=V, N=N, C=C, BK=BK, BV=BV,
-        GATE=gate, DELTA=delta, HAS_S0=initial_state is not None, PREC=precision_for(k.dtype),
+        GATE=gate, DELTA=delta, HAS_S0=initial_state is not None, PREC=precision or precision_for(k.dtype),
         num_warps=warps, num_stages=stages,
     )
     return U, Hs, sT
 
 
 def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None,
-                   block_v=None, warps=(8, 4, 4), stages=2, out_block_v=64, keep=False):
+                   block_v=None, warps=(8, 4, 4), stages=2, out_block_v=64, precision=None, keep=False):
     """Chunked forward on [B, T, H, D] tensors. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32),
     plus the intermediates when `keep`. Tuning knobs: `warps` per kernel (intra, carry, out), `block_v` / `stages`
     of the carry kernel (V columns per program, software pipelining), `out_block_v` of the output kernel."""
@@ -347,14 +348,15 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     log_alpha = log_alpha.contiguous() if log_alpha is not None else None
     beta = beta.contiguous() if beta is not None else None
-    x = intra(q, k, v, log_alpha, beta, bool(delta), warps=warps[0])
-    U, Hs, sT = carry(k, x, initial_state, bool(delta), V=V, block_v=block_v, warps=warps[1], stages=stages)
+    prec = precision or precision_for(q.dtype)
+    x = intra(q, k, v, log_alpha, beta, bool(delta), warps=warps[0], precision=prec)
+    U, Hs, sT = carry(k, x, initial_state, bool(delta), V=V, block_v=block_v, warps=warps[1], stages=stages, precision=prec)
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
     BK = max(16, triton.next_power_of_2(K))
     BV = min(max(16, triton.next_power_of_2(V)), out_block_v)
     _out_kernel[(triton.cdiv(V, BV), x["N"], B * H)](
         q, x["G"], U, x["Pm"], Hs, o, float(scale), T, H=H, K=K, V=V, N=x["N"], C=C, BK=BK, BV=BV,
-        GATE=x["gate"], PREC=precision_for(q.dtype), num_warps=warps[2],
+        GATE=x["gate"], PREC=prec, num_warps=warps[2], num_stages=2,
     )
     if keep:
         x.update(U=U, Hs=Hs)

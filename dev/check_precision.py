@@ -1,0 +1,24 @@
+"""bf16 inputs: error of every gradient against float64 autograd through the reference, per tl.dot precision of the
+Triton backward (GPU). Shows what TF32 rounding does to log alpha's gradient under strong decay."""
+
+import torch
+
+from evict.ops.memory.triton.backward import backward_triton
+from tests.conftest import rel
+from tests.ops.test_memory import make_inputs, run
+
+for gate in ("scalar", "channel"):
+    for strong in (False, True):
+        x = make_inputs(1, 130, 2, 128, 96, gate=gate, beta_max=1.5, init=True, strong=strong, seed=3)
+        xd = {n: (t.float() if n == "initial_state" else t.to(torch.bfloat16)).cuda() for n, t in x.items()}
+        x64 = {n: t.double() for n, t in xd.items()}
+        leaves = {n: t.clone().requires_grad_(True) for n, t in x64.items()}
+        o, s = run(leaves, True, impl="reference")
+        g = torch.Generator(device="cuda").manual_seed(1)
+        do, ds = (torch.randn(t.shape, generator=g, device="cuda", dtype=torch.float64) for t in (o, s))
+        ref = dict(zip(leaves, torch.autograd.grad((o * do).sum() + (s * ds).sum(), list(leaves.values()))))
+        for prec in ("tf32", "tf32x3", "ieee"):
+            got = backward_triton(xd["q"], xd["k"], xd["v"], xd["log_alpha"], xd["beta"], xd["initial_state"],
+                                  do.to(torch.bfloat16), ds.float(), delta=True, scale=128 ** -0.5, precision=prec)
+            errs = {n: rel(gg, ref[n]) for n, gg in zip(("q", "k", "v", "log_alpha", "beta", "initial_state"), got)}
+            print(gate, "strong" if strong else "normal", prec, " ".join(f"{n}:{e:.1e}" for n, e in errs.items()), flush=True)
