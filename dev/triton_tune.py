@@ -15,15 +15,12 @@ from evict.ops.memory.triton.backward import backward_triton
 from evict.ops.memory.triton.forward import forward_triton
 
 VARIANTS = {  # name -> (forward knobs, backward knobs)
-    "v0": (dict(warps=(8, 4, 4), stages=2, out_block_v=64), dict(warps=(4, 8, 8), value_block=64, key_block=32, stages=2)),
-    "v1": (dict(warps=(4, 8, 8), stages=1, out_block_v=128, block_v=32),
-           dict(warps=(8, 4, 16), value_block=32, key_block=64, stages=1, block_v=32)),
-    "v2": (dict(warps=(16, 4, 8), stages=3, out_block_v=32, block_v=64),
-           dict(warps=(4, 16, 4), value_block=128, key_block=16, stages=3, block_v=64)),
-    "v3": (dict(warps=(8, 8, 4), stages=2, out_block_v=64, block_v=16),
-           dict(warps=(8, 8, 8), value_block=64, key_block=32, stages=2, block_v=16)),
-    "x3": (dict(warps=(8, 4, 4), stages=2, out_block_v=64, precision="tf32x3"),
-           dict(warps=(4, 8, 8), value_block=64, key_block=32, stages=2, precision="tf32x3")),
+    "v0": (dict(), dict()),
+    "t32": (dict(), dict(precision="tf32")),
+    "v1": (dict(warps=(4, 4, 8), stages=1, out_block_v=128, block_v=64),
+           dict(warps=(4, 4, 4), value_block=32, key_block=64, stages=1, block_v=64, fwd_warps=(4, 4))),
+    "v2": (dict(warps=(16, 4, 4), stages=2, out_block_v=32, block_v=16),
+           dict(warps=(4, 16, 16), value_block=128, key_block=16, stages=2, block_v=16, fwd_warps=(16, 4))),
 }
 
 
@@ -60,8 +57,7 @@ def main():
 
                 def run():
                     forward_triton(q, k, v, log_alpha=la, beta=beta, delta=True, scale=128 ** -0.5, **fk)
-                    backward_triton(q, k, v, la, beta, None, do, None, delta=True, scale=128 ** -0.5,
-                                    fwd_warps=fk["warps"][:2], **bk)
+                    backward_triton(q, k, v, la, beta, None, do, None, delta=True, scale=128 ** -0.5, **bk)
                     torch.cuda.synchronize()
                 try:
                     times = kernel_times(run)

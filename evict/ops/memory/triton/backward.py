@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import SC, SPREAD, C, _block, _hrows, _hstore, _lower, _rows, _spread, carry, intra, precision_for, state_block_v
+from .forward import SC, SPREAD, C, _block, _hrows, _hstore, _lower, _rows, _spread, _strip_decay, carry, intra, precision_for, state_block_v
 
 
 @triton.jit
@@ -225,85 +225,64 @@ def _dkey_kernel(
         _hstore(dA_bh, t0 + rc, rc, C, dA)  # now dA~
     tl.debug_barrier()
 
-    # 3. sub-chunk blocks: the Gram matrices' transposed products
+    # 3. sub-chunk strips: the Gram matrices' transposed products. Row side of sub-chunk I (rows I, all columns):
+    # reference r = its first row; column side (all rows, columns I): reference s = its last row.
     for I in range(C // SC):
         r0 = t0 + I * SC
+        ri = I * SC + rs
         qI = _rows(q_bh, r0, rs, T, H * K, ck, K)
         kI = _rows(k_bh, r0, rs, T, H * K, ck, K)
-        dqI = tl.zeros([SC, BK], tl.float32)
-        dkr = tl.zeros([SC, BK], tl.float32)
-        dkc = tl.zeros([SC, BK], tl.float32)
+        kc = _rows(k_bh, t0, rc, T, H * K, ck, K)
+        qc = _rows(q_bh, t0, rc, T, H * K, ck, K)
+        dPr = tl.load(dP_bh + (r0 + rs)[:, None] * C + rc[None, :])  # [SC, C]
+        dPc = tl.load(dP_bh + (t0 + rc)[:, None] * C + ri[None, :])  # [C, SC]
+        if DELTA:
+            dAr = tl.load(dA_bh + (r0 + rs)[:, None] * C + rc[None, :])
+            dAc = tl.load(dA_bh + (t0 + rc)[:, None] * C + ri[None, :])
         if GATE == 2:
+            gc = _hrows(G_bh, t0 + rc, ck, K)
             gI = _hrows(G_bh, r0 + rs, ck, K)
             g_r = tl.load(G_bh + r0 * K + ck, mask=mk, other=0.0)
+            g_s = tl.load(G_bh + (r0 + SC - 1) * K + ck, mask=mk, other=0.0)
+            spread = _spread(g_r, gI)
+            ky = kc * _strip_decay(gc, g_r, rc, (I + 1) * SC, spread, SPREAD, SC)
             xf = tl.exp(gI - g_r[None, :])
-        if GATE == 1:
-            gI = tl.load(G_bh + r0 + rs)
-        # row side: blocks (I, J < I), reference r = first row of I (and J = I here unless per-channel)
-        for J in range(I + (GATE != 2)):
-            dPb = _block(dP_bh, r0, J * SC, SC, C)
+            dqI = tl.dot(dPr, ky, input_precision=PREC) * xf
+            start = tl.where(spread <= SPREAD, I * SC, (I + 1) * SC)
+            xs = tl.exp(tl.where((rc >= start)[:, None], gc - g_s[None, :], float("-inf")))
+            col = tl.dot(tl.trans(dPc), qc * xs, input_precision=PREC)
             if DELTA:
-                dAb = _block(dA_bh, r0, J * SC, SC, C)
-            kJ = _rows(k_bh, t0 + J * SC, rs, T, H * K, ck, K)
-            if GATE == 2:
-                kJ = kJ * tl.exp(g_r[None, :] - _hrows(G_bh, t0 + J * SC + rs, ck, K))
-            if GATE == 1:
-                gJ = tl.load(G_bh + t0 + J * SC + rs)
-                ratio = tl.exp(tl.where((rs[:, None] >= rs[None, :]) | (J < I), gI[:, None] - gJ[None, :], 0.0))
-                dPb = dPb * ratio
-                if DELTA:
-                    dAb = dAb * ratio
-            dqI += tl.dot(dPb, kJ, input_precision=PREC)
-            if DELTA:
-                dkr += tl.dot(dAb, kJ, input_precision=PREC)
-        # column side: blocks (I2 > I, I), reference r2 = first row of I2 (and I2 = I unless per-channel)
-        for I2 in range(I + (GATE == 2), C // SC):
-            r2 = t0 + I2 * SC
-            dPb = _block(dP_bh, r2, I * SC, SC, C)
-            q2 = _rows(q_bh, r2, rs, T, H * K, ck, K)
-            if DELTA:
-                dAb = _block(dA_bh, r2, I * SC, SC, C)
-                k2 = _rows(k_bh, r2, rs, T, H * K, ck, K)
-            if GATE == 2:
-                g2 = _hrows(G_bh, r2 + rs, ck, K)
-                g_r2 = tl.load(G_bh + r2 * K + ck, mask=mk, other=0.0)
-                xf2 = tl.exp(g2 - g_r2[None, :])
-                col = tl.dot(tl.trans(dPb), q2 * xf2, input_precision=PREC)
-                if DELTA:
-                    col += tl.dot(tl.trans(dAb), k2 * xf2, input_precision=PREC)
-                dkc += col * tl.exp(g_r2[None, :] - gI)
+                dkr = tl.dot(dAr, ky, input_precision=PREC) * xf
+                col += tl.dot(tl.trans(dAc), kc * xs, input_precision=PREC)
             else:
-                if GATE == 1:
-                    g2 = tl.load(G_bh + r2 + rs)
-                    ratio = tl.exp(tl.where((rs[:, None] >= rs[None, :]) | (I2 > I), g2[:, None] - gI[None, :], 0.0))
-                    dPb = dPb * ratio
-                    if DELTA:
-                        dAb = dAb * ratio
-                dkc += tl.dot(tl.trans(dPb), q2, input_precision=PREC)
+                dkr = tl.zeros([SC, BK], tl.float32)
+            dkc = col * tl.exp(g_s[None, :] - gI)
+            if spread > SPREAD:  # strong decay inside the sub-chunk: its diagonal block with exact ratios
+                dPb = _block(dP_bh, r0, I * SC, SC, C)
                 if DELTA:
-                    dkc += tl.dot(tl.trans(dAb), k2, input_precision=PREC)
-        if GATE == 2:
-            # the diagonal block (I, I): factored while the sub-chunk's spread allows it, else exact ratios
-            dPb = _block(dP_bh, r0, I * SC, SC, C)
-            if DELTA:
-                dAb = _block(dA_bh, r0, I * SC, SC, C)
-            else:
-                dAb = tl.zeros([SC, SC], tl.float32)
-            if _spread(g_r, gI) <= SPREAD:
-                eI = tl.exp(g_r[None, :] - gI)
-                ky = kI * eI
-                dqd = tl.dot(dPb, ky, input_precision=PREC)
-                dkrd = tl.dot(dAb, ky, input_precision=PREC)
-                dkcd = eI * (tl.dot(tl.trans(dPb), qI * xf, input_precision=PREC)
-                             + tl.dot(tl.trans(dAb), kI * xf, input_precision=PREC))
-                dqI = (dqI + dqd) * xf
-                dkr = (dkr + dkrd) * xf
-                dkc += dkcd
-            else:
+                    dAb = _block(dA_bh, r0, I * SC, SC, C)
+                else:
+                    dAb = tl.zeros([SC, SC], tl.float32)
                 dqd, dkrd = _diag_rows_exact(dPb, dAb, k_bh, G_bh, r0, gI, T, H * K, ck, K, SC, BK)
-                dqI = dqI * xf + dqd
-                dkr = dkr * xf + dkrd
+                dqI += dqd
+                dkr += dkrd
                 dkc += _diag_cols_exact(dPb, qI, dAb, kI, G_bh, r0, gI, ck, K, SC, BK)
+        else:
+            if GATE == 1:
+                gc = tl.load(G_bh + t0 + rc)
+                gI = tl.load(G_bh + r0 + rs)
+                rr = tl.exp(tl.where(ri[:, None] >= rc[None, :], gI[:, None] - gc[None, :], float("-inf")))  # [SC, C]
+                rcl = tl.exp(tl.where(rc[:, None] >= ri[None, :], gc[:, None] - gI[None, :], float("-inf")))  # [C, SC]
+                dPr, dPc = dPr * rr, dPc * rcl
+                if DELTA:
+                    dAr, dAc = dAr * rr, dAc * rcl
+            dqI = tl.dot(dPr, kc, input_precision=PREC)
+            dkc = tl.dot(tl.trans(dPc), qc, input_precision=PREC)
+            if DELTA:
+                dkr = tl.dot(dAr, kc, input_precision=PREC)
+                dkc += tl.dot(tl.trans(dAc), kc, input_precision=PREC)
+            else:
+                dkr = tl.zeros([SC, BK], tl.float32)
         dqI += _hrows(XQ_bh, r0 + rs, ck, K)
         dkc += _hrows(XC_bh, r0 + rs, ck, K)
         if DELTA:
@@ -321,6 +300,30 @@ def _dkey_kernel(
                      mask=r0 + rs < T)
 
 
+@triton.jit
+def _revcumsum_kernel(x, last, out, T, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                      HAS_LAST: tl.constexpr):
+    """out[b, t, h, :] = sum_{s >= t} x[b, s, h, :] (+ last[b, h, :]) on token-major [B, T, H, K] float32 x."""
+    i_k, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    ck = i_k * BK + tl.arange(0, BK)
+    rc = tl.arange(0, C)
+    tok = i_b.to(tl.int64) * T * H + i_h
+    if HAS_LAST:
+        carry = tl.load(last + i_bh.to(tl.int64) * K + ck, mask=ck < K, other=0.0)
+    else:
+        carry = tl.zeros([BK], tl.float32)
+    nt = tl.cdiv(T, C)
+    for i in range(nt):
+        t0 = (nt - 1 - i) * C
+        xn = _rows(x + tok * K, t0, rc, T, H * K, ck, K)
+        tot = tl.sum(xn, axis=0)
+        sfx = tot[None, :] - tl.cumsum(xn, axis=0) + xn + carry[None, :]
+        tl.store(out + (tok + (t0 + rc).to(tl.int64) * H)[:, None] * K + ck[None, :], sfx.to(out.dtype.element_ty),
+                 mask=(t0 + rc < T)[:, None] & (ck < K)[None, :])
+        carry += tot
+
+
 def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, scale, block_v=None, warps=(4, 8, 8),
                     value_block=64, key_block=32, stages=2, fwd_warps=(8, 4), precision=None):
     """Gradients (dq, dk, dv, dlog_alpha, dbeta, dinitial_state) of the chunked forward, given dO (or None) and the
@@ -332,7 +335,7 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     log_alpha = log_alpha.contiguous() if log_alpha is not None else None
     beta = beta.contiguous() if beta is not None else None
     delta = bool(delta)
-    prec = precision or precision_for(q.dtype)
+    prec = precision or "tf32x3"  # the gate's gradient is a long sum of cancelling terms: tf32 rounding shows (LOG)
     x = intra(q, k, v, log_alpha, beta, delta, warps=fwd_warps[0], precision=prec)
     U, Hs, sT = carry(k, x, initial_state, delta, V=V, block_v=block_v, warps=fwd_warps[1], stages=stages, precision=prec)
     N, gate = x["N"], x["gate"]
@@ -368,10 +371,14 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
         GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=prec, num_warps=warps[2], num_stages=1,
     )
     dla = None
-    if gate:
-        dla = dg.flip(1).cumsum(1).flip(1)
-        if dsT is not None:  # the final state's own factor e^{G_T}
-            last = (sT * dsT.float()).sum(-1)  # [B, H, K]
-            dla = dla + (last if gate == 2 else last.sum(-1))[:, None]
-        dla = dla.to(log_alpha.dtype)
+    if gate:  # dlog alpha_t = sum_{s >= t} dG_s, plus the final state's own factor e^{G_T}: rowsum(S_T dS_T)
+        GK = K if gate == 2 else 1
+        last = None
+        if dsT is not None:
+            last = (sT * dsT.float()).sum(-1)
+            last = (last if gate == 2 else last.sum(-1)).contiguous()
+        dla = torch.empty_like(log_alpha)
+        BKr = min(32, max(16, triton.next_power_of_2(GK)))
+        _revcumsum_kernel[(triton.cdiv(GK, BKr), B * H)](
+            dg, last if last is not None else dg, dla, T, H=H, K=GK, C=C, BK=BKr, HAS_LAST=last is not None, num_stages=3)
     return dq, dk, dv, dla, dbeta if beta is not None else None, ds0

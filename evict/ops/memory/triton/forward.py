@@ -94,6 +94,14 @@ def _diag_gram_exact(kI, qI, gI, k_bh, G_bh, r0, T, sk, ck, K: tl.constexpr, SC:
 
 
 @triton.jit
+def _strip_decay(g, g_ref, rows, hi, spread, SPREAD: tl.constexpr, SC: tl.constexpr):
+    """e^{g_ref - g_j} for rows j < hi, except the reference's own sub-chunk (the SC rows below hi) when its spread is
+    above SPREAD, else 0: the key-side factor of a Gram strip. [C, BK]."""
+    end = tl.where(spread <= SPREAD, hi, hi - SC)
+    return tl.exp(tl.where((rows < end)[:, None], g_ref[None, :] - g, float("-inf")))
+
+
+@triton.jit
 def _intra_kernel(
     q, k, v, la, beta, G, Ub, W, Tm, Am, Pm,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
@@ -111,57 +119,46 @@ def _intra_kernel(
     W_bh, U_bh = W + hm * K, Ub + hm * V
     T_bh, A_bh, P_bh = Tm + hm * C, Am + hm * C, Pm + hm * C
 
+    kc = _rows(k_bh, t0, rc, T, H * K, ck, K)
     if GATE == 2:
-        g = tl.cumsum(_rows(la + tok * K, t0, rc, T, H * K, ck, K), axis=0)
-        _hstore(G_bh, t0 + rc, ck, K, g)
+        gc = tl.cumsum(_rows(la + tok * K, t0, rc, T, H * K, ck, K), axis=0)
+        _hstore(G_bh, t0 + rc, ck, K, gc)
     if GATE == 1:
-        lac = tl.load(la + tok + (t0 + rc).to(tl.int64) * H, mask=t0 + rc < T, other=0.0).to(tl.float32)
-        tl.store(G_bh + t0 + rc, tl.cumsum(lac, axis=0))
+        gc = tl.cumsum(tl.load(la + tok + (t0 + rc).to(tl.int64) * H, mask=t0 + rc < T, other=0.0).to(tl.float32), axis=0)
+        tl.store(G_bh + t0 + rc, gc)
     tl.debug_barrier()
 
-    # Gram blocks: A~ (k.k, strictly lower, only for the delta rule) and P (q.k, lower)
+    # Gram strips, one sub-chunk of rows I at a time: A~ (k.k, strictly lower; delta rule only), P (q.k, lower)
     for I in range(C // SC):
         r0 = t0 + I * SC
+        ri = I * SC + rs  # rows in the chunk
         kI = _rows(k_bh, r0, rs, T, H * K, ck, K)
         qI = _rows(q_bh, r0, rs, T, H * K, ck, K)
         if GATE == 2:
             gI = _hrows(G_bh, r0 + rs, ck, K)
             g_r = tl.load(G_bh + r0 * K + ck, mask=ck < K, other=0.0)
+            spread = _spread(g_r, gI)
             xf = tl.exp(gI - g_r[None, :])
-            kx, qx = kI * xf, qI * xf
-        if GATE == 1:
-            gI = tl.load(G_bh + r0 + rs)
-        for J in range(I):
-            kJ = _rows(k_bh, t0 + J * SC, rs, T, H * K, ck, K)
-            if GATE == 2:
-                ky = kJ * tl.exp(g_r[None, :] - _hrows(G_bh, t0 + J * SC + rs, ck, K))
-                a = tl.dot(kx, tl.trans(ky), input_precision=PREC)
-                p = tl.dot(qx, tl.trans(ky), input_precision=PREC)
-            else:
-                a = tl.dot(kI, tl.trans(kJ), input_precision=PREC)
-                p = tl.dot(qI, tl.trans(kJ), input_precision=PREC)
-                if GATE == 1:
-                    ratio = tl.exp(gI[:, None] - tl.load(G_bh + t0 + J * SC + rs)[None, :])
-                    a, p = a * ratio, p * ratio
-            if DELTA:
-                _store_block(A_bh, r0, J * SC, a, SC, C)
-            _store_block(P_bh, r0, J * SC, p, SC, C)
-        if GATE == 2:
-            if _spread(g_r, gI) <= SPREAD:
-                ky = kI * tl.exp(g_r[None, :] - gI)
-                a = tl.dot(kx, tl.trans(ky), input_precision=PREC)
-                p = tl.dot(qx, tl.trans(ky), input_precision=PREC)
-            else:
-                a, p = _diag_gram_exact(kI, qI, gI, k_bh, G_bh, r0, T, H * K, ck, K, SC)
+            ky = kc * _strip_decay(gc, g_r, rc, (I + 1) * SC, spread, SPREAD, SC)
+            a = tl.dot(kI * xf, tl.trans(ky), input_precision=PREC)
+            p = tl.dot(qI * xf, tl.trans(ky), input_precision=PREC)
         else:
-            a = tl.dot(kI, tl.trans(kI), input_precision=PREC)
-            p = tl.dot(qI, tl.trans(kI), input_precision=PREC)
+            a = tl.dot(kI, tl.trans(kc), input_precision=PREC)
+            p = tl.dot(qI, tl.trans(kc), input_precision=PREC)
             if GATE == 1:
-                ratio = tl.exp(tl.where(rs[:, None] >= rs[None, :], gI[:, None] - gI[None, :], 0.0))
+                gI = tl.load(G_bh + r0 + rs)
+                ratio = tl.exp(tl.where(ri[:, None] >= rc[None, :], gI[:, None] - gc[None, :], float("-inf")))
                 a, p = a * ratio, p * ratio
         if DELTA:
-            _store_block(A_bh, r0, I * SC, tl.where(rs[:, None] > rs[None, :], a, 0.0), SC, C)
-        _store_block(P_bh, r0, I * SC, tl.where(rs[:, None] >= rs[None, :], p, 0.0), SC, C)
+            _hstore(A_bh, r0 + rs, rc, C, tl.where(ri[:, None] > rc[None, :], a, 0.0))
+        _hstore(P_bh, r0 + rs, rc, C, tl.where(ri[:, None] >= rc[None, :], p, 0.0))
+        if GATE == 2:
+            if spread > SPREAD:  # strong decay inside the sub-chunk: its diagonal block with exact ratios
+                a_d, p_d = _diag_gram_exact(kI, qI, gI, k_bh, G_bh, r0, T, H * K, ck, K, SC)
+                tl.debug_barrier()
+                if DELTA:
+                    _store_block(A_bh, r0, I * SC, tl.where(rs[:, None] > rs[None, :], a_d, 0.0), SC, C)
+                _store_block(P_bh, r0, I * SC, tl.where(rs[:, None] >= rs[None, :], p_d, 0.0), SC, C)
 
     if HAS_BETA:
         bc = tl.load(beta + tok + (t0 + rc).to(tl.int64) * H, mask=t0 + rc < T, other=0.0).to(tl.float32)
@@ -169,39 +166,39 @@ def _intra_kernel(
         bc = tl.where(t0 + rc < T, 1.0, 0.0)
     if DELTA:
         tl.debug_barrier()
-        # diagonal blocks of T by forward substitution: row m of (I + A)^-1 is e_m - sum_{j<m} A_mj T_j
-        for I in range(C // SC):
-            Tii = (rs[:, None] == rs[None, :]).to(tl.float32)
-            for m in range(1, SC):
-                t_m = t0 + I * SC + m
-                a_m = tl.load(A_bh + t_m * C + I * SC + rs)  # zero at j >= m
-                if HAS_BETA:
-                    a_m = a_m * tl.load(beta + tok + t_m.to(tl.int64) * H, mask=t_m < T, other=0.0).to(tl.float32)
-                Tii = tl.where(rs[:, None] == m, Tii - tl.sum(a_m[:, None] * Tii, axis=0)[None, :], Tii)
-            _store_block(T_bh, t0 + I * SC, I * SC, Tii, SC, C)
+        # T = (I + Diag(beta) A~)^-1. Diagonal blocks first, all four at once ([4, SC, SC]), by forward substitution:
+        # row m of (I + A_II)^-1 is e_m - sum_{j<m} A_II[m, j] T_II[j, :].
+        nb = tl.arange(0, C // SC)
+        r3 = nb[:, None, None] * SC + rs[None, :, None]
+        c3 = nb[:, None, None] * SC + rs[None, None, :]
+        A3 = tl.load(A_bh + (t0 + r3) * C + c3)
+        if HAS_BETA:
+            A3 = A3 * tl.load(beta + tok + (t0 + r3).to(tl.int64) * H, mask=t0 + r3 < T, other=0.0).to(tl.float32)
+        T3 = (r3 == c3).to(tl.float32)
+        for m in range(1, SC):
+            a_m = tl.sum(tl.where(rs[None, :, None] == m, A3, 0.0), axis=1)  # [4, SC]: row m of each block
+            T3 = tl.where(rs[None, :, None] == m, T3 - tl.sum(a_m[:, :, None] * T3, axis=1)[:, None, :], T3)
+        tl.store(T_bh + (t0 + r3) * C + c3, T3)
         tl.debug_barrier()
-        # blocks below the diagonal, one block row at a time: T_IJ = -T_II sum_{J <= M < I} Diag(beta_I) A~_IM T_MJ
-        for I in range(1, C // SC):
-            r0 = t0 + I * SC
-            Tii = _block(T_bh, r0, I * SC, SC, C)
-            if HAS_BETA:
-                bI = tl.load(beta + tok + (r0 + rs).to(tl.int64) * H, mask=r0 + rs < T, other=0.0).to(tl.float32)
-            for J in range(I):
-                acc = tl.zeros([SC, SC], tl.float32)
-                for M in range(J, I):
-                    acc += tl.dot(_block(A_bh, r0, M * SC, SC, C), _block(T_bh, t0 + M * SC, J * SC, SC, C),
-                                  input_precision=PREC)
-                if HAS_BETA:
-                    acc = acc * bI[:, None]
-                _store_block(T_bh, r0, J * SC, -tl.dot(Tii, acc, input_precision=PREC), SC, C)
-            tl.debug_barrier()
-        Tc = _lower(T_bh, t0, C, False)
-        kc = _rows(k_bh, t0, rc, T, H * K, ck, K) * bc[:, None]
+        # then the rest by a block Neumann series: with D = blockdiag(T_II) and N = D Diag(beta) A~_below
+        # (strictly block-lower, N^4 = 0), T = (I + N)^-1 D = (I - N (I - N (I - N))) D.
+        same = (rc[:, None] // SC) == (rc[None, :] // SC)
+        D = tl.load(T_bh + (t0 + rc)[:, None] * C + rc[None, :], mask=same & (rc[:, None] >= rc[None, :]), other=0.0)
+        Ab = tl.load(A_bh + (t0 + rc)[:, None] * C + rc[None, :], mask=(rc[:, None] // SC) > (rc[None, :] // SC), other=0.0)
+        Nm = tl.dot(D, Ab * bc[:, None], input_precision=PREC)
+        eye = (rc[:, None] == rc[None, :]).to(tl.float32)
+        Z = eye - Nm
+        Z = eye - tl.dot(Nm, Z, input_precision=PREC)
+        Z = eye - tl.dot(Nm, Z, input_precision=PREC)
+        Tc = tl.dot(Z, D, input_precision=PREC)
+        Tc = tl.where(rc[:, None] >= rc[None, :], Tc, 0.0)
+        _hstore(T_bh, t0 + rc, rc, C, Tc)
+        kw = kc * bc[:, None]
         if GATE == 2:
-            kc = kc * tl.exp(_hrows(G_bh, t0 + rc, ck, K))
+            kw = kw * tl.exp(gc)
         if GATE == 1:
-            kc = kc * tl.exp(tl.load(G_bh + t0 + rc))[:, None]
-        _hstore(W_bh, t0 + rc, ck, K, tl.dot(Tc, kc, input_precision=PREC))
+            kw = kw * tl.exp(gc)[:, None]
+        _hstore(W_bh, t0 + rc, ck, K, tl.dot(Tc, kw, input_precision=PREC))
         vc = tl.dot(Tc, _rows(v_bh, t0, rc, T, H * V, cv, V) * bc[:, None], input_precision=PREC)
     else:
         vc = _rows(v_bh, t0, rc, T, H * V, cv, V) * bc[:, None]
