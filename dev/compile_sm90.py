@@ -49,7 +49,7 @@ def main():
             tag = f"gate{gate} delta{int(delta)}"
             jobs = {
                 "intra": (fw._intra_kernel, dict(q=p, k=p, v=p, la=p, beta=p, G=f, Ub=f, W=f, Tm=f, Am=f, Pm=f, T="i32", N="i32"),
-                          dict(common, SC=16, BK=BK, BV=BV, SPREAD=40.0, GATE=gate, DELTA=delta, HAS_BETA=True, PREC="tf32"), 4, 1),
+                          dict(common, SC=16, BK=BK, BV=BV, SPREAD=40.0, GATE=gate, DELTA=delta, HAS_BETA=True, PREC="tf32", ABLATE=0), 4, 1),
                 "state": (fw._state_kernel, dict(k=p, G=f, Ub=f, W=f, U=f, Hs=f, s0=f, sT=f, T="i32", N="i32"),
                           dict(common, BK=BK, BV=32, GATE=gate, DELTA=delta, HAS_S0=True, PREC="tf32"), 4, 2),
                 "out": (fw._out_kernel, dict(q=p, G=f, U=f, Pm=f, Hs=f, o=p, scale="fp32", T="i32", N="i32"),
@@ -60,7 +60,7 @@ def main():
                            dict(H=16, V=D, C=64, BV=64, DELTA=delta, HAS_BETA=True, PREC="tf32"), 4, 2),
                 "dkey": (bw._dkey_kernel, dict(q=p, k=p, beta=p, U=f, dU=f, W=f, Tm=f, Am=f, dPm=f, dAm=f, G=f, Hs=f, dHs=f, dB=f, do=p,
                                                 dq=p, dk=p, dg=f, db_out=p, XQ=f, XW=f, XC=f, scale="fp32", T="i32", N="i32"),
-                         dict(common, SC=16, BK=BK, BV=32, SPREAD=40.0, GATE=gate, DELTA=delta, HAS_BETA=True, PREC="tf32"), 8, 2),
+                         dict(common, SC=16, BK=BK, BV=32, SPREAD=40.0, GATE=gate, DELTA=delta, HAS_BETA=True, PREC="tf32", ABLATE=0), 8, 2),
             }
             for name, (fn, sig, consts, warps, stages) in jobs.items():
                 if a.only and name not in a.only.split(","):

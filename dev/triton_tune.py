@@ -14,13 +14,13 @@ from evict.bench.ops import rule_inputs
 from evict.ops.memory.triton.backward import backward_triton
 from evict.ops.memory.triton.forward import forward_triton
 
-VARIANTS = {  # name -> (forward knobs, backward knobs)
+VARIANTS = {  # name -> (forward knobs, backward knobs); a* = ablations (timing only: stages skipped)
     "v0": (dict(), dict()),
     "t32": (dict(), dict(precision="tf32")),
-    "v1": (dict(warps=(4, 4, 8), stages=1, out_block_v=128, block_v=64),
-           dict(warps=(4, 4, 4), value_block=32, key_block=64, stages=1, block_v=64, fwd_warps=(4, 4))),
-    "v2": (dict(warps=(16, 4, 4), stages=2, out_block_v=32, block_v=16),
-           dict(warps=(4, 16, 16), value_block=128, key_block=16, stages=2, block_v=16, fwd_warps=(16, 4))),
+    "a1": (dict(), dict(precision="tf32", ablate=(1, 1))),
+    "a2": (dict(), dict(precision="tf32", ablate=(2, 2))),
+    "a4": (dict(), dict(precision="tf32", ablate=(4, 0))),
+    "a7": (dict(), dict(precision="tf32", ablate=(7, 3))),
 }
 
 
@@ -42,7 +42,7 @@ def kernel_times(fn, steps=5):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="4x8192,1x32768")
+    ap.add_argument("--shapes", default="4x8192")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     a = ap.parse_args()
     for shape in a.shapes.split(","):

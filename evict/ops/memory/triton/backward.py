@@ -159,8 +159,9 @@ def _dkey_kernel(
     dq, dk, dg, db_out, XQ, XW, XC, scale,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
     C: tl.constexpr, SC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPREAD: tl.constexpr,
-    GATE: tl.constexpr, DELTA: tl.constexpr, HAS_BETA: tl.constexpr, PREC: tl.constexpr,
+    GATE: tl.constexpr, DELTA: tl.constexpr, HAS_BETA: tl.constexpr, PREC: tl.constexpr, ABLATE: tl.constexpr = 0,
 ):
+    # ABLATE (timing only, wrong results): bit 1 skips the V contractions, 2 the Gram strips' products
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_n * C
@@ -178,7 +179,7 @@ def _dkey_kernel(
     xq = tl.zeros([C, BK], tl.float32)
     xw = tl.zeros([C, BK], tl.float32)
     xc = tl.zeros([C, BK], tl.float32)
-    for v0 in range(0, V, BV):
+    for v0 in range(0, 0 if ABLATE & 1 else V, BV):
         cv = v0 + tl.arange(0, BV)
         mv = cv < V
         s_off = h_off + ck[None, :] * V + cv[:, None]  # [BV, BK]: S^T
@@ -232,7 +233,10 @@ def _dkey_kernel(
         ri = I * SC + rs
         qI = _rows(q_bh, r0, rs, T, H * K, ck, K)
         kI = _rows(k_bh, r0, rs, T, H * K, ck, K)
-        kc = _rows(k_bh, t0, rc, T, H * K, ck, K)
+        if ABLATE & 2:
+            kc = tl.zeros([C, BK], tl.float32)
+        else:
+            kc = _rows(k_bh, t0, rc, T, H * K, ck, K)
         qc = _rows(q_bh, t0, rc, T, H * K, ck, K)
         dPr = tl.load(dP_bh + (r0 + rs)[:, None] * C + rc[None, :])  # [SC, C]
         dPc = tl.load(dP_bh + (t0 + rc)[:, None] * C + ri[None, :])  # [C, SC]
@@ -325,7 +329,7 @@ def _revcumsum_kernel(x, last, out, T, H: tl.constexpr, K: tl.constexpr, C: tl.c
 
 
 def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, scale, block_v=None, warps=(4, 8, 8),
-                    value_block=64, key_block=32, stages=2, fwd_warps=(8, 4), precision=None):
+                    value_block=64, key_block=32, stages=2, fwd_warps=(4, 4), precision=None, ablate=(0, 0)):
     """Gradients (dq, dk, dv, dlog_alpha, dbeta, dinitial_state) of the chunked forward, given dO (or None) and the
     final state's gradient (or None). Recomputes the forward's per-chunk factors and start states."""
     B, T, H, K = q.shape
@@ -336,7 +340,7 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     beta = beta.contiguous() if beta is not None else None
     delta = bool(delta)
     prec = precision or "tf32x3"  # the gate's gradient is a long sum of cancelling terms: tf32 rounding shows (LOG)
-    x = intra(q, k, v, log_alpha, beta, delta, warps=fwd_warps[0], precision=prec)
+    x = intra(q, k, v, log_alpha, beta, delta, warps=fwd_warps[0], precision=prec, ablate=ablate[0])
     U, Hs, sT = carry(k, x, initial_state, delta, V=V, block_v=block_v, warps=fwd_warps[1], stages=stages, precision=prec)
     N, gate = x["N"], x["gate"]
     BK, BVf = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
@@ -368,7 +372,7 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
         q, k, beta if beta is not None else q, U, dU, x["W"], x["Tm"], x["Am"], dPm, dAm, x["G"], Hs, dHs, dB, do,
         dq, dk, dg, dbeta, XQ, XW, XC, float(scale),
         T, H=H, K=K, V=V, N=N, C=C, SC=SC, BK=BK, BV=BV3, SPREAD=SPREAD,
-        GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=prec, num_warps=warps[2], num_stages=1,
+        GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=prec, ABLATE=ablate[1], num_warps=warps[2], num_stages=1,
     )
     dla = None
     if gate:  # dlog alpha_t = sum_{s >= t} dG_s, plus the final state's own factor e^{G_T}: rowsum(S_T dS_T)

@@ -106,8 +106,9 @@ def _intra_kernel(
     q, k, v, la, beta, G, Ub, W, Tm, Am, Pm,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
     C: tl.constexpr, SC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPREAD: tl.constexpr,
-    GATE: tl.constexpr, DELTA: tl.constexpr, HAS_BETA: tl.constexpr, PREC: tl.constexpr,
+    GATE: tl.constexpr, DELTA: tl.constexpr, HAS_BETA: tl.constexpr, PREC: tl.constexpr, ABLATE: tl.constexpr = 0,
 ):
+    # ABLATE (timing only, wrong results): bit 1 skips the Gram strips, 2 the diagonal inverses, 4 the Neumann / W / U dots
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_n * C
@@ -175,7 +176,7 @@ def _intra_kernel(
         if HAS_BETA:
             A3 = A3 * tl.load(beta + tok + (t0 + r3).to(tl.int64) * H, mask=t0 + r3 < T, other=0.0).to(tl.float32)
         T3 = (r3 == c3).to(tl.float32)
-        for m in range(1, SC):
+        for m in range(1, 1 if ABLATE & 2 else SC):
             a_m = tl.sum(tl.where(rs[None, :, None] == m, A3, 0.0), axis=1)  # [4, SC]: row m of each block
             T3 = tl.where(rs[None, :, None] == m, T3 - tl.sum(a_m[:, :, None] * T3, axis=1)[:, None, :], T3)
         tl.store(T_bh + (t0 + r3) * C + c3, T3)
@@ -185,12 +186,15 @@ def _intra_kernel(
         same = (rc[:, None] // SC) == (rc[None, :] // SC)
         D = tl.load(T_bh + (t0 + rc)[:, None] * C + rc[None, :], mask=same & (rc[:, None] >= rc[None, :]), other=0.0)
         Ab = tl.load(A_bh + (t0 + rc)[:, None] * C + rc[None, :], mask=(rc[:, None] // SC) > (rc[None, :] // SC), other=0.0)
-        Nm = tl.dot(D, Ab * bc[:, None], input_precision=PREC)
-        eye = (rc[:, None] == rc[None, :]).to(tl.float32)
-        Z = eye - Nm
-        Z = eye - tl.dot(Nm, Z, input_precision=PREC)
-        Z = eye - tl.dot(Nm, Z, input_precision=PREC)
-        Tc = tl.dot(Z, D, input_precision=PREC)
+        if ABLATE & 4:
+            Tc = D + Ab
+        else:
+            Nm = tl.dot(D, Ab * bc[:, None], input_precision=PREC)
+            eye = (rc[:, None] == rc[None, :]).to(tl.float32)
+            Z = eye - Nm
+            Z = eye - tl.dot(Nm, Z, input_precision=PREC)
+            Z = eye - tl.dot(Nm, Z, input_precision=PREC)
+            Tc = tl.dot(Z, D, input_precision=PREC)
         Tc = tl.where(rc[:, None] >= rc[None, :], Tc, 0.0)
         _hstore(T_bh, t0 + rc, rc, C, Tc)
         kw = kc * bc[:, None]
@@ -294,7 +298,7 @@ def state_block_v(B, H, V, dev) -> int:
     return 16 if B * H * triton.cdiv(V, 32) < _sms(dev) else 32
 
 
-def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=8, precision=None):
+def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, ablate=0):
     """Kernel 1: (G, U_bar, W, T, A~, P) on head-major buffers (W / T / A~ empty without the delta rule)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -310,8 +314,8 @@ def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=8, precision=None):
     _intra_kernel[(N, B * H)](
         q, k, v, log_alpha if gate else q, beta if beta is not None else q, G, Ub, W, Tm, Am, Pm,
         T, H=H, K=K, V=V, N=N, C=C, SC=SC, BK=BK, BV=BV, SPREAD=SPREAD,
-        GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=precision or precision_for(q.dtype), num_warps=warps,
-        num_stages=1,
+        GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=precision or precision_for(q.dtype), ABLATE=ablate,
+        num_warps=warps, num_stages=1,
     )
     return dict(G=G, Ub=Ub, W=W, Tm=Tm, Am=Am, Pm=Pm, N=N, gate=gate)
 
@@ -336,7 +340,7 @@ def carry(k, x, initial_state, delta: bool, *, V: int, block_v=None, warps=4, st
 
 
 def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None,
-                   block_v=None, warps=(8, 4, 4), stages=2, out_block_v=64, precision=None, keep=False):
+                   block_v=None, warps=(4, 4, 4), stages=2, out_block_v=64, precision=None, keep=False):
     """Chunked forward on [B, T, H, D] tensors. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32),
     plus the intermediates when `keep`. Tuning knobs: `warps` per kernel (intra, carry, out), `block_v` / `stages`
     of the carry kernel (V columns per program, software pipelining), `out_block_v` of the output kernel."""
