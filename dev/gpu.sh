@@ -11,9 +11,10 @@ fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 for what in "$@"; do
   case $what in
-    tests) python3 -m pytest tests/ops/test_memory_triton.py -m gpu -n 8 -q 2>&1 | tee $OUT/gpu_tests.log | tail -25 ;;
+    tests) timeout 210 python3 -m pytest tests/ops/test_memory_triton.py -m gpu -n 8 -q 2>&1 | tee $OUT/gpu_tests.log | tail -25 ;;
     tune) python3 dev/triton_tune.py 2>&1 | tee $OUT/tune.log ;;
     precision) python3 dev/check_precision.py 2>&1 | tee $OUT/precision.log ;;
     bench) python3 -m evict.cli bench ops --device cuda --out $OUT/bench_ops_cuda.json 2>&1 | tee $OUT/bench.log ;;
+    quickbench) timeout 240 python3 -m evict.cli bench ops --device cuda --no-fla-backward --out $OUT/bench_ops_cuda.json 2>&1 | tee $OUT/bench.log ;;
   esac
 done

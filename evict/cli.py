@@ -12,7 +12,7 @@ def _bench(args) -> None:
         from evict.bench.ops import bench_cpu, bench_cuda
 
         if args.device == "cuda":
-            bench_cuda(out=args.out)
+            bench_cuda(out=args.out, fla_backward=not args.no_fla_backward)
         elif args.device == "cpu":
             bench_cpu(lengths=tuple(args.lengths), out=args.out)
         else:
@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("what", choices=["ops", "decode"])
     b.add_argument("--device", default="cpu")
     b.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048, 4096])
+    b.add_argument("--no-fla-backward", action="store_true", help="ops --device cuda: skip fla's fwd+bwd (it autotunes for minutes)")
     b.add_argument("--out", default=None, help="JSON output path")
     from evict.bench.decode import add_arguments as add_decode_arguments
 

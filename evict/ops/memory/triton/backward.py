@@ -30,7 +30,7 @@ from .forward import SC, SPREAD, C, _block, _hrows, _hstore, _lower, _rows, _spr
 
 @triton.jit
 def _dstate_kernel(
-    q, k, do, G, W, Pm, dU, dHs, dsT, ds0, scale,
+    q, k, do, Kd, Dec, Qg, W, Pm, dU, dHs, dsT, ds0, scale,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, DELTA: tl.constexpr, HAS_DST: tl.constexpr, PREC: tl.constexpr,
@@ -43,7 +43,6 @@ def _dstate_kernel(
     tok = i_b.to(tl.int64) * T * H + i_h
     q_bh, k_bh, do_bh = q + tok * K, k + tok * K, do + tok * V
     hm = i_bh.to(tl.int64) * N * C
-    G_bh = G + hm * (K if GATE == 2 else 1)
     s_off = ck[:, None] * V + cv[None, :]
     m_s = mk[:, None] & mv[None, :]
     if HAS_DST:
@@ -56,24 +55,18 @@ def _dstate_kernel(
         tl.store(dHs + (i_bh.to(tl.int64) * N + n) * K * V + s_off, dS, mask=m_s)
         don = _rows(do_bh, t0, rc, T, H * V, cv, V)
         du = scale * tl.dot(tl.trans(_lower(Pm + hm * C, t0, C, False)), don, input_precision=PREC)
-        kn = _rows(k_bh, t0, rc, T, H * K, ck, K)
-        qn = _rows(q_bh, t0, rc, T, H * K, ck, K)
-        if GATE == 2:
-            gn = _hrows(G_bh, t0 + rc, ck, K)
-            g_end = tl.load(G_bh + (t0 + C - 1) * K + ck, mask=mk, other=0.0)
-            kn = kn * tl.exp(g_end[None, :] - gn)
-            qn = qn * tl.exp(gn)
-        if GATE == 1:
-            gn = tl.load(G_bh + t0 + rc)
-            g_end = tl.load(G_bh + t0 + C - 1)
-            kn = kn * tl.exp(g_end - gn)[:, None]
-            qn = qn * tl.exp(gn)[:, None]
+        if GATE == 0:
+            kn = _rows(k_bh, t0, rc, T, H * K, ck, K)
+            qn = _rows(q_bh, t0, rc, T, H * K, ck, K)
+        else:  # K * e^{g_C - g} and Q * e^g, from the forward's first kernel
+            kn = _hrows(Kd + hm * K, t0 + rc, ck, K)
+            qn = _hrows(Qg + hm * K, t0 + rc, ck, K)
         du += tl.dot(kn, dS, input_precision=PREC)
         tl.store(dU + (hm + t0 + rc)[:, None] * V + cv[None, :], du, mask=mv[None, :])
         if GATE == 2:
-            dS = dS * tl.exp(g_end)[:, None]
+            dS = dS * tl.load(Dec + (i_bh.to(tl.int64) * N + n) * K + ck, mask=mk, other=0.0)[:, None]
         if GATE == 1:
-            dS = dS * tl.exp(g_end)
+            dS = dS * tl.load(Dec + i_bh.to(tl.int64) * N + n)
         dS += scale * tl.dot(tl.trans(qn), don, input_precision=PREC)
         if DELTA:
             dS -= tl.dot(tl.trans(_hrows(W + hm * K, t0 + rc, ck, K)), du, input_precision=PREC)
@@ -340,7 +333,7 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     beta = beta.contiguous() if beta is not None else None
     delta = bool(delta)
     prec = precision or "tf32x3"  # the gate's gradient is a long sum of cancelling terms: tf32 rounding shows (LOG)
-    x = intra(q, k, v, log_alpha, beta, delta, warps=fwd_warps[0], precision=prec, ablate=ablate[0])
+    x = intra(q, k, v, log_alpha, beta, delta, warps=fwd_warps[0], precision=prec, qg=True, ablate=ablate[0])
     U, Hs, sT = carry(k, x, initial_state, delta, V=V, block_v=block_v, warps=fwd_warps[1], stages=stages, precision=prec)
     N, gate = x["N"], x["gate"]
     BK, BVf = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
@@ -350,9 +343,9 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     ds0 = torch.empty(B, H, K, V, dtype=f32, device=dev)
     BVs = min(BVf, block_v or state_block_v(B, H, V, dev))
     _dstate_kernel[(triton.cdiv(V, BVs), B * H)](
-        q, k, do, x["G"], x["W"], x["Pm"], dU, dHs, dsT.contiguous() if dsT is not None else ds0, ds0, float(scale),
+        q, k, do, x["Kd"], x["Dec"], x["Qg"], x["W"], x["Pm"], dU, dHs, dsT.contiguous() if dsT is not None else ds0, ds0, float(scale),
         T, H=H, K=K, V=V, N=N, C=C, BK=BK, BV=BVs, GATE=gate, DELTA=delta, HAS_DST=dsT is not None, PREC=prec,
-        num_warps=warps[0], num_stages=stages,
+        num_warps=warps[0], num_stages=1,  # 2 stages of its three [C, K] float32 tiles exceed shared memory
     )
     dPm = torch.empty(B * H * N * C * C, dtype=f32, device=dev)
     dAm = torch.empty(B * H * N * C * C if delta else 1, dtype=f32, device=dev)

@@ -103,10 +103,11 @@ def _strip_decay(g, g_ref, rows, hi, spread, SPREAD: tl.constexpr, SC: tl.conste
 
 @triton.jit
 def _intra_kernel(
-    q, k, v, la, beta, G, Ub, W, Tm, Am, Pm,
+    q, k, v, la, beta, G, Ub, W, Tm, Am, Pm, Kd, Dec, Qg,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
     C: tl.constexpr, SC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPREAD: tl.constexpr,
-    GATE: tl.constexpr, DELTA: tl.constexpr, HAS_BETA: tl.constexpr, PREC: tl.constexpr, ABLATE: tl.constexpr = 0,
+    GATE: tl.constexpr, DELTA: tl.constexpr, HAS_BETA: tl.constexpr, PREC: tl.constexpr, QG: tl.constexpr = False,
+    ABLATE: tl.constexpr = 0,
 ):
     # ABLATE (timing only, wrong results): bit 1 skips the Gram strips, 2 the diagonal inverses, 4 the Neumann / W / U dots
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
@@ -121,12 +122,23 @@ def _intra_kernel(
     T_bh, A_bh, P_bh = Tm + hm * C, Am + hm * C, Pm + hm * C
 
     kc = _rows(k_bh, t0, rc, T, H * K, ck, K)
+    # gates: prefix sums g, and for the sequential kernels the chunk's decay e^{g_C} and keys K * e^{g_C - g}
     if GATE == 2:
         gc = tl.cumsum(_rows(la + tok * K, t0, rc, T, H * K, ck, K), axis=0)
         _hstore(G_bh, t0 + rc, ck, K, gc)
+        g_end = tl.sum(tl.where(rc[:, None] == C - 1, gc, 0.0), axis=0)
+        _hstore(Kd + hm * K, t0 + rc, ck, K, kc * tl.exp(g_end[None, :] - gc))
+        tl.store(Dec + (i_bh.to(tl.int64) * N + i_n) * K + ck, tl.exp(g_end), mask=ck < K)
+        if QG:
+            _hstore(Qg + hm * K, t0 + rc, ck, K, _rows(q_bh, t0, rc, T, H * K, ck, K) * tl.exp(gc))
     if GATE == 1:
         gc = tl.cumsum(tl.load(la + tok + (t0 + rc).to(tl.int64) * H, mask=t0 + rc < T, other=0.0).to(tl.float32), axis=0)
         tl.store(G_bh + t0 + rc, gc)
+        g_end = tl.sum(tl.where(rc == C - 1, gc, 0.0), axis=0)
+        _hstore(Kd + hm * K, t0 + rc, ck, K, kc * tl.exp(g_end - gc)[:, None])
+        tl.store(Dec + i_bh.to(tl.int64) * N + i_n, tl.exp(g_end))
+        if QG:
+            _hstore(Qg + hm * K, t0 + rc, ck, K, _rows(q_bh, t0, rc, T, H * K, ck, K) * tl.exp(gc)[:, None])
     tl.debug_barrier()
 
     # Gram strips, one sub-chunk of rows I at a time: A~ (k.k, strictly lower; delta rule only), P (q.k, lower)
@@ -211,7 +223,7 @@ def _intra_kernel(
 
 @triton.jit
 def _state_kernel(
-    k, G, Ub, W, U, Hs, s0, sT,
+    k, Kd, Dec, Ub, W, U, Hs, s0, sT,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, DELTA: tl.constexpr, HAS_S0: tl.constexpr, PREC: tl.constexpr,
@@ -223,7 +235,6 @@ def _state_kernel(
     mk, mv = ck < K, cv < V
     k_bh = k + (i_b.to(tl.int64) * T * H + i_h) * K
     hm = i_bh.to(tl.int64) * N * C
-    G_bh = G + hm * (K if GATE == 2 else 1)
     W_bh, Ub_bh, U_bh = W + hm * K, Ub + hm * V, U + hm * V
     s_off = ck[:, None] * V + cv[None, :]
     m_s = mk[:, None] & mv[None, :]
@@ -238,17 +249,14 @@ def _state_kernel(
         if DELTA:
             u -= tl.dot(_hrows(W_bh, t0 + rc, ck, K), S, input_precision=PREC)
         tl.store(U_bh + (t0 + rc)[:, None] * V + cv[None, :], u, mask=mv[None, :])
-        kn = _rows(k_bh, t0, rc, T, H * K, ck, K)
+        if GATE == 0:
+            kn = _rows(k_bh, t0, rc, T, H * K, ck, K)
+        else:
+            kn = _hrows(Kd + hm * K, t0 + rc, ck, K)  # K * e^{g_C - g}
         if GATE == 2:
-            gn = _hrows(G_bh, t0 + rc, ck, K)
-            g_end = tl.load(G_bh + (t0 + C - 1) * K + ck, mask=mk, other=0.0)
-            kn = kn * tl.exp(g_end[None, :] - gn)
-            S = S * tl.exp(g_end)[:, None]
+            S = S * tl.load(Dec + (i_bh.to(tl.int64) * N + n) * K + ck, mask=mk, other=0.0)[:, None]
         if GATE == 1:
-            gn = tl.load(G_bh + t0 + rc)
-            g_end = tl.load(G_bh + t0 + C - 1)
-            kn = kn * tl.exp(g_end - gn)[:, None]
-            S = S * tl.exp(g_end)
+            S = S * tl.load(Dec + i_bh.to(tl.int64) * N + n)
         S += tl.dot(tl.trans(kn), u, input_precision=PREC)
     tl.store(sT + i_bh.to(tl.int64) * K * V + s_off, S, mask=m_s)
 
@@ -298,8 +306,9 @@ def state_block_v(B, H, V, dev) -> int:
     return 16 if B * H * triton.cdiv(V, 32) < _sms(dev) else 32
 
 
-def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, ablate=0):
-    """Kernel 1: (G, U_bar, W, T, A~, P) on head-major buffers (W / T / A~ empty without the delta rule)."""
+def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, qg=False, ablate=0):
+    """Kernel 1: G, U_bar, W, T, A~, P, K e^{g_C - g} (Kd), e^{g_C} (Dec) and, with `qg`, Q e^g (Qg) on head-major
+    buffers (W / T / A~ empty without the delta rule; Kd / Dec / Qg without a gate)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = max(1, triton.cdiv(T, C))
@@ -310,14 +319,18 @@ def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, abl
     W = torch.empty(B * H * N * C * K if delta else 1, dtype=f32, device=dev)
     Tm, Am = (torch.empty(B * H * N * C * C if delta else 1, dtype=f32, device=dev) for _ in range(2))
     Pm = torch.empty(B * H * N * C * C, dtype=f32, device=dev)
+    Kd = torch.empty(B * H * N * C * K if gate else 1, dtype=f32, device=dev)
+    Dec = torch.empty(B * H * N * (K if gate == 2 else 1) if gate else 1, dtype=f32, device=dev)
+    Qg = torch.empty(B * H * N * C * K if gate and qg else 1, dtype=f32, device=dev)
     BK, BV = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
     _intra_kernel[(N, B * H)](
-        q, k, v, log_alpha if gate else q, beta if beta is not None else q, G, Ub, W, Tm, Am, Pm,
+        q, k, v, log_alpha if gate else q, beta if beta is not None else q, G, Ub, W, Tm, Am, Pm, Kd, Dec, Qg,
         T, H=H, K=K, V=V, N=N, C=C, SC=SC, BK=BK, BV=BV, SPREAD=SPREAD,
-        GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=precision or precision_for(q.dtype), ABLATE=ablate,
+        GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=precision or precision_for(q.dtype), QG=bool(qg and gate),
+        ABLATE=ablate,
         num_warps=warps, num_stages=1,
     )
-    return dict(G=G, Ub=Ub, W=W, Tm=Tm, Am=Am, Pm=Pm, N=N, gate=gate)
+    return dict(G=G, Ub=Ub, W=W, Tm=Tm, Am=Am, Pm=Pm, Kd=Kd, Dec=Dec, Qg=Qg, N=N, gate=gate)
 
 
 def carry(k, x, initial_state, delta: bool, *, V: int, block_v=None, warps=4, stages=2, precision=None):
@@ -332,7 +345,7 @@ def carry(k, x, initial_state, delta: bool, *, V: int, block_v=None, warps=4, st
     BV = min(max(16, triton.next_power_of_2(V)), block_v or state_block_v(B, H, V, dev))
     s0 = initial_state.contiguous().to(f32) if initial_state is not None else sT
     _state_kernel[(triton.cdiv(V, BV), B * H)](
-        k, x["G"], x["Ub"], x["W"], U, Hs, s0, sT, T, H=H, K=K, V=V, N=N, C=C, BK=BK, BV=BV,
+        k, x["Kd"], x["Dec"], x["Ub"], x["W"], U, Hs, s0, sT, T, H=H, K=K, V=V, N=N, C=C, BK=BK, BV=BV,
         GATE=gate, DELTA=delta, HAS_S0=initial_state is not None, PREC=precision or precision_for(k.dtype),
         num_warps=warps, num_stages=stages,
     )
