@@ -7,10 +7,9 @@ knob is read off its kernel's row. Usage (GPU): python dev/triton_tune.py [--sha
 import argparse
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from evict.bench.common import markdown_table
-from evict.bench.ops import rule_inputs
+from evict.bench.ops import kernel_profile, rule_inputs
 from evict.ops.memory.triton.backward import backward_triton
 from evict.ops.memory.triton.forward import forward_triton
 
@@ -22,22 +21,6 @@ VARIANTS = {  # name -> (forward knobs, backward knobs); a* = ablations (timing 
     "a4": (dict(), dict(precision="tf32", ablate=(4, 0))),
     "a7": (dict(), dict(precision="tf32", ablate=(7, 3))),
 }
-
-
-def kernel_times(fn, steps=5):
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    per = {}
-    for e in prof.key_averages():
-        t = getattr(e, "self_device_time_total", None)
-        t = e.self_cuda_time_total if t is None else t
-        if t > 0:
-            per[e.key] = per.get(e.key, 0.0) + t / 1e3 / steps
-    return per
 
 
 def main():
@@ -60,7 +43,7 @@ def main():
                     backward_triton(q, k, v, la, beta, None, do, None, delta=True, scale=128 ** -0.5, **bk)
                     torch.cuda.synchronize()
                 try:
-                    times = kernel_times(run)
+                    times = dict(kernel_profile(run))
                 except Exception as e:  # e.g. a variant asking for more shared memory than the SM has
                     print(f"{name}: {type(e).__name__}: {str(e)[:120]}")
                     continue

@@ -97,7 +97,7 @@ def _fla():
             {"kda": fused_recurrent_kda, "gated_deltanet": fused_recurrent_gated_delta_rule})
 
 
-def _kernel_profile(fn, steps: int = 5) -> list[tuple[str, float]]:
+def kernel_profile(fn, steps: int = 5) -> list[tuple[str, float]]:
     """CUDA kernel time per kernel name (ms per call of fn), largest first, from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -151,7 +151,7 @@ def bench_cuda(shapes=CUDA_SHAPES, *, H=16, D=128, out=None, fla_backward=True, 
             flops_t, nbytes_t = _memory_cost(B, T, H, D, train=True)
             rows.append(_row(f"evict {rule} fwd+bwd", shape, bench(fb, rep=500), flops_t, nbytes_t, ceil))
             if profile and (B, T) == shapes[0]:
-                profiles[rule] = _kernel_profile(fb)
+                profiles[rule] = kernel_profile(fb)
             if rule not in fla:
                 continue
             f = fla[rule]

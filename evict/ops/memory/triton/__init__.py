@@ -1,8 +1,9 @@
 """Triton kernels for the memory op (CUDA; also the CPU interpreter with TRITON_INTERPRET=1).
 
     step.py      fused decode step, one launch per token, state updated in place or into `out`
-    forward.py   chunked forward: per-chunk WY factors (parallel) + state carry across chunks (sequential)
-    autograd.py  the forward behind torch.autograd (`memory_triton`)
+    forward.py   chunked forward: per-chunk WY factors (parallel), state carry (sequential), output (parallel)
+    backward.py  chunked backward: recomputed factors and states, dstate carry, value and key gradients, gate sum
+    autograd.py  forward and backward behind torch.autograd (`memory_triton`)
 
 This file imports no triton: `available()` says whether the kernels can load; callers import the submodules lazily,
 so machines without triton still import evict.

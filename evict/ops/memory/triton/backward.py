@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import SC, SPREAD, C, _block, _hrows, _hstore, _lower, _rows, _spread, _strip_decay, carry, intra, precision_for, state_block_v
+from .forward import (SC, SPREAD, C, _block, _hrows, _hstore, _lower, _rows, _spread, _state_tile, _strip_decay, carry, intra,
+                      precision_for, state_block_v)
 
 
 @triton.jit
@@ -43,12 +44,7 @@ def _dstate_kernel(
     tok = i_b.to(tl.int64) * T * H + i_h
     q_bh, k_bh, do_bh = q + tok * K, k + tok * K, do + tok * V
     hm = i_bh.to(tl.int64) * N * C
-    s_off = ck[:, None] * V + cv[None, :]
-    m_s = mk[:, None] & mv[None, :]
-    if HAS_DST:
-        dS = tl.load(dsT + i_bh.to(tl.int64) * K * V + s_off, mask=m_s, other=0.0)
-    else:
-        dS = tl.zeros([BK, BV], tl.float32)
+    s_off, m_s, dS = _state_tile(dsT, i_bh, ck, cv, K, V, HAS_DST)
     for i in range(N):
         n = N - 1 - i
         t0 = n * C

@@ -222,6 +222,18 @@ def _intra_kernel(
 
 
 @triton.jit
+def _state_tile(ptr, i_bh, ck, cv, K: tl.constexpr, V: tl.constexpr, LOAD: tl.constexpr):
+    """Offsets and mask of a program's [BK, BV] block of a [B H, K, V] state, and that block (zeros unless LOAD)."""
+    s_off = ck[:, None] * V + cv[None, :]
+    m_s = (ck < K)[:, None] & (cv < V)[None, :]
+    if LOAD:
+        S = tl.load(ptr + i_bh.to(tl.int64) * K * V + s_off, mask=m_s, other=0.0)
+    else:
+        S = tl.zeros([ck.shape[0], cv.shape[0]], tl.float32)
+    return s_off, m_s, S
+
+
+@triton.jit
 def _state_kernel(
     k, Kd, Dec, Ub, W, U, Hs, s0, sT,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
@@ -236,12 +248,7 @@ def _state_kernel(
     k_bh = k + (i_b.to(tl.int64) * T * H + i_h) * K
     hm = i_bh.to(tl.int64) * N * C
     W_bh, Ub_bh, U_bh = W + hm * K, Ub + hm * V, U + hm * V
-    s_off = ck[:, None] * V + cv[None, :]
-    m_s = mk[:, None] & mv[None, :]
-    if HAS_S0:
-        S = tl.load(s0 + i_bh.to(tl.int64) * K * V + s_off, mask=m_s, other=0.0)
-    else:
-        S = tl.zeros([BK, BV], tl.float32)
+    s_off, m_s, S = _state_tile(s0, i_bh, ck, cv, K, V, HAS_S0)
     for n in range(N):
         t0 = n * C
         tl.store(Hs + (i_bh.to(tl.int64) * N + n) * K * V + s_off, S, mask=m_s)
