@@ -35,14 +35,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--V", type=int, default=0, help="value dim (default: D)")
     ap.add_argument("--only", default="")
     ap.add_argument("--warps", default="", help="name=warps,... overrides, e.g. intra=8,dkey=16")
     ap.add_argument("--gates", default="2,1,0")
     a = ap.parse_args()
-    dt, D = a.dtype, a.D
-    BK = BV = max(16, triton.next_power_of_2(D))
+    dt, D, DV = a.dtype, a.D, a.V or a.D
+    BK, BV = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV))
     p, f = "*" + dt, "*fp32"
-    common = dict(H=16, K=D, V=D, C=64)
+    common = dict(H=16, K=D, V=DV, C=64)
     over = {kv.split('=')[0]: int(kv.split('=')[1]) for kv in a.warps.split(',') if kv}
     for gate in map(int, a.gates.split(',')):
         for delta in (True, False):
@@ -57,7 +58,7 @@ def main():
                 "dstate": (bw._dstate_kernel, dict(q=p, k=p, do=p, Kd=f, Dec=f, Qg=f, W=f, Pm=f, dU=f, dHs=f, dsT=f, ds0=f, scale="fp32", T="i32", N="i32"),
                            dict(common, BK=BK, BV=32, GATE=gate, DELTA=delta, HAS_DST=True, PREC="tf32"), 4, int(os.environ.get("DSTAGES", 2))),
                 "dvalue": (bw._dvalue_kernel, dict(v=p, beta=p, do=p, Ub=f, U=f, dU=f, Tm=f, dPm=f, dAm=f, dB=f, dv=p, scale="fp32", T="i32", N="i32"),
-                           dict(H=16, V=D, C=64, BV=64, DELTA=delta, HAS_BETA=True, PREC="tf32"), 4, 2),
+                           dict(H=16, V=DV, C=64, BV=64, DELTA=delta, HAS_BETA=True, PREC="tf32"), 4, 2),
                 "dkey": (bw._dkey_kernel, dict(q=p, k=p, beta=p, U=f, dU=f, W=f, Tm=f, Am=f, dPm=f, dAm=f, G=f, Hs=f, dHs=f, dB=f, do=p,
                                                 dq=p, dk=p, dg=f, db_out=p, XQ=f, XW=f, XC=f, scale="fp32", T="i32", N="i32"),
                          dict(common, SC=16, BK=BK, BV=32, SPREAD=40.0, GATE=gate, DELTA=delta, HAS_BETA=True, PREC="tf32", ABLATE=0), 8, 2),

@@ -97,6 +97,16 @@ for name, gate, delta, bmax, T, strong in json.loads(sys.argv[2]):
     g_ref = grads(x64, delta, impl="reference")
     g = grads({n: None if t is None else t.float() for n, t in x64.items()}, delta, impl="triton")
     out["grads"][name] = {n: rel(g[n], g_ref[n]) for n in g_ref}
+# float16 inputs (the interpreter has no bfloat16): the 16-bit load / store paths, against the reference on the
+# same rounded inputs
+x16 = {n: None if t is None else (t.float() if n == "initial_state" else t.half())
+       for n, t in make_inputs(1, 70, 2, 16, 16, gate="channel", beta_max=1.5, init=True).items()}
+x16_64 = {n: None if t is None else t.double() for n, t in x16.items()}
+o16, s16 = run(x16, True, impl="triton")
+o_ref, s_ref = run(x16_64, True, impl="reference")
+g16, g_ref = grads(x16, True, impl="triton"), grads(x16_64, True, impl="reference")
+out["fp16"] = {"o": rel(o16, o_ref), "S": rel(s16, s_ref), "o_dtype": str(o16.dtype),
+               **{f"d{n}": rel(g16[n], g_ref[n]) for n in g_ref}, "grad_dtypes": [str(g16[n].dtype) for n in g16]}
 print("RESULT" + json.dumps(out))
 """
 
@@ -132,6 +142,14 @@ def test_interpreter_gradients_match_reference(interpreted, case):
     strong = [c for c in GRAD_CASES if c[0] == case][0][-1] != "no"
     for name, err in interpreted["grads"][case].items():
         assert err <= (1e-4 if strong and name == "log_alpha" else 1e-5), (name, err)
+
+
+def test_interpreter_float16_inputs(interpreted):
+    r = interpreted["fp16"]
+    assert r["o_dtype"] == "torch.float16" and r["grad_dtypes"] == ["torch.float16"] * 5 + ["torch.float32"]
+    for name, err in r.items():
+        if name.startswith("d") or name in ("o", "S"):
+            assert err <= TOL[torch.float16], (name, err)
 
 
 # -- GPU -------------------------------------------------------------------------------------------------------
@@ -219,3 +237,15 @@ def test_gpu_auto_picks_triton_and_bad_impl_message():
     x = make_inputs(1, 5, 1, 16, 16, gate="scalar", beta_max=1.0)
     with pytest.raises(ValueError, match="^impl:"):
         memory(x["q"], x["k"], x["v"], impl="triton")  # float64 CPU tensors
+
+
+@pytest.mark.gpu
+def test_gpu_auto_falls_back_to_chunked_for_large_key_dims():
+    """Key dims above the kernels' 128: "auto" warns once and runs the chunked form; "triton" refuses in one line."""
+    xd, x64 = _cuda(make_inputs(1, 40, 1, 256, 32, gate="channel", beta_max=1.0), torch.float32)
+    with pytest.warns(UserWarning, match="exceed the Triton kernels"):
+        o, s = run(xd, True, impl="auto")
+    o_ref, s_ref = run(x64, True, impl="reference")
+    assert rel(o, o_ref) <= 1e-5 and rel(s, s_ref) <= 1e-5
+    with pytest.raises(ValueError, match="^impl: 'triton' takes key dims up to 128"):
+        run(xd, True, impl="triton")

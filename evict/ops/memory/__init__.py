@@ -9,16 +9,26 @@ Forms: "reference" (token loop, float64-capable), "chunked" (WY/UT chunks), "tri
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 from ._check import check_inputs
 from .chunked import memory_chunked
 from .reference import memory_reference
 from .step import memory_step
+from .triton import MAX_K, MAX_V
+from .triton import fits as triton_fits
 from .triton import runs_on as triton_runs_on
 
 IMPLS = ("auto", "reference", "chunked", "triton")
 CHUNK_SIZES = (16, 32, 64, 128)
 
 __all__ = ["memory", "memory_step", "IMPLS", "CHUNK_SIZES"]
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
 
 
 def memory(
@@ -41,9 +51,15 @@ def memory(
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size!r}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    K, V = q.shape[-1], v.shape[-1]
     if impl == "auto":
         impl = "triton" if q.is_cuda and triton_runs_on(q) else "chunked"
+        if impl == "triton" and not triton_fits(K, V):
+            _warn_once(f"memory: head dims K={K}, V={V} exceed the Triton kernels' {MAX_K} / {MAX_V}; using the chunked PyTorch form")
+            impl = "chunked"
     if impl == "triton":
+        if not triton_fits(K, V):
+            raise ValueError(f"impl: 'triton' takes key dims up to {MAX_K} and value dims up to {MAX_V}, got K={K}, V={V}")
         if not triton_runs_on(q):
             raise ValueError(f"impl: 'triton' needs the triton package and CUDA tensors (not float64), got {q.device} {q.dtype}")
         from .triton.autograd import memory_triton

@@ -27,6 +27,14 @@ def available() -> bool:
     return True
 
 
+MAX_K, MAX_V = 128, 256  # the chunked kernels' tiles fit an H100/H200 SM's registers and shared memory up to these
+
+
+def fits(K: int, V: int) -> bool:
+    """Whether the chunked kernels take these head dims (the decode step takes any)."""
+    return K <= MAX_K and V <= MAX_V
+
+
 def runs_on(t: torch.Tensor) -> bool:
     """The kernels take CUDA tensors (not float64), or CPU float32 ones under the interpreter (TRITON_INTERPRET=1)."""
     if t.dtype == torch.float64 or not available():
