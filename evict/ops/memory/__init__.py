@@ -44,6 +44,8 @@ def memory(
     scale: default K ** -0.5; initial_state: [B, H, K, V] float32 (float64 for float64 inputs).
     Returns (o [B, T, H, V] in q's dtype, final state or None unless output_final_state).
     `check=True` validates values too (finite, log_alpha <= 0, beta in [0, 2]); it costs a host sync.
+    `chunk_size` (16/32/64/128) is the chunked PyTorch form's; the Triton kernels always use chunks of 64 and take key
+    dims up to 128, value dims up to 256 ("auto" falls back to "chunked" beyond that, with a warning).
     """
     check_inputs(q, k, v, log_alpha, beta, initial_state, step=False, check_values=check)
     if impl not in IMPLS:

@@ -4,15 +4,17 @@ Legend: B batch, T time, H heads, K key dim, V value dim; chunks of C = 64 token
 sub-chunks of SC = 16 rows (I, J index them); BK / BV = K / V padded to powers of two (BV may be a block of V).
 Derivation: README.md beside this folder. Per chunk, with g the prefix sums of log alpha inside it:
 
-1. `_intra_kernel`, grid (N, B H): g (stored, float32); the Gram blocks
-       A~_IJ = [k_i . k_j e^{g_i - g_j}]  (strictly lower),   P_IJ = [q_i . k_j e^{g_i - g_j}]  (lower)
-   one [SC, SC] dot per block; T = (I + Diag(beta) A~)^-1 by blocks (diagonal blocks by forward substitution,
-   the others as T_IJ = -T_II sum_{J<=M<I} A_IM T_MJ); W = T Diag(beta) (K * e^g), U_bar = T Diag(beta) V.
-   Per-channel gates: block (I, J) factors through r = the first row of I, e^{g_i - g_j} = e^{g_i - g_r} e^{g_r - g_j}:
-   both factors are <= 1 off the diagonal; on it e^{g_r - g_j} <= e^{spread of the sub-chunk}, used while that
-   spread is <= SPREAD, else the diagonal block takes the exact ratios one key column at a time.
+1. `_intra_kernel`, grid (N, B H): g (stored, float32), then the Gram matrices by strips of SC rows (one
+   [SC, K] x [K, C] dot per strip):  A~ = [k_i . k_j e^{g_i - g_j}] (strictly lower),  P = [q_i . k_j e^{g_i - g_j}]
+   (lower). Per-channel gates factor through r = the strip's first row, e^{g_i - g_j} = e^{g_i - g_r} e^{g_r - g_j}:
+   both <= 1 left of the strip's own columns; on them e^{g_r - g_j} <= e^{spread of the sub-chunk}, used while that
+   spread is <= SPREAD, else that diagonal block is redone with exact ratios, one key column at a time.
+   T = (I + Diag(beta) A~)^-1: the four diagonal SC x SC inverses at once ([4, SC, SC], forward substitution), then
+   T = (I - N (I - N (I - N))) D with D their block diagonal and N = D Diag(beta) A~_below (N^4 = 0).
+   W = T Diag(beta) (K * e^g), U_bar = T Diag(beta) V; and for the sequential kernels K * e^{g_C - g}, e^{g_C} and
+   (backward only) Q * e^g.
 2. `_state_kernel`, grid (V / BV, B H): S [BK, BV] float32 carried across chunks; stores S at each chunk's start (Hs)
-   and U = U_bar - W S;  S <- e^{g_C} * S + (K * e^{g_C - g})^T U.
+   and U = U_bar - W S;  S <- e^{g_C} * S + (K * e^{g_C - g})^T U  (no gate loads or exps in the loop).
 3. `_out_kernel`, grid (V / BV, N, B H): O = scale ((Q * e^g) S + P U).
 Every exponent is a difference of prefix sums that is <= 0 (or bounded by SPREAD), so log alpha = -20 stays finite.
 """
