@@ -20,15 +20,22 @@ from evict.ops.memory.triton import forward as fw
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def compile_one(fn, sig, consts, warps, stages=1):
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+def compile_one(fn, sig, consts, warps, stages=1, div16=True):
+    """Pointers divisible by 16 (as torch allocations are at launch); `div16`: the integers (T, N) too, as when
+    T % 16 == 0 — Triton specialises each launch on this."""
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+             if t.startswith("*") or (div16 and t == "i32")}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(k.asm["ptx"])
     out = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
     regs = re.findall(r"Used (\d+) registers", out.stderr)
     spill = re.findall(r"(\d+) bytes spill stores", out.stderr)
-    return f"regs {regs[-1] if regs else '?'} spill {spill[-1] if spill else '?'} smem {k.metadata.shared}"
+    mem = re.findall(r"\b(?:ld|st)\.global(?:\.\w+)*?\.(v[248])?\.?[bfsu]\d+", k.asm["ptx"])
+    vec = sum(1 for m in mem if m) / max(1, len(mem))
+    return (f"regs {regs[-1] if regs else '?'} spill {spill[-1] if spill else '?'} smem {k.metadata.shared} "
+            f"global-ld/st {len(mem)} vectorised {vec:.0%}")
 
 
 def main():
@@ -39,6 +46,7 @@ def main():
     ap.add_argument("--only", default="")
     ap.add_argument("--warps", default="", help="name=warps,... overrides, e.g. intra=8,dkey=16")
     ap.add_argument("--gates", default="2,1,0")
+    ap.add_argument("--no-div16", action="store_true", help="integer arguments (T, N) not divisible by 16 (odd T)")
     a = ap.parse_args()
     dt, D, DV = a.dtype, a.D, a.V or a.D
     BK, BV = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV))
@@ -67,7 +75,7 @@ def main():
                 if a.only and name not in a.only.split(","):
                     continue
                 warps = over.get(name, warps)
-                print(f"{tag:16s} {name:7s} w{warps}", compile_one(fn, sig, consts, warps, stages), flush=True)
+                print(f"{tag:16s} {name:7s} w{warps}", compile_one(fn, sig, consts, warps, stages, not a.no_div16), flush=True)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,8 @@ INTERP_SCRIPT = r"""
 import json, os, sys
 assert os.environ["TRITON_INTERPRET"] == "1"
 import torch
+torch.use_deterministic_algorithms(True, warn_only=True)  # as in conftest: fresh allocations are NaN-filled, so
+torch.utils.deterministic.fill_uninitialized_memory = True  # an intermediate a kernel never writes fails the test
 import triton.runtime.interpreter as interp
 
 # triton 3.6's interpreter turns a runtime loop bound into int(array of shape [1]), which numpy >= 2.3 rejects
