@@ -12,7 +12,9 @@ from __future__ import annotations
 import functools
 import warnings
 
-from ._check import check_inputs
+import torch
+
+from ._check import check_inputs, check_scale, state_dtype
 from .chunked import memory_chunked
 from .reference import memory_reference
 from .step import memory_step
@@ -23,7 +25,12 @@ from .triton import runs_on as triton_runs_on
 IMPLS = ("auto", "reference", "chunked", "triton")
 CHUNK_SIZES = (16, 32, 64, 128)
 
-__all__ = ["memory", "memory_step", "IMPLS", "CHUNK_SIZES"]
+__all__ = ["memory", "memory_step", "IMPLS", "CHUNK_SIZES", "LOG_ALPHA_FLOOR"]
+
+# log alpha is clamped from below at these values (by the state dtype) before any form runs: e^floor is exactly 0 there,
+# so the decay is the same "hard reset" as for any lower value, while in-chunk prefix sums stay finite and keep their
+# precision (float32's most negative value on two consecutive tokens would sum to -inf, and -inf - -inf is NaN).
+LOG_ALPHA_FLOOR = {torch.float32: -110.0, torch.float64: -750.0}
 
 
 @functools.cache
@@ -40,8 +47,9 @@ def memory(
     """The generalized associative-memory update over a sequence.
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; log_alpha: [B, T, H] (scalar gate) or [B, T, H, K] (per channel),
-    values <= 0, None = no decay; beta: [B, T, H], None = 1; delta: erase against the faded state before writing;
-    scale: default K ** -0.5; initial_state: [B, H, K, V] float32 (float64 for float64 inputs).
+    values <= 0, None = no decay (at or below LOG_ALPHA_FLOOR: a hard reset, alpha = 0 exactly); beta: [B, T, H],
+    None = 1; delta: erase against the faded state before writing; scale: a finite number, default K ** -0.5;
+    initial_state: [B, H, K, V] float32 (float64 for float64 inputs), on q's device.
     Returns (o [B, T, H, V] in q's dtype, final state or None unless output_final_state).
     `check=True` validates values too (finite, log_alpha <= 0, beta in [0, 2]); it costs a host sync.
     `chunk_size` (16/32/64/128) is the chunked PyTorch form's; the Triton kernels always use chunks of 64 and take key
@@ -52,7 +60,9 @@ def memory(
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size!r}")
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = check_scale(scale, q.shape[-1])
+    if log_alpha is not None:
+        log_alpha = log_alpha.clamp(min=LOG_ALPHA_FLOOR[state_dtype(q.dtype)])
     K, V = q.shape[-1], v.shape[-1]
     if impl == "auto":
         impl = "triton" if q.is_cuda and triton_runs_on(q) else "chunked"
