@@ -114,8 +114,16 @@ class LM(nn.Module):
             got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             raise ValueError(f"tokens: expected an int64 tensor [B, T], got {got}")
         B, T = tokens.shape
+        # Values are checked where that costs no device sync: CPU tensors (one cheap pass), outside torch.compile.
+        # CUDA callers check once at their entry (generate, the CLI); tasks produce ids in range by construction.
+        if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                raise ValueError(f"tokens: expected ids in [0, vocab_size={self.cfg.vocab_size}), got range [{lo}, {hi}]")
         pos = 0
         if cache is not None:
+            if not isinstance(cache, HybridCache) or len(cache) != len(self.blocks):
+                raise ValueError(f"cache: expected a HybridCache from this model's new_cache, got {type(cache).__name__}")
             if cache.batch_size != B:
                 raise ValueError(f"cache: built for batch {cache.batch_size}, got tokens for batch {B}")
             cache.reserve(T)
@@ -159,6 +167,16 @@ class LM(nn.Module):
 
     # -- inference --------------------------------------------------------------------------------------------
     def new_cache(self, batch_size: int, max_len: int, device=None, dtype=None) -> HybridCache:
+        """States for `batch_size` sequences of up to `max_len` tokens, on the model's device and dtype by default."""
+        for name, value in (("batch_size", batch_size), ("max_len", max_len)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise ValueError(f"dtype: expected a floating torch dtype (or None for the model's), got {dtype!r}")
+        try:
+            device = None if device is None else torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', got {device!r}") from None
         p = next(self.parameters())
         device = p.device if device is None else device
         dtype = p.dtype if dtype is None else dtype
