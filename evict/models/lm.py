@@ -204,22 +204,73 @@ class LM(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, device=None) -> "LM":
+        """Build the model from `config.json` and load `model.safetensors` (checked: see `load_weights`)."""
         path = Path(path)
         if not (path / "config.json").is_file():
             raise ValueError(f"path: expected a folder with config.json and model.safetensors, got {path}")
-        model = cls(ModelConfig.from_dict(json.loads((path / "config.json").read_text())))
+        try:
+            cfg = ModelConfig.from_dict(_read_config(path / "config.json"))
+        except ValueError as e:
+            msg = str(e)
+            raise ValueError(msg if msg.startswith("checkpoint: ") else f"checkpoint: {path / 'config.json'}: {msg}") from None
+        model = cls(cfg)
         model.load_weights(path, device=device)
         return model
 
     def load_weights(self, path: str | Path, device=None) -> None:
-        """Load weights saved by `save`; a checkpoint of another config fails naming the differing fields."""
-        from safetensors.torch import load_model
+        """Load weights saved by `save`, checked before any is copied: the config must equal this model's (else the
+        differing fields are named), and every tensor must be present, of the model's shape, floating where the model's
+        is (any float dtype converts), and finite. Each failure is one ValueError naming the file."""
+        from safetensors.torch import load_file
 
         path = Path(path)
-        saved = json.loads((path / "config.json").read_text())
+        saved = _read_config(path / "config.json")
         mine = json.loads(self.cfg.to_json())
         diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
         if diff:
             shown = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs model {mine.get(k)!r}" for k in diff[:4])
             raise ValueError(f"checkpoint: {path} was saved from another config ({shown})")
-        load_model(self, str(path / "model.safetensors"), device=str(device or next(self.parameters()).device))
+        file = path / "model.safetensors"
+        if not file.is_file():
+            raise ValueError(f"checkpoint: no such file: {file}")
+        try:
+            tensors = load_file(str(file), device="cpu")
+        except Exception as e:  # safetensors raises its own error type (truncated file, bad header, bad offsets)
+            raise ValueError(f"checkpoint: {file} is not a readable safetensors file ({str(e).splitlines()[0][:200]})") from None
+        _check_tensors(file, tensors, self.state_dict())
+        self.load_state_dict(tensors, strict=False)  # every name was checked above; tied copies are one tensor
+        if device is not None:
+            self.to(device)
+
+
+def _read_config(file: Path) -> dict:
+    try:
+        d = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint: no such file: {file}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"checkpoint: {file} is not readable JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"checkpoint: {file} holds a JSON {type(d).__name__}, expected an object of config fields")
+    return d
+
+
+def _check_tensors(file: Path, tensors: dict, expected: dict) -> None:
+    """Names, shapes, dtypes and finiteness of a loaded state dict against the model's; tied tensors count once."""
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise ValueError(f"checkpoint: {file} holds tensors this model does not have: {unexpected[:4]}")
+    groups: dict = {}  # names sharing one storage (tied embeddings): the file holds one of them
+    for name, t in expected.items():
+        groups.setdefault((t.device, t.untyped_storage().data_ptr()) if t.numel() else name, []).append(name)
+    missing = sorted(names[0] for names in groups.values() if not any(n in tensors for n in names))
+    if missing:
+        raise ValueError(f"checkpoint: {file} lacks tensors of this model: {missing[:4]}")
+    for name, t in tensors.items():
+        want = expected[name]
+        if t.shape != want.shape:
+            raise ValueError(f"checkpoint: {file}: {name} has shape {list(t.shape)}, the config gives {list(want.shape)}")
+        if t.is_floating_point() != want.is_floating_point() or (not want.is_floating_point() and t.dtype != want.dtype):
+            raise ValueError(f"checkpoint: {file}: {name} has dtype {t.dtype}, expected {want.dtype}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"checkpoint: {file}: {name} holds NaN or Inf")
