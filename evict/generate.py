@@ -37,7 +37,7 @@ def generate(model, prompt: torch.Tensor, *, max_new_tokens: int = 64, temperatu
     vocab = model.cfg.vocab_size
     _check_args(prompt, vocab, max_new_tokens, temperature, top_k, top_p, seed, prefill_chunk, on_token)
     stop_list = _check_stop_tokens(stop_tokens, vocab)
-    if model.cfg.pos == "learned" and prompt.shape[1] + max_new_tokens - 1 > model.cfg.max_seq_len:
+    if model.cfg.pos == "learned" and prompt.shape[1] + max_new_tokens > model.cfg.max_seq_len:
         raise ValueError(f"max_new_tokens: prompt ({prompt.shape[1]}) + {max_new_tokens} new tokens exceed the model's "
                          f"{model.cfg.max_seq_len} learned positions")
     was_training = model.training

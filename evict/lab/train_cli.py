@@ -99,9 +99,8 @@ def _check_resume(out: Path, run: dict) -> None:
 
 
 def run_train(args) -> dict:
-    writable_dir(args.out, "--out")  # before the corpus is read and tokenised
-    task = build_task(args)
-    cfg = build_config(args, task.vocab_size)
+    # every flag, the model config and --out are checked before the corpus is read and tokenised
+    writable_dir(args.out, "--out")
     warmup = min(50, args.steps) if args.warmup is None else args.warmup
     try:
         tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=warmup,
@@ -110,6 +109,9 @@ def run_train(args) -> dict:
                            checkpoint_every=args.eval_every)
     except ValueError as e:
         raise SystemExit(f"training flags: {e}") from None
+    build_config(args, 256)  # the vocabulary follows the task; every other field is checked now
+    task = build_task(args)
+    cfg = build_config(args, task.vocab_size)
     out = Path(args.out)
     run = {"model": cfg.to_dict(), "task": {"name": task.name, "seq_len": task.seq_len} if args.task == "text"
            else {"name": task.name, "seq_len": args.seq_len or 64, "pairs": args.pairs, "vocab": args.vocab},
