@@ -38,6 +38,9 @@ class HybridCache:
     """Per-layer states for a batch of sequences, all at the same position."""
 
     def __init__(self, states: list, batch_size: int, max_len: int):
+        for name, value in (("batch_size", batch_size), ("max_len", max_len)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
         self.states = states
         self.batch_size = batch_size
         self.max_len = max_len
@@ -56,6 +59,16 @@ class HybridCache:
 
     def advance(self, n: int) -> None:
         self.pos += n
+
+    def reset(self) -> None:
+        """Forget every sequence: zero all states and conv tails in place (their buffers keep their addresses, so a
+        captured decode graph stays valid) and return to position 0. Reuse then equals a fresh cache exactly."""
+        for st in self.states:
+            for f in fields(st):
+                t = getattr(st, f.name)
+                if isinstance(t, torch.Tensor):
+                    t.zero_()
+        self.pos = 0
 
     def bytes_per_sequence(self) -> int:
         """Bytes this cache holds per sequence, as allocated (KV and latent at full max_len)."""

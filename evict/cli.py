@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
+import os
 import sys
+
+from evict.cli_args import Parser, UserError, device, nonneg_int, positive_float, positive_int, writable_dir, writable_file
 
 
 def _bench(args) -> None:
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.what == "ops" and args.device not in ("cpu", "cuda"):
+        raise SystemExit(f"--device: expected 'cpu' or 'cuda', got {args.device!r}")
+    kind = "cuda" if args.device.startswith("cuda") else "cpu"
+    default = f"runs/bench/decode_{kind}.json" if args.what == "decode" else None  # ops writes JSON only with --out
+    writable_file(args.out or default, "--out")  # checked before the benchmark, not after it
     if args.what == "ops":
         from evict.bench.ops import bench_cpu, bench_cuda
 
@@ -52,6 +63,8 @@ def _demo(args) -> None:
 def _size(args) -> None:
     from evict.models import accounting, presets
 
+    writable_file(args.plot or f"runs/size/{'_vs_'.join(args.preset)}.png", "--plot")
+    writable_file(args.json, "--json")
     cfgs = {}
     for name in args.preset:
         try:
@@ -73,6 +86,7 @@ def _recall(args) -> None:
 
     from evict.lab.recall import FULL, QUICK, run_sweep
 
+    writable_dir(args.out, "--out")
     sweep = FULL if args.full else QUICK
     overrides = {k: v for k, v in {
         "archs": tuple(args.archs) if args.archs else None,
@@ -88,15 +102,15 @@ def _recall(args) -> None:
         raise SystemExit(str(e)) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="evict", description="Attention is an associative memory; a fixed-size memory must evict.")
+def build_parser() -> Parser:
+    p = Parser(prog="evict", description="Attention is an associative memory; a fixed-size memory must evict.")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="the memory op's worked examples, computed live")
     d.set_defaults(fn=_demo)
     b = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
     b.add_argument("what", choices=["ops", "decode", "train"])
-    b.add_argument("--device", default="cpu")
-    b.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048, 4096])
+    b.add_argument("--device", type=device, default="cpu", help="cpu, cuda, cuda:N or auto (ops: cpu or cuda)")
+    b.add_argument("--lengths", type=positive_int, nargs="+", default=[256, 1024, 2048, 4096])
     b.add_argument("--no-fla-backward", action="store_true", help="ops --device cuda: skip fla's fwd+bwd (it autotunes for minutes)")
     b.add_argument("--out", default=None, help="JSON output path")
     from evict.bench.decode import add_arguments as add_decode_arguments
@@ -114,20 +128,20 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--quick", action="store_true", help="the default: a few minutes on a 2-core CPU")
     mode.add_argument("--full", action="store_true", help="Zoology's grid: (L, K) up to (512, 64), d 64-256, 4 lrs; GPU")
     r.add_argument("--archs", nargs="+", help="architectures (preset families), default all seven")
-    r.add_argument("--setting", nargs=2, type=int, action="append", metavar=("L", "K"), help="(seq_len, pairs); repeatable")
-    r.add_argument("--d-model", type=int, nargs="+")
-    r.add_argument("--lr", type=float, nargs="+")
-    r.add_argument("--steps", type=int)
-    r.add_argument("--vocab", type=int)
-    r.add_argument("--workers", type=int, help="parallel processes (default 2 quick, 8 full)")
-    r.add_argument("--device", help="cpu, cuda or auto")
+    r.add_argument("--setting", nargs=2, type=positive_int, action="append", metavar=("L", "K"), help="(seq_len, pairs); repeatable")
+    r.add_argument("--d-model", type=positive_int, nargs="+")
+    r.add_argument("--lr", type=positive_float, nargs="+")
+    r.add_argument("--steps", type=positive_int)
+    r.add_argument("--vocab", type=positive_int)
+    r.add_argument("--workers", type=positive_int, help="parallel processes (default 2 quick, 8 full)")
+    r.add_argument("--device", type=device, help="cpu, cuda or auto")
     r.add_argument("--out", help="output folder; an existing one is resumed")
     r.set_defaults(fn=_recall)
     z = sub.add_parser("size", help="the accountant: parameters (total / active) and memory per sequence vs context")
     z.add_argument("preset", nargs="+", help="preset name(s), e.g. gpt2_124m kimi_linear_48b kimi_k3")
     z.add_argument("--size", default="tiny", choices=["tiny", "small"], help="for the trainable families (released shapes ignore it)")
-    z.add_argument("--context", type=int, nargs="+", default=[1024, 8192, 131072, 1048576])
-    z.add_argument("--bytes", type=int, default=2, help="bytes per KV / latent / conv number (S is float32 regardless)")
+    z.add_argument("--context", type=positive_int, nargs="+", default=[1024, 8192, 131072, 1048576])
+    z.add_argument("--bytes", type=positive_int, default=2, help="bytes per KV / latent / conv number (S is float32 regardless)")
     z.add_argument("--plot", default=None, help="PNG path (default runs/size/<preset>.png)")
     z.add_argument("--json", default=None, help="JSON output path")
     z.set_defaults(fn=_size)
@@ -139,10 +153,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Run one subcommand. A user error (bad flag, value, path or file) is one line on stderr and exit code 2;
+    EVICT_DEBUG=1 shows the traceback instead."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
-    args.fn(args)
+    name = args.command if args.command != "bench" else f"bench {args.what}"
+    try:
+        args.fn(args)
+    except SystemExit as e:
+        if isinstance(e, UserError) or isinstance(e.code, str):
+            raise _fail(name, str(e)) from None
+        raise
+    except (ValueError, OSError) as e:
+        if os.environ.get("EVICT_DEBUG") == "1":
+            raise
+        raise _fail(name, _describe(e)) from None
     return 0
+
+
+def _describe(e: Exception) -> str:
+    if isinstance(e, OSError) and e.filename is not None:
+        return f"{e.strerror or type(e).__name__}: {e.filename}"
+    return str(e) or type(e).__name__
+
+
+def _fail(name: str, message: str) -> UserError:
+    """Print `evict <name>: error: <message>` on one line to stderr; return the UserError (exit code 2) to raise."""
+    message = " ".join(message.split()) or "failed"
+    print(f"evict {name}: error: {message}", file=sys.stderr)
+    return UserError(message)
 
 
 if __name__ == "__main__":

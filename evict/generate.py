@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+
 import torch
 
 
@@ -31,16 +34,65 @@ def generate(model, prompt: torch.Tensor, *, max_new_tokens: int = 64, temperatu
 
     Rows that stopped keep emitting their stop token. `on_token(tokens [B])` is called for each new token (streaming).
     """
-    if prompt.dim() != 2 or prompt.shape[1] == 0:
-        raise ValueError(f"prompt: expected a non-empty int64 tensor [B, T], got {tuple(prompt.shape)}")
-    if temperature < 0:
-        raise ValueError(f"temperature: expected >= 0, got {temperature}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p: expected a value in (0, 1], got {top_p}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k: expected a positive integer, got {top_k}")
+    vocab = model.cfg.vocab_size
+    _check_args(prompt, vocab, max_new_tokens, temperature, top_k, top_p, seed, prefill_chunk, on_token)
+    stop_list = _check_stop_tokens(stop_tokens, vocab)
+    if model.cfg.pos == "learned" and prompt.shape[1] + max_new_tokens > model.cfg.max_seq_len:
+        raise ValueError(f"max_new_tokens: prompt ({prompt.shape[1]}) + {max_new_tokens} new tokens exceed the model's "
+                         f"{model.cfg.max_seq_len} learned positions")
     was_training = model.training
     model.eval()
+    try:
+        return _generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_list, prefill_chunk,
+                         on_token)
+    finally:  # an exception (or KeyboardInterrupt) in a forward or in on_token must not leave the model in eval mode
+        model.train(was_training)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_args(prompt, vocab, max_new_tokens, temperature, top_k, top_p, seed, prefill_chunk, on_token) -> None:
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.shape[1] == 0 or prompt.dtype != torch.int64:
+        got = f"{tuple(prompt.shape)} {prompt.dtype}" if isinstance(prompt, torch.Tensor) else type(prompt).__name__
+        raise ValueError(f"prompt: expected a non-empty int64 tensor [B, T], got {got}")
+    if prompt.shape[0] == 0:
+        raise ValueError("prompt: expected at least one row, got batch 0")
+    lo, hi = int(prompt.min()), int(prompt.max())  # one sync, before any work
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"prompt: expected token ids in [0, vocab_size={vocab}), got range [{lo}, {hi}]")
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens: expected an integer >= 0, got {max_new_tokens!r}")
+    if not _is_real(temperature) or temperature < 0:
+        raise ValueError(f"temperature: expected a finite number >= 0, got {temperature!r}")
+    if top_p is not None and (not _is_real(top_p) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p: expected a value in (0, 1], got {top_p!r}")
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+        raise ValueError(f"top_k: expected a positive integer, got {top_k!r}")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
+        raise ValueError(f"seed: expected None or an integer in [0, 2**63), got {seed!r}")
+    if not _is_int(prefill_chunk) or prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk: expected a positive integer, got {prefill_chunk!r}")
+    if on_token is not None and not callable(on_token):
+        raise ValueError(f"on_token: expected None or a callable, got {type(on_token).__name__}")
+
+
+def _check_stop_tokens(stop_tokens, vocab) -> list[int]:
+    if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, Iterable):
+        raise ValueError(f"stop_tokens: expected a sequence of token ids, got {type(stop_tokens).__name__}")
+    stops = list(stop_tokens)
+    bad = [t for t in stops if not _is_int(t) or not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"stop_tokens: expected integer ids in [0, vocab_size={vocab}), got {bad[:4]!r}")
+    return stops
+
+
+def _generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_list, prefill_chunk, on_token):
     device = next(model.parameters()).device
     prompt = prompt.to(device)
     B, T0 = prompt.shape
@@ -48,7 +100,7 @@ def generate(model, prompt: torch.Tensor, *, max_new_tokens: int = 64, temperatu
     cache = model.new_cache(B, T0 + max_new_tokens)
     for s in range(0, T0, prefill_chunk):
         logits = model(prompt[:, s : s + prefill_chunk], cache=cache)
-    stops = torch.tensor(list(stop_tokens), device=device, dtype=torch.int64)
+    stops = torch.tensor(stop_list, device=device, dtype=torch.int64)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     out = [prompt]
     for _ in range(max_new_tokens):
@@ -62,5 +114,4 @@ def generate(model, prompt: torch.Tensor, *, max_new_tokens: int = 64, temperatu
         if len(stops) and bool(done.all()):
             break
         logits = model(nxt[:, None], cache=cache)
-    model.train(was_training)
     return torch.cat(out, dim=1)

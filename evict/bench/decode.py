@@ -258,18 +258,20 @@ def plot(payload: dict, png: str | Path) -> Path:
 
 def add_arguments(b) -> None:
     """`evict bench decode` flags, on the bench subparser (--device and --out are shared with the other benches)."""
+    from evict.cli_args import positive_int
+
     g = b.add_argument_group("decode", "flags of `evict bench decode`")
     g.add_argument("--contexts", type=int, nargs="+", help="context lengths (default CPU 256 … 8K, CUDA 1K … 128K)")
     g.add_argument("--models", nargs="+", choices=KINDS, help=f"default all: {' '.join(KINDS)}")
     g.add_argument("--size", choices=sorted(presets.SIZES), help="preset size (default tiny on CPU, small on CUDA)")
-    g.add_argument("--d-model", type=int, help="width override (CUDA default 1024, with 8 layers, 8 heads of 128)")
-    g.add_argument("--n-layers", type=int)
-    g.add_argument("--n-heads", type=int)
+    g.add_argument("--d-model", type=positive_int, help="width override (CUDA default 1024, with 8 layers, 8 heads of 128)")
+    g.add_argument("--n-layers", type=positive_int)
+    g.add_argument("--n-heads", type=positive_int)
     g.add_argument("--steps", type=int, default=20, help="timed decode steps per point (median)")
     g.add_argument("--warmup", type=int, default=3)
     g.add_argument("--max-batch-bytes", type=int, help="cache budget for the batched point (default 256 MiB CPU, 64 GiB CUDA)")
     g.add_argument("--max-batch", type=int, help="cap on the batched point (default 32 CPU, 256 CUDA)")
-    g.add_argument("--threads", type=int, help="torch CPU threads")
+    g.add_argument("--threads", type=positive_int, help="torch CPU threads")
     g.add_argument("--graphs", action="store_true", help="CUDA: also time each step replayed from a CUDA graph (kept when capture works)")
 
 

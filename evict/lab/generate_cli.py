@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from evict.cli_args import device, nonneg_float, nonneg_int, positive_int, unit_interval
+
 
 class _StopText(Exception):
     """Raised from the streaming callback once the generated text contains the multi-token --stop text."""
@@ -59,8 +61,6 @@ def run_generate(args) -> dict:
     from evict.tasks.tokenizers import load_tokenizer
     from evict.train import resolve_device
 
-    if args.max_new_tokens < 1:
-        raise SystemExit(f"--max-new-tokens: expected a positive integer, got {args.max_new_tokens}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     folder = resolve_model_dir(args.model)
@@ -70,7 +70,13 @@ def run_generate(args) -> dict:
     except (ValueError, OSError) as e:
         raise SystemExit(f"--model: {e}") from None
     model.to(device)
-    tok = load_tokenizer(folder / "tokenizer.json")
+    try:
+        tok = load_tokenizer(folder / "tokenizer.json")
+    except (ValueError, ImportError) as e:
+        raise SystemExit(f"--model: {e}") from None
+    if tok.vocab_size != model.cfg.vocab_size:
+        raise SystemExit(f"--model: {folder / 'tokenizer.json'} has {tok.vocab_size} tokens but the model's vocab_size is "
+                         f"{model.cfg.vocab_size} (a tokenizer from another run?)")
     try:
         prompt_ids = tok.encode(args.prompt)
     except ValueError as e:
@@ -118,12 +124,12 @@ def add_parser(sub, fn) -> None:
     g = sub.add_parser("generate", help="stream a continuation from a model saved by `evict train`")
     g.add_argument("--model", required=True, help="the run folder of `evict train` (or its model/ folder)")
     g.add_argument("--prompt", default="\n")
-    g.add_argument("--max-new-tokens", type=int, default=200)
-    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=50)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-new-tokens", type=positive_int, default=200)
+    g.add_argument("--temperature", type=nonneg_float, default=0.8, help="0 = greedy")
+    g.add_argument("--top-k", type=positive_int, default=50)
+    g.add_argument("--top-p", type=unit_interval, default=0.95)
+    g.add_argument("--seed", type=nonneg_int, default=None)
     g.add_argument("--stop", default=None, help="stop once this text is generated")
-    g.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    g.add_argument("--threads", type=int)
+    g.add_argument("--device", type=device, default="cpu", help="cpu, cuda or auto")
+    g.add_argument("--threads", type=positive_int)
     g.set_defaults(fn=fn)

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import math
+import zipfile
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from evict.cli_args import device, nonneg_int, positive_float, positive_int, writable_dir
 from evict.models import LM, presets
 from evict.models.config import ModelConfig
 from evict.plots import plot_metrics
@@ -76,26 +78,40 @@ def build_config(args, vocab_size: int) -> ModelConfig:
 
 
 def _check_resume(out: Path, run: dict) -> None:
-    """An existing run folder may only be resumed with the same model and task."""
-    prev_path = out / "run.json"
+    """An existing run folder may only be resumed with the same model and task. Only a checkpoint makes a run
+    resumable: a run.json without one is what a run that failed before its first checkpoint left, and is replaced."""
+    prev_path, ckpt = out / "run.json", out / "checkpoint.pt"
+    if not ckpt.exists():
+        return
+    if not zipfile.is_zipfile(ckpt):
+        raise SystemExit(f"--out: {ckpt} is not a complete checkpoint (truncated or corrupted); delete it to start over")
     if not prev_path.exists():
         return
-    prev = json.loads(prev_path.read_text())
+    try:
+        prev = json.loads(prev_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SystemExit(f"--out: {prev_path} is not readable JSON ({e}); delete the folder or pick a new --out") from None
+    if not isinstance(prev, dict):
+        raise SystemExit(f"--out: {prev_path} is not a run record; delete the folder or pick a new --out")
     for key in ("model", "task"):
         if prev.get(key) != json.loads(json.dumps(run[key])):
             raise SystemExit(f"--out: {out} holds a run with another {key} config; pick a new --out folder")
 
 
 def run_train(args) -> dict:
-    task = build_task(args)
-    cfg = build_config(args, task.vocab_size)
+    # every flag, the model config and --out are checked before the corpus is read and tokenised
+    writable_dir(args.out, "--out")
+    warmup = min(50, args.steps) if args.warmup is None else args.warmup
     try:
-        tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=min(args.warmup, args.steps),
+        tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=warmup,
                            eval_every=args.eval_every, eval_batches=args.eval_batches, seed=args.seed,
                            threads=args.threads, device=args.device, out_dir=args.out,
                            checkpoint_every=args.eval_every)
     except ValueError as e:
         raise SystemExit(f"training flags: {e}") from None
+    build_config(args, 256)  # the vocabulary follows the task; every other field is checked now
+    task = build_task(args)
+    cfg = build_config(args, task.vocab_size)
     out = Path(args.out)
     run = {"model": cfg.to_dict(), "task": {"name": task.name, "seq_len": task.seq_len} if args.task == "text"
            else {"name": task.name, "seq_len": args.seq_len or 64, "pairs": args.pairs, "vocab": args.vocab},
@@ -141,19 +157,19 @@ def add_parser(sub, fn) -> None:
     t.add_argument("--task", default="text", choices=["text", "mqar"])
     t.add_argument("--corpus", help="text: a UTF-8 file or a folder of *.txt (default: Shakespeare)")
     t.add_argument("--tokenizer", default="char", choices=["char", "byte", "bpe"])
-    t.add_argument("--bpe-vocab", type=int, default=2048)
-    t.add_argument("--seq-len", type=int, help="default 256 (text) / 64 (mqar)")
-    t.add_argument("--pairs", type=int, default=4, help="mqar: key-value pairs")
-    t.add_argument("--vocab", type=int, default=8192, help="mqar: vocabulary size")
-    t.add_argument("--steps", type=int, default=1000)
-    t.add_argument("--batch-size", type=int, default=32)
-    t.add_argument("--lr", type=float, default=3e-3)
-    t.add_argument("--warmup", type=int, default=50)
-    t.add_argument("--eval-every", type=int, default=100, help="also the checkpoint interval")
-    t.add_argument("--eval-batches", type=int, default=10)
-    t.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 …")
-    t.add_argument("--threads", type=int, help="torch CPU threads")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--bpe-vocab", type=positive_int, default=2048)
+    t.add_argument("--seq-len", type=positive_int, help="default 256 (text) / 64 (mqar)")
+    t.add_argument("--pairs", type=positive_int, default=4, help="mqar: key-value pairs")
+    t.add_argument("--vocab", type=positive_int, default=8192, help="mqar: vocabulary size")
+    t.add_argument("--steps", type=positive_int, default=1000)
+    t.add_argument("--batch-size", type=positive_int, default=32)
+    t.add_argument("--lr", type=positive_float, default=3e-3)
+    t.add_argument("--warmup", type=nonneg_int, default=None, help="warmup steps, at most --steps (default min(50, steps))")
+    t.add_argument("--eval-every", type=positive_int, default=100, help="also the checkpoint interval")
+    t.add_argument("--eval-batches", type=positive_int, default=10)
+    t.add_argument("--device", type=device, default="auto", help="auto, cpu, cuda, cuda:1 …")
+    t.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    t.add_argument("--seed", type=nonneg_int, default=0)
     t.add_argument("--out", default="runs/train/latest", help="output folder; an existing one is resumed")
     t.set_defaults(fn=fn)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 
 MIXERS = {
@@ -15,6 +16,18 @@ MIXERS = {
     "M": "mla",  # multi-head latent attention, latent cache
 }
 FFNS = ("gelu", "swiglu", "situ")
+
+
+def _int(name: str, value, low: int, *, none_ok: bool = False, why: str = "") -> None:
+    if type(value) is not int or value < low:
+        want = "a positive integer" if low == 1 else f"an integer >= {low}"
+        raise ValueError(f"{name}: expected {'None or ' if none_ok else ''}{want}{why}, got {value!r}")
+
+
+def _real(name: str, value, *, positive: bool) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or not (value > 0 if positive else value >= 0):
+        raise ValueError(f"{name}: expected a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
 
 
 @dataclass
@@ -75,6 +88,9 @@ class ModelConfig:
 
     def __post_init__(self):
         if isinstance(self.moe, dict):
+            unknown = sorted(set(self.moe) - {f.name for f in fields(MoEConfig)})
+            if unknown:
+                raise ValueError(f"moe: unknown field(s) {unknown}")
             self.moe = MoEConfig(**self.moe)
         self.validate()
 
@@ -110,17 +126,32 @@ class ModelConfig:
 
     # -- validation -------------------------------------------------------------------------------------------
     def validate(self) -> None:
+        """Reject every value that would crash later or silently give NaN: one ValueError naming the field."""
         def need(cond, msg):
             if not cond:
                 raise ValueError(msg)
 
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "conv_size", "kv_lora_rank", "v_head_dim"):
-            v = getattr(self, name)
-            need(isinstance(v, int) and v > 0, f"{name}: expected a positive integer, got {v!r}")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "kv_lora_rank", "qk_nope_dim",
+                     "v_head_dim", "attn_res_block"):
+            _int(name, getattr(self, name), 1)
+        _int("qk_rope_dim", self.qk_rope_dim, 0)
+        _int("conv_size", self.conv_size, 2, why=" (a kernel of 1 leaves no decode tail)")
+        for name in ("head_dim", "n_kv_heads", "q_lora_rank", "d_ff"):
+            if getattr(self, name) is not None:
+                _int(name, getattr(self, name), 1, none_ok=True)
+        if self.out_gate_rank is not None:
+            _int("out_gate_rank", self.out_gate_rank, 0, none_ok=True)
+        for name in ("bias", "short_conv", "neg_eigval", "mla_rope", "mla_gate", "attn_res", "tie_embeddings"):
+            need(isinstance(getattr(self, name), bool), f"{name}: expected True or False, got {getattr(self, name)!r}")
+        _real("rope_theta", self.rope_theta, positive=True)
+        _real("norm_eps", self.norm_eps, positive=True)
+        _real("init_std", self.init_std, positive=False)
+        need(isinstance(self.extra, dict), f"extra: expected a dict, got {type(self.extra).__name__}")
         need(isinstance(self.pattern, str) and len(self.pattern) > 0, "pattern: expected a non-empty string of mixer letters")
+        need(self.final_mixer is None or (isinstance(self.final_mixer, str) and len(self.final_mixer) == 1),
+             f"final_mixer: expected one letter or None, got {self.final_mixer!r}")
         bad = sorted({c for c in self.pattern + (self.final_mixer or "") if c not in MIXERS})
         need(not bad, f"pattern: unknown mixer letter(s) {bad}; expected letters from {''.join(MIXERS)} ({', '.join(f'{k}={v}' for k, v in MIXERS.items())})")
-        need(self.final_mixer is None or len(self.final_mixer) == 1, f"final_mixer: expected one letter or None, got {self.final_mixer!r}")
         if self.head_dim is None:
             need(self.d_model % self.n_heads == 0, f"n_heads: expected a divisor of d_model={self.d_model}, got {self.n_heads}")
         need(self.head_size > 0, f"head_dim: expected a positive integer, got {self.head_dim!r}")
@@ -129,15 +160,23 @@ class ModelConfig:
         uses_rope = ("A" in self.layer_mixers() and self.pos == "rope") or ("M" in self.layer_mixers() and self.mla_rope)
         need(not uses_rope or (self.head_size % 2 == 0 and self.qk_rope_dim % 2 == 0), "head_dim: expected even head dims for RoPE")
         need(self.gate_form in ("softplus", "bounded"), f"gate_form: expected 'softplus' or 'bounded', got {self.gate_form!r}")
-        need(self.chunk_size in (16, 32, 64, 128), f"chunk_size: expected one of (16, 32, 64, 128), got {self.chunk_size}")
-        need(self.ffn in FFNS, f"ffn: expected one of {FFNS}, got {self.ffn!r}")
-        need(self.attn_res_block > 0, f"attn_res_block: expected a positive number of layers, got {self.attn_res_block}")
-        need(self.q_lora_rank is None or self.q_lora_rank > 0, f"q_lora_rank: expected None or a positive integer, got {self.q_lora_rank}")
+        need(type(self.chunk_size) is int and self.chunk_size in (16, 32, 64, 128),
+             f"chunk_size: expected one of (16, 32, 64, 128), got {self.chunk_size!r}")
+        need(isinstance(self.ffn, str) and self.ffn in FFNS, f"ffn: expected one of {FFNS}, got {self.ffn!r}")
+        need(self.moe is None or isinstance(self.moe, MoEConfig), f"moe: expected None, a dict or a MoEConfig, got {type(self.moe).__name__}")
         if self.moe is not None:
             m = self.moe
-            need(m.n_routed > 0 and m.d_expert > 0 and m.n_shared >= 0, f"moe: expected positive n_routed/d_expert and n_shared >= 0, got {m}")
-            need(1 <= m.top_k <= m.n_routed, f"moe.top_k: expected 1 <= top_k <= n_routed={m.n_routed}, got {m.top_k}")
-            need(0 <= m.first_dense <= self.n_layers, f"moe.first_dense: expected 0..n_layers={self.n_layers}, got {m.first_dense}")
+            for name in ("n_routed", "d_expert"):
+                _int(f"moe.{name}", getattr(m, name), 1)
+            _int("moe.n_shared", m.n_shared, 0)
+            if m.latent_dim is not None:
+                _int("moe.latent_dim", m.latent_dim, 1, none_ok=True)
+            _real("moe.routed_scaling", m.routed_scaling, positive=True)
+            _real("moe.bias_update_rate", m.bias_update_rate, positive=False)
+            _real("moe.aux_loss_coef", m.aux_loss_coef, positive=False)
+            need(type(m.top_k) is int and 1 <= m.top_k <= m.n_routed, f"moe.top_k: expected 1 <= top_k <= n_routed={m.n_routed}, got {m.top_k!r}")
+            need(type(m.first_dense) is int and 0 <= m.first_dense <= self.n_layers,
+                 f"moe.first_dense: expected 0..n_layers={self.n_layers}, got {m.first_dense!r}")
 
     # -- serialization ----------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -145,6 +184,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"config: expected a JSON object of fields, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

@@ -118,8 +118,16 @@ class LM(nn.Module):
             got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             raise ValueError(f"tokens: expected an int64 tensor [B, T], got {got}")
         B, T = tokens.shape
+        # Values are checked where that costs no device sync: CPU tensors (one cheap pass), outside torch.compile.
+        # CUDA callers check once at their entry (generate, the CLI); tasks produce ids in range by construction.
+        if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                raise ValueError(f"tokens: expected ids in [0, vocab_size={self.cfg.vocab_size}), got range [{lo}, {hi}]")
         pos = 0
         if cache is not None:
+            if not isinstance(cache, HybridCache) or len(cache) != len(self.blocks):
+                raise ValueError(f"cache: expected a HybridCache from this model's new_cache, got {type(cache).__name__}")
             if cache.batch_size != B:
                 raise ValueError(f"cache: built for batch {cache.batch_size}, got tokens for batch {B}")
             cache.reserve(T)
@@ -169,6 +177,16 @@ class LM(nn.Module):
 
     # -- inference --------------------------------------------------------------------------------------------
     def new_cache(self, batch_size: int, max_len: int, device=None, dtype=None) -> HybridCache:
+        """States for `batch_size` sequences of up to `max_len` tokens, on the model's device and dtype by default."""
+        for name, value in (("batch_size", batch_size), ("max_len", max_len)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise ValueError(f"dtype: expected a floating torch dtype (or None for the model's), got {dtype!r}")
+        try:
+            device = None if device is None else torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', got {device!r}") from None
         p = next(self.parameters())
         device = p.device if device is None else device
         dtype = p.dtype if dtype is None else dtype
@@ -196,22 +214,73 @@ class LM(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, device=None) -> "LM":
+        """Build the model from `config.json` and load `model.safetensors` (checked: see `load_weights`)."""
         path = Path(path)
         if not (path / "config.json").is_file():
             raise ValueError(f"path: expected a folder with config.json and model.safetensors, got {path}")
-        model = cls(ModelConfig.from_dict(json.loads((path / "config.json").read_text())))
+        try:
+            cfg = ModelConfig.from_dict(_read_config(path / "config.json"))
+        except ValueError as e:
+            msg = str(e)
+            raise ValueError(msg if msg.startswith("checkpoint: ") else f"checkpoint: {path / 'config.json'}: {msg}") from None
+        model = cls(cfg)
         model.load_weights(path, device=device)
         return model
 
     def load_weights(self, path: str | Path, device=None) -> None:
-        """Load weights saved by `save`; a checkpoint of another config fails naming the differing fields."""
-        from safetensors.torch import load_model
+        """Load weights saved by `save`, checked before any is copied: the config must equal this model's (else the
+        differing fields are named), and every tensor must be present, of the model's shape, floating where the model's
+        is (any float dtype converts), and finite. Each failure is one ValueError naming the file."""
+        from safetensors.torch import load_file
 
         path = Path(path)
-        saved = json.loads((path / "config.json").read_text())
+        saved = _read_config(path / "config.json")
         mine = json.loads(self.cfg.to_json())
         diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
         if diff:
             shown = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs model {mine.get(k)!r}" for k in diff[:4])
             raise ValueError(f"checkpoint: {path} was saved from another config ({shown})")
-        load_model(self, str(path / "model.safetensors"), device=str(device or next(self.parameters()).device))
+        file = path / "model.safetensors"
+        if not file.is_file():
+            raise ValueError(f"checkpoint: no such file: {file}")
+        try:
+            tensors = load_file(str(file), device="cpu")
+        except Exception as e:  # safetensors raises its own error type (truncated file, bad header, bad offsets)
+            raise ValueError(f"checkpoint: {file} is not a readable safetensors file ({str(e).splitlines()[0][:200]})") from None
+        _check_tensors(file, tensors, self.state_dict())
+        self.load_state_dict(tensors, strict=False)  # every name was checked above; tied copies are one tensor
+        if device is not None:
+            self.to(device)
+
+
+def _read_config(file: Path) -> dict:
+    try:
+        d = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint: no such file: {file}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"checkpoint: {file} is not readable JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"checkpoint: {file} holds a JSON {type(d).__name__}, expected an object of config fields")
+    return d
+
+
+def _check_tensors(file: Path, tensors: dict, expected: dict) -> None:
+    """Names, shapes, dtypes and finiteness of a loaded state dict against the model's; tied tensors count once."""
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise ValueError(f"checkpoint: {file} holds tensors this model does not have: {unexpected[:4]}")
+    groups: dict = {}  # names sharing one storage (tied embeddings): the file holds one of them
+    for name, t in expected.items():
+        groups.setdefault((t.device, t.untyped_storage().data_ptr()) if t.numel() else name, []).append(name)
+    missing = sorted(names[0] for names in groups.values() if not any(n in tensors for n in names))
+    if missing:
+        raise ValueError(f"checkpoint: {file} lacks tensors of this model: {missing[:4]}")
+    for name, t in tensors.items():
+        want = expected[name]
+        if t.shape != want.shape:
+            raise ValueError(f"checkpoint: {file}: {name} has shape {list(t.shape)}, the config gives {list(want.shape)}")
+        if t.is_floating_point() != want.is_floating_point() or (not want.is_floating_point() and t.dtype != want.dtype):
+            raise ValueError(f"checkpoint: {file}: {name} has dtype {t.dtype}, expected {want.dtype}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"checkpoint: {file}: {name} holds NaN or Inf")

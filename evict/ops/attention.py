@@ -10,14 +10,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .memory._check import FLOAT_DTYPES, check_scale
+
 IMPLS = ("auto", "reference", "sdpa")
 
 
-def _check(q, k, v, impl):
+def _check(q, k, v, impl, check_values):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name}: expected shape [B, T, H, D], got {got}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name}: expected a floating dtype (float16/bfloat16/float32/float64), got {t.dtype}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name}: expected dtype {q.dtype} on {q.device} (as q), got {t.dtype} on {t.device}")
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(f"v: expected leading dims {list(k.shape[:3])} (as k), got {list(v.shape)}")
     if k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]:
@@ -28,6 +34,10 @@ def _check(q, k, v, impl):
         raise ValueError(f"q: expected at most Tk={k.shape[1]} queries (they are the last Tq positions), got {q.shape[1]}")
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    if check_values:  # SDPA's CPU kernels turn a NaN query row into zeros where the reference gives NaN: reject both
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{name}: contains NaN or Inf")
 
 
 def _causal_mask(tq: int, tk: int, device) -> torch.Tensor:
@@ -63,13 +73,15 @@ def attention_sdpa(q, k, v, *, causal=True, scale):
     return o.transpose(1, 2)
 
 
-def attention(q, k, v, *, causal=True, scale=None, impl="auto"):
+def attention(q, k, v, *, causal=True, scale=None, impl="auto", check=True):
     """Softmax attention. q [B, Tq, H, D]; k, v [B, Tk, Hkv, D]; returns [B, Tq, H, D] in q's dtype.
 
     Decode: pass the one new query (Tq = 1) and the cache's keys/values up to and including the new token.
+    `check=True` rejects NaN/Inf inputs, as the memory op does (a host sync); with check=False such inputs give
+    unspecified outputs (NaN through the reference, zeros through SDPA on CPU), so layers pass it only on the hot path.
     """
-    _check(q, k, v, impl)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    _check(q, k, v, impl, check)
+    scale = check_scale(scale, q.shape[-1])
     if impl == "reference":
         return attention_reference(q, k, v, causal=causal, scale=scale)
     return attention_sdpa(q, k, v, causal=causal, scale=scale)

@@ -130,17 +130,41 @@ def load_tokens(files: list, kind: str, bpe_vocab_size: int, cache_dir: Path) ->
     folder.mkdir(parents=True, exist_ok=True)
     key = f"bpe{bpe_vocab_size}" if kind == "bpe" else kind
     tok_path, ids_path = folder / f"{key}.json", folder / f"{key}.npy"
-    if tok_path.exists():
-        tok = load_tokenizer(tok_path)
-    else:
+    tok = _cached_tokenizer(tok_path)
+    if tok is None:  # absent, or unreadable (truncated, corrupted): built again and written atomically
         tok = build_tokenizer(kind, files, bpe_vocab_size)
         _atomic(tok_path, tok.save)
-    if not ids_path.exists():
+        ids_path.unlink(missing_ok=True)  # ids of another tokenizer build must not be reused
+    ids = _cached_ids(ids_path, tok.vocab_size)
+    if ids is None:
         dtype = token_dtype(tok.vocab_size)
         ids = np.concatenate([tok.encode(c).astype(dtype) for c in iter_chunks(files)])  # [N]
         _atomic(ids_path, lambda tmp: np.save(tmp, ids))
-    return tok, np.load(ids_path, mmap_mode="r")
+        ids = np.load(ids_path, mmap_mode="r")
+    return tok, ids
 
+
+def _cached_tokenizer(path: Path):
+    if not path.exists():
+        return None
+    try:
+        return load_tokenizer(path)
+    except ValueError:
+        return None
+
+
+def _cached_ids(path: Path, vocab_size: int) -> np.ndarray | None:
+    """The cached token array, or None when it is absent or does not hold what was written (a truncated or corrupted
+    file fails to map, or has another dtype or shape, or holds ids past the vocabulary)."""
+    if not path.exists():
+        return None
+    try:
+        ids = np.load(path, mmap_mode="r")
+    except (ValueError, OSError, EOFError):
+        return None
+    if ids.dtype != token_dtype(vocab_size) or ids.ndim != 1 or len(ids) == 0 or int(ids.max()) >= vocab_size:
+        return None
+    return ids
 
 
 def default_cache_dir() -> Path:

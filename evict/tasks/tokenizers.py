@@ -21,11 +21,26 @@ import numpy as np
 KINDS = ("char", "byte", "bpe")
 
 
-def _as_ids(ids) -> np.ndarray:
-    """List, numpy array or torch tensor of token ids -> np.ndarray [N] int64."""
+def _as_ids(ids, vocab_size: int) -> np.ndarray:
+    """List, numpy array or torch tensor of integer token ids in [0, vocab_size) -> np.ndarray [N] int64.
+
+    Anything else is a ValueError: a float would truncate, a negative id wrap, an id past the vocabulary alias another.
+    """
     if hasattr(ids, "detach"):
         ids = ids.detach().cpu().numpy()
-    return np.asarray(ids, dtype=np.int64).reshape(-1)
+    try:
+        arr = np.asarray(ids)
+    except (ValueError, TypeError):
+        raise ValueError(f"ids: expected a sequence of integer token ids, got {type(ids).__name__}") from None
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"ids: expected integer token ids, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64).reshape(-1)
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"ids: expected token ids in [0, {vocab_size}), got range [{lo}, {hi}]")
+    return arr
 
 
 class CharTokenizer:
@@ -54,7 +69,7 @@ class CharTokenizer:
         return ids.astype(np.int64)
 
     def decode(self, ids) -> str:
-        return "".join(self.chars[i] for i in _as_ids(ids))
+        return "".join(self.chars[i] for i in _as_ids(ids, self.vocab_size))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps({"kind": "char", "chars": self.chars}))
@@ -68,7 +83,7 @@ class ByteTokenizer:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)  # [N bytes]
 
     def decode(self, ids) -> str:
-        return _as_ids(ids).astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+        return _as_ids(ids, 256).astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps({"kind": "byte"}))
@@ -108,20 +123,38 @@ class BPETokenizer:
         return np.asarray(self._tok.encode(text).ids, dtype=np.int64)
 
     def decode(self, ids) -> str:
-        return self._tok.decode(_as_ids(ids).tolist())
+        return self._tok.decode(_as_ids(ids, self.vocab_size).tolist())
 
     def save(self, path: str | Path) -> None:
         self._tok.save(str(path))
 
 
 def load_tokenizer(path: str | Path) -> CharTokenizer | ByteTokenizer | BPETokenizer:
-    """Read back what any tokenizer's `save` wrote (an HF tokenizer JSON is a BPE tokenizer)."""
-    data = json.loads(Path(path).read_text())
+    """Read back what any tokenizer's `save` wrote (an HF tokenizer JSON is a BPE tokenizer).
+
+    A missing, unreadable or malformed file is a one-line ValueError naming it."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"tokenizer: no such file: {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"tokenizer: {path} is not a readable tokenizer JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"tokenizer: {path} holds a JSON {type(data).__name__}, expected an object")
     if data.get("kind") == "char":
+        if not isinstance(data.get("chars"), str) or not data["chars"]:
+            raise ValueError(f"tokenizer: {path} is a char tokenizer without a non-empty 'chars' string")
         return CharTokenizer(data["chars"])
     if data.get("kind") == "byte":
         return ByteTokenizer()
-    return BPETokenizer(_hf().Tokenizer.from_file(str(path)))
+    if "model" not in data:
+        raise ValueError(f"tokenizer: {path} is neither a char/byte tokenizer nor a HF tokenizer JSON")
+    hf = _hf()
+    try:
+        return BPETokenizer(hf.Tokenizer.from_file(str(path)))
+    except Exception as e:  # the HF loader raises its own exception type for any malformed field
+        raise ValueError(f"tokenizer: {path} is not a valid BPE tokenizer ({str(e).splitlines()[0][:200]})") from None
 
 
 def token_dtype(vocab_size: int) -> type:

@@ -12,7 +12,11 @@ from tests.conftest import rel
 GATES = ("none", "scalar", "channel")
 
 
-def make_inputs(B, T, H, K, V, *, gate, beta_max, dtype=torch.float64, init=False, seed=None, strong=False):
+HARD_RESET = torch.finfo(torch.float32).min  # log alpha at float32's most negative value: alpha = 0, a "hard reset"
+
+
+def make_inputs(B, T, H, K, V, *, gate, beta_max, dtype=torch.float64, init=False, seed=None, strong=False, reset=0.0):
+    """Random op inputs in float64 (cast to dtype). `reset`: the fraction of gate entries set to HARD_RESET."""
     g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
     q = r(B, T, H, K)
@@ -23,6 +27,8 @@ def make_inputs(B, T, H, K, V, *, gate, beta_max, dtype=torch.float64, init=Fals
     else:
         shape = (B, T, H) if gate == "scalar" else (B, T, H, K)
         la = -20 * torch.rand(*shape, generator=g, dtype=torch.float64) if strong else F.logsigmoid(r(*shape) + 2.5)
+    if la is not None and reset:
+        la = torch.where(torch.rand(la.shape, generator=g, dtype=torch.float64) < reset, HARD_RESET, la)
     beta = None if beta_max is None else beta_max * torch.rand(B, T, H, generator=g, dtype=torch.float64)
     S0 = r(B, H, K, V) if init else None
     cast = lambda x: None if x is None else x.to(dtype)
@@ -125,6 +131,41 @@ def test_strong_decay_long_sequence_float32(gate, delta):
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
     o_ref, s_ref = run(x64, delta, impl="reference")
     assert rel(o, o_ref) <= 1e-5 and rel(s, s_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("gate,delta", [("scalar", True), ("scalar", False), ("channel", True), ("channel", False)])
+@pytest.mark.parametrize("reset", [0.05, 0.3, 1.0])
+def test_hard_resets_are_finite_and_equal_the_reference(gate, delta, reset):
+    """log alpha at float32's most negative value, on consecutive tokens too, mixed with ordinary small decays: every
+    form is finite and equals the float64 token loop on the raw (unclamped) gates, at the ordinary tolerances."""
+    from evict.ops.memory.reference import memory_reference
+
+    x64 = make_inputs(2, 150, 2, 12, 7, gate=gate, beta_max=2.0, init=True, seed=21, reset=reset)
+    x = dict(x64)
+    o_ref, s_ref = memory_reference(x.pop("q"), x.pop("k"), x.pop("v"), delta=delta, scale=12 ** -0.5, **x)
+    assert torch.isfinite(o_ref).all() and torch.isfinite(s_ref).all()
+    x32 = {n: None if t is None else t.float() for n, t in x64.items()}
+    for inputs, tol in ((x64, 1e-10), (x32, 1e-5)):
+        for impl, cs in (("reference", 64), ("chunked", 16), ("chunked", 64)):
+            o, s = run(inputs, delta, impl=impl, chunk_size=cs)
+            assert torch.isfinite(o).all() and torch.isfinite(s).all(), (impl, cs)
+            assert rel(o, o_ref) <= tol and rel(s, s_ref) <= tol, (impl, cs, o.dtype, rel(o, o_ref), rel(s, s_ref))
+    S = x32["initial_state"]
+    for t in range(150):
+        o, S = memory_step(x32["q"][:, t], x32["k"][:, t], x32["v"][:, t], S, log_alpha=x32["log_alpha"][:, t],
+                           beta=x32["beta"][:, t], delta=delta)
+        assert rel(o, o_ref[:, t]) <= 1e-5, t
+    assert rel(S, s_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("gate", ["scalar", "channel"])
+def test_hard_reset_gradients_match_reference(gate):
+    x = make_inputs(2, 70, 2, 8, 5, gate=gate, beta_max=1.0, init=True, seed=4, reset=0.2)
+    x["log_alpha"] = torch.where(x["log_alpha"] == HARD_RESET, -1e30, x["log_alpha"])  # another extreme value
+    g_ref = _grads(x, True, impl="reference")
+    g = _grads(x, True, impl="chunked", chunk_size=16)
+    for name in g_ref:
+        assert torch.isfinite(g[name]).all() and rel(g[name], g_ref[name]) <= 1e-10, name
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

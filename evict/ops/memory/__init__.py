@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from ._check import check_inputs
+from ._check import check_inputs, check_scale, state_dtype
 from .chunked import memory_chunked
 from .reference import memory_reference
 from .step import memory_step
@@ -25,7 +25,12 @@ from .triton import runs_on as triton_runs_on
 IMPLS = ("auto", "reference", "chunked", "triton")
 CHUNK_SIZES = (16, 32, 64, 128)
 
-__all__ = ["memory", "memory_step", "IMPLS", "CHUNK_SIZES"]
+__all__ = ["memory", "memory_step", "IMPLS", "CHUNK_SIZES", "LOG_ALPHA_FLOOR"]
+
+# log alpha is clamped from below at these values (by the state dtype) before any form runs: e^floor is exactly 0 there,
+# so the decay is the same "hard reset" as for any lower value, while in-chunk prefix sums stay finite and keep their
+# precision (float32's most negative value on two consecutive tokens would sum to -inf, and -inf - -inf is NaN).
+LOG_ALPHA_FLOOR = {torch.float32: -110.0, torch.float64: -750.0}
 
 
 @functools.cache
@@ -42,8 +47,9 @@ def memory(
     """The generalized associative-memory update over a sequence.
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; log_alpha: [B, T, H] (scalar gate) or [B, T, H, K] (per channel),
-    values <= 0, None = no decay; beta: [B, T, H], None = 1; delta: erase against the faded state before writing;
-    scale: default K ** -0.5; initial_state: [B, H, K, V] float32 (float64 for float64 inputs).
+    values <= 0, None = no decay (at or below LOG_ALPHA_FLOOR: a hard reset, alpha = 0 exactly); beta: [B, T, H],
+    None = 1; delta: erase against the faded state before writing; scale: a finite number, default K ** -0.5;
+    initial_state: [B, H, K, V] float32 (float64 for float64 inputs), on q's device.
     Returns (o [B, T, H, V] in q's dtype, final state or None unless output_final_state).
     `check=True` validates values too (finite, log_alpha <= 0, beta in [0, 2]); it costs a host sync.
     Autocast does not reach inside: the op computes at its own precision (float32 state and decays, or float64)
@@ -56,7 +62,9 @@ def memory(
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size!r}")
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = check_scale(scale, q.shape[-1])
+    if log_alpha is not None:
+        log_alpha = log_alpha.clamp(min=LOG_ALPHA_FLOOR[state_dtype(q.dtype)])
     with torch.autocast(q.device.type, enabled=False):
         return _dispatch(q, k, v, log_alpha, beta, delta, scale, initial_state, output_final_state, impl, chunk_size)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -62,6 +65,9 @@ def check_inputs(q, k, v, log_alpha, beta, initial_state, *, step: bool, check_v
         if initial_state.dtype not in (torch.float32, torch.float64):
             name = "state" if step else "initial_state"
             raise ValueError(f"{name}: expected float32 (or float64), got {initial_state.dtype}")
+    for name, t in (("log_alpha", log_alpha), ("beta", beta), ("state" if step else "initial_state", initial_state)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (as q), got {t.device}")
     if check_values:
         for name, t in (("q", q), ("k", k), ("v", v), ("log_alpha", log_alpha), ("beta", beta), ("initial_state", initial_state)):
             if t is not None and not bool(torch.isfinite(t).all()):
@@ -70,3 +76,12 @@ def check_inputs(q, k, v, log_alpha, beta, initial_state, *, step: bool, check_v
             raise ValueError(f"log_alpha: expected values <= 0 (log of a decay in (0, 1]), got max {log_alpha.max().item():.4g}")
         if beta is not None and bool(((beta < 0) | (beta > 2)).any()):
             raise ValueError(f"beta: expected values in [0, 2], got range [{beta.min().item():.4g}, {beta.max().item():.4g}]")
+
+
+def check_scale(scale, dk: int) -> float:
+    """The read scale: None gives dk ** -0.5; otherwise a finite real number (not a tensor: that would cost a sync)."""
+    if scale is None:
+        return dk ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite number (or None for Dk ** -0.5), got {scale!r}")
+    return float(scale)

@@ -35,18 +35,23 @@ def _tril(C: int, device) -> torch.Tensor:
     return torch.ones(C, C, dtype=torch.bool, device=device).tril()
 
 
-def _channel_decayed_dots(xs, y, g):
+def _channel_decayed_dots(xs, y, g, seg=None):
     """For each x in xs: sum_k x_ik y_jk exp(g_ik - g_jk), j <= i, per-channel g [..., C, K], by sub-chunks of SUB.
 
     Diagonal blocks: the exact [c, c, K] ratios. Block (I, J < I): with r the last token before sub-chunk I,
     exp(g_i - g_j) = exp(g_i - g_r) * exp(g_r - g_j), both factors <= 1, so one matmul per sub-chunk row.
     The y-side factors are computed once and shared by every x.
+    `seg` [..., C, K] (hard resets so far, per channel): a ratio is 0 across a reset (seg_i != seg_j), and `g` is then
+    the prefix sum since the last reset; the factoring through r holds because seg is non-decreasing (j <= r < i).
     """
     C, K = y.shape[-2:]
     c = min(SUB, C)
     n = C // c
     ys, gs = y.unflatten(-2, (n, c)), g.unflatten(-2, (n, c))  # [..., n, c, K]
     keep = _tril(c, y.device)[:, :, None]
+    if seg is not None:
+        ss = seg.unflatten(-2, (n, c))
+        keep = keep & (ss[..., :, None, :] == ss[..., None, :, :])  # [..., n, c, c, K]
     ratio = (gs[..., :, None, :] - gs[..., None, :, :]).masked_fill(~keep, float("-inf")).exp()  # [..., n, c, c, K]
     ratio_y = ratio * ys[..., None, :, :]
     eye = torch.eye(n, dtype=y.dtype, device=y.device)
@@ -54,7 +59,12 @@ def _channel_decayed_dots(xs, y, g):
         g_r = gs[..., :-1, -1, :]  # [..., n-1, K] reference: last token of the previous sub-chunk
         to_r = (gs[..., 1:, :, :] - g_r[..., None, :]).exp()  # [..., n-1, c, K]
         before = torch.arange(C, device=y.device)[None, :] < (torch.arange(1, n, device=y.device) * c)[:, None]
-        expo = (g_r[..., :, None, :] - g[..., None, :, :]).masked_fill(~before[:, :, None], float("-inf"))
+        before = before[:, :, None]  # [n-1, C, 1]
+        if seg is not None:
+            s_r = ss[..., :-1, -1, :]  # [..., n-1, K]
+            to_r = to_r * (ss[..., 1:, :, :] == s_r[..., None, :])
+            before = before & (seg[..., None, :, :] == s_r[..., :, None, :])  # [..., n-1, C, K]
+        expo = (g_r[..., :, None, :] - g[..., None, :, :]).masked_fill(~before, float("-inf"))
         y_t = y[..., None, :, :] * expo.exp()  # [..., n-1, C, K], zero at and after sub-chunk I
     outs = []
     for x in xs:
@@ -91,6 +101,21 @@ def _decayed_dots(xs, y, g, *, factor: bool | None = None):
     return outs
 
 
+def _rebased_prefix_sums(la, dim):
+    """Prefix sums g of log alpha inside each chunk, restarted at every hard reset, and seg, the resets so far.
+
+    A hard reset is log alpha at its floor (LOG_ALPHA_FLOOR, where alpha = 0 exactly): nothing crosses it, so g need
+    only be exact between resets; restarting there keeps g small (a floor of -110 summed over a chunk would cost
+    float32 digits of every later small decay). With no reset, g is the plain prefix sum and seg is 0.
+    """
+    from . import LOG_ALPHA_FLOOR
+
+    reset = la <= LOG_ALPHA_FLOOR[la.dtype]
+    c = la.masked_fill(reset, 0.0).cumsum(dim)  # non-increasing along dim
+    at_reset = c.masked_fill(~reset, float("inf")).cummin(dim).values  # c at the last reset (c is non-increasing)
+    return c - at_reset.masked_fill(at_reset == float("inf"), 0.0), reset.cumsum(dim)
+
+
 def memory_chunked(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunk_size=64):
     """Chunked form of `rule`; same arguments as the reference. Returns o [B, T, H, V] and S (state dtype)."""
     B, T, H, K = q.shape
@@ -100,23 +125,30 @@ def memory_chunked(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     N = max(1, -(-T // C))
     q, k, v = (_to_chunks(x, N, C, sd) for x in (q, k, v))  # [N, B, H, C, K|V]
     b = None if beta is None else _to_chunks(beta, N, C, sd)[..., None]  # [N, B, H, C, 1]
-    g = None
+    g = seg = None
     qg, kg, kl, decay_end = q, k, k, None
     if log_alpha is not None:
         la = _to_chunks(log_alpha, N, C, sd)
+        g, seg = _rebased_prefix_sums(la, -1 if la.dim() == 4 else -2)
         if la.dim() == 4:  # scalar gate [N, B, H, C]
-            g = la.cumsum(-1)
-            g_end = g[..., -1:]
-            eg, kl = g.exp()[..., None], k * (g_end - g).exp()[..., None]
-            decay_end = g_end.exp()[..., None]  # [N, B, H, 1, 1]
+            g_end, s_end = g[..., -1:], seg[..., -1:]
+            eg = (g.exp() * (seg == 0))[..., None]
+            kl = k * ((g_end - g).exp() * (seg == s_end))[..., None]
+            decay_end = (g_end.exp() * (s_end == 0))[..., None]  # [N, B, H, 1, 1]
         else:  # per channel [N, B, H, C, K]
-            g = la.cumsum(-2)
-            g_end = g[..., -1:, :]
-            eg, kl = g.exp(), k * (g_end - g).exp()
-            decay_end = g_end.transpose(-1, -2).exp()  # [N, B, H, K, 1]
+            g_end, s_end = g[..., -1:, :], seg[..., -1:, :]
+            eg, kl = g.exp() * (seg == 0), k * (g_end - g).exp() * (seg == s_end)
+            decay_end = (g_end.exp() * (s_end == 0)).transpose(-1, -2)  # [N, B, H, K, 1]
         qg, kg = q * eg, k * eg
     bv = v if b is None else b * v
-    P, *A = _decayed_dots((q, k) if delta else (q,), k, g)
+    xs = (q, k) if delta else (q,)
+    if seg is not None and g.dim() == k.dim() and bool((seg[..., -1, :] > 0).any()):  # per channel, hard resets: one sync
+        P, *A = _channel_decayed_dots(xs, k, g, seg)
+    else:
+        P, *A = _decayed_dots(xs, k, g)
+        if seg is not None and g.dim() < k.dim():  # scalar gate: no ratio across a hard reset
+            same = seg[..., :, None] == seg[..., None, :]  # [N, B, H, C, C]
+            P, *A = (d * same for d in (P, *A))
     if delta:
         A = A[0].tril(-1)  # strictly lower: a key's own write is not in its erase
         if b is not None:

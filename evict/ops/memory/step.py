@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._check import check_inputs, state_dtype
+from ._check import check_inputs, check_scale, state_dtype
 from .reference import rule
 from .triton import runs_on as triton_runs_on
 
@@ -25,7 +25,7 @@ def memory_step(q, k, v, state, *, log_alpha=None, beta=None, delta=False, scale
                                 and out.device == state.device and out.is_contiguous()):
         raise ValueError(f"out: expected a contiguous {state.dtype} tensor of shape {list(state.shape)} on {state.device}")
     sd = state_dtype(q.dtype)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = check_scale(scale, q.shape[-1])
     if q.is_cuda and state.dtype == torch.float32 and triton_runs_on(q):
         from .triton.step import step_triton
 
