@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--lr", type=float, nargs="+")
     r.add_argument("--steps", type=int)
     r.add_argument("--vocab", type=int)
-    r.add_argument("--seeds", type=int, help="seeds per cell; the table shows mean and range (default 3 quick, 1 full)")
+    r.add_argument("--seeds", type=int, help="seeds per cell; the table shows mean and range (default 2 quick, 1 full)")
     r.add_argument("--workers", type=int, help="parallel processes (default 2 quick, 1 full)")
     r.add_argument("--device", help="cpu, cuda or auto")
     r.add_argument("--out", help="output folder; an existing one is resumed")
