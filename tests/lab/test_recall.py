@@ -86,7 +86,8 @@ def test_one_seed_sweep_written_before_seeds_existed_resumes(tmp_path):
     assert json.loads((root / "results.jsonl").read_text())["seed"] == 0
 
 
-def test_cli_rejects_zero_seeds(tmp_path):
-    with pytest.raises(SystemExit, match="seeds: expected >= 1"):
+def test_cli_rejects_zero_seeds(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
         main(["recall", "--seeds", "0", "--out", str(tmp_path / "x")])
+    assert e.value.code != 0 and "--seeds: expected a positive integer" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
