@@ -134,7 +134,7 @@ def build_parser() -> Parser:
     r.add_argument("--steps", type=positive_int)
     r.add_argument("--vocab", type=positive_int)
     r.add_argument("--seeds", type=positive_int, help="seeds per cell; the table shows mean and range (default 2 quick, 1 full)")
-    r.add_argument("--workers", type=positive_int, help="parallel processes (default 2 quick, 8 full)")
+    r.add_argument("--workers", type=positive_int, help="parallel processes (default 2 quick, 4 full)")
     r.add_argument("--device", type=device, help="cpu, cuda or auto")
     r.add_argument("--out", help="output folder; an existing one is resumed")
     r.set_defaults(fn=_recall)

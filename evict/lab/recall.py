@@ -65,7 +65,7 @@ QUICK = RecallSweep(seeds=2)  # 3 seeds took 463 s CPU (2 cores: ~4 min + instal
 FULL = RecallSweep(
     settings=((64, 4), (128, 8), (256, 16), (512, 64)), d_models=(64, 128, 256),
     lrs=(1e-4, 4.6e-4, 2.2e-3, 1e-2), head_dim=32, vocab_size=8192, steps=8000, batch_size=256, eval_every=500, chunk_size=64,
-    eval_batches=8, workers=8, device="auto",  # 8 cells at once share one GPU (BENCHMARKS.md: bench train)
+    eval_batches=8, workers=4, device="auto",  # 4 cells share one GPU: 8 gave no more cell-steps/s (BENCHMARKS.md)
 )
 
 
