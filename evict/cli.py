@@ -146,10 +146,12 @@ def build_parser() -> Parser:
     z.add_argument("--plot", default=None, help="PNG path (default runs/size/<preset>.png)")
     z.add_argument("--json", default=None, help="JSON output path")
     z.set_defaults(fn=_size)
-    from evict.lab import generate_cli, train_cli
+    from evict.lab import generate_cli, state_cli, train_cli
 
     train_cli.add_parser(sub, _train)
     generate_cli.add_parser(sub, _generate)
+    lab = sub.add_parser("lab", help="the research lab's experiments (each with --quick and --full)")
+    state_cli.add_parser(lab.add_subparsers(dest="experiment", required=True))
     return p
 
 
@@ -158,7 +160,7 @@ def main(argv=None) -> int:
     EVICT_DEBUG=1 shows the traceback instead."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
-    name = args.command if args.command != "bench" else f"bench {args.what}"
+    name = {"bench": f"bench {getattr(args, 'what', '')}", "lab": f"lab {getattr(args, 'experiment', '')}"}.get(args.command, args.command)
     try:
         args.fn(args)
     except SystemExit as e:

@@ -1,0 +1,108 @@
+"""State-tracking generators: determinism, labels against slow Python references, padding, lengths, seeds."""
+
+import itertools
+
+import pytest
+import torch
+
+from evict.tasks.mqar import batch_seed
+from evict.tasks.state import EQUALS, MINUS, PLUS, TASKS, TIMES, StateConfig, StateTask, compose_table, make_state, scaled_accuracy
+
+
+def _rows(x, y, pad):
+    """Each row's unpadded inputs and targets as Python lists."""
+    for xr, yr in zip(x.tolist(), y.tolist()):
+        n = next((i for i, t in enumerate(xr) if t == pad), len(xr))
+        assert all(t == pad for t in xr[n:]), "padding only at the end"
+        assert all(t == -100 for t in yr[n:]), "no labels on padding"
+        yield xr[:n], yr[:n], yr
+
+
+def _perm_reference(n, tokens):
+    """Running product, composing the permutations as functions in reading order: i -> x_t(...x_1(i))."""
+    perms = list(itertools.permutations(range(n)))
+    cur, out = tuple(range(n)), []
+    for t in tokens:
+        cur = tuple(perms[t][cur[i]] for i in range(n))
+        out.append(perms.index(cur))
+    return out
+
+
+def _arith_reference(tokens):
+    """Left to right, no precedence, mod 5: tokens n0 o1 n1 … n(m-1) '='."""
+    assert tokens[-1] == EQUALS and len(tokens) % 2 == 0
+    value = tokens[0]
+    for op, num in zip(tokens[1:-1:2], tokens[2:-1:2]):
+        value = {PLUS: value + num, MINUS: value - num, TIMES: value * num}[op] % 5
+    return value
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_labels_match_slow_reference(task):
+    cfg = StateConfig(task=task)
+    x, y = make_state(cfg, 6, seed=123, lengths=(3, 40))
+    for xs, ys, _ in _rows(x, y, cfg.pad):
+        assert 3 <= len(xs) <= 40
+        if task == "parity":
+            assert ys == [sum(xs[: i + 1]) % 2 for i in range(len(xs))]
+        elif task == "mod_arith":
+            assert ys[:-1] == [-100] * (len(xs) - 1) and ys[-1] == _arith_reference(xs)
+            assert all(0 <= t < 5 for t in xs[0:-1:2]) and all(t in (PLUS, MINUS, TIMES) for t in xs[1:-1:2])
+        else:
+            assert ys == _perm_reference(3 if task == "s3" else 5, xs)
+
+
+def test_compose_table_is_composition_and_a_group():
+    for n in (3, 5):
+        table = compose_table(n)
+        N = table.shape[0]
+        assert sorted(table[0].tolist()) == list(range(N)) and table[0].tolist() == list(range(N))  # index 0 = identity
+        assert all(sorted(row) == list(range(N)) for row in table.tolist())  # Latin square
+    assert compose_table(3)[1, 2].item() == _perm_reference(3, [1, 2])[-1]
+
+
+def test_arith_is_left_to_right():
+    # 3 + 4 × 2 = (3 + 4) × 2 = 14 = 4 mod 5 (with × first it would be 11 = 1)
+    assert _arith_reference([3, PLUS, 4, TIMES, 2, EQUALS]) == 4
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_deterministic_split_lengths_and_shapes(task):
+    t = StateTask(StateConfig(task=task))
+    a, b = t.get_batch("train", 7, 32), t.get_batch("train", 7, 32)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], t.get_batch("train", 8, 32)[0])
+    xt, yt = a
+    xv, yv = t.get_batch("val", 7, 32)
+    assert xt.shape == (32, 40) and xv.shape == (32, 256) and t.seq_len == 256
+    assert xt.dtype == yt.dtype == torch.int64
+    lt = (xt != t.cfg.pad).sum(1)
+    lv = (xv != t.cfg.pad).sum(1)
+    assert lt.min() >= 3 and lt.max() <= 40 and lv.min() >= 40 and lv.max() <= 256
+    assert lv.float().std() > 0, "lengths vary within a batch"
+    assert xt.max() < t.vocab_size and yt.max() < t.cfg.classes and xv.max() < t.vocab_size
+    labelled = (yv != -100).sum(1)
+    if task == "mod_arith":
+        assert (labelled == 1).all() and t.labels_per_row == 1
+        assert (lt % 2 == 0).all() and lt.min() >= 4
+    else:
+        assert torch.equal(labelled, lv) and not hasattr(t, "labels_per_row")
+
+
+def test_train_and_test_seeds_disjoint():
+    # the split is the seed's top bit, so no train batch seed equals a test batch seed, whatever the base seeds
+    train = {batch_seed("train", 5, s) for s in range(2000)}
+    test = {batch_seed("val", 5, s) for s in range(2000)}
+    assert not train & test
+    t = StateTask(StateConfig(task="parity", train_seed=5, test_seed=5, test_lengths=(3, 40)))
+    assert not torch.equal(t.get_batch("train", 0, 16)[0], t.get_batch("val", 0, 16)[0])
+
+
+def test_bad_configs_and_scaled_accuracy():
+    with pytest.raises(ValueError, match="task"):
+        StateConfig(task="s4")
+    with pytest.raises(ValueError, match="train_lengths"):
+        StateConfig(train_lengths=(10, 5))
+    with pytest.raises(ValueError, match="mod_arith"):
+        StateConfig(task="mod_arith", train_lengths=(5, 5))
+    assert scaled_accuracy(0.5, 2) == 0.0 and scaled_accuracy(1.0, 120) == 1.0 and abs(scaled_accuracy(0.6, 5) - 0.5) < 1e-12
