@@ -160,7 +160,8 @@ def main(argv=None) -> int:
     EVICT_DEBUG=1 shows the traceback instead."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
-    name = {"bench": f"bench {getattr(args, 'what', '')}", "lab": f"lab {getattr(args, 'experiment', '')}"}.get(args.command, args.command)
+    name = {"bench": f"bench {getattr(args, 'what', '')}",
+            "lab": f"lab {getattr(args, 'experiment', '')}"}.get(args.command, args.command)
     try:
         args.fn(args)
     except SystemExit as e:

@@ -31,4 +31,5 @@ def run_demo() -> None:
     (grad,) = torch.autograd.grad(0.5 * ((k[..., None, :] @ W - v[..., None, :]) ** 2).sum(), W)
     _, S_delta = memory_step(k, k, v, S, beta=b, delta=True)
     err = (S_delta - (S - b[..., None, None] * grad)).abs().max().item()
-    print(f"sgd:      delta update vs one SGD step on ½‖kS − v‖² with step size β = 1.5: max |difference| = {err:.1e}  (the same update)")
+    print(f"sgd:      delta update vs one SGD step on ½‖kS − v‖² with step size β = 1.5: max |difference| = {err:.1e}"
+          "  (the same update)")

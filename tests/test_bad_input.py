@@ -396,6 +396,8 @@ CLI_CASES = [
     ["recall", "--workers", "0"], ["recall", "--steps", "0"], ["recall", "--setting", "0", "4"],
     ["recall", "--lr", "-1"], ["recall", "--device", "tpu"], ["recall", "--archs", "rnn", "--out", "{new}"],
     ["recall", "--out", "{file}"],
+    ["lab"], ["lab", "state", "--steps", "0"], ["lab", "state", "--models", "rnn"], ["lab", "state", "--tasks", "s4"],
+    ["lab", "state", "--workers", "0"], ["lab", "state", "--out", "{file}"], ["lab", "state", "--quick", "--full"],
     ["size", "gpt5"], ["size", "gpt2", "--context", "0"], ["size", "gpt2", "--bytes", "0"],
     ["size", "gpt2", "--plot", "/proc/x.png"], ["size", "gpt2", "--json", "{dir}"],
     ["bench", "ops", "--out", "/proc/x.json"], ["bench", "ops", "--lengths", "0"], ["bench", "ops", "--device", "cuda:x"],
