@@ -89,9 +89,24 @@ def _recall(args) -> None:
     }.items() if v is not None}
     try:
         sweep = replace(sweep, **overrides)
+        _check_recall_models(sweep)
         run_sweep(sweep, out=args.out)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+
+
+def _check_recall_models(sweep) -> None:
+    """Build every model config of the sweep now (cheap), so a bad width fails before the sweep folder is written."""
+    from evict.lab.recall import model_config
+    from evict.models import presets
+
+    for arch in (a for a in sweep.archs if a in presets.FAMILIES):  # run_sweep names unknown ones
+        for d in sweep.d_models:
+            for L, _ in sweep.settings:
+                try:
+                    model_config(arch, d, sweep, L)
+                except ValueError as e:
+                    raise ValueError(f"--d-model {d} ({arch}): {e}") from None
 
 
 def build_parser() -> Parser:

@@ -395,7 +395,7 @@ CLI_CASES = [
     ["train", "--warmup", "50", "--steps", "10", "--corpus", "{corpus}"],
     ["recall", "--workers", "0"], ["recall", "--steps", "0"], ["recall", "--setting", "0", "4"],
     ["recall", "--lr", "-1"], ["recall", "--device", "tpu"], ["recall", "--archs", "rnn", "--out", "{new}"],
-    ["recall", "--out", "{file}"],
+    ["recall", "--out", "{file}"], ["recall", "--d-model", "3", "--archs", "attention", "--out", "{new}"],
     ["size", "gpt5"], ["size", "gpt2", "--context", "0"], ["size", "gpt2", "--bytes", "0"],
     ["size", "gpt2", "--plot", "/proc/x.png"], ["size", "gpt2", "--json", "{dir}"],
     ["bench", "ops", "--out", "/proc/x.json"], ["bench", "ops", "--lengths", "0"], ["bench", "ops", "--device", "cuda:x"],
