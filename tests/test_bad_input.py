@@ -47,6 +47,9 @@ def _op(**kw):
     (dict(initial_state=torch.zeros(1, 2, 4, 3, device=META)), r"^initial_state: expected device cpu"),
     (dict(log_alpha=torch.zeros(1, 5, 2, dtype=torch.int64)), r"^log_alpha: expected a floating dtype"),
     (dict(log_alpha=torch.full((1, 5, 2), float("-inf"))), r"^log_alpha: contains NaN or Inf"),
+    (dict(delta="no"), r"^delta: expected True or False"),
+    (dict(delta=torch.tensor(True)), r"^delta: expected True or False"),
+    (dict(output_final_state=1), r"^output_final_state: expected True or False"),
 ])
 def test_memory_op_arguments(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -59,6 +62,8 @@ def test_memory_step_arguments():
         memory_step(q, q, q, S, scale=[1.0])
     with pytest.raises(ValueError, match=r"^state: expected device cpu"):
         memory_step(q, q, q, S.to(META))
+    with pytest.raises(ValueError, match=r"^delta: expected True or False"):
+        memory_step(q, q, q, S, delta=1)
 
 
 @pytest.mark.parametrize("where", ["q", "k", "v"])
@@ -83,6 +88,8 @@ def test_attention_arguments(mutate, match):
         attention(*mutate(torch.randn(1, 4, 2, 8)))
     with pytest.raises(ValueError, match=r"^scale:"):
         attention(*(torch.randn(1, 4, 2, 8),) * 3, scale="x")
+    with pytest.raises(ValueError, match=r"^causal: expected True or False"):
+        attention(*(torch.randn(1, 4, 2, 8),) * 3, causal="yes")
 
 
 # -- configs ---------------------------------------------------------------------------------------------------
@@ -111,6 +118,8 @@ def test_bad_config_values_name_the_field(field, value):
 def test_every_preset_passes_validation():
     for name in presets.names():
         presets.get(name).validate()
+    with pytest.raises(ValueError, match=r"^overrides: unknown ModelConfig field\(s\) \['colour'\]"):
+        presets.get("kda", colour="red")
 
 
 # -- the LM, its cache, generate -------------------------------------------------------------------------------
@@ -127,6 +136,7 @@ def kda():
     (torch.tensor([[1.0, 2.0]]), r"^tokens: expected an int64 tensor"),
     (torch.tensor([1, 2]), r"^tokens: expected an int64 tensor"),
     ([[1, 2]], r"^tokens: expected an int64 tensor"),
+    (torch.tensor([[1, 2]], device=META), r"^tokens: expected a tensor on the model's device cpu"),
 ])
 def test_lm_tokens(kda, tokens, match):
     with pytest.raises(ValueError, match=match):

@@ -114,6 +114,8 @@ class LM(nn.Module):
             got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             raise ValueError(f"tokens: expected an int64 tensor [B, T], got {got}")
         B, T = tokens.shape
+        if tokens.device != self.embed.weight.device:
+            raise ValueError(f"tokens: expected a tensor on the model's device {self.embed.weight.device}, got {tokens.device}")
         # Values are checked where that costs no device sync: CPU tensors (one cheap pass), outside torch.compile.
         # CUDA callers check once at their entry (generate, the CLI); tasks produce ids in range by construction.
         if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .memory._check import FLOAT_DTYPES, check_scale
+from .memory._check import FLOAT_DTYPES, check_flag, check_scale
 
 IMPLS = ("auto", "reference", "sdpa")
 
@@ -81,6 +81,7 @@ def attention(q, k, v, *, causal=True, scale=None, impl="auto", check=True):
     unspecified outputs (NaN through the reference, zeros through SDPA on CPU), so layers pass it only on the hot path.
     """
     _check(q, k, v, impl, check)
+    check_flag("causal", causal)
     scale = check_scale(scale, q.shape[-1])
     if impl == "reference":
         return attention_reference(q, k, v, causal=causal, scale=scale)

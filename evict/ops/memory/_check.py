@@ -78,6 +78,12 @@ def check_inputs(q, k, v, log_alpha, beta, initial_state, *, step: bool, check_v
             raise ValueError(f"beta: expected values in [0, 2], got range [{beta.min().item():.4g}, {beta.max().item():.4g}]")
 
 
+def check_flag(name: str, value) -> None:
+    """A switch such as `delta` must be a bool: a truthy string or tensor would silently pick a rule."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected True or False, got {value!r}")
+
+
 def check_scale(scale, dk: int) -> float:
     """The read scale: None gives dk ** -0.5; otherwise a finite real number (not a tensor: that would cost a sync)."""
     if scale is None:
