@@ -32,6 +32,14 @@ def _bench(args) -> None:
         from evict.bench.decode import cli_run
 
         cli_run(args)
+    elif args.what == "train":
+        from evict.bench.train import bench_train
+
+        try:
+            bench_train(archs=args.arch, setting=args.setting, d_model=args.d_model or 128, procs=args.procs,
+                        steps=args.train_steps, variants=args.variants, out=args.out)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
 
 
 def _train(args) -> None:
@@ -115,7 +123,7 @@ def build_parser() -> Parser:
     d = sub.add_parser("demo", help="the memory op's worked examples, computed live")
     d.set_defaults(fn=_demo)
     b = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
-    b.add_argument("what", choices=["ops", "decode"])
+    b.add_argument("what", choices=["ops", "decode", "train"])
     b.add_argument("--device", type=device, default="cpu", help="cpu, cuda, cuda:N or auto (ops: cpu or cuda)")
     b.add_argument("--lengths", type=positive_int, nargs="+", default=[256, 1024, 2048, 4096])
     b.add_argument("--no-fla-backward", action="store_true", help="ops --device cuda: skip fla's fwd+bwd (it autotunes for minutes)")
@@ -123,6 +131,12 @@ def build_parser() -> Parser:
     from evict.bench.decode import add_arguments as add_decode_arguments
 
     add_decode_arguments(b)
+    t = b.add_argument_group("train", "flags of `evict bench train` (GPU: N MQAR cells trained at once)")
+    t.add_argument("--arch", nargs="+", default=["attention", "kda"], help="architectures (default attention kda)")
+    t.add_argument("--setting", nargs=2, type=int, default=[512, 64], metavar=("L", "K"), help="default 512 64")
+    t.add_argument("--procs", type=int, default=8, help="cells trained at once (default 8)")
+    t.add_argument("--train-steps", type=int, default=300, help="timed steps per cell (default 300)")
+    t.add_argument("--variants", nargs="+", default=["before", "bf16", "labels", "graphs"])
     b.set_defaults(fn=_bench)
     r = sub.add_parser("recall", help="the recall lab: MQAR accuracy across memories as pairs grow (the main job)")
     mode = r.add_mutually_exclusive_group()
@@ -134,7 +148,7 @@ def build_parser() -> Parser:
     r.add_argument("--lr", type=positive_float, nargs="+")
     r.add_argument("--steps", type=positive_int)
     r.add_argument("--vocab", type=positive_int)
-    r.add_argument("--workers", type=positive_int, help="parallel processes (default 2 quick, 1 full)")
+    r.add_argument("--workers", type=positive_int, help="parallel processes (default 2 quick, 8 full)")
     r.add_argument("--device", type=device, help="cpu, cuda or auto")
     r.add_argument("--out", help="output folder; an existing one is resumed")
     r.set_defaults(fn=_recall)

@@ -20,7 +20,7 @@ from evict.bench.common import markdown_table
 from evict.lab.sweep import run_jobs
 from evict.models import LM, presets
 from evict.tasks.mqar import MQARConfig, MQARTask
-from evict.train import TrainConfig, train
+from evict.train import TrainConfig, resolve_device, train
 
 ARCHS = ("attention", "linear", "deltanet", "gated_deltanet", "kda", "gla", "kimi_linear")
 SCORECARD = [  # (architecture, stores, write, read, eviction, sweep arch measured for it)
@@ -62,7 +62,7 @@ QUICK = RecallSweep()
 FULL = RecallSweep(
     settings=((64, 4), (128, 8), (256, 16), (512, 64)), d_models=(64, 128, 256),
     lrs=(1e-4, 4.6e-4, 2.2e-3, 1e-2), head_dim=32, vocab_size=8192, steps=8000, batch_size=256, eval_every=500, chunk_size=64,
-    eval_batches=8, workers=1, device="auto",
+    eval_batches=8, workers=8, device="auto",  # 8 cells at once share one GPU (BENCHMARKS.md: bench train)
 )
 
 
@@ -90,9 +90,11 @@ def run_one(job: dict) -> dict:
     cfg = model_config(job["arch"], d, sweep, L)
     model = LM(cfg)
     task = MQARTask(MQARConfig(vocab_size=sweep.vocab_size, seq_len=L, num_pairs=K, simple=sweep.simple))
+    on_gpu = resolve_device(sweep.device).type == "cuda"
     tc = TrainConfig(steps=sweep.steps, batch_size=sweep.batch_size, lr=job["lr"], weight_decay=0.1, warmup_steps=0,
                      eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, target_accuracy=sweep.target_accuracy,
-                     seed=sweep.seed, device=sweep.device, out_dir=job["dir"], progress=False, log_every=50)
+                     seed=sweep.seed, device=sweep.device, out_dir=job["dir"], progress=False, log_every=50,
+                     graphs=on_gpu)
     res = train(model, task, tc)
     return {
         "arch": job["arch"], "seq_len": L, "pairs": K, "d_model": d, "lr": job["lr"],

@@ -39,6 +39,8 @@ class Attention(nn.Module):
             state.k[:, pos : pos + T] = k
             state.v[:, pos : pos + T] = v
             k, v = state.k[:, : pos + T], state.v[:, : pos + T]
+        # one compute dtype at the op's boundary: the cache may hold another (float32 cache, bf16 autocast)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         o = attention(q, k, v, causal=True, check=False)  # queries are the last T of pos + T keys
         return self.wo(o.reshape(B, T, self.n_heads * self.hd))
 

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
 class ShortConv(nn.Module):
-    """y_t = sum_{s<k} w_s x_{t-s} per channel; x [B, T, C]. The tail [B, k-1, C] carries context across calls."""
+    """y_t = sum_{s<k} w[k-1-s] x_{t-s} per channel (w[k-1] weighs the current token); x [B, T, C].
+
+    The tail [B, k-1, C] (the last k-1 inputs, zeros before the first call) carries context across calls.
+    """
 
     def __init__(self, channels: int, kernel: int = 4):
         super().__init__()
@@ -17,9 +21,12 @@ class ShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, C = x.shape
+        k = self.kernel
         if tail is None:
-            tail = x.new_zeros(B, self.kernel - 1, C)
+            tail = x.new_zeros(B, k - 1, C)
         xt = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, k-1+T, C]
-        windows = xt.unfold(1, self.kernel, 1)  # [B, T, C, k]: the k inputs ending at each t, oldest first
-        y = torch.einsum("btck,ck->btc", windows, self.weight[:, 0].to(x.dtype))  # [B, T, C]
-        return y, xt[:, -(self.kernel - 1):]
+        # A grouped conv2d over [B, C, 1, k-1+T] whose strides are channels-last (NHWC, no copy): oneDNN's depthwise
+        # kernel, ~4x faster forward + backward on a CPU than unfold + einsum and ~2x faster than conv1d (dev/LOG.md).
+        w = self.weight.to(x.dtype)[:, :, None, :]  # [C, 1, 1, k]
+        y = F.conv2d(xt.transpose(1, 2)[:, :, None, :], w, groups=C)  # [B, C, 1, T], cross-correlation
+        return y[:, :, 0].transpose(1, 2).contiguous(), xt[:, T:]  # [B, T, C], tail [B, k-1, C]

@@ -107,6 +107,10 @@ class MemoryMixer(nn.Module):
             q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         elif self.features == "elu1":
             q, k = F.elu(q) + 1, F.elu(k) + 1
+        # One compute dtype at the op's boundary: the projection's (bf16 under autocast or in a bf16 model, else the
+        # parameters'). Feature maps may come back in float32 (CUDA autocast runs F.normalize in float32); gates and
+        # beta stay float32 and the op keeps its state in float32 whatever the inputs.
+        q, k, v = q.to(qkv.dtype), k.to(qkv.dtype), v.to(qkv.dtype)
         if self.normalizer:  # the normalizer z = sum phi(k) is the same op run on v = ones
             v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
         la = None if self.gate is None else self.log_alpha(x)

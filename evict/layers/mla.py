@@ -76,6 +76,7 @@ class MLA(nn.Module):
         v = torch.einsum("blr,her->blhe", c, self.wuv.to(c.dtype))  # [B, L, H, e]
         k = torch.cat([k_nope, k_rope[:, :, None].expand(B, L, self.H, self.p)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # one compute dtype at the op's boundary (cache vs autocast dtypes)
         return attention(q, k, v, causal=True, scale=self.scale, check=False)  # v head dim e may differ from n + p
 
     def _absorbed(self, q_nope, q_rope, c, k_rope):

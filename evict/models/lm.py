@@ -108,8 +108,12 @@ class LM(nn.Module):
                 nn.init.normal_(w, std=out_std)
 
     # -- forward ----------------------------------------------------------------------------------------------
-    def forward(self, tokens: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
-        """tokens [B, T] int64 -> logits [B, T, vocab]. With a cache: continue from cache.pos, then advance it."""
+    def forward(self, tokens: torch.Tensor, cache: HybridCache | None = None, *,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T] int64 -> logits [B, T, vocab]. With a cache: continue from cache.pos, then advance it.
+
+        `positions` [B, P] int64 (indices into T): logits only there, [B, P, vocab] — the head and the loss of a task
+        whose labels sit at a few positions (MQAR) then cost P, not T, rows."""
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64:
             got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             raise ValueError(f"tokens: expected an int64 tensor [B, T], got {got}")
@@ -151,6 +155,12 @@ class LM(nn.Module):
             h = depth.read(self.final_read)
         if cache is not None:
             cache.advance(T)
+        if positions is not None:
+            if not (isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[0] == B
+                    and positions.dtype == torch.int64):
+                got = f"{tuple(positions.shape)} {positions.dtype}" if isinstance(positions, torch.Tensor) else type(positions).__name__
+                raise ValueError(f"positions: expected an int64 tensor [B={B}, P], got {got}")
+            h = h.gather(1, positions[..., None].expand(-1, -1, h.shape[-1]))  # [B, P, D]
         return self.head(self.norm(h))
 
     # -- training hooks ---------------------------------------------------------------------------------------

@@ -158,6 +158,7 @@ class MQARTask:
         self.name = f"mqar_L{c.seq_len}_K{c.num_pairs}" + ("_simple" if c.simple else "")
         self.vocab_size = c.vocab_size
         self.seq_len = c.seq_len
+        self.labels_per_row = c.num_pairs  # every example labels exactly K positions (the training loop may use it)
 
     def get_batch(self, split: str, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         base = self.cfg.train_seed if split == "train" else self.cfg.test_seed

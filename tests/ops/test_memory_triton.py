@@ -256,7 +256,8 @@ def _grads(x, delta, **kw):
 @pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
 def test_gpu_gradients_match_reference(dtype, gate, delta):
     """The Triton backward: every input's gradient against float64 autograd through the token loop, odd T."""
-    for B, T, H, K, V, strong in ((2, 75, 2, 64, 32, False), (1, 333, 2, 128, 128, False), (1, 130, 1, 128, 96, True)):
+    for B, T, H, K, V, strong in ((2, 75, 2, 64, 32, False), (1, 333, 2, 128, 128, False), (1, 130, 1, 128, 96, True),
+                                  (16, 32, 2, 16, 16, False)):  # the recall lab's heads of 16
         xd, x64 = _cuda(make_inputs(B, T, H, K, V, gate=gate, beta_max=1.5, init=True, strong=strong), dtype)
         g_ref = _grads(x64, delta, impl="reference")
         g = _grads(xd, delta, impl="triton")

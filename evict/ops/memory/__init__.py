@@ -52,6 +52,8 @@ def memory(
     initial_state: [B, H, K, V] float32 (float64 for float64 inputs), on q's device.
     Returns (o [B, T, H, V] in q's dtype, final state or None unless output_final_state).
     `check=True` validates values too (finite, log_alpha <= 0, beta in [0, 2]); it costs a host sync.
+    Autocast does not reach inside: the op computes at its own precision (float32 state and decays, or float64)
+    whatever autocast is active, so a caller casts q, k, v to one dtype and gets o back in it.
     `chunk_size` (16/32/64/128) is the chunked PyTorch form's; the Triton kernels always use chunks of 64 and take key
     dims up to 128, value dims up to 256 ("auto" falls back to "chunked" beyond that, with a warning).
     """
@@ -65,6 +67,11 @@ def memory(
     scale = check_scale(scale, q.shape[-1])
     if log_alpha is not None:
         log_alpha = log_alpha.clamp(min=LOG_ALPHA_FLOOR[state_dtype(q.dtype)])
+    with torch.autocast(q.device.type, enabled=False):
+        return _dispatch(q, k, v, log_alpha, beta, delta, scale, initial_state, output_final_state, impl, chunk_size)
+
+
+def _dispatch(q, k, v, log_alpha, beta, delta, scale, initial_state, output_final_state, impl, chunk_size):
     K, V = q.shape[-1], v.shape[-1]
     if impl == "auto":
         impl = "triton" if q.is_cuda and triton_runs_on(q) else "chunked"

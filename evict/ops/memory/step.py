@@ -31,12 +31,13 @@ def memory_step(q, k, v, state, *, log_alpha=None, beta=None, delta=False, scale
         from .triton.step import step_triton
 
         return step_triton(q, k, v, state, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale, out=out)
-    o, S = rule(
-        q.to(sd), k.to(sd), v.to(sd), state.to(sd),
-        None if log_alpha is None else log_alpha.to(sd),
-        None if beta is None else beta.to(sd),
-        delta, scale,
-    )
+    with torch.autocast(q.device.type, enabled=False):  # the step runs at the state's precision, as `memory` does
+        o, S = rule(
+            q.to(sd), k.to(sd), v.to(sd), state.to(sd),
+            None if log_alpha is None else log_alpha.to(sd),
+            None if beta is None else beta.to(sd),
+            delta, scale,
+        )
     if out is not None:
         out.copy_(S)
         S = out

@@ -7,6 +7,7 @@ forward's three kernels) and runs the three backward kernels (backward.py). Chun
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .backward import backward_triton
 from .forward import forward_triton
@@ -30,8 +31,23 @@ class _MemoryTriton(torch.autograd.Function):
         return (*(g if need[i] else None for i, g in enumerate(grads)), None, None)
 
 
+MIN_K = 32  # key dims below this are zero-padded: the delta backward faults at K = 16 on an H200 (dev/LOG.md)
+
+
 def memory_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunk_size=64):
     """o [B, T, H, V] in q's dtype and the final state [B, H, K, V] float32, differentiable.
 
+    Key dims below MIN_K run zero-padded, which is exact: a zero key channel writes nothing into its row of S, a zero
+    query channel reads nothing from it, and a zero log-decay there touches only that (zero) row; the padded rows of
+    the final state are dropped and the gradients of the padding never reach the inputs.
     `chunk_size` is accepted for the common signature; the kernels always use chunks of 64 tokens."""
-    return _MemoryTriton.apply(q, k, v, log_alpha, beta, initial_state, bool(delta), float(scale))
+    K = q.shape[-1]
+    pad = MIN_K - K if K < MIN_K else 0
+    if pad:
+        q, k = F.pad(q, (0, pad)), F.pad(k, (0, pad))
+        if log_alpha is not None and log_alpha.dim() == 4:
+            log_alpha = F.pad(log_alpha, (0, pad))
+        if initial_state is not None:
+            initial_state = F.pad(initial_state, (0, 0, 0, pad))
+    o, S = _MemoryTriton.apply(q, k, v, log_alpha, beta, initial_state, bool(delta), float(scale))
+    return o, (S[:, :, :K] if pad else S)

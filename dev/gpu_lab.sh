@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One device-machine call for the GPU lab (issue 10): `bash dev/gpu_lab.sh tests bench` (any subset, in order).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.tcache PYTHONPATH=$PWD
+mkdir -p .tcache "${OUT:=/tmp/out}"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+for what in "$@"; do
+  case $what in
+    optests) timeout 240 python3 -m pytest tests/ops -m gpu -n 8 -q 2>&1 | tee $OUT/gpu_op_tests.log | tail -15 ;;
+    mptests) timeout 200 python3 -m pytest tests/models/test_mixed_precision.py -m gpu -n 4 -q 2>&1 | tee $OUT/gpu_mp_tests.log | tail -15 ;;
+    traintests) timeout 200 python3 -m pytest tests/test_train_fast.py -m gpu -n 4 -q 2>&1 | tee $OUT/gpu_train_tests.log | tail -15 ;;
+    sdpa) timeout 60 python3 dev/sdpa_check.py 2>&1 | grep -v "^$" | tail -12 ;;
+    bench)
+      timeout 150 python3 -m evict.cli bench train --arch kda --procs 4 --train-steps 100 --variants before graphs --out $OUT/bench_train_p4.json 2>&1 | grep -v Warn | tee $OUT/bench_train.log
+      timeout 100 python3 -m evict.cli bench train --arch kda --procs 8 --train-steps 100 --variants graphs --out $OUT/bench_train_p8.json 2>&1 | grep -v Warn | tee -a $OUT/bench_train.log ;;
+  esac
+done
