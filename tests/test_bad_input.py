@@ -314,6 +314,10 @@ def _corrupt(folder: Path, how: str) -> None:
         t["blocks.9.mixer.wqkv.weight"] = t[name].clone()
     if how in ("nan", "inf", "shape", "dtype", "missing", "extra"):
         save_file(t, str(file))
+    elif how == "flipped_bit":  # the lowest mantissa bit of the last float: finite, right shape, wrong value
+        data = bytearray(file.read_bytes())
+        data[-4] ^= 1
+        file.write_bytes(bytes(data))
     elif how == "truncated":
         file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
     elif how == "garbage":
@@ -339,6 +343,7 @@ CORRUPTIONS = [
     ("dtype", r"model.safetensors: blocks.0.mixer.wqkv.weight has dtype torch.int32, expected torch.float32"),
     ("missing", r"model.safetensors lacks tensors of this model: \['blocks.0.mixer.wqkv.weight'\]"),
     ("extra", r"model.safetensors holds tensors this model does not have"),
+    ("flipped_bit", r"model.safetensors: the tensor data does not match the checksum written at save"),
     ("truncated", r"model.safetensors is not a readable safetensors file"),
     ("garbage", r"model.safetensors is not a readable safetensors file"),
     ("no_weights", r"no such file: .*model.safetensors"),
@@ -360,7 +365,12 @@ def test_corrupted_checkpoints_fail_naming_the_file(kda, tmp_path, how, match):
 
 def test_a_good_checkpoint_still_loads(kda, tmp_path):
     kda.save(tmp_path / "m")
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["config.json", "model.safetensors"]  # no temporaries
     tok = torch.randint(0, 256, (1, 9))
+    assert torch.equal(LM.load(tmp_path / "m")(tok), kda(tok))
+    from safetensors.torch import save_model  # a file without a checksum (an older save) still loads
+
+    save_model(kda, str(tmp_path / "m" / "model.safetensors"))
     assert torch.equal(LM.load(tmp_path / "m")(tok), kda(tok))
 
 

@@ -6,9 +6,11 @@ Residual stream: pre-norm `h += mixer(norm(h)); h += ffn(norm(h))`, or, with Att
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -205,13 +207,18 @@ class LM(nn.Module):
 
     # -- persistence ------------------------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
-        """Write `model.safetensors` and `config.json` into the folder `path`."""
+        """Write `model.safetensors` (with a sha256 of the tensor data in its metadata, checked at load) and
+        `config.json` into the folder `path`; each is written to a temporary name and renamed, so none is half-written."""
         from safetensors.torch import save_model
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        (path / "config.json").write_text(self.cfg.to_json())
-        save_model(self, str(path / "model.safetensors"))
+        for name, write in (("model.safetensors", lambda tmp: save_model(self, str(tmp), metadata={
+                                 "evict_sha256": _digest(_by_storage(self.state_dict(), self.state_dict()))})),
+                            ("config.json", lambda tmp: tmp.write_text(self.cfg.to_json()))):
+            tmp = path / f".{name}.tmp"
+            write(tmp)
+            os.replace(tmp, path / name)
         return path
 
     @classmethod
@@ -249,10 +256,44 @@ class LM(nn.Module):
             tensors = load_file(str(file), device="cpu")
         except Exception as e:  # safetensors raises its own error type (truncated file, bad header, bad offsets)
             raise ValueError(f"checkpoint: {file} is not a readable safetensors file ({str(e).splitlines()[0][:200]})") from None
-        _check_tensors(file, tensors, self.state_dict())
+        expected = self.state_dict()
+        _check_tensors(file, tensors, expected)
+        _check_digest(file, tensors, expected)
         self.load_state_dict(tensors, strict=False)  # every name was checked above; tied copies are one tensor
         if device is not None:
             self.to(device)
+
+
+def _by_storage(tensors: dict, expected: dict) -> dict:
+    """{the first name (sorted) of each of the model's storage groups: tensor}: tied weights once, whichever alias the
+    file kept."""
+    canonical, first = {}, {}
+    for name, t in expected.items():
+        key = (t.device, t.untyped_storage().data_ptr()) if t.numel() else name
+        first[key] = min(first.get(key, name), name)
+        canonical[name] = key
+    return {first[canonical[name]]: t for name, t in tensors.items()}
+
+
+def _digest(tensors: dict) -> str:
+    """sha256 over names, dtypes, shapes and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _check_digest(file: Path, tensors: dict, expected: dict) -> None:
+    """A file written by `save` carries the sha256 of its tensors: a changed byte that still decodes to finite
+    numbers of the right shape is caught here. Files without one (older saves) are accepted as they are."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        want = (f.metadata() or {}).get("evict_sha256")
+    if want is not None and _digest(_by_storage(tensors, expected)) != want:
+        raise ValueError(f"checkpoint: {file}: the tensor data does not match the checksum written at save (corrupted)")
 
 
 def _read_config(file: Path) -> dict:
