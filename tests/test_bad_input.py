@@ -33,8 +33,8 @@ def one_thread():
 
 
 def _op(**kw):
-    q, k, v = torch.randn(1, 5, 2, 4), torch.randn(1, 5, 2, 4), torch.randn(1, 5, 2, 3)
-    return memory(q, k, v, **kw)
+    x = {"q": torch.randn(1, 5, 2, 4), "k": torch.randn(1, 5, 2, 4), "v": torch.randn(1, 5, 2, 3), **kw}
+    return memory(x.pop("q"), x.pop("k"), x.pop("v"), **x)
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -50,6 +50,7 @@ def _op(**kw):
     (dict(delta="no"), r"^delta: expected True or False"),
     (dict(delta=torch.tensor(True)), r"^delta: expected True or False"),
     (dict(output_final_state=1), r"^output_final_state: expected True or False"),
+    (dict(q=torch.randn(1, 5, 2, 0), k=torch.randn(1, 5, 2, 0)), r"^q: expected a key dim Dk >= 1"),
 ])
 def test_memory_op_arguments(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -90,6 +91,8 @@ def test_attention_arguments(mutate, match):
         attention(*(torch.randn(1, 4, 2, 8),) * 3, scale="x")
     with pytest.raises(ValueError, match=r"^causal: expected True or False"):
         attention(*(torch.randn(1, 4, 2, 8),) * 3, causal="yes")
+    with pytest.raises(ValueError, match=r"^q: expected a head dim D >= 1"):
+        attention(*(torch.randn(1, 4, 2, 0),) * 3)
 
 
 # -- configs ---------------------------------------------------------------------------------------------------
@@ -137,6 +140,8 @@ def kda():
     (torch.tensor([1, 2]), r"^tokens: expected an int64 tensor"),
     ([[1, 2]], r"^tokens: expected an int64 tensor"),
     (torch.tensor([[1, 2]], device=META), r"^tokens: expected a tensor on the model's device cpu"),
+    (torch.zeros(1, 0, dtype=torch.int64), r"^tokens: expected at least one sequence of at least one token"),
+    (torch.zeros(0, 3, dtype=torch.int64), r"^tokens: expected at least one sequence of at least one token"),
 ])
 def test_lm_tokens(kda, tokens, match):
     with pytest.raises(ValueError, match=match):
@@ -200,6 +205,13 @@ def test_generate_arguments(kda, kw, match):
         kda.generate(kw.pop("prompt"), **kw)
 
 
+def test_generate_needs_an_lm():
+    from evict.generate import generate
+
+    with pytest.raises(ValueError, match=r"^model: expected an evict LM, got str"):
+        generate("model.safetensors", PROMPT)
+
+
 def test_generate_beyond_learned_positions_fails_before_work():
     m = LM(presets.get("gpt2", n_layers=1, d_model=32, n_heads=2, head_dim=16, d_ff=64, max_seq_len=8))
     with pytest.raises(ValueError, match=r"^max_new_tokens: prompt \(3\) \+ 6 new tokens exceed the model's 8"):
@@ -252,6 +264,13 @@ def test_decode_rejects_out_of_range_ids(tok, ids, match):
     with pytest.raises(ValueError, match=match):
         tok.decode(ids)
     assert tok.decode(torch.tensor([0, 1])) == tok.decode([0, 1])
+
+
+@pytest.mark.parametrize("tok", [CharTokenizer("abc"), ByteTokenizer()], ids=["char", "byte"])
+def test_encode_needs_text(tok):
+    for bad in (5, b"abc", ["a"], None):
+        with pytest.raises(ValueError, match=r"^text: expected a str"):
+            tok.encode(bad)
 
 
 def test_bpe_decode_rejects_out_of_range_ids():

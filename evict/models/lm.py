@@ -120,6 +120,8 @@ class LM(nn.Module):
             got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             raise ValueError(f"tokens: expected an int64 tensor [B, T], got {got}")
         B, T = tokens.shape
+        if B == 0 or T == 0:
+            raise ValueError(f"tokens: expected at least one sequence of at least one token, got shape {tuple(tokens.shape)}")
         if tokens.device != self.embed.weight.device:
             raise ValueError(f"tokens: expected a tensor on the model's device {self.embed.weight.device}, got {tokens.device}")
         # Values are checked where that costs no device sync: CPU tensors (one cheap pass), outside torch.compile.

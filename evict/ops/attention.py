@@ -24,6 +24,8 @@ def _check(q, k, v, impl, check_values):
             raise ValueError(f"{name}: expected a floating dtype (float16/bfloat16/float32/float64), got {t.dtype}")
         if t.dtype != q.dtype or t.device != q.device:
             raise ValueError(f"{name}: expected dtype {q.dtype} on {q.device} (as q), got {t.dtype} on {t.device}")
+    if q.shape[-1] == 0:
+        raise ValueError(f"q: expected a head dim D >= 1, got {list(q.shape)}")
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(f"v: expected leading dims {list(k.shape[:3])} (as k), got {list(v.shape)}")
     if k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]:

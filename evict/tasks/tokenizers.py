@@ -21,6 +21,12 @@ import numpy as np
 KINDS = ("char", "byte", "bpe")
 
 
+def _as_text(text) -> str:
+    if not isinstance(text, str):
+        raise ValueError(f"text: expected a str, got {type(text).__name__}")
+    return text
+
+
 def _as_ids(ids, vocab_size: int) -> np.ndarray:
     """List, numpy array or torch tensor of integer token ids in [0, vocab_size) -> np.ndarray [N] int64.
 
@@ -61,7 +67,7 @@ class CharTokenizer:
         return cls("".join(seen))
 
     def encode(self, text: str) -> np.ndarray:
-        points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)  # [N] code points
+        points = np.frombuffer(_as_text(text).encode("utf-32-le"), dtype=np.uint32)  # [N] code points
         ids = np.searchsorted(self._points, points)  # [N]
         bad = (ids >= self.vocab_size) | (self._points[np.minimum(ids, self.vocab_size - 1)] != points)
         if bad.any():
@@ -80,7 +86,7 @@ class ByteTokenizer:
     vocab_size = 256
 
     def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)  # [N bytes]
+        return np.frombuffer(_as_text(text).encode("utf-8"), dtype=np.uint8).astype(np.int64)  # [N bytes]
 
     def decode(self, ids) -> str:
         return _as_ids(ids, 256).astype(np.uint8).tobytes().decode("utf-8", errors="replace")
@@ -120,7 +126,7 @@ class BPETokenizer:
         return cls(tok)
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._tok.encode(text).ids, dtype=np.int64)
+        return np.asarray(self._tok.encode(_as_text(text)).ids, dtype=np.int64)
 
     def decode(self, ids) -> str:
         return self._tok.decode(_as_ids(ids, self.vocab_size).tolist())

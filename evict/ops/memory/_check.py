@@ -30,6 +30,8 @@ def check_inputs(q, k, v, log_alpha, beta, initial_state, *, step: bool, check_v
             raise ValueError(f"{name}: expected shape {lead}, got {_shape(t)}")
         if t.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{name}: expected a floating dtype (float16/bfloat16/float32/float64), got {t.dtype}")
+    if q.shape[-1] == 0:
+        raise ValueError(f"q: expected a key dim Dk >= 1, got {_shape(q)}")
     if k.shape != q.shape:
         raise ValueError(f"k: expected the shape of q {_shape(q)}, got {_shape(k)}")
     if v.shape[:-1] != q.shape[:-1]:
