@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from evict.cli_args import Parser, UserError, device, nonneg_int, positive_float, positive_int, writable_dir, writable_file
+from evict.cli_args import Parser, UserError, device, positive_float, positive_int, writable_dir, writable_file
 
 
 def _bench(args) -> None:
@@ -179,8 +179,10 @@ def main(argv=None) -> int:
         if isinstance(e, UserError) or isinstance(e.code, str):
             raise _fail(name, str(e)) from None
         raise
-    except (ValueError, OSError) as e:
-        if os.environ.get("EVICT_DEBUG") == "1":
+    except Exception as e:
+        # user errors: bad values (ValueError), paths (OSError), sizes that do not fit (host or device memory)
+        user = isinstance(e, (ValueError, OSError, MemoryError)) or type(e).__name__ == "OutOfMemoryError"
+        if not user or os.environ.get("EVICT_DEBUG") == "1":
             raise
         raise _fail(name, _describe(e)) from None
     return 0
@@ -189,6 +191,8 @@ def main(argv=None) -> int:
 def _describe(e: Exception) -> str:
     if isinstance(e, OSError) and e.filename is not None:
         return f"{e.strerror or type(e).__name__}: {e.filename}"
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return f"out of memory ({str(e).splitlines()[0][:160] if str(e) else type(e).__name__}); try smaller sizes"
     return str(e) or type(e).__name__
 
 

@@ -427,6 +427,7 @@ CLI_CASES = [
     ["train", "--seq-len", "0"], ["train", "--steps", "0"], ["train", "--steps", "-3"], ["train", "--batch-size", "x"],
     ["train", "--lr", "nan"], ["train", "--lr", "0"], ["train", "--warmup", "-1"], ["train", "--eval-every", "0"],
     ["train", "--threads", "0"], ["train", "--device", "gpu"], ["train", "--seed", "-1"], ["train", "--pairs", "0"],
+    ["train", "--seed", "99999999999999999999999"], ["generate", "--model", "{model}", "--seed", "-1"],
     ["train", "--bpe-vocab", "0"], ["train", "--tokenizer", "word"], ["train", "--set", "novalue"],
     ["train", "--set", "rope_theta=0", "--corpus", "{corpus}"], ["train", "--set", "conv_size=1", "--corpus", "{corpus}"],
     ["train", "--set", "n_kv_heads=0", "--corpus", "{corpus}"], ["train", "--config", "/no/such.json"],
@@ -495,6 +496,26 @@ def test_cli_generate_refuses_a_tokenizer_of_another_vocab(model_dir, tmp_path, 
     ByteTokenizer().save(folder / "tokenizer.json")
     code, err = _cli(["generate", "--model", str(folder)], tmp_path, monkeypatch, capsys)
     assert code == 2 and len(err) == 1 and "has 256 tokens but the model's vocab_size is 64" in err[0], err
+
+
+def test_cli_out_of_memory_is_one_line_and_a_bug_keeps_its_traceback(monkeypatch, capsys):
+    import evict.demo
+
+    def oom():
+        raise MemoryError("Unable to allocate 745. GiB")
+
+    monkeypatch.setattr(evict.demo, "run_demo", oom)
+    with pytest.raises(SystemExit) as e:
+        main(["demo"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == ["evict demo: error: out of memory (Unable to allocate 745. GiB); try smaller sizes"]
+
+    def bug():
+        raise RuntimeError("an internal error")
+
+    monkeypatch.setattr(evict.demo, "run_demo", bug)
+    with pytest.raises(RuntimeError, match="an internal error"):  # not a user error: the traceback stays
+        main(["demo"])
 
 
 def test_failed_train_leaves_nothing_that_blocks_a_retry(tmp_path, monkeypatch):
