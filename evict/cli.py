@@ -93,7 +93,7 @@ def _recall(args) -> None:
         "settings": tuple(tuple(s) for s in args.setting) if args.setting else None,
         "d_models": tuple(args.d_model) if args.d_model else None,
         "lrs": tuple(args.lr) if args.lr else None,
-        "steps": args.steps, "workers": args.workers, "device": args.device, "vocab_size": args.vocab,
+        "steps": args.steps, "seeds": args.seeds, "workers": args.workers, "device": args.device, "vocab_size": args.vocab,
     }.items() if v is not None}
     try:
         sweep = replace(sweep, **overrides)
@@ -148,7 +148,8 @@ def build_parser() -> Parser:
     r.add_argument("--lr", type=positive_float, nargs="+")
     r.add_argument("--steps", type=positive_int)
     r.add_argument("--vocab", type=positive_int)
-    r.add_argument("--workers", type=positive_int, help="parallel processes (default 2 quick, 8 full)")
+    r.add_argument("--seeds", type=positive_int, help="seeds per cell; the table shows mean and range (default 2 quick, 1 full)")
+    r.add_argument("--workers", type=positive_int, help="parallel processes (default 2 quick, 4 full)")
     r.add_argument("--device", type=device, help="cpu, cuda or auto")
     r.add_argument("--out", help="output folder; an existing one is resumed")
     r.set_defaults(fn=_recall)

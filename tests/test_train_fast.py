@@ -73,12 +73,22 @@ def test_graphs_match_eager_on_cuda(tmp_path, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_mqar_learns_on_cuda(arch):
     """200 steps of MQAR (L 64, K 4) under bf16 autocast with the graphed step: attention reaches >= 0.9,
-    every architecture leaves chance (1/128) far behind."""
-    sweep = RecallSweep(vocab_size=256, head_dim=16)
+    every architecture leaves chance (1/64) far behind."""
+    _learns(arch, "cuda", graphs=True)
+
+
+@pytest.mark.slow
+def test_mqar_learns_on_cpu_under_autocast():
+    """The same run on the CPU under bf16 autocast (about 1.5 min on 2 cores): attention 0.83 at step 100, 0.99 at 150."""
+    _learns("attention", "cpu", graphs=False)
+
+
+def _learns(arch, device, graphs):
+    sweep = RecallSweep(vocab_size=128, head_dim=16)
     torch.manual_seed(0)
     model = LM(model_config(arch, 64, sweep, 64))
-    task = MQARTask(MQARConfig(vocab_size=256, seq_len=64, num_pairs=4))
-    cfg = TrainConfig(steps=200, batch_size=128, lr=3e-3, eval_every=50, eval_batches=4, device="cuda",
-                      progress=False, graphs=True)
+    task = MQARTask(MQARConfig(vocab_size=128, seq_len=64, num_pairs=4))
+    cfg = TrainConfig(steps=200, batch_size=64, lr=1e-2, eval_every=50, eval_batches=4, device=device, amp="bf16",
+                      progress=False, graphs=graphs)
     res = train(model, task, cfg)
     assert res.best_val_accuracy >= (0.9 if arch == "attention" else 0.05), res.best_val_accuracy

@@ -1,8 +1,9 @@
 """The recall lab: MQAR accuracy across every memory, as pairs grow (`evict recall`).
 
-A sweep is a grid of (architecture, (seq_len, pairs), d_model, lr) runs of 2-layer models; each cell reports the
-best validation accuracy over learning rates (as in Zoology). Outputs under runs/recall/<timestamp>/:
-config.json, results.jsonl, table.md, scorecard.md, recall_vs_pairs.png, recall_vs_state.png.
+A sweep is a grid of (architecture, (seq_len, pairs), d_model, lr, seed) runs of 2-layer models; each seed's cell is
+its best validation accuracy over learning rates (as in Zoology), and the table shows the mean over seeds with the
+range (min–max) beside it. Outputs under runs/recall/<timestamp>/: config.json, results.jsonl (one row per run, seed
+included), table.md (mean and range, then every seed), scorecard.md, recall_vs_pairs.png, recall_vs_state.png.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,16 +55,17 @@ class RecallSweep:
     target_accuracy: float = 0.99
     simple: bool = False
     seed: int = 0
+    seeds: int = 1  # runs seeds seed, seed+1, …: model init and training batches differ, the val set is shared
     workers: int = 2
     device: str = "cpu"
     notes: dict = field(default_factory=dict)
 
 
-QUICK = RecallSweep()
+QUICK = RecallSweep(seeds=2)  # 3 seeds took 463 s CPU (2 cores: ~4 min + install > 5 min); dev/LOG.md
 FULL = RecallSweep(
     settings=((64, 4), (128, 8), (256, 16), (512, 64)), d_models=(64, 128, 256),
     lrs=(1e-4, 4.6e-4, 2.2e-3, 1e-2), head_dim=32, vocab_size=8192, steps=8000, batch_size=256, eval_every=500, chunk_size=64,
-    eval_batches=8, workers=8, device="auto",  # 8 cells at once share one GPU (BENCHMARKS.md: bench train)
+    eval_batches=8, workers=4, device="auto",  # 4 cells share one GPU: 8 gave no more cell-steps/s (BENCHMARKS.md)
 )
 
 
@@ -86,70 +89,125 @@ def run_one(job: dict) -> dict:
     logging.getLogger("evict").setLevel(logging.WARNING)
     sweep = RecallSweep(**{k: tuple(v) if isinstance(v, list) else v for k, v in job["sweep"].items()})
     L, K, d = job["seq_len"], job["pairs"], job["d_model"]
-    torch.manual_seed(sweep.seed)
+    seed = job["seed"]
+    torch.manual_seed(seed)
     cfg = model_config(job["arch"], d, sweep, L)
     model = LM(cfg)
-    task = MQARTask(MQARConfig(vocab_size=sweep.vocab_size, seq_len=L, num_pairs=K, simple=sweep.simple))
+    task = MQARTask(MQARConfig(vocab_size=sweep.vocab_size, seq_len=L, num_pairs=K, simple=sweep.simple, train_seed=seed))
     on_gpu = resolve_device(sweep.device).type == "cuda"
     tc = TrainConfig(steps=sweep.steps, batch_size=sweep.batch_size, lr=job["lr"], weight_decay=0.1, warmup_steps=0,
                      eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, target_accuracy=sweep.target_accuracy,
-                     seed=sweep.seed, device=sweep.device, out_dir=job["dir"], progress=False, log_every=50,
+                     seed=seed, device=sweep.device, out_dir=job["dir"], progress=False, log_every=50,
                      graphs=on_gpu)
     res = train(model, task, tc)
     return {
-        "arch": job["arch"], "seq_len": L, "pairs": K, "d_model": d, "lr": job["lr"],
+        "arch": job["arch"], "seq_len": L, "pairs": K, "d_model": d, "lr": job["lr"], "seed": seed,
         "accuracy": res.best_val_accuracy, "final_accuracy": res.final_val_accuracy, "steps": res.steps_done,
         "seconds": round(res.wall_seconds, 1), "state_size": model.state_size(L),
         "params": sum(p.numel() for p in model.parameters()), "label": f"{job['arch']} K={K} acc={res.best_val_accuracy:.2f}",
     }
 
 
+def seeds_of(sweep: RecallSweep) -> list[int]:
+    return list(range(sweep.seed, sweep.seed + sweep.seeds))
+
+
 def jobs_for(sweep: RecallSweep, root: Path) -> list[dict]:
+    """Every run of the grid; the costliest settings (most pairs) first, so the last runs to finish are short ones.
+
+    A run's folder is named by its cell, plus `_s<seed>` when the sweep has several seeds (one seed keeps the names
+    of sweeps written before seeds existed, so they still resume).
+    """
     sw = dataclasses.asdict(sweep)
     jobs = []
-    for (L, K) in sweep.settings:
-        for arch in sweep.archs:
-            for d in sweep.d_models:
-                for lr in sweep.lrs:
-                    name = f"{arch}_L{L}_K{K}_d{d}_lr{lr:g}"
-                    jobs.append({"arch": arch, "seq_len": L, "pairs": K, "d_model": d, "lr": lr, "dir": str(root / "runs" / name), "sweep": sw})
+    for (L, K) in sorted(sweep.settings, key=lambda s: (-s[0] * s[1], -s[1])):
+        for seed in seeds_of(sweep):
+            for arch in sweep.archs:
+                for d in sweep.d_models:
+                    for lr in sweep.lrs:
+                        name = f"{arch}_L{L}_K{K}_d{d}_lr{lr:g}" + (f"_s{seed}" if sweep.seeds > 1 else "")
+                        jobs.append({"arch": arch, "seq_len": L, "pairs": K, "d_model": d, "lr": lr, "seed": seed,
+                                     "dir": str(root / "runs" / name), "sweep": sw})
     return jobs
 
 
 def best_over_lr(results: list[dict]) -> dict:
-    """(arch, L, K, d) -> the result with the highest accuracy over learning rates."""
+    """(arch, L, K, d, seed) -> the result with the highest accuracy over learning rates."""
     best = {}
     for r in results:
-        key = (r["arch"], r["seq_len"], r["pairs"], r["d_model"])
+        key = (r["arch"], r["seq_len"], r["pairs"], r["d_model"], r["seed"])
         if key not in best or r["accuracy"] > best[key]["accuracy"]:
             best[key] = r
     return best
 
 
-def table(sweep: RecallSweep, best: dict, d: int) -> str:
+@dataclass
+class Cell:
+    """One (arch, L, K, d) cell over seeds: each seed's best-over-lr accuracy, and their mean and range."""
+
+    accuracies: list  # in seed order
+    seeds: list
+    state_size: int
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.accuracies)
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        return min(self.accuracies), max(self.accuracies)
+
+    def __str__(self) -> str:
+        """`0.512 (0.136–0.707)`: mean (min–max over seeds); the bare number for a single seed."""
+        if len(self.accuracies) == 1:
+            return f"{self.mean:.3f}"
+        lo, hi = self.spread
+        return f"{self.mean:.3f} ({lo:.3f}–{hi:.3f})"
+
+
+def over_seeds(best: dict) -> dict:
+    """best_over_lr's (arch, L, K, d, seed) -> result, folded into (arch, L, K, d) -> Cell."""
+    cells: dict = {}
+    for (arch, L, K, d, seed), r in sorted(best.items(), key=lambda kv: kv[0][4]):
+        c = cells.setdefault((arch, L, K, d), Cell([], [], r["state_size"]))
+        c.accuracies.append(r["accuracy"])
+        c.seeds.append(seed)
+    return cells
+
+
+def table(sweep: RecallSweep, cells: dict, d: int) -> str:
     cols = [f"K={K} (L={L})" for L, K in sweep.settings]
     rows = []
     for arch in sweep.archs:
-        row = {"architecture": arch, "state (numbers/seq, largest L)": best[(arch, *sweep.settings[-1], d)]["state_size"]}
+        row = {"architecture": arch, "state (numbers/seq, largest L)": cells[(arch, *sweep.settings[-1], d)].state_size}
         for (L, K), c in zip(sweep.settings, cols):
-            row[c] = f"{best[(arch, L, K, d)]['accuracy']:.3f}"
+            row[c] = str(cells[(arch, L, K, d)])
         rows.append(row)
     return markdown_table(rows, ["architecture", *cols, "state (numbers/seq, largest L)"])
 
 
-def scorecard(sweep: RecallSweep, best: dict) -> str:
+def seed_table(sweep: RecallSweep, cells: dict, d: int) -> str:
+    """Every seed's accuracy per cell, `a / b / c` in seed order."""
+    cols = [f"K={K} (L={L})" for L, K in sweep.settings]
+    rows = [{"architecture": arch, **{c: " / ".join(f"{a:.3f}" for a in cells[(arch, L, K, d)].accuracies)
+                                      for (L, K), c in zip(sweep.settings, cols)}} for arch in sweep.archs]
+    return markdown_table(rows, ["architecture", *cols])
+
+
+def scorecard(sweep: RecallSweep, cells: dict) -> str:
     L, K = sweep.settings[-1]
     d = max(sweep.d_models)
     col = f"measured MQAR acc (K={K}, L={L}, d={d})"
     rows = []
     for name, stores, write, read, evict, arch in SCORECARD:
-        r = best.get((arch, L, K, d))
+        c = cells.get((arch, L, K, d))
         rows.append({"Architecture": name, "Stores": stores, "Write": write, "Read": read, "Eviction": evict,
-                     col: f"{r['accuracy']:.3f}" if r else "not in this sweep"})
+                     col: str(c) if c else "not in this sweep"})
     return markdown_table(rows, ["Architecture", "Stores", "Write", "Read", "Eviction", col])
 
 
-def plots(sweep: RecallSweep, best: dict, root: Path) -> list[Path]:
+def plots(sweep: RecallSweep, cells: dict, root: Path) -> list[Path]:
+    """Mean over seeds, with a bar over the range (min–max) when there are several."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,21 +216,34 @@ def plots(sweep: RecallSweep, best: dict, root: Path) -> list[Path]:
     d = max(sweep.d_models)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     ks = [K for _, K in sweep.settings]
-    for arch in sweep.archs:
-        ax.plot(ks, [best[(arch, L, K, d)]["accuracy"] for L, K in sweep.settings], marker="o", label=arch)
+    for i, arch in enumerate(sweep.archs):
+        shift = 2 ** (0.03 * (i - (len(sweep.archs) - 1) / 2))  # side by side on the log axis, so ranges don't hide
+        _mean_and_range(ax, [k * shift for k in ks], [cells[(arch, L, K, d)] for L, K in sweep.settings], arch)
     ax.set_xscale("log", base=2)
     ax.set_xticks(ks, [str(k) for k in ks])
-    p1 = _finish(plt, fig, ax, "key-value pairs K", f"Recall vs pairs — {sweep.n_layers} layers, d={d}", root / "recall_vs_pairs.png")
+    ax.minorticks_off()
+    p1 = _finish(plt, fig, ax, "key-value pairs K", f"Recall vs pairs — {sweep.n_layers} layers, d={d}{_seeds_note(sweep)}",
+                 root / "recall_vs_pairs.png")
 
     L, K = sweep.settings[-1]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for arch in sweep.archs:
-        pts = sorted((best[(arch, L, K, dd)]["state_size"], best[(arch, L, K, dd)]["accuracy"]) for dd in sweep.d_models)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=arch)
+        cs = sorted((cells[(arch, L, K, dd)] for dd in sweep.d_models), key=lambda c: c.state_size)
+        _mean_and_range(ax, [c.state_size for c in cs], cs, arch)
     ax.set_xscale("log")
-    p2 = _finish(plt, fig, ax, f"memory held per sequence at L={L} (numbers, all layers)", f"Recall vs state size — K={K}",
-                 root / "recall_vs_state.png")
+    p2 = _finish(plt, fig, ax, f"memory held per sequence at L={L} (numbers, all layers)",
+                 f"Recall vs state size — K={K}{_seeds_note(sweep)}", root / "recall_vs_state.png")
     return [p1, p2]
+
+
+def _seeds_note(sweep: RecallSweep) -> str:
+    return f"; mean, range over {sweep.seeds} seeds" if sweep.seeds > 1 else ""
+
+
+def _mean_and_range(ax, xs: list, cs: list, label: str) -> None:
+    means = [c.mean for c in cs]
+    err = [[c.mean - c.spread[0] for c in cs], [c.spread[1] - c.mean for c in cs]]
+    ax.errorbar(xs, means, yerr=err if any(len(c.accuracies) > 1 for c in cs) else None, marker="o", capsize=3, label=label)
 
 
 def _finish(plt, fig, ax, xlabel: str, title: str, path: Path) -> Path:
@@ -180,7 +251,7 @@ def _finish(plt, fig, ax, xlabel: str, title: str, path: Path) -> Path:
     ax.set_xlabel(xlabel)
     ax.set_ylabel("MQAR accuracy (best over lr)")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -188,33 +259,51 @@ def _finish(plt, fig, ax, xlabel: str, title: str, path: Path) -> Path:
     return path
 
 
+def report(sweep: RecallSweep, results: list[dict]) -> tuple[str, str]:
+    """The markdown tables (mean and range per cell, then every seed; one block per d_model) and the scorecard."""
+    cells = over_seeds(best_over_lr(results))
+    seeds = ", ".join(str(s) for s in seeds_of(sweep))
+    blocks = []
+    for d in sweep.d_models:
+        blocks.append(f"d_model = {d}; seeds {seeds}" + (f"; mean (min–max) over the {sweep.seeds} seeds" if sweep.seeds > 1 else "")
+                      + f"\n\n{table(sweep, cells, d)}")
+        if sweep.seeds > 1:
+            blocks.append(f"d_model = {d}, each seed ({seeds})\n\n{seed_table(sweep, cells, d)}")
+    return "\n\n".join(blocks), scorecard(sweep, cells)
+
+
+def _saved_config(text: str) -> dict:
+    """A saved config.json, with fields added since it was written at their defaults (so an old sweep resumes)."""
+    return {**json.loads(json.dumps(dataclasses.asdict(RecallSweep()))), **json.loads(text)}
+
+
 def run_sweep(sweep: RecallSweep, out: str | Path | None = None) -> Path:
     """Run (or resume, when `out` already holds part of it) the sweep; write and print the results."""
     unknown = [a for a in sweep.archs if a not in presets.FAMILIES]
     if unknown:
         raise ValueError(f"archs: unknown architecture(s) {unknown}; expected names from {list(presets.FAMILIES)}")
+    if sweep.seeds < 1:
+        raise ValueError(f"seeds: expected >= 1, got {sweep.seeds}")
     for L, K in sweep.settings:
         MQARConfig(vocab_size=sweep.vocab_size, seq_len=L, num_pairs=K, simple=sweep.simple)  # validates
     root = Path(out) if out else Path("runs/recall") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     root.mkdir(parents=True, exist_ok=True)
     cfg_path = root / "config.json"
     if cfg_path.exists():
-        saved = json.loads(cfg_path.read_text())
-        if saved != json.loads(json.dumps(dataclasses.asdict(sweep))):
+        if _saved_config(cfg_path.read_text()) != json.loads(json.dumps(dataclasses.asdict(sweep))):
             raise ValueError(f"out: {root} holds a sweep with another config; use a new folder or the same options")
     cfg_path.write_text(json.dumps(dataclasses.asdict(sweep), indent=2))
     jobs = jobs_for(sweep, root)
-    print(f"recall sweep: {len(jobs)} runs -> {root}")
+    print(f"recall sweep: {len(jobs)} runs (seeds {', '.join(map(str, seeds_of(sweep)))}) -> {root}")
     results = run_jobs(run_one, jobs, workers=sweep.workers, desc="recall")
+    results = [{**r, "seed": job["seed"]} for r, job in zip(results, jobs)]  # results of older runs lack the seed
     with (root / "results.jsonl").open("w") as f:
         for r in results:
             f.write(json.dumps(r) + "\n")
-    best = best_over_lr(results)
-    tables = "\n\n".join(f"d_model = {d}\n\n{table(sweep, best, d)}" for d in sweep.d_models)
-    card = scorecard(sweep, best)
+    tables, card = report(sweep, results)
     (root / "table.md").write_text(tables + "\n")
     (root / "scorecard.md").write_text(card + "\n")
-    pngs = plots(sweep, best, root)
+    pngs = plots(sweep, over_seeds(best_over_lr(results)), root)
     print(f"\nMQAR accuracy (best over lr {list(sweep.lrs)}), {sweep.n_layers} layers, vocab {sweep.vocab_size}\n\n{tables}\n")
     print(f"{card}\n")
     print("wrote " + ", ".join(str(p) for p in [root / "table.md", root / "scorecard.md", *pngs]))

@@ -6,10 +6,10 @@ from dataclasses import replace
 import pytest
 
 from evict.cli import main
-from evict.lab.recall import QUICK, best_over_lr, jobs_for, model_config, run_sweep
+from evict.lab.recall import QUICK, Cell, best_over_lr, jobs_for, model_config, over_seeds, run_sweep
 
 MICRO = replace(QUICK, archs=("attention", "deltanet", "kimi_linear"), settings=((16, 2), (24, 4)), d_models=(32,),
-                lrs=(1e-3, 3e-3), steps=4, batch_size=4, eval_every=2, eval_batches=1, workers=1, vocab_size=32)
+                lrs=(1e-3, 3e-3), steps=4, batch_size=4, eval_every=2, eval_batches=1, workers=1, vocab_size=32, seeds=1)
 
 
 def test_sweep_runs_resumes_and_writes_outputs(tmp_path, capsys):
@@ -34,8 +34,13 @@ def test_sweep_runs_resumes_and_writes_outputs(tmp_path, capsys):
 def test_best_over_lr_and_state_sizes():
     jobs = jobs_for(MICRO, __import__("pathlib").Path("/nonexistent"))
     assert len(jobs) == 12
-    rows = [dict(arch="a", seq_len=16, pairs=2, d_model=32, lr=lr, accuracy=acc) for lr, acc in ((1e-3, 0.4), (3e-3, 0.7))]
-    assert best_over_lr(rows)[("a", 16, 2, 32)]["lr"] == 3e-3
+    rows = [dict(arch="a", seq_len=16, pairs=2, d_model=32, lr=lr, seed=seed, accuracy=acc, state_size=7)
+            for lr, seed, acc in ((1e-3, 0, 0.4), (3e-3, 0, 0.7), (1e-3, 1, 0.9), (3e-3, 1, 0.2))]
+    best = best_over_lr(rows)
+    assert best[("a", 16, 2, 32, 0)]["lr"] == 3e-3 and best[("a", 16, 2, 32, 1)]["lr"] == 1e-3
+    cell = over_seeds(best)[("a", 16, 2, 32)]
+    assert cell.accuracies == [0.7, 0.9] and cell.seeds == [0, 1] and cell.spread == (0.7, 0.9)
+    assert abs(cell.mean - 0.8) < 1e-12 and str(cell) == "0.800 (0.700–0.900)" and str(Cell([0.25], [3], 7)) == "0.250"
     # the fixed memories hold the same numbers at any length; attention's grows with it
     from evict import LM
 
@@ -48,3 +53,41 @@ def test_best_over_lr_and_state_sizes():
 def test_cli_rejects_unknown_arch(tmp_path):
     with pytest.raises(SystemExit, match="archs: unknown architecture"):
         main(["recall", "--archs", "transformerxl", "--out", str(tmp_path / "x")])
+
+
+def test_seeds_mean_and_range_per_cell_and_every_seed_kept(tmp_path):
+    sweep = replace(MICRO, archs=("deltanet",), settings=((16, 2),), lrs=(3e-3,), seed=5, seeds=2)
+    jobs = jobs_for(sweep, tmp_path)
+    assert [j["seed"] for j in jobs] == [5, 6] and jobs[1]["dir"].endswith("deltanet_L16_K2_d32_lr0.003_s6")
+    root = run_sweep(sweep, out=tmp_path / "sweep")
+    rows = [json.loads(line) for line in (root / "results.jsonl").read_text().splitlines()]
+    assert [r["seed"] for r in rows] == [5, 6]
+    table = (root / "table.md").read_text()
+    assert "seeds 5, 6" in table and "mean (min–max)" in table
+    lo, hi = sorted(r["accuracy"] for r in rows)
+    assert f"| deltanet | {(lo + hi) / 2:.3f} ({lo:.3f}–{hi:.3f}) |" in table
+    assert f"| deltanet | {rows[0]['accuracy']:.3f} / {rows[1]['accuracy']:.3f} |" in table  # every seed, in order
+
+
+def test_one_seed_sweep_written_before_seeds_existed_resumes(tmp_path):
+    sweep = replace(MICRO, archs=("attention",), settings=((16, 2),), lrs=(3e-3,))
+    root = run_sweep(sweep, out=tmp_path / "sweep")
+    cfg = json.loads((root / "config.json").read_text())
+    del cfg["seeds"]
+    (root / "config.json").write_text(json.dumps(cfg))
+    (done,) = (root / "runs").glob("*/result.json")
+    assert done.parent.name == "attention_L16_K2_d32_lr0.003"  # one seed: the old run names
+    old = json.loads(done.read_text())
+    del old["seed"]
+    done.write_text(json.dumps(old))
+    stamp = done.stat().st_mtime_ns
+    run_sweep(sweep, out=root)
+    assert done.stat().st_mtime_ns == stamp
+    assert json.loads((root / "results.jsonl").read_text())["seed"] == 0
+
+
+def test_cli_rejects_zero_seeds(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["recall", "--seeds", "0", "--out", str(tmp_path / "x")])
+    assert e.value.code != 0 and "--seeds: expected a positive integer" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -52,3 +52,24 @@ def test_non_contiguous_input_and_float32():
     y, _ = conv(x)
     want = explicit(x.double(), conv.weight[:, 0].double(), x.new_zeros(3, 3, 6, dtype=torch.float64))
     torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_cuda_matches_explicit_formula(dtype, autocast):
+    conv = ShortConv(13, 4).cuda().to(dtype)
+    x = torch.randn(3, 37, 13, device="cuda", dtype=dtype, requires_grad=True)
+    tail = torch.randn(3, 3, 13, device="cuda", dtype=dtype)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        y, new_tail = conv(x, tail)
+    want = explicit(x.double(), conv.weight[:, 0].double(), tail.double())
+    tol = 1e-5 if dtype == torch.float32 and not autocast else 3e-2
+    assert y.is_contiguous() and torch.equal(new_tail, x[:, -3:])
+    torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol)
+    dy = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, conv.weight), dy)
+    gx_ref, gw_ref = torch.autograd.grad(want, (x, conv.weight), dy.double())
+    assert torch.isfinite(gx).all() and torch.isfinite(gw).all()
+    torch.testing.assert_close(gx.double(), gx_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(gw.double(), gw_ref.to(gw.dtype).double(), rtol=tol, atol=tol * 10)
