@@ -21,13 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 META = torch.device("meta")  # "another device than q" without needing a GPU
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes: one CPU thread is faster, and immune to a busy machine's thread contention."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # -- the memory op and softmax attention ---------------------------------------------------------------------
 
@@ -282,7 +276,7 @@ def test_bpe_decode_rejects_out_of_range_ids():
 
 
 @pytest.mark.parametrize("content,match", [
-    (None, r"^tokenizer: no such file"), ("{bad", r"^tokenizer: .* is not a readable tokenizer JSON"),
+    (None, r"^tokenizer: no such file"), ("{bad", r"^tokenizer: .* is not readable JSON"),
     ("[1, 2]", r"^tokenizer: .* holds a JSON list"), ('{"kind": "char"}', r"^tokenizer: .* without a non-empty 'chars'"),
     ('{"kind": "what"}', r"^tokenizer: .* is neither"), ('{"model": 3}', r"^tokenizer: .* is not a valid BPE tokenizer"),
 ])

@@ -32,12 +32,7 @@ FAST = settings(max_examples=100, deadline=None, derandomize=True, database=None
                 suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- the memory op ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from evict.cache import HybridCache
+from evict.jsonfile import read_json_object
 from evict.layers.attention import Attention
 from evict.layers.attn_res import AttnResBlocks, AttnResRead
 from evict.layers.ffn import SiTU, SwiGLU
@@ -299,15 +300,7 @@ def _check_digest(file: Path, tensors: dict, expected: dict) -> None:
 
 
 def _read_config(file: Path) -> dict:
-    try:
-        d = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"checkpoint: no such file: {file}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"checkpoint: {file} is not readable JSON ({type(e).__name__}: {e})") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"checkpoint: {file} holds a JSON {type(d).__name__}, expected an object of config fields")
-    return d
+    return read_json_object(file, "checkpoint")
 
 
 def _check_tensors(file: Path, tensors: dict, expected: dict) -> None:

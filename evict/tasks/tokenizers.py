@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from evict.jsonfile import read_json_object
+
 KINDS = ("char", "byte", "bpe")
 
 
@@ -140,14 +142,7 @@ def load_tokenizer(path: str | Path) -> CharTokenizer | ByteTokenizer | BPEToken
 
     A missing, unreadable or malformed file is a one-line ValueError naming it."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"tokenizer: no such file: {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"tokenizer: {path} is not a readable tokenizer JSON ({type(e).__name__}: {e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"tokenizer: {path} holds a JSON {type(data).__name__}, expected an object")
+    data = read_json_object(path, "tokenizer")
     if data.get("kind") == "char":
         if not isinstance(data.get("chars"), str) or not data["chars"]:
             raise ValueError(f"tokenizer: {path} is a char tokenizer without a non-empty 'chars' string")

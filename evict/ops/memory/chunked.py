@@ -80,9 +80,9 @@ def _channel_decayed_dots(xs, y, g, seg=None):
 
 
 def _decayed_dots(xs, y, g, *, factor: bool | None = None):
-    """For each x in xs: sum_k x_ik y_jk exp(g_i - g_j) for j <= i, zero above. x, y [..., C, K] -> [..., C, C].
+    """For each x in xs: sum_k x_ik y_jk exp(g_ik - g_jk) for j <= i, zero above. x, y [..., C, K] -> [..., C, C].
 
-    Per-channel g: `factor=None` picks the two-factor matmul form when the chunk's decay spread is below
+    g is None (no decay) or per channel [..., C, K] without hard resets. Per-channel g: `factor=None` picks the two-factor matmul form when the chunk's decay spread is below
     SAFE_SPREAD (one host sync), else the exact sub-chunked ratios; True / False force one form (tests).
     """
     keep = _tril(y.shape[-2], y.device)
@@ -94,12 +94,7 @@ def _decayed_dots(xs, y, g, *, factor: bool | None = None):
         y_in = y * (-g).exp()  # e^{-g_j} <= e^{SAFE_SPREAD}
         eg = g.exp()
         return [((x * eg) @ y_in.transpose(-1, -2)).masked_fill(~keep, 0.0) for x in xs]
-    ratio = None if g is None else (g[..., :, None] - g[..., None, :]).masked_fill(~keep, float("-inf")).exp()
-    outs = []
-    for x in xs:
-        dots = x @ y.transpose(-1, -2)
-        outs.append(dots.masked_fill(~keep, 0.0) if ratio is None else dots * ratio)
-    return outs
+    return [(x @ y.transpose(-1, -2)).masked_fill(~keep, 0.0) for x in xs]  # no decay (scalar gates: below)
 
 
 def _exp_where(x, keep):
