@@ -98,7 +98,7 @@ def _recall(args) -> None:
     try:
         sweep = replace(sweep, **overrides)
         _check_recall_models(sweep)
-        run_sweep(sweep, out=args.out)
+        run_sweep(sweep, out=args.out, minutes=args.minutes)
     except ValueError as e:
         raise SystemExit(str(e)) from None
 
@@ -152,6 +152,7 @@ def build_parser() -> Parser:
     r.add_argument("--workers", type=positive_int, help="parallel processes (default 2 quick, 4 full)")
     r.add_argument("--device", type=device, help="cpu, cuda or auto")
     r.add_argument("--out", help="output folder; an existing one is resumed")
+    r.add_argument("--minutes", type=positive_float, help="stop after about this long (runs checkpoint); rerun to continue")
     r.set_defaults(fn=_recall)
     z = sub.add_parser("size", help="the accountant: parameters (total / active) and memory per sequence vs context")
     z.add_argument("preset", nargs="+", help="preset name(s), e.g. gpt2_124m kimi_linear_48b kimi_k3")
