@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from evict.cli_args import Parser, UserError, device, nonneg_int, positive_float, positive_int, writable_dir, writable_file
+from evict.cli_args import Parser, UserError, device, positive_float, positive_int, writable_dir, writable_file
 
 
 def _bench(args) -> None:
@@ -97,9 +97,24 @@ def _recall(args) -> None:
     }.items() if v is not None}
     try:
         sweep = replace(sweep, **overrides)
-        run_sweep(sweep, out=args.out)
+        _check_recall_models(sweep)
+        run_sweep(sweep, out=args.out, minutes=args.minutes)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+
+
+def _check_recall_models(sweep) -> None:
+    """Build every model config of the sweep now (cheap), so a bad width fails before the sweep folder is written."""
+    from evict.lab.recall import model_config
+    from evict.models import presets
+
+    for arch in (a for a in sweep.archs if a in presets.FAMILIES):  # run_sweep names unknown ones
+        for d in sweep.d_models:
+            for L, _ in sweep.settings:
+                try:
+                    model_config(arch, d, sweep, L)
+                except ValueError as e:
+                    raise ValueError(f"--d-model {d} ({arch}): {e}") from None
 
 
 def build_parser() -> Parser:
@@ -118,9 +133,9 @@ def build_parser() -> Parser:
     add_decode_arguments(b)
     t = b.add_argument_group("train", "flags of `evict bench train` (GPU: N MQAR cells trained at once)")
     t.add_argument("--arch", nargs="+", default=["attention", "kda"], help="architectures (default attention kda)")
-    t.add_argument("--setting", nargs=2, type=int, default=[512, 64], metavar=("L", "K"), help="default 512 64")
-    t.add_argument("--procs", type=int, default=8, help="cells trained at once (default 8)")
-    t.add_argument("--train-steps", type=int, default=300, help="timed steps per cell (default 300)")
+    t.add_argument("--setting", nargs=2, type=positive_int, default=[512, 64], metavar=("L", "K"), help="default 512 64")
+    t.add_argument("--procs", type=positive_int, default=8, help="cells trained at once (default 8)")
+    t.add_argument("--train-steps", type=positive_int, default=300, help="timed steps per cell (default 300)")
     t.add_argument("--variants", nargs="+", default=["before", "bf16", "labels", "graphs"])
     b.set_defaults(fn=_bench)
     r = sub.add_parser("recall", help="the recall lab: MQAR accuracy across memories as pairs grow (the main job)")
@@ -137,6 +152,7 @@ def build_parser() -> Parser:
     r.add_argument("--workers", type=positive_int, help="parallel processes (default 2 quick, 4 full)")
     r.add_argument("--device", type=device, help="cpu, cuda or auto")
     r.add_argument("--out", help="output folder; an existing one is resumed")
+    r.add_argument("--minutes", type=positive_float, help="stop after about this long (runs checkpoint); rerun to continue")
     r.set_defaults(fn=_recall)
     z = sub.add_parser("size", help="the accountant: parameters (total / active) and memory per sequence vs context")
     z.add_argument("preset", nargs="+", help="preset name(s), e.g. gpt2_124m kimi_linear_48b kimi_k3")
@@ -168,8 +184,10 @@ def main(argv=None) -> int:
         if isinstance(e, UserError) or isinstance(e.code, str):
             raise _fail(name, str(e)) from None
         raise
-    except (ValueError, OSError) as e:
-        if os.environ.get("EVICT_DEBUG") == "1":
+    except Exception as e:
+        # user errors: bad values (ValueError), paths (OSError), sizes that do not fit (host or device memory)
+        user = isinstance(e, (ValueError, OSError, MemoryError)) or type(e).__name__ == "OutOfMemoryError"
+        if not user or os.environ.get("EVICT_DEBUG") == "1":
             raise
         raise _fail(name, _describe(e)) from None
     return 0
@@ -178,6 +196,8 @@ def main(argv=None) -> int:
 def _describe(e: Exception) -> str:
     if isinstance(e, OSError) and e.filename is not None:
         return f"{e.strerror or type(e).__name__}: {e.filename}"
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return f"out of memory ({str(e).splitlines()[0][:160] if str(e) else type(e).__name__}); try smaller sizes"
     return str(e) or type(e).__name__
 
 

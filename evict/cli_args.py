@@ -1,6 +1,6 @@
 """Flag types and output checks for `evict …`: a bad value is rejected while parsing, with one line naming the flag.
 
-Types (for argparse `type=`): positive_int, nonneg_int, positive_float, nonneg_float, unit_interval, device.
+Types (for argparse `type=`): positive_int, nonneg_int, seed, positive_float, nonneg_float, unit_interval, device.
 Checks (before any work or write): writable_file(path, flag), writable_dir(path, flag).
 `Parser` is an ArgumentParser whose errors are one line (no usage block), exit code 2.
 """
@@ -46,6 +46,10 @@ def positive_int(text: str) -> int:
 
 def nonneg_int(text: str) -> int:
     return _number(text, int, "an integer >= 0", lambda v: v >= 0)
+
+
+def seed(text: str) -> int:
+    return _number(text, int, "an integer in [0, 2**32)", lambda v: 0 <= v < 2**32)
 
 
 def positive_float(text: str) -> float:

@@ -34,6 +34,10 @@ def generate(model, prompt: torch.Tensor, *, max_new_tokens: int = 64, temperatu
 
     Rows that stopped keep emitting their stop token. `on_token(tokens [B])` is called for each new token (streaming).
     """
+    from evict.models.lm import LM
+
+    if not isinstance(model, LM):
+        raise ValueError(f"model: expected an evict LM, got {type(model).__name__}")
     vocab = model.cfg.vocab_size
     _check_args(prompt, vocab, max_new_tokens, temperature, top_k, top_p, seed, prefill_chunk, on_token)
     stop_list = _check_stop_tokens(stop_tokens, vocab)

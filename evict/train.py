@@ -63,6 +63,7 @@ class TrainConfig:
     graphs: bool = False  # replay the whole step (forward, backward, clip, AdamW) from one CUDA graph; CUDA only
     select_labels: bool = True  # head and loss at the labelled positions only, for tasks with `labels_per_row`
     prefetch: int = 2  # CUDA: batches prepared ahead by a background thread (0 = inline)
+    stop_at: float | None = None  # wall-clock time (time.time()): checkpoint and return early once past it (resumable)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "eval_every", "eval_batches", "log_every"):
@@ -102,6 +103,7 @@ class TrainResult:
     wall_seconds: float
     history: list[dict] = field(default_factory=list)  # one dict per evaluation
     stopped_early: bool = False
+    interrupted: bool = False  # stopped at cfg.stop_at before the end; the checkpoint resumes it
 
 
 class WarmupCosine:
@@ -347,7 +349,7 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig) -> TrainResult:
     if out is not None and lead:
         out.mkdir(parents=True, exist_ok=True)
 
-    step, history, best, done, stopped_early = 0, [], 0.0, False, False
+    step, history, best, done, stopped_early, interrupted = 0, [], 0.0, False, False, False
     if ckpt_path is not None and cfg.resume and ckpt_path.exists():
         ck = torch.load(ckpt_path, map_location="cpu", weights_only=False)
         _load_model_optim_state(model, opt, ck["model"], ck["optimizer"])
@@ -480,13 +482,18 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig) -> TrainResult:
             done = done or step == cfg.steps
             if ckpt_path is not None and (done or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
                 checkpoint()
+            if cfg.stop_at is not None and not done and time.time() >= cfg.stop_at:
+                if ckpt_path is not None:
+                    checkpoint()
+                interrupted = True
+                break
     finally:
         if prefetch is not None:
             prefetch.close()
         bar.close()
 
     return TrainResult(
-        steps_done=step, best_val_accuracy=best, final_val_loss=last_val["loss"],
-        final_val_accuracy=last_val["accuracy"], wall_seconds=time.perf_counter() - t0,
-        history=history, stopped_early=stopped_early,
+        steps_done=step, best_val_accuracy=best, final_val_loss=last_val["loss"] if last_val else math.nan,
+        final_val_accuracy=last_val["accuracy"] if last_val else math.nan, wall_seconds=time.perf_counter() - t0,
+        history=history, stopped_early=stopped_early, interrupted=interrupted,
     )

@@ -20,6 +20,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny shapes: one CPU thread is faster, and immune to a busy machine's thread contention."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Norm-wise relative error of a against the reference b."""
     a, b = a.double(), b.double()

@@ -21,20 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
 META = torch.device("meta")  # "another device than q" without needing a GPU
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes: one CPU thread is faster, and immune to a busy machine's thread contention."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # -- the memory op and softmax attention ---------------------------------------------------------------------
 
 
 def _op(**kw):
-    q, k, v = torch.randn(1, 5, 2, 4), torch.randn(1, 5, 2, 4), torch.randn(1, 5, 2, 3)
-    return memory(q, k, v, **kw)
+    x = {"q": torch.randn(1, 5, 2, 4), "k": torch.randn(1, 5, 2, 4), "v": torch.randn(1, 5, 2, 3), **kw}
+    return memory(x.pop("q"), x.pop("k"), x.pop("v"), **x)
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -47,6 +41,10 @@ def _op(**kw):
     (dict(initial_state=torch.zeros(1, 2, 4, 3, device=META)), r"^initial_state: expected device cpu"),
     (dict(log_alpha=torch.zeros(1, 5, 2, dtype=torch.int64)), r"^log_alpha: expected a floating dtype"),
     (dict(log_alpha=torch.full((1, 5, 2), float("-inf"))), r"^log_alpha: contains NaN or Inf"),
+    (dict(delta="no"), r"^delta: expected True or False"),
+    (dict(delta=torch.tensor(True)), r"^delta: expected True or False"),
+    (dict(output_final_state=1), r"^output_final_state: expected True or False"),
+    (dict(q=torch.randn(1, 5, 2, 0), k=torch.randn(1, 5, 2, 0)), r"^q: expected a key dim Dk >= 1"),
 ])
 def test_memory_op_arguments(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -59,6 +57,8 @@ def test_memory_step_arguments():
         memory_step(q, q, q, S, scale=[1.0])
     with pytest.raises(ValueError, match=r"^state: expected device cpu"):
         memory_step(q, q, q, S.to(META))
+    with pytest.raises(ValueError, match=r"^delta: expected True or False"):
+        memory_step(q, q, q, S, delta=1)
 
 
 @pytest.mark.parametrize("where", ["q", "k", "v"])
@@ -83,6 +83,10 @@ def test_attention_arguments(mutate, match):
         attention(*mutate(torch.randn(1, 4, 2, 8)))
     with pytest.raises(ValueError, match=r"^scale:"):
         attention(*(torch.randn(1, 4, 2, 8),) * 3, scale="x")
+    with pytest.raises(ValueError, match=r"^causal: expected True or False"):
+        attention(*(torch.randn(1, 4, 2, 8),) * 3, causal="yes")
+    with pytest.raises(ValueError, match=r"^q: expected a head dim D >= 1"):
+        attention(*(torch.randn(1, 4, 2, 0),) * 3)
 
 
 # -- configs ---------------------------------------------------------------------------------------------------
@@ -111,6 +115,8 @@ def test_bad_config_values_name_the_field(field, value):
 def test_every_preset_passes_validation():
     for name in presets.names():
         presets.get(name).validate()
+    with pytest.raises(ValueError, match=r"^overrides: unknown ModelConfig field\(s\) \['colour'\]"):
+        presets.get("kda", colour="red")
 
 
 # -- the LM, its cache, generate -------------------------------------------------------------------------------
@@ -127,6 +133,9 @@ def kda():
     (torch.tensor([[1.0, 2.0]]), r"^tokens: expected an int64 tensor"),
     (torch.tensor([1, 2]), r"^tokens: expected an int64 tensor"),
     ([[1, 2]], r"^tokens: expected an int64 tensor"),
+    (torch.tensor([[1, 2]], device=META), r"^tokens: expected a tensor on the model's device cpu"),
+    (torch.zeros(1, 0, dtype=torch.int64), r"^tokens: expected at least one sequence of at least one token"),
+    (torch.zeros(0, 3, dtype=torch.int64), r"^tokens: expected at least one sequence of at least one token"),
 ])
 def test_lm_tokens(kda, tokens, match):
     with pytest.raises(ValueError, match=match):
@@ -190,6 +199,13 @@ def test_generate_arguments(kda, kw, match):
         kda.generate(kw.pop("prompt"), **kw)
 
 
+def test_generate_needs_an_lm():
+    from evict.generate import generate
+
+    with pytest.raises(ValueError, match=r"^model: expected an evict LM, got str"):
+        generate("model.safetensors", PROMPT)
+
+
 def test_generate_beyond_learned_positions_fails_before_work():
     m = LM(presets.get("gpt2", n_layers=1, d_model=32, n_heads=2, head_dim=16, d_ff=64, max_seq_len=8))
     with pytest.raises(ValueError, match=r"^max_new_tokens: prompt \(3\) \+ 6 new tokens exceed the model's 8"):
@@ -244,6 +260,13 @@ def test_decode_rejects_out_of_range_ids(tok, ids, match):
     assert tok.decode(torch.tensor([0, 1])) == tok.decode([0, 1])
 
 
+@pytest.mark.parametrize("tok", [CharTokenizer("abc"), ByteTokenizer()], ids=["char", "byte"])
+def test_encode_needs_text(tok):
+    for bad in (5, b"abc", ["a"], None):
+        with pytest.raises(ValueError, match=r"^text: expected a str"):
+            tok.encode(bad)
+
+
 def test_bpe_decode_rejects_out_of_range_ids():
     from evict.tasks.tokenizers import BPETokenizer
 
@@ -253,7 +276,7 @@ def test_bpe_decode_rejects_out_of_range_ids():
 
 
 @pytest.mark.parametrize("content,match", [
-    (None, r"^tokenizer: no such file"), ("{bad", r"^tokenizer: .* is not a readable tokenizer JSON"),
+    (None, r"^tokenizer: no such file"), ("{bad", r"^tokenizer: .* is not readable JSON"),
     ("[1, 2]", r"^tokenizer: .* holds a JSON list"), ('{"kind": "char"}', r"^tokenizer: .* without a non-empty 'chars'"),
     ('{"kind": "what"}', r"^tokenizer: .* is neither"), ('{"model": 3}', r"^tokenizer: .* is not a valid BPE tokenizer"),
 ])
@@ -304,6 +327,10 @@ def _corrupt(folder: Path, how: str) -> None:
         t["blocks.9.mixer.wqkv.weight"] = t[name].clone()
     if how in ("nan", "inf", "shape", "dtype", "missing", "extra"):
         save_file(t, str(file))
+    elif how == "flipped_bit":  # the lowest mantissa bit of the last float: finite, right shape, wrong value
+        data = bytearray(file.read_bytes())
+        data[-4] ^= 1
+        file.write_bytes(bytes(data))
     elif how == "truncated":
         file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
     elif how == "garbage":
@@ -329,6 +356,7 @@ CORRUPTIONS = [
     ("dtype", r"model.safetensors: blocks.0.mixer.wqkv.weight has dtype torch.int32, expected torch.float32"),
     ("missing", r"model.safetensors lacks tensors of this model: \['blocks.0.mixer.wqkv.weight'\]"),
     ("extra", r"model.safetensors holds tensors this model does not have"),
+    ("flipped_bit", r"model.safetensors: the tensor data does not match the checksum written at save"),
     ("truncated", r"model.safetensors is not a readable safetensors file"),
     ("garbage", r"model.safetensors is not a readable safetensors file"),
     ("no_weights", r"no such file: .*model.safetensors"),
@@ -350,7 +378,12 @@ def test_corrupted_checkpoints_fail_naming_the_file(kda, tmp_path, how, match):
 
 def test_a_good_checkpoint_still_loads(kda, tmp_path):
     kda.save(tmp_path / "m")
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["config.json", "model.safetensors"]  # no temporaries
     tok = torch.randint(0, 256, (1, 9))
+    assert torch.equal(LM.load(tmp_path / "m")(tok), kda(tok))
+    from safetensors.torch import save_model  # a file without a checksum (an older save) still loads
+
+    save_model(kda, str(tmp_path / "m" / "model.safetensors"))
     assert torch.equal(LM.load(tmp_path / "m")(tok), kda(tok))
 
 
@@ -388,6 +421,7 @@ CLI_CASES = [
     ["train", "--seq-len", "0"], ["train", "--steps", "0"], ["train", "--steps", "-3"], ["train", "--batch-size", "x"],
     ["train", "--lr", "nan"], ["train", "--lr", "0"], ["train", "--warmup", "-1"], ["train", "--eval-every", "0"],
     ["train", "--threads", "0"], ["train", "--device", "gpu"], ["train", "--seed", "-1"], ["train", "--pairs", "0"],
+    ["train", "--seed", "99999999999999999999999"], ["generate", "--model", "{model}", "--seed", "-1"],
     ["train", "--bpe-vocab", "0"], ["train", "--tokenizer", "word"], ["train", "--set", "novalue"],
     ["train", "--set", "rope_theta=0", "--corpus", "{corpus}"], ["train", "--set", "conv_size=1", "--corpus", "{corpus}"],
     ["train", "--set", "n_kv_heads=0", "--corpus", "{corpus}"], ["train", "--config", "/no/such.json"],
@@ -395,14 +429,15 @@ CLI_CASES = [
     ["train", "--warmup", "50", "--steps", "10", "--corpus", "{corpus}"],
     ["recall", "--workers", "0"], ["recall", "--steps", "0"], ["recall", "--setting", "0", "4"],
     ["recall", "--lr", "-1"], ["recall", "--device", "tpu"], ["recall", "--archs", "rnn", "--out", "{new}"],
-    ["recall", "--out", "{file}"],
+    ["recall", "--out", "{file}"], ["recall", "--d-model", "3", "--archs", "attention", "--out", "{new}"],
     ["lab"], ["lab", "state", "--steps", "0"], ["lab", "state", "--models", "rnn"], ["lab", "state", "--tasks", "s4"],
     ["lab", "state", "--workers", "0"], ["lab", "state", "--out", "{file}"], ["lab", "state", "--quick", "--full"],
     ["size", "gpt5"], ["size", "gpt2", "--context", "0"], ["size", "gpt2", "--bytes", "0"],
     ["size", "gpt2", "--plot", "/proc/x.png"], ["size", "gpt2", "--json", "{dir}"],
     ["bench", "ops", "--out", "/proc/x.json"], ["bench", "ops", "--lengths", "0"], ["bench", "ops", "--device", "cuda:x"],
     ["bench", "decode", "--threads", "0"], ["bench", "decode", "--contexts", "0"], ["bench", "decode", "--out", "{dir}"],
-    ["bench", "decode", "--d-model", "-4"], ["bench", "flops"],
+    ["bench", "decode", "--d-model", "-4"], ["bench", "flops"], ["bench", "train", "--procs", "0"],
+    ["bench", "train", "--train-steps", "-1"], ["bench", "train", "--setting", "0", "64"],
     ["generate", "--model", "/no/such/folder"], ["generate", "--model", "{model}", "--max-new-tokens", "0"],
     ["generate", "--model", "{model}", "--temperature", "-1"], ["generate", "--model", "{model}", "--top-p", "1.5"],
     ["generate", "--model", "{model}", "--top-k", "0"], ["generate", "--model", "{model}", "--threads", "0"],
@@ -457,6 +492,26 @@ def test_cli_generate_refuses_a_tokenizer_of_another_vocab(model_dir, tmp_path, 
     ByteTokenizer().save(folder / "tokenizer.json")
     code, err = _cli(["generate", "--model", str(folder)], tmp_path, monkeypatch, capsys)
     assert code == 2 and len(err) == 1 and "has 256 tokens but the model's vocab_size is 64" in err[0], err
+
+
+def test_cli_out_of_memory_is_one_line_and_a_bug_keeps_its_traceback(monkeypatch, capsys):
+    import evict.demo
+
+    def oom():
+        raise MemoryError("Unable to allocate 745. GiB")
+
+    monkeypatch.setattr(evict.demo, "run_demo", oom)
+    with pytest.raises(SystemExit) as e:
+        main(["demo"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == ["evict demo: error: out of memory (Unable to allocate 745. GiB); try smaller sizes"]
+
+    def bug():
+        raise RuntimeError("an internal error")
+
+    monkeypatch.setattr(evict.demo, "run_demo", bug)
+    with pytest.raises(RuntimeError, match="an internal error"):  # not a user error: the traceback stays
+        main(["demo"])
 
 
 def test_failed_train_leaves_nothing_that_blocks_a_retry(tmp_path, monkeypatch):

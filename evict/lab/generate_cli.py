@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from evict.cli_args import device, nonneg_float, nonneg_int, positive_int, unit_interval
+from evict.cli_args import device, nonneg_float, positive_int, seed, unit_interval
 
 
 class _StopText(Exception):
@@ -128,7 +128,7 @@ def add_parser(sub, fn) -> None:
     g.add_argument("--temperature", type=nonneg_float, default=0.8, help="0 = greedy")
     g.add_argument("--top-k", type=positive_int, default=50)
     g.add_argument("--top-p", type=unit_interval, default=0.95)
-    g.add_argument("--seed", type=nonneg_int, default=None)
+    g.add_argument("--seed", type=seed, default=None)
     g.add_argument("--stop", default=None, help="stop once this text is generated")
     g.add_argument("--device", type=device, default="cpu", help="cpu, cuda or auto")
     g.add_argument("--threads", type=positive_int)

@@ -13,6 +13,7 @@ import datetime
 import json
 import logging
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,12 +95,17 @@ def run_one(job: dict) -> dict:
     cfg = model_config(job["arch"], d, sweep, L)
     model = LM(cfg)
     task = MQARTask(MQARConfig(vocab_size=sweep.vocab_size, seq_len=L, num_pairs=K, simple=sweep.simple, train_seed=seed))
+    stop_at = job.get("stop_at")
+    if stop_at is not None and time.time() >= stop_at:
+        return None  # out of time before it started: left for the next piece
     on_gpu = resolve_device(sweep.device).type == "cuda"
     tc = TrainConfig(steps=sweep.steps, batch_size=sweep.batch_size, lr=job["lr"], weight_decay=0.1, warmup_steps=0,
                      eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, target_accuracy=sweep.target_accuracy,
                      seed=seed, device=sweep.device, out_dir=job["dir"], progress=False, log_every=50,
-                     graphs=on_gpu)
+                     graphs=on_gpu, checkpoint_every=sweep.eval_every, stop_at=stop_at)
     res = train(model, task, tc)
+    if res.interrupted:
+        return None
     return {
         "arch": job["arch"], "seq_len": L, "pairs": K, "d_model": d, "lr": job["lr"], "seed": seed,
         "accuracy": res.best_val_accuracy, "final_accuracy": res.final_val_accuracy, "steps": res.steps_done,
@@ -277,8 +283,13 @@ def _saved_config(text: str) -> dict:
     return {**json.loads(json.dumps(dataclasses.asdict(RecallSweep()))), **json.loads(text)}
 
 
-def run_sweep(sweep: RecallSweep, out: str | Path | None = None) -> Path:
-    """Run (or resume, when `out` already holds part of it) the sweep; write and print the results."""
+def run_sweep(sweep: RecallSweep, out: str | Path | None = None, minutes: float | None = None) -> Path:
+    """Run (or resume, when `out` already holds part of it) the sweep; write and print the results.
+
+    `minutes`: stop after about this long — runs in flight checkpoint and stop, no new run starts — and say how much
+    is left; the same command (same `out`) continues. Tables and plots are written once every run has finished."""
+    if minutes is not None and not minutes > 0:
+        raise ValueError(f"minutes: expected a positive number, got {minutes}")
     unknown = [a for a in sweep.archs if a not in presets.FAMILIES]
     if unknown:
         raise ValueError(f"archs: unknown architecture(s) {unknown}; expected names from {list(presets.FAMILIES)}")
@@ -295,7 +306,15 @@ def run_sweep(sweep: RecallSweep, out: str | Path | None = None) -> Path:
     cfg_path.write_text(json.dumps(dataclasses.asdict(sweep), indent=2))
     jobs = jobs_for(sweep, root)
     print(f"recall sweep: {len(jobs)} runs (seeds {', '.join(map(str, seeds_of(sweep)))}) -> {root}")
+    if minutes is not None:
+        stop_at = time.time() + 60 * minutes
+        jobs = [{**job, "stop_at": stop_at} for job in jobs]
     results = run_jobs(run_one, jobs, workers=sweep.workers, desc="recall")
+    left = sum(r is None for r in results)
+    if left:
+        print(f"stopped after {minutes:g} min: {len(jobs) - left} of {len(jobs)} runs finished, {left} left "
+              f"(unfinished ones resume from their checkpoints); run the same command with --out {root} to continue")
+        return root
     results = [{**r, "seed": job["seed"]} for r, job in zip(results, jobs)]  # results of older runs lack the seed
     with (root / "results.jsonl").open("w") as f:
         for r in results:

@@ -24,6 +24,7 @@ def run_jobs(fn: Callable[[dict], dict], jobs: list[dict], *, workers: int = 1, 
 
     fn must be a module-level function (it is pickled to worker processes) and write nothing but under job["dir"].
     A finished job's result is read back from <dir>/result.json, so an interrupted sweep resumes where it stopped.
+    fn returns None for a job it left unfinished (e.g. out of time): no result.json, None in the returned list.
     """
     results: dict[int, dict] = {}
     todo = []
@@ -45,6 +46,8 @@ def run_jobs(fn: Callable[[dict], dict], jobs: list[dict], *, workers: int = 1, 
     try:
         for i, res in outs:
             results[i] = res
+            if res is None:
+                continue
             out = Path(jobs[i]["dir"]) / "result.json"
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = out.with_suffix(".tmp")
@@ -57,4 +60,4 @@ def run_jobs(fn: Callable[[dict], dict], jobs: list[dict], *, workers: int = 1, 
         if pool is not None:
             pool.close()
             pool.join()
-    return [results[i] for i in range(len(jobs))]
+    return [results.get(i) for i in range(len(jobs))]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from evict.cli_args import device, nonneg_int, positive_float, positive_int, writable_dir
+from evict.cli_args import device, nonneg_int, positive_float, positive_int, seed, writable_dir
 from evict.models import LM, presets
 from evict.models.config import ModelConfig
 from evict.plots import plot_metrics
@@ -169,7 +169,7 @@ def add_parser(sub, fn) -> None:
     t.add_argument("--eval-batches", type=positive_int, default=10)
     t.add_argument("--device", type=device, default="auto", help="auto, cpu, cuda, cuda:1 …")
     t.add_argument("--threads", type=positive_int, help="torch CPU threads")
-    t.add_argument("--seed", type=nonneg_int, default=0)
+    t.add_argument("--seed", type=seed, default=0)
     t.add_argument("--out", default="runs/train/latest", help="output folder; an existing one is resumed")
     t.set_defaults(fn=fn)
 

@@ -6,15 +6,18 @@ Residual stream: pre-norm `h += mixer(norm(h)); h += ffn(norm(h))`, or, with Att
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
+import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from evict.cache import HybridCache
+from evict.jsonfile import read_json_object
 from evict.layers.attention import Attention
 from evict.layers.attn_res import AttnResBlocks, AttnResRead
 from evict.layers.ffn import SiTU, SwiGLU
@@ -118,6 +121,10 @@ class LM(nn.Module):
             got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             raise ValueError(f"tokens: expected an int64 tensor [B, T], got {got}")
         B, T = tokens.shape
+        if B == 0 or T == 0:
+            raise ValueError(f"tokens: expected at least one sequence of at least one token, got shape {tuple(tokens.shape)}")
+        if tokens.device != self.embed.weight.device:
+            raise ValueError(f"tokens: expected a tensor on the model's device {self.embed.weight.device}, got {tokens.device}")
         # Values are checked where that costs no device sync: CPU tensors (one cheap pass), outside torch.compile.
         # CUDA callers check once at their entry (generate, the CLI); tasks produce ids in range by construction.
         if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
@@ -203,13 +210,18 @@ class LM(nn.Module):
 
     # -- persistence ------------------------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
-        """Write `model.safetensors` and `config.json` into the folder `path`."""
+        """Write `model.safetensors` (with a sha256 of the tensor data in its metadata, checked at load) and
+        `config.json` into the folder `path`; each is written to a temporary name and renamed, so none is half-written."""
         from safetensors.torch import save_model
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        (path / "config.json").write_text(self.cfg.to_json())
-        save_model(self, str(path / "model.safetensors"))
+        for name, write in (("model.safetensors", lambda tmp: save_model(self, str(tmp), metadata={
+                                 "evict_sha256": _digest(_by_storage(self.state_dict(), self.state_dict()))})),
+                            ("config.json", lambda tmp: tmp.write_text(self.cfg.to_json()))):
+            tmp = path / f".{name}.tmp"
+            write(tmp)
+            os.replace(tmp, path / name)
         return path
 
     @classmethod
@@ -247,22 +259,48 @@ class LM(nn.Module):
             tensors = load_file(str(file), device="cpu")
         except Exception as e:  # safetensors raises its own error type (truncated file, bad header, bad offsets)
             raise ValueError(f"checkpoint: {file} is not a readable safetensors file ({str(e).splitlines()[0][:200]})") from None
-        _check_tensors(file, tensors, self.state_dict())
+        expected = self.state_dict()
+        _check_tensors(file, tensors, expected)
+        _check_digest(file, tensors, expected)
         self.load_state_dict(tensors, strict=False)  # every name was checked above; tied copies are one tensor
         if device is not None:
             self.to(device)
 
 
+def _by_storage(tensors: dict, expected: dict) -> dict:
+    """{the first name (sorted) of each of the model's storage groups: tensor}: tied weights once, whichever alias the
+    file kept."""
+    canonical, first = {}, {}
+    for name, t in expected.items():
+        key = (t.device, t.untyped_storage().data_ptr()) if t.numel() else name
+        first[key] = min(first.get(key, name), name)
+        canonical[name] = key
+    return {first[canonical[name]]: t for name, t in tensors.items()}
+
+
+def _digest(tensors: dict) -> str:
+    """sha256 over names, dtypes, shapes and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _check_digest(file: Path, tensors: dict, expected: dict) -> None:
+    """A file written by `save` carries the sha256 of its tensors: a changed byte that still decodes to finite
+    numbers of the right shape is caught here. Files without one (older saves) are accepted as they are."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        want = (f.metadata() or {}).get("evict_sha256")
+    if want is not None and _digest(_by_storage(tensors, expected)) != want:
+        raise ValueError(f"checkpoint: {file}: the tensor data does not match the checksum written at save (corrupted)")
+
+
 def _read_config(file: Path) -> dict:
-    try:
-        d = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"checkpoint: no such file: {file}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"checkpoint: {file} is not readable JSON ({type(e).__name__}: {e})") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"checkpoint: {file} holds a JSON {type(d).__name__}, expected an object of config fields")
-    return d
+    return read_json_object(file, "checkpoint")
 
 
 def _check_tensors(file: Path, tensors: dict, expected: dict) -> None:

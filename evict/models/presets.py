@@ -7,7 +7,7 @@ Released shapes (`gpt2_124m`, `kimi_linear_48b`, `kimi_k3`) are for the accounta
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from .config import ModelConfig, MoEConfig
 
@@ -81,4 +81,7 @@ def get(name: str, size: str = "tiny", **overrides) -> ModelConfig:
         cfg = _family(name, size)
     else:
         raise ValueError(f"name: unknown preset {name!r}; expected one of {names()}")
+    unknown = sorted(set(overrides) - {f.name for f in fields(ModelConfig)})
+    if unknown:
+        raise ValueError(f"overrides: unknown ModelConfig field(s) {unknown}")
     return replace(cfg, **overrides) if overrides else cfg

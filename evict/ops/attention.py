@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .memory._check import FLOAT_DTYPES, check_scale
+from .memory._check import FLOAT_DTYPES, check_flag, check_scale
 
 IMPLS = ("auto", "reference", "sdpa")
 
@@ -24,6 +24,8 @@ def _check(q, k, v, impl, check_values):
             raise ValueError(f"{name}: expected a floating dtype (float16/bfloat16/float32/float64), got {t.dtype}")
         if t.dtype != q.dtype or t.device != q.device:
             raise ValueError(f"{name}: expected dtype {q.dtype} on {q.device} (as q), got {t.dtype} on {t.device}")
+    if q.shape[-1] == 0:
+        raise ValueError(f"q: expected a head dim D >= 1, got {list(q.shape)}")
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(f"v: expected leading dims {list(k.shape[:3])} (as k), got {list(v.shape)}")
     if k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]:
@@ -81,6 +83,7 @@ def attention(q, k, v, *, causal=True, scale=None, impl="auto", check=True):
     unspecified outputs (NaN through the reference, zeros through SDPA on CPU), so layers pass it only on the hot path.
     """
     _check(q, k, v, impl, check)
+    check_flag("causal", causal)
     scale = check_scale(scale, q.shape[-1])
     if impl == "reference":
         return attention_reference(q, k, v, causal=causal, scale=scale)

@@ -18,7 +18,15 @@ from pathlib import Path
 
 import numpy as np
 
+from evict.jsonfile import read_json_object
+
 KINDS = ("char", "byte", "bpe")
+
+
+def _as_text(text) -> str:
+    if not isinstance(text, str):
+        raise ValueError(f"text: expected a str, got {type(text).__name__}")
+    return text
 
 
 def _as_ids(ids, vocab_size: int) -> np.ndarray:
@@ -61,7 +69,7 @@ class CharTokenizer:
         return cls("".join(seen))
 
     def encode(self, text: str) -> np.ndarray:
-        points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)  # [N] code points
+        points = np.frombuffer(_as_text(text).encode("utf-32-le"), dtype=np.uint32)  # [N] code points
         ids = np.searchsorted(self._points, points)  # [N]
         bad = (ids >= self.vocab_size) | (self._points[np.minimum(ids, self.vocab_size - 1)] != points)
         if bad.any():
@@ -80,7 +88,7 @@ class ByteTokenizer:
     vocab_size = 256
 
     def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)  # [N bytes]
+        return np.frombuffer(_as_text(text).encode("utf-8"), dtype=np.uint8).astype(np.int64)  # [N bytes]
 
     def decode(self, ids) -> str:
         return _as_ids(ids, 256).astype(np.uint8).tobytes().decode("utf-8", errors="replace")
@@ -120,7 +128,7 @@ class BPETokenizer:
         return cls(tok)
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._tok.encode(text).ids, dtype=np.int64)
+        return np.asarray(self._tok.encode(_as_text(text)).ids, dtype=np.int64)
 
     def decode(self, ids) -> str:
         return self._tok.decode(_as_ids(ids, self.vocab_size).tolist())
@@ -134,14 +142,7 @@ def load_tokenizer(path: str | Path) -> CharTokenizer | ByteTokenizer | BPEToken
 
     A missing, unreadable or malformed file is a one-line ValueError naming it."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"tokenizer: no such file: {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"tokenizer: {path} is not a readable tokenizer JSON ({type(e).__name__}: {e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"tokenizer: {path} holds a JSON {type(data).__name__}, expected an object")
+    data = read_json_object(path, "tokenizer")
     if data.get("kind") == "char":
         if not isinstance(data.get("chars"), str) or not data["chars"]:
             raise ValueError(f"tokenizer: {path} is a char tokenizer without a non-empty 'chars' string")

@@ -91,3 +91,27 @@ def test_cli_rejects_zero_seeds(tmp_path, capsys):
         main(["recall", "--seeds", "0", "--out", str(tmp_path / "x")])
     assert e.value.code != 0 and "--seeds: expected a positive integer" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_sweep_in_pieces_equals_one_piece(tmp_path, capsys, monkeypatch):
+    """`--minutes`: runs in flight checkpoint and stop, the rest wait; rerunning continues to the same results."""
+    import time
+
+    from evict.lab import recall
+
+    sweep = replace(MICRO, archs=("deltanet",), settings=((16, 2),), lrs=(3e-3,), steps=8, eval_every=2)
+    whole = run_sweep(sweep, out=tmp_path / "whole")
+    late = run_sweep(sweep, out=tmp_path / "late", minutes=1e-9)  # out of time before the run starts: nothing runs
+    assert "0 of 1 runs finished, 1 left" in capsys.readouterr().out and not list(late.glob("runs/*"))
+    # the lab's clock says "start", the training loop's real clock says "stop": one step, a checkpoint, no result
+    monkeypatch.setattr(recall, "time", type("Clock", (), {"time": staticmethod(lambda: 0.0)}))
+    piece = run_sweep(sweep, out=tmp_path / "pieces", minutes=1e-9)
+    monkeypatch.setattr(recall, "time", time)
+    assert "0 of 1 runs finished, 1 left" in capsys.readouterr().out
+    assert not (piece / "table.md").exists() and not list(piece.glob("runs/*/result.json"))
+    assert (next(piece.glob("runs/*")) / "checkpoint.pt").exists()
+    run_sweep(sweep, out=piece)
+    a, b = ([json.loads(x) for x in (r / "results.jsonl").read_text().splitlines()] for r in (whole, piece))
+    assert [(r["accuracy"], r["steps"]) for r in a] == [(r["accuracy"], r["steps"]) for r in b]
+    with pytest.raises(ValueError, match="minutes"):
+        run_sweep(sweep, out=tmp_path / "x", minutes=0)

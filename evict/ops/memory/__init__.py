@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from ._check import check_inputs, check_scale, state_dtype
+from ._check import check_flag, check_inputs, check_scale, state_dtype
 from .chunked import memory_chunked
 from .reference import memory_reference
 from .step import memory_step
@@ -58,6 +58,8 @@ def memory(
     dims up to 128, value dims up to 256 ("auto" falls back to "chunked" beyond that, with a warning).
     """
     check_inputs(q, k, v, log_alpha, beta, initial_state, step=False, check_values=check)
+    check_flag("delta", delta)
+    check_flag("output_final_state", output_final_state)
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
     if chunk_size not in CHUNK_SIZES:

@@ -30,6 +30,8 @@ def check_inputs(q, k, v, log_alpha, beta, initial_state, *, step: bool, check_v
             raise ValueError(f"{name}: expected shape {lead}, got {_shape(t)}")
         if t.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{name}: expected a floating dtype (float16/bfloat16/float32/float64), got {t.dtype}")
+    if q.shape[-1] == 0:
+        raise ValueError(f"q: expected a key dim Dk >= 1, got {_shape(q)}")
     if k.shape != q.shape:
         raise ValueError(f"k: expected the shape of q {_shape(q)}, got {_shape(k)}")
     if v.shape[:-1] != q.shape[:-1]:
@@ -76,6 +78,12 @@ def check_inputs(q, k, v, log_alpha, beta, initial_state, *, step: bool, check_v
             raise ValueError(f"log_alpha: expected values <= 0 (log of a decay in (0, 1]), got max {log_alpha.max().item():.4g}")
         if beta is not None and bool(((beta < 0) | (beta > 2)).any()):
             raise ValueError(f"beta: expected values in [0, 2], got range [{beta.min().item():.4g}, {beta.max().item():.4g}]")
+
+
+def check_flag(name: str, value) -> None:
+    """A switch such as `delta` must be a bool: a truthy string or tensor would silently pick a rule."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected True or False, got {value!r}")
 
 
 def check_scale(scale, dk: int) -> float:

@@ -60,9 +60,10 @@ def _channel_decayed_dots(xs, y, g, seg=None):
         to_r = (gs[..., 1:, :, :] - g_r[..., None, :]).exp()  # [..., n-1, c, K]
         before = torch.arange(C, device=y.device)[None, :] < (torch.arange(1, n, device=y.device) * c)[:, None]
         before = before[:, :, None]  # [n-1, C, 1]
-        if seg is not None:
+        if seg is not None:  # masked before the exponential: across a reset the rebased exponent may be > 0
             s_r = ss[..., :-1, -1, :]  # [..., n-1, K]
-            to_r = to_r * (ss[..., 1:, :, :] == s_r[..., None, :])
+            to_r = (gs[..., 1:, :, :] - g_r[..., None, :]).masked_fill(ss[..., 1:, :, :] != s_r[..., None, :],
+                                                                      float("-inf")).exp()
             before = before & (seg[..., None, :, :] == s_r[..., :, None, :])  # [..., n-1, C, K]
         expo = (g_r[..., :, None, :] - g[..., None, :, :]).masked_fill(~before, float("-inf"))
         y_t = y[..., None, :, :] * expo.exp()  # [..., n-1, C, K], zero at and after sub-chunk I
@@ -79,9 +80,9 @@ def _channel_decayed_dots(xs, y, g, seg=None):
 
 
 def _decayed_dots(xs, y, g, *, factor: bool | None = None):
-    """For each x in xs: sum_k x_ik y_jk exp(g_i - g_j) for j <= i, zero above. x, y [..., C, K] -> [..., C, C].
+    """For each x in xs: sum_k x_ik y_jk exp(g_ik - g_jk) for j <= i, zero above. x, y [..., C, K] -> [..., C, C].
 
-    Per-channel g: `factor=None` picks the two-factor matmul form when the chunk's decay spread is below
+    g is None (no decay) or per channel [..., C, K] without hard resets. Per-channel g: `factor=None` picks the two-factor matmul form when the chunk's decay spread is below
     SAFE_SPREAD (one host sync), else the exact sub-chunked ratios; True / False force one form (tests).
     """
     keep = _tril(y.shape[-2], y.device)
@@ -93,12 +94,20 @@ def _decayed_dots(xs, y, g, *, factor: bool | None = None):
         y_in = y * (-g).exp()  # e^{-g_j} <= e^{SAFE_SPREAD}
         eg = g.exp()
         return [((x * eg) @ y_in.transpose(-1, -2)).masked_fill(~keep, 0.0) for x in xs]
-    ratio = None if g is None else (g[..., :, None] - g[..., None, :]).masked_fill(~keep, float("-inf")).exp()
-    outs = []
-    for x in xs:
-        dots = x @ y.transpose(-1, -2)
-        outs.append(dots.masked_fill(~keep, 0.0) if ratio is None else dots * ratio)
-    return outs
+    return [(x @ y.transpose(-1, -2)).masked_fill(~keep, 0.0) for x in xs]  # no decay (scalar gates: below)
+
+
+def _exp_where(x, keep):
+    """exp(x) where keep, exactly 0 elsewhere (masked first: x may overflow where it is not kept)."""
+    return x.masked_fill(~keep, float("-inf")).exp()
+
+
+def _scalar_decayed_dots(xs, y, g, seg):
+    """For each x in xs: sum_k x_ik y_jk exp(g_i - g_j) for j <= i in the same reset segment (seg_i == seg_j), else 0.
+    Scalar g, seg [..., C]; x, y [..., C, K] -> [..., C, C]."""
+    keep = _tril(y.shape[-2], y.device) & (seg[..., :, None] == seg[..., None, :])
+    ratio = (g[..., :, None] - g[..., None, :]).masked_fill(~keep, float("-inf")).exp()  # [..., C, C]
+    return [(x @ y.transpose(-1, -2)) * ratio for x in xs]
 
 
 def _rebased_prefix_sums(la, dim):
@@ -132,23 +141,22 @@ def memory_chunked(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
         g, seg = _rebased_prefix_sums(la, -1 if la.dim() == 4 else -2)
         if la.dim() == 4:  # scalar gate [N, B, H, C]
             g_end, s_end = g[..., -1:], seg[..., -1:]
-            eg = (g.exp() * (seg == 0))[..., None]
-            kl = k * ((g_end - g).exp() * (seg == s_end))[..., None]
-            decay_end = (g_end.exp() * (s_end == 0))[..., None]  # [N, B, H, 1, 1]
+            eg = _exp_where(g, seg == 0)[..., None]
+            kl = k * _exp_where(g_end - g, seg == s_end)[..., None]
+            decay_end = _exp_where(g_end, s_end == 0)[..., None]  # [N, B, H, 1, 1]
         else:  # per channel [N, B, H, C, K]
             g_end, s_end = g[..., -1:, :], seg[..., -1:, :]
-            eg, kl = g.exp() * (seg == 0), k * (g_end - g).exp() * (seg == s_end)
-            decay_end = (g_end.exp() * (s_end == 0)).transpose(-1, -2)  # [N, B, H, K, 1]
+            eg, kl = _exp_where(g, seg == 0), k * _exp_where(g_end - g, seg == s_end)
+            decay_end = _exp_where(g_end, s_end == 0).transpose(-1, -2)  # [N, B, H, K, 1]
         qg, kg = q * eg, k * eg
     bv = v if b is None else b * v
     xs = (q, k) if delta else (q,)
-    if seg is not None and g.dim() == k.dim() and bool((seg[..., -1, :] > 0).any()):  # per channel, hard resets: one sync
+    if g is not None and g.dim() < k.dim():
+        P, *A = _scalar_decayed_dots(xs, k, g, seg)
+    elif g is not None and bool((seg[..., -1, :] > 0).any()):  # per channel with hard resets (one host sync)
         P, *A = _channel_decayed_dots(xs, k, g, seg)
     else:
         P, *A = _decayed_dots(xs, k, g)
-        if seg is not None and g.dim() < k.dim():  # scalar gate: no ratio across a hard reset
-            same = seg[..., :, None] == seg[..., None, :]  # [N, B, H, C, C]
-            P, *A = (d * same for d in (P, *A))
     if delta:
         A = A[0].tril(-1)  # strictly lower: a key's own write is not in its erase
         if b is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._check import check_inputs, check_scale, state_dtype
+from ._check import check_flag, check_inputs, check_scale, state_dtype
 from .reference import rule
 from .triton import runs_on as triton_runs_on
 
@@ -19,6 +19,7 @@ def memory_step(q, k, v, state, *, log_alpha=None, beta=None, delta=False, scale
     `check=True` also rejects NaN/Inf, positive log_alpha and beta outside [0, 2] (costs a host sync).
     """
     check_inputs(q, k, v, log_alpha, beta, state, step=True, check_values=check)
+    check_flag("delta", delta)
     if state is None:
         raise ValueError("state: expected a tensor of shape [B, H, Dk, Dv], got None")
     if out is not None and not (isinstance(out, torch.Tensor) and out.shape == state.shape and out.dtype == state.dtype
