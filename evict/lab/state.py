@@ -16,7 +16,7 @@ import dataclasses
 import datetime
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -63,7 +63,6 @@ class StateSweep:
     seeds: int = 1  # seeds seed, seed+1, …: model init and training batches differ, the test set is shared
     workers: int = 2
     device: str = "cpu"
-    notes: dict = field(default_factory=dict)
 
 
 QUICK = StateSweep(  # 6 runs of 500 steps, two at a time: ~4 min on 2 cores (dev/LOG.md, 2026-11-30)
