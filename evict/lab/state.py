@@ -190,9 +190,11 @@ def plot(sweep: StateSweep, results: list[dict], path: Path) -> Path:
     for i, m in enumerate(sweep.models):
         xs = [j + (i - (len(sweep.models) - 1) / 2) * width for j in range(len(sweep.tasks))]
         ax.bar(xs, [best[(t, m)]["scaled_accuracy"] for t in sweep.tasks], width, label=MODELS[m][2])
+        ax.scatter(xs, [best[(t, m)]["beyond_scaled_accuracy"] for t in sweep.tasks], marker="_", s=400 * width,
+                   color="k", zorder=3, label=f"past {sweep.train_lengths[1]} only" if i == 0 else None)
     ax.set_xticks(range(len(sweep.tasks)), list(sweep.tasks))
     ax.axhline(0, color="k", lw=0.6)
-    ax.set_ylim(min(-0.05, *(r["scaled_accuracy"] for r in results)) - 0.02, 1.05)
+    ax.set_ylim(min(-0.05, *(r[k] for r in results for k in ("scaled_accuracy", "beyond_scaled_accuracy"))) - 0.02, 1.05)
     ax.set_ylabel("scaled accuracy (best of seeds)")
     ax.set_title(f"State tracking: train {sweep.train_lengths[0]}–{sweep.train_lengths[1]}, "
                  f"test {sweep.test_lengths[0]}–{sweep.test_lengths[1]}", fontsize=10)
