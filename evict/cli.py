@@ -6,7 +6,8 @@ import logging
 import os
 import sys
 
-from evict.cli_args import Parser, UserError, device, positive_float, positive_int, writable_dir, writable_file
+from evict.cli_args import (Parser, UserError, add_sweep_flags, device, positive_float, positive_int, writable_dir,
+                            writable_file)
 
 
 def _bench(args) -> None:
@@ -148,10 +149,7 @@ def build_parser() -> Parser:
     r.add_argument("--lr", type=positive_float, nargs="+")
     r.add_argument("--steps", type=positive_int)
     r.add_argument("--vocab", type=positive_int)
-    r.add_argument("--seeds", type=positive_int, help="seeds per cell; the table shows mean and range (default 2 quick, 1 full)")
-    r.add_argument("--workers", type=positive_int, help="parallel processes (default 2 quick, 4 full)")
-    r.add_argument("--device", type=device, help="cpu, cuda or auto")
-    r.add_argument("--out", help="output folder; an existing one is resumed")
+    add_sweep_flags(r, seeds_help="seeds per cell; the table shows mean and range (default 2 quick, 1 full)")
     r.add_argument("--minutes", type=positive_float, help="stop after about this long (runs checkpoint); rerun to continue")
     r.set_defaults(fn=_recall)
     z = sub.add_parser("size", help="the accountant: parameters (total / active) and memory per sequence vs context")

@@ -132,3 +132,11 @@ def writable_dir(path: str | os.PathLike | None, flag: str) -> None:
     why = _can_create_in(_existing_ancestor(p))
     if why:
         raise UserError(f"{flag}: cannot use {p}: {why}")
+
+
+def add_sweep_flags(p: argparse.ArgumentParser, *, seeds_help: str) -> None:
+    """The flags every resumable lab sweep shares: seeds, processes, device, output folder."""
+    p.add_argument("--seeds", type=positive_int, help=seeds_help)
+    p.add_argument("--workers", type=positive_int, help="parallel processes (default 2 quick, 4 full)")
+    p.add_argument("--device", type=device, help="cpu, cuda or auto")
+    p.add_argument("--out", help="output folder; an existing one is resumed")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from evict.cli_args import device, positive_float, positive_int, writable_dir
+from evict.cli_args import add_sweep_flags, positive_float, positive_int, writable_dir
 
 
 def run_state(args) -> None:
@@ -34,8 +34,5 @@ def add_parser(lab_sub) -> None:
     s.add_argument("--models", nargs="+", choices=list(MODELS), help="a _neg suffix: beta in [0, 2] (neg_eigval)")
     s.add_argument("--steps", type=positive_int)
     s.add_argument("--lr", type=positive_float)
-    s.add_argument("--seeds", type=positive_int, help="seeds per cell; a cell is the best of them")
-    s.add_argument("--workers", type=positive_int, help="parallel processes (default 2 quick, 4 full)")
-    s.add_argument("--device", type=device, help="cpu, cuda or auto")
-    s.add_argument("--out", help="output folder; an existing one is resumed")
+    add_sweep_flags(s, seeds_help="seeds per cell; a cell is the best of them")
     s.set_defaults(fn=run_state)
