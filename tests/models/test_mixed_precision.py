@@ -79,7 +79,7 @@ def test_decode_matches_full_forward_under_autocast(name, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", ["gpt2", "kda", "kimi_linear", "k3_mini"])
+@pytest.mark.parametrize("name", presets.FAMILIES)
 def test_generate_bf16(name, device):
     model = _model(name, device, torch.bfloat16)
     out = model.generate(_tokens(device, n=5), max_new_tokens=6, temperature=0.0)
