@@ -49,7 +49,7 @@ from evict.ops.memory import memory
 from evict.tasks.capacity import CapacityBatch, make_batch
 from evict.train import resolve_device
 
-RULES = {"additive": "additive", "delta": "delta rule (learned β)"}
+RULES = {"additive": "additive (β = 1)", "delta": "delta rule (learned β)"}
 PUBLISHED = {  # Schlag et al. (LAB.md): (rule, overwrite) -> {S: loss}
     ("additive", False): {60: 0.025, 80: 0.11},
     ("additive", True): {20: 0.105},
