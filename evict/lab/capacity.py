@@ -32,8 +32,6 @@ results.jsonl, table.md, capacity.png, runs/<name>/result.json (resumable with e
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -44,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import run_jobs
+from evict.lab.sweep import run_grid
 from evict.ops.memory import memory
 from evict.tasks.capacity import CapacityBatch, make_batch
 from evict.train import resolve_device
@@ -257,21 +255,4 @@ def validate(sweep: CapacitySweep) -> None:
 def run_sweep(sweep: CapacitySweep, out: str | Path | None = None) -> Path:
     """Run (or resume, when `out` already holds part of it) the sweep; write and print the results."""
     validate(sweep)
-    root = Path(out) if out else Path("runs/capacity") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    root.mkdir(parents=True, exist_ok=True)
-    cfg_path = root / "config.json"
-    want = json.loads(json.dumps(dataclasses.asdict(sweep)))
-    if cfg_path.exists() and json.loads(cfg_path.read_text()) != want:
-        raise ValueError(f"out: {root} holds a sweep with another config; use a new folder or the same options")
-    cfg_path.write_text(json.dumps(want, indent=2))
-    jobs = jobs_for(sweep, root)
-    print(f"capacity sweep: {len(jobs)} runs -> {root}")
-    results = run_jobs(run_one, jobs, workers=sweep.workers, desc="capacity")
-    with (root / "results.jsonl").open("w") as f:
-        for r in results:
-            f.write(json.dumps(r) + "\n")
-    table = report(sweep, results)
-    (root / "table.md").write_text(table + "\n")
-    png = plot(sweep, results, root / "capacity.png")
-    print(f"\n{table}\n\nwrote {root / 'table.md'}, {png}")
-    return root
+    return run_grid("capacity", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot)
