@@ -1,16 +1,16 @@
 """The capacity lab (`evict lab capacity`): how many key → value pairs can one fixed d_key × d_v memory hold before
 retrieval breaks, with the additive (linear attention) update and with the delta rule?
 
-Schlag, Irie, Schmidhuber (ICML 2021, section 6.1; numbers in LAB.md): one layer, d_key 64, S unique keys with
-one-hot values, loss ½‖y − ŷ‖² per query (0.5 = outputs zero). The additive elu+1 update breaks between S = 60 and
-80 (loss 0.025 at 60, 0.11 at 80); with overwrites (2S writes, every key repeated) the additive update fails
-already at S = 20 (0.105) while the delta rule holds to S ≈ 60. The task is `evict.tasks.capacity`.
+Schlag, Irie, Schmidhuber (ICML 2021, synthetic retrieval experiments; numbers in LAB.md): one layer, d_key 64,
+S unique keys with one-hot values, loss ½‖y − ŷ‖² per query (0.5 = outputs zero). The additive elu+1 update breaks
+between S = 60 and 80 (loss 0.025 at 60, 0.11 at 80); with overwrites (2S writes, every key repeated) the additive
+update fails already at S = 20 (0.105) while the delta rule holds to S ≈ 60. The task is `evict.tasks.capacity`.
 
 The model (one layer, nothing but the memory between the key tokens and the prediction):
 
     e = E[key]                         learned key embedding, d_key = 64 (one table for writes and queries)
     k = φ(W_k e),  q = φ(W_q e)        φ(x) = (elu(x) + 1) / Σ_i (elu(x) + 1)_i: elu+1 with the paper's sum
-                                        normalisation (its section 4.2), for both rules
+                                        normalisation, for both rules
     v = one-hot(value) ∈ R^S           the value dimension is S, the number of distinct keys
     β = σ(w_β · e + b_β)               "delta": learned per written token, as the paper's dynamic learning rate;
                                         "additive": 1
@@ -21,8 +21,8 @@ The two rules differ only in the update (delta, β); the feature map is the same
 Katharopoulos et al.'s elu+1 linear attention; we give it the sum normalisation the paper proposes for its FWPs
 instead of the attention denominator φ(q)·Σφ(k) (LAB.md does not say which the paper used here). Without any
 normalisation, elu+1 keys and queries (all entries ≈ 1) read outputs of size ≈ d_key: after 300 Adam steps the
-loss was still 92 at S = 60 (dev/LOG.md, 2026-11-30). The choices LAB.md leaves open (embedding size, value dimension S, learned β, Adam lr, steps, batch)
-are ours, stated here and in the table's header.
+loss was still 92 at S = 60 (dev/LOG.md, 2026-11-30). The choices LAB.md leaves open (embedding size, value
+dimension S, learned β, Adam lr, steps, batch) are ours, stated here and in the table's header.
 
 A sweep is a grid of (rule, overwrite, S, seed) runs; each trains a fresh model with Adam for a fixed number of
 steps and reports the loss on held-out batches. Outputs under runs/capacity/<timestamp>/: config.json,
@@ -52,7 +52,7 @@ PUBLISHED = {  # Schlag et al. (LAB.md): (rule, overwrite) -> {S: loss}
     ("additive", False): {60: 0.025, 80: 0.11},
     ("additive", True): {20: 0.105},
 }
-EVAL_SEED_OFFSET = 10_000  # held-out batches come from seed + this, never a training seed
+EVAL_SEED_OFFSET = 10_000  # held-out batches come from seed + this: no training seed of a sweep of < 10,000 seeds
 
 
 def write_then_read(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *, delta: bool,
@@ -120,14 +120,14 @@ class CapacitySweep:
 
 
 QUICK = CapacitySweep()
-FULL = CapacitySweep(  # the paper's range of S; steps, batch and seeds are ours (LAB.md gives none); not run yet
+FULL = CapacitySweep(  # S well past the break; every number here is ours (LAB.md gives none); not run yet
     sizes=(20, 40, 60, 80, 100, 120, 160, 200, 300), steps=10_000, batch_size=64, lr=1e-3, eval_batches=16, seeds=3,
     workers=4, device="auto",
 )
 
 
 def _batch_to(batch: CapacityBatch, device: torch.device) -> CapacityBatch:
-    return CapacityBatch(*(t.to(device) for t in dataclasses.astuple(batch)))
+    return CapacityBatch(*(getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)))
 
 
 def run_one(job: dict) -> dict:
@@ -147,15 +147,16 @@ def run_one(job: dict) -> dict:
         loss.backward()
         opt.step()
         if (step + 1) % max(1, sweep.steps // 10) == 0:
-            curve.append([step + 1, loss.item()])
+            curve.append((step + 1, loss.detach()))  # read after training: no host sync inside the loop
     model.eval()
     with torch.no_grad():
-        losses = [regression_loss(model(b), b.targets).item() for b in (
-            _batch_to(make_batch(S, sweep.batch_size, overwrite=overwrite, seed=seed + EVAL_SEED_OFFSET, step=i), device)
-            for i in range(sweep.eval_batches))]
+        held_out = (make_batch(S, sweep.batch_size, overwrite=overwrite, seed=seed + EVAL_SEED_OFFSET, step=i)
+                    for i in range(sweep.eval_batches))
+        losses = [regression_loss(model(b), b.targets).item() for b in (_batch_to(h, device) for h in held_out)]
     final = sum(losses) / len(losses)
     return {
-        "rule": job["rule"], "overwrite": overwrite, "S": S, "seed": seed, "loss": final, "train_curve": curve,
+        "rule": job["rule"], "overwrite": overwrite, "S": S, "seed": seed, "loss": final,
+        "train_curve": [[i, c.item()] for i, c in curve],
         "steps": sweep.steps, "seconds": round(time.perf_counter() - start, 1),
         "params": sum(p.numel() for p in model.parameters()),
         "label": f"{job['rule']} S={S}{' ow' if overwrite else ''} {final:.3f}",

@@ -1,5 +1,5 @@
 """The capacity task of Schlag, Irie, Schmidhuber (ICML 2021, "Linear Transformers Are Secretly Fast Weight
-Programmers", section 6.1): write key → value pairs into a memory, then query every key and regress its value.
+Programmers", synthetic retrieval): write key → value pairs into a memory, then query every key and regress its value.
 
 A batch holds B independent sequences over S key tokens (ids 0…S−1) and S one-hot values (ids 0…S−1; the value
 vector of id j is e_j in R^S, so predicting zeros costs exactly ½ per query):
