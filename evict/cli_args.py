@@ -2,6 +2,7 @@
 
 Types (for argparse `type=`): positive_int, nonneg_int, seed, positive_float, nonneg_float, unit_interval, device.
 Checks (before any work or write): writable_file(path, flag), writable_dir(path, flag).
+Lab commands: add_lab_parser (--quick / --full, --steps, --lr and the sweep flags), run_lab (flags over QUICK / FULL).
 `Parser` is an ArgumentParser whose errors are one line (no usage block), exit code 2.
 """
 
@@ -140,3 +141,30 @@ def add_sweep_flags(p: argparse.ArgumentParser, *, seeds_help: str) -> None:
     p.add_argument("--workers", type=positive_int, help="parallel processes (default 2 quick, 4 full)")
     p.add_argument("--device", type=device, help="cpu, cuda or auto")
     p.add_argument("--out", help="output folder; an existing one is resumed")
+
+
+def add_lab_parser(lab_sub, name: str, *, help: str, quick: str, full: str, seeds_help: str) -> argparse.ArgumentParser:
+    """`evict lab <name>` with the flags every lab sweep has: --quick (the default) or --full, --steps, --lr, then
+    add_sweep_flags'; the caller adds its own and sets `fn`."""
+    s = lab_sub.add_parser(name, help=help)
+    mode = s.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help=f"the default: {quick}")
+    mode.add_argument("--full", action="store_true", help=full)
+    s.add_argument("--steps", type=positive_int)
+    s.add_argument("--lr", type=positive_float)
+    add_sweep_flags(s, seeds_help=seeds_help)
+    return s
+
+
+def run_lab(args, lab, overrides: dict) -> None:
+    """Run module `lab`'s sweep (lab.run_sweep on lab.QUICK or lab.FULL) with the flags given laid over it: the
+    shared ones of add_lab_parser and `overrides` (field -> value, None = not given). A bad value is a user error."""
+    from dataclasses import replace
+
+    writable_dir(args.out, "--out")
+    shared = {"steps": args.steps, "lr": args.lr, "seeds": args.seeds, "workers": args.workers, "device": args.device}
+    given = {k: v for k, v in {**overrides, **shared}.items() if v is not None}
+    try:
+        lab.run_sweep(replace(lab.FULL if args.full else lab.QUICK, **given), out=args.out)
+    except ValueError as e:
+        raise UserError(str(e)) from None

@@ -432,6 +432,8 @@ CLI_CASES = [
     ["recall", "--out", "{file}"], ["recall", "--d-model", "3", "--archs", "attention", "--out", "{new}"],
     ["lab"], ["lab", "state", "--steps", "0"], ["lab", "state", "--models", "rnn"], ["lab", "state", "--tasks", "s4"],
     ["lab", "state", "--workers", "0"], ["lab", "state", "--out", "{file}"], ["lab", "state", "--quick", "--full"],
+    ["lab", "capacity", "--steps", "0"], ["lab", "capacity", "--rules", "rnn"], ["lab", "capacity", "--overwrite", "x"],
+    ["lab", "capacity", "--sizes", "1", "--out", "{new}"], ["lab", "capacity", "--out", "{file}"],
     ["size", "gpt5"], ["size", "gpt2", "--context", "0"], ["size", "gpt2", "--bytes", "0"],
     ["size", "gpt2", "--plot", "/proc/x.png"], ["size", "gpt2", "--json", "{dir}"],
     ["bench", "ops", "--out", "/proc/x.json"], ["bench", "ops", "--lengths", "0"], ["bench", "ops", "--device", "cuda:x"],

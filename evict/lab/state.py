@@ -13,8 +13,6 @@ runs/state/<timestamp>/: config.json, results.jsonl (one row per run), table.md,
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +20,7 @@ from pathlib import Path
 import torch
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import run_jobs
+from evict.lab.sweep import run_grid
 from evict.models import LM, presets
 from evict.tasks.state import TASKS, StateConfig, StateTask, scaled_accuracy
 from evict.train import TrainConfig, resolve_device, train
@@ -221,21 +219,4 @@ def validate(sweep: StateSweep) -> None:
 def run_sweep(sweep: StateSweep, out: str | Path | None = None) -> Path:
     """Run (or resume, when `out` already holds part of it) the sweep; write and print the results."""
     validate(sweep)
-    root = Path(out) if out else Path("runs/state") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    root.mkdir(parents=True, exist_ok=True)
-    cfg_path = root / "config.json"
-    want = json.loads(json.dumps(dataclasses.asdict(sweep)))
-    if cfg_path.exists() and json.loads(cfg_path.read_text()) != want:
-        raise ValueError(f"out: {root} holds a sweep with another config; use a new folder or the same options")
-    cfg_path.write_text(json.dumps(want, indent=2))
-    jobs = jobs_for(sweep, root)
-    print(f"state sweep: {len(jobs)} runs -> {root}")
-    results = run_jobs(run_one, jobs, workers=sweep.workers, desc="state")
-    with (root / "results.jsonl").open("w") as f:
-        for r in results:
-            f.write(json.dumps(r) + "\n")
-    table = report(sweep, results)
-    (root / "table.md").write_text(table + "\n")
-    png = plot(sweep, results, root / "state.png")
-    print(f"\n{table}\n\nwrote {root / 'table.md'}, {png}")
-    return root
+    return run_grid("state", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot)

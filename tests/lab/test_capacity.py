@@ -1,0 +1,105 @@
+"""The capacity task and lab: the generator's pairs, a hand-computed memory, and the sweep end to end (micro)."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from evict.cli import main
+from evict.lab.capacity import QUICK, CapacityModel, jobs_for, regression_loss, run_sweep, write_then_read
+from evict.tasks.capacity import make_batch
+
+MICRO = replace(QUICK, sizes=(4, 6), steps=3, batch_size=4, eval_batches=1, d_key=8, workers=1)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_batches_are_deterministic_and_hold_the_latest_value(overwrite):
+    S, B = 13, 7
+    b = make_batch(S, B, overwrite=overwrite, seed=3, step=5)
+    again = make_batch(S, B, overwrite=overwrite, seed=3, step=5)
+    other = make_batch(S, B, overwrite=overwrite, seed=3, step=6)
+    assert all(torch.equal(x, y) for x, y in zip(vars(b).values(), vars(again).values()))
+    assert not torch.equal(b.write_keys, other.write_keys)
+    assert b.write_keys.shape == b.write_values.shape == (B, 2 * S if overwrite else S)
+    for row in range(B):
+        keys, values = b.write_keys[row].tolist(), b.write_values[row].tolist()
+        assert sorted(b.query_keys[row].tolist()) == list(range(S))  # every key queried once
+        assert sorted(keys) == sorted(list(range(S)) * (2 if overwrite else 1))  # unique, or each key exactly twice
+        latest = {}
+        for key, value in zip(keys, values):  # the slow reading: the last write of a key wins
+            if overwrite and key in latest:
+                assert value != latest[key]  # an overwrite changes the value
+            latest[key] = value
+        assert b.targets[row].tolist() == [latest[q] for q in b.query_keys[row].tolist()]
+        if not overwrite:
+            assert sorted(values) == list(range(S))  # S distinct values
+
+
+def _one_hot_memory(keys, values, queries, d, V):
+    """q, k, v for write_then_read with keys and queries as one-hot vectors in R^d (orthogonal by construction)."""
+    k = F.one_hot(torch.tensor([keys + queries]), d).double()  # [1, T, d]
+    v = F.one_hot(torch.tensor([values + [0] * len(queries)]), V).double()  # [1, T, V]
+    return k, k, v
+
+
+def test_orthogonal_keys_by_hand():
+    # three orthogonal keys, unique writes: both rules read every value back exactly (β = 1, nothing learnt)
+    keys, values, queries = [0, 2, 1], [1, 0, 2], [2, 0, 1]
+    q, k, v = _one_hot_memory(keys, values, queries, d=4, V=3)
+    for delta in (False, True):
+        o = write_then_read(q, k, v, torch.ones(1, 3, dtype=torch.float64), delta=delta, n_queries=3)
+        assert torch.equal(o[0], F.one_hot(torch.tensor([0, 1, 2]), 3).double())  # values of keys 2, 0, 1
+        assert regression_loss(o, torch.tensor([[0, 1, 2]])).item() == 0
+    # key 0 written twice (value 1, then 2): delta with β = 1 returns the later value exactly; additive reads the sum,
+    # v1 + v2, whose loss is ½‖v1‖² = 0.5; scaled by the best constant ½ it would be ½(¼ + ¼) = 0.25 (its floor)
+    q, k, v = _one_hot_memory([0, 1, 0], [1, 0, 2], [0, 1], d=4, V=3)
+    target = torch.tensor([[2, 0]])
+    delta = write_then_read(q, k, v, torch.ones(1, 3, dtype=torch.float64), delta=True, n_queries=2)
+    assert torch.equal(delta[0], torch.tensor([[0.0, 0, 1], [1, 0, 0]], dtype=torch.float64))
+    assert regression_loss(delta, target).item() == 0
+    add = write_then_read(q, k, v, torch.ones(1, 3, dtype=torch.float64), delta=False, n_queries=2)
+    assert torch.equal(add[0], torch.tensor([[0.0, 1, 1], [1, 0, 0]], dtype=torch.float64))
+    assert regression_loss(add, target).item() == 0.25  # (½ · 1 for the first query + 0) / 2 queries
+    half = write_then_read(q, k, v, torch.full((1, 3), 0.5, dtype=torch.float64), delta=False, n_queries=2)
+    assert regression_loss(half[:, :1], target[:, :1]).item() == 0.25
+
+
+def test_model_shapes_and_zero_output_loss():
+    b = make_batch(6, 3, overwrite=True, seed=0, step=0)
+    for rule in ("additive", "delta"):
+        pred = CapacityModel(6, rule, d_key=8)(b)
+        assert pred.shape == (3, 6, 6) and torch.isfinite(pred).all()
+    assert regression_loss(torch.zeros(3, 6, 6), b.targets).item() == 0.5
+
+
+def test_sweep_runs_resumes_and_writes_outputs(tmp_path):
+    root = run_sweep(MICRO, out=tmp_path / "sweep")
+    for name in ("config.json", "results.jsonl", "table.md", "capacity.png"):
+        assert (root / name).stat().st_size > 0, name
+    rows = [json.loads(line) for line in (root / "results.jsonl").read_text().splitlines()]
+    assert {(r["rule"], r["overwrite"], r["S"]) for r in rows} == {
+        (r, ow, S) for r in MICRO.rules for ow in MICRO.overwrite for S in MICRO.sizes}
+    assert all(r["steps"] == 3 and 0 <= r["loss"] < 100 for r in rows)
+    table = (root / "table.md").read_text()
+    assert "| S | additive | delta | additive + overwrites | delta + overwrites |" in table
+    stamps = {p: p.stat().st_mtime_ns for p in (root / "runs").glob("*/result.json")}
+    run_sweep(MICRO, out=root)  # resuming a finished sweep trains nothing
+    assert stamps == {p: p.stat().st_mtime_ns for p in (root / "runs").glob("*/result.json")}
+    with pytest.raises(ValueError, match=r"^out: .* holds a sweep with another config"):
+        run_sweep(replace(MICRO, steps=4), out=root)
+    assert len(jobs_for(replace(MICRO, seeds=2), tmp_path)) == 2 * 2 * 2 * 2
+
+
+def test_published_numbers_appear_beside_ours(tmp_path):
+    root = run_sweep(replace(MICRO, sizes=(20,), rules=("additive",), overwrite=(True,), batch_size=2), out=tmp_path)
+    assert "[published 0.105]" in (root / "table.md").read_text()
+
+
+def test_cli_runs_with_flags(tmp_path, monkeypatch):
+    monkeypatch.setattr("evict.lab.capacity.QUICK", MICRO)  # the flags on top of a micro sweep, not the quick one
+    assert main(["lab", "capacity", "--rules", "delta", "--sizes", "3", "--overwrite", "yes", "--steps", "2",
+                 "--workers", "1", "--out", str(tmp_path / "y")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "y" / "results.jsonl").read_text().splitlines()]
+    assert [(r["rule"], r["overwrite"], r["S"], r["steps"]) for r in rows] == [("delta", True, 3, 2)]
