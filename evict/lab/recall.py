@@ -9,7 +9,6 @@ included), table.md (mean and range, then every seed), scorecard.md, recall_vs_p
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import logging
 import statistics
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import run_jobs
+from evict.lab.sweep import run_jobs, sweep_folder, write_results
 from evict.models import LM, presets
 from evict.tasks.mqar import MQARConfig, MQARTask
 from evict.train import TrainConfig, resolve_device, train
@@ -278,11 +277,6 @@ def report(sweep: RecallSweep, results: list[dict]) -> tuple[str, str]:
     return "\n\n".join(blocks), scorecard(sweep, cells)
 
 
-def _saved_config(text: str) -> dict:
-    """A saved config.json, with fields added since it was written at their defaults (so an old sweep resumes)."""
-    return {**json.loads(json.dumps(dataclasses.asdict(RecallSweep()))), **json.loads(text)}
-
-
 def run_sweep(sweep: RecallSweep, out: str | Path | None = None, minutes: float | None = None) -> Path:
     """Run (or resume, when `out` already holds part of it) the sweep; write and print the results.
 
@@ -297,13 +291,8 @@ def run_sweep(sweep: RecallSweep, out: str | Path | None = None, minutes: float 
         raise ValueError(f"seeds: expected >= 1, got {sweep.seeds}")
     for L, K in sweep.settings:
         MQARConfig(vocab_size=sweep.vocab_size, seq_len=L, num_pairs=K, simple=sweep.simple)  # validates
-    root = Path(out) if out else Path("runs/recall") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    root.mkdir(parents=True, exist_ok=True)
-    cfg_path = root / "config.json"
-    if cfg_path.exists():
-        if _saved_config(cfg_path.read_text()) != json.loads(json.dumps(dataclasses.asdict(sweep))):
-            raise ValueError(f"out: {root} holds a sweep with another config; use a new folder or the same options")
-    cfg_path.write_text(json.dumps(dataclasses.asdict(sweep), indent=2))
+    # fields added since an older config.json was written take their defaults, so an old sweep resumes
+    root = sweep_folder("recall", sweep, out, defaults=json.loads(json.dumps(dataclasses.asdict(RecallSweep()))))
     jobs = jobs_for(sweep, root)
     print(f"recall sweep: {len(jobs)} runs (seeds {', '.join(map(str, seeds_of(sweep)))}) -> {root}")
     if minutes is not None:
@@ -316,9 +305,7 @@ def run_sweep(sweep: RecallSweep, out: str | Path | None = None, minutes: float 
               f"(unfinished ones resume from their checkpoints); run the same command with --out {root} to continue")
         return root
     results = [{**r, "seed": job["seed"]} for r, job in zip(results, jobs)]  # results of older runs lack the seed
-    with (root / "results.jsonl").open("w") as f:
-        for r in results:
-            f.write(json.dumps(r) + "\n")
+    write_results(root, results)
     tables, card = report(sweep, results)
     (root / "table.md").write_text(tables + "\n")
     (root / "scorecard.md").write_text(card + "\n")

@@ -65,24 +65,36 @@ def run_jobs(fn: Callable[[dict], dict], jobs: list[dict], *, workers: int = 1, 
     return [results.get(i) for i in range(len(jobs))]
 
 
-def run_grid(kind: str, sweep, out: str | Path | None, *, jobs_for: Callable, run_one: Callable, report: Callable,
-             plot: Callable) -> Path:
-    """Run (or resume) a lab's validated sweep (a dataclass) in `out` (default runs/<kind>/<timestamp>/): config.json
-    (a folder that holds another config is refused), jobs_for(sweep, root) through run_jobs, then results.jsonl,
-    table.md = report(sweep, results) and plot(sweep, results, root / "<kind>.png"); prints the table; returns root."""
+def sweep_folder(kind: str, sweep, out: str | Path | None, *, defaults: dict | None = None) -> Path:
+    """The folder of a sweep (a dataclass): `out`, or runs/<kind>/<timestamp>/, with the sweep's config.json. A folder
+    that already holds another config is refused; `defaults` (the config's fields at their defaults) fills in fields
+    a saved config predates, so an older sweep still resumes."""
     root = Path(out) if out else Path("runs") / kind / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     root.mkdir(parents=True, exist_ok=True)
     cfg_path = root / "config.json"
     want = json.loads(json.dumps(dataclasses.asdict(sweep)))
-    if cfg_path.exists() and json.loads(cfg_path.read_text()) != want:
+    if cfg_path.exists() and {**(defaults or {}), **json.loads(cfg_path.read_text())} != want:
         raise ValueError(f"out: {root} holds a sweep with another config; use a new folder or the same options")
     cfg_path.write_text(json.dumps(want, indent=2))
-    jobs = jobs_for(sweep, root)
-    print(f"{kind} sweep: {len(jobs)} runs -> {root}")
-    results = run_jobs(run_one, jobs, workers=sweep.workers, desc=kind)
+    return root
+
+
+def write_results(root: Path, results: list[dict]) -> None:
     with (root / "results.jsonl").open("w") as f:
         for r in results:
             f.write(json.dumps(r) + "\n")
+
+
+def run_grid(kind: str, sweep, out: str | Path | None, *, jobs_for: Callable, run_one: Callable, report: Callable,
+             plot: Callable) -> Path:
+    """Run (or resume) a lab's validated sweep (a dataclass) in `sweep_folder(kind, sweep, out)`: jobs_for(sweep,
+    root) through run_jobs, then results.jsonl, table.md = report(sweep, results) and plot(sweep, results,
+    root / "<kind>.png"); prints the table; returns root."""
+    root = sweep_folder(kind, sweep, out)
+    jobs = jobs_for(sweep, root)
+    print(f"{kind} sweep: {len(jobs)} runs -> {root}")
+    results = run_jobs(run_one, jobs, workers=sweep.workers, desc=kind)
+    write_results(root, results)
     table = report(sweep, results)
     (root / "table.md").write_text(table + "\n")
     png = plot(sweep, results, root / f"{kind}.png")
