@@ -174,12 +174,9 @@ def evaluate(model: nn.Module, task: Task, cfg: TrainConfig, device: torch.devic
             x, y = task.get_batch("val", i * world + rank, cfg.batch_size)
             x, y = x.to(device), y.to(device)  # [B, T]
             with autocast():
-                if per_row is not None:
-                    pos = label_positions(y, per_row)
-                    logits, y = _logits(model(x, positions=pos)).float(), y.gather(1, pos)  # [B, P, V], [B, P]
-                else:
-                    logits = _logits(model(x)).float()  # [B, T, V]
-            mask = y != -100  # [B, T]
+                logits, y = _forward(model, x, y, per_row)
+            logits = logits.float()
+            mask = y != -100  # [B, T] (or [B, P])
             sums[0] += F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
             sums[1] += ((logits.argmax(-1) == y) & mask).sum()
             sums[2] += mask.sum()
@@ -279,6 +276,14 @@ class _Prefetch:
 def label_positions(y: torch.Tensor, n: int) -> torch.Tensor:
     """[B, T] targets with n labelled positions per row -> their positions [B, n], ascending; no host sync."""
     return torch.argsort((y == -100).to(torch.int8), dim=1, stable=True)[:, :n]
+
+
+def _forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, per_row: int | None):
+    """Logits and their targets: [B, T, V] and y, or with `per_row` labels per row only at those, [B, P, V], [B, P]."""
+    if per_row is None:
+        return _logits(model(x)), y
+    pos = label_positions(y, per_row)  # [B, P]
+    return _logits(model(x, positions=pos)), y.gather(1, pos)
 
 
 def _make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
@@ -387,11 +392,7 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig) -> TrainResult:
     def train_step(x: torch.Tensor, y: torch.Tensor):
         """Forward, backward, clip, AdamW on one batch (gradients must be None on entry); no host sync."""
         with autocast():
-            if per_row is not None:
-                pos = label_positions(y, per_row)  # [B, P]
-                logits, y = _logits(model(x, positions=pos)), y.gather(1, pos)  # [B, P, V], [B, P]
-            else:
-                logits = _logits(model(x))  # [B, T, V]
+            logits, y = _forward(model, x, y, per_row)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
         aux = _aux_loss(model)
         (loss if aux is None else loss + aux).backward()
@@ -480,12 +481,10 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig) -> TrainResult:
                     stopped_early = step < cfg.steps
                     done = True
             done = done or step == cfg.steps
-            if ckpt_path is not None and (done or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+            interrupted = cfg.stop_at is not None and not done and time.time() >= cfg.stop_at
+            if ckpt_path is not None and (done or interrupted or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
                 checkpoint()
-            if cfg.stop_at is not None and not done and time.time() >= cfg.stop_at:
-                if ckpt_path is not None:
-                    checkpoint()
-                interrupted = True
+            if interrupted:
                 break
     finally:
         if prefetch is not None:
