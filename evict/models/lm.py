@@ -216,8 +216,9 @@ class LM(nn.Module):
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
+        state = self.state_dict()
         for name, write in (("model.safetensors", lambda tmp: save_model(self, str(tmp), metadata={
-                                 "evict_sha256": _digest(_by_storage(self.state_dict(), self.state_dict()))})),
+                                 "evict_sha256": _digest(_by_storage(state, state))})),
                             ("config.json", lambda tmp: tmp.write_text(self.cfg.to_json()))):
             tmp = path / f".{name}.tmp"
             write(tmp)
@@ -267,15 +268,19 @@ class LM(nn.Module):
             self.to(device)
 
 
+def _storage_groups(expected: dict) -> list[list[str]]:
+    """The model's state-dict names grouped by the storage they share (tied embeddings are one group)."""
+    groups: dict = {}
+    for name, t in expected.items():
+        groups.setdefault((t.device, t.untyped_storage().data_ptr()) if t.numel() else name, []).append(name)
+    return list(groups.values())
+
+
 def _by_storage(tensors: dict, expected: dict) -> dict:
     """{the first name (sorted) of each of the model's storage groups: tensor}: tied weights once, whichever alias the
     file kept."""
-    canonical, first = {}, {}
-    for name, t in expected.items():
-        key = (t.device, t.untyped_storage().data_ptr()) if t.numel() else name
-        first[key] = min(first.get(key, name), name)
-        canonical[name] = key
-    return {first[canonical[name]]: t for name, t in tensors.items()}
+    first = {name: min(names) for names in _storage_groups(expected) for name in names}
+    return {first[name]: t for name, t in tensors.items()}
 
 
 def _digest(tensors: dict) -> str:
@@ -308,10 +313,8 @@ def _check_tensors(file: Path, tensors: dict, expected: dict) -> None:
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         raise ValueError(f"checkpoint: {file} holds tensors this model does not have: {unexpected[:4]}")
-    groups: dict = {}  # names sharing one storage (tied embeddings): the file holds one of them
-    for name, t in expected.items():
-        groups.setdefault((t.device, t.untyped_storage().data_ptr()) if t.numel() else name, []).append(name)
-    missing = sorted(names[0] for names in groups.values() if not any(n in tensors for n in names))
+    # names sharing one storage (tied embeddings): the file holds one of them
+    missing = sorted(names[0] for names in _storage_groups(expected) if not any(n in tensors for n in names))
     if missing:
         raise ValueError(f"checkpoint: {file} lacks tensors of this model: {missing[:4]}")
     for name, t in tensors.items():
