@@ -61,10 +61,7 @@ class MQARConfig:
             raise ValueError(f"seq_len={L} too short for num_pairs={K}: needs seq_len >= {need}")
         if not self.power_a > 0:
             raise ValueError(f"power_a must be > 0, got {self.power_a}")
-        for name in ("train_seed", "test_seed"):
-            s = getattr(self, name)
-            if not 0 <= s < 1 << 32:
-                raise ValueError(f"{name} must be in [0, 2**32), got {s}")
+        check_split_seeds(self)
 
     @property
     def num_slots(self) -> int:
@@ -138,6 +135,14 @@ def _mix31(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return (x ^ (x >> 31)) % _SEED_SPAN
+
+
+def check_split_seeds(cfg) -> None:
+    """A task config's `train_seed` and `test_seed` are 32-bit numbers (the base seeds of `batch_seed`)."""
+    for name in ("train_seed", "test_seed"):
+        s = getattr(cfg, name)
+        if not 0 <= s < 1 << 32:
+            raise ValueError(f"{name}: expected an integer in [0, 2**32), got {s}")
 
 
 def batch_seed(split: str, base_seed: int, step: int) -> int:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .mqar import batch_seed
+from .mqar import batch_seed, check_split_seeds
 
 TASKS = ("parity", "mod_arith", "s3", "s5")
 MOD = 5
@@ -65,10 +65,7 @@ class StateConfig:
                 raise ValueError(f"{name}: mod_arith rows have an even length >= 4 (two operands and '='); "
                                  f"{(lo, hi)!r} holds none")
             setattr(self, name, (lo, hi))
-        for name in ("train_seed", "test_seed"):
-            s = getattr(self, name)
-            if not 0 <= s < 1 << 32:
-                raise ValueError(f"{name}: expected an integer in [0, 2**32), got {s}")
+        check_split_seeds(self)
 
     @property
     def classes(self) -> int:
