@@ -36,11 +36,8 @@ def _bench(args) -> None:
     elif args.what == "train":
         from evict.bench.train import bench_train
 
-        try:
-            bench_train(archs=args.arch, setting=args.setting, d_model=args.d_model or 128, procs=args.procs,
-                        steps=args.train_steps, variants=args.variants, out=args.out)
-        except ValueError as e:
-            raise SystemExit(str(e)) from None
+        bench_train(archs=args.arch, setting=args.setting, d_model=args.d_model or 128, procs=args.procs,
+                    steps=args.train_steps, variants=args.variants, out=args.out)
 
 
 def _train(args) -> None:
@@ -96,12 +93,9 @@ def _recall(args) -> None:
         "lrs": tuple(args.lr) if args.lr else None,
         "steps": args.steps, "seeds": args.seeds, "workers": args.workers, "device": args.device, "vocab_size": args.vocab,
     }.items() if v is not None}
-    try:
-        sweep = replace(sweep, **overrides)
-        _check_recall_models(sweep)
-        run_sweep(sweep, out=args.out, minutes=args.minutes)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+    sweep = replace(sweep, **overrides)  # a ValueError is a user error: main() makes it one line, exit 2
+    _check_recall_models(sweep)
+    run_sweep(sweep, out=args.out, minutes=args.minutes)
 
 
 def _check_recall_models(sweep) -> None:
