@@ -7,9 +7,10 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 for what in "$@"; do
   case $what in
-    optests) timeout 240 python3 -m pytest tests/ops -m gpu -n 8 -q 2>&1 | tee $OUT/gpu_op_tests.log | tail -15 ;;
-    mptests) timeout 200 python3 -m pytest tests/models/test_mixed_precision.py -m gpu -n 4 -q 2>&1 | tee $OUT/gpu_mp_tests.log | tail -15 ;;
-    traintests) timeout 200 python3 -m pytest tests/test_train_fast.py -m gpu -n 4 -q 2>&1 | tee $OUT/gpu_train_tests.log | tail -15 ;;
+    alltests) timeout ${T:-420} python3 -m pytest tests -m gpu -n 8 -q -rf --durations=15 2>&1 | tee $OUT/gpu_all_tests.log | tail -40 ;;
+    optests) timeout 240 python3 -m pytest tests/ops -m gpu -n 8 -q -rf 2>&1 | tee $OUT/gpu_op_tests.log | tail -15 ;;
+    mptests) timeout 200 python3 -m pytest tests/models/test_mixed_precision.py -m gpu -n 4 -q -rf 2>&1 | tee $OUT/gpu_mp_tests.log | tail -15 ;;
+    traintests) timeout 200 python3 -m pytest tests/test_train_fast.py -m gpu -n 4 -q -rf 2>&1 | tee $OUT/gpu_train_tests.log | tail -15 ;;
     sdpa) timeout 60 python3 dev/sdpa_check.py 2>&1 | grep -v "^$" | tail -12 ;;
     bench)
       timeout 150 python3 -m evict.cli bench train --arch kda --procs 4 --train-steps 100 --variants before graphs --out $OUT/bench_train_p4.json 2>&1 | grep -v Warn | tee $OUT/bench_train.log

@@ -88,7 +88,9 @@ def _learns(arch, device, graphs):
     torch.manual_seed(0)
     model = LM(model_config(arch, 64, sweep, 64))
     task = MQARTask(MQARConfig(vocab_size=128, seq_len=64, num_pairs=4))
-    cfg = TrainConfig(steps=200, batch_size=64, lr=1e-2, eval_every=50, eval_batches=4, device=device, amp="bf16",
+    # kimi_linear (KDA + MLA) diverges at 1e-2 (CPU, float32, seed 0: 0.06 at step 200) and learns at 3e-3 (0.64)
+    lr = 3e-3 if arch == "kimi_linear" else 1e-2
+    cfg = TrainConfig(steps=200, batch_size=64, lr=lr, eval_every=50, eval_batches=4, device=device, amp="bf16",
                       progress=False, graphs=graphs)
     res = train(model, task, cfg)
     assert res.best_val_accuracy >= (0.9 if arch == "attention" else 0.05), res.best_val_accuracy

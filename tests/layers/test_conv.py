@@ -71,5 +71,5 @@ def test_cuda_matches_explicit_formula(dtype, autocast):
     gx, gw = torch.autograd.grad(y, (x, conv.weight), dy)
     gx_ref, gw_ref = torch.autograd.grad(want, (x, conv.weight), dy.double())
     assert torch.isfinite(gx).all() and torch.isfinite(gw).all()
-    torch.testing.assert_close(gx.double(), gx_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(gx.double(), gx_ref.double(), rtol=tol, atol=tol)
     torch.testing.assert_close(gw.double(), gw_ref.to(gw.dtype).double(), rtol=tol, atol=tol * 10)
