@@ -7,6 +7,7 @@ from torch import nn
 
 from evict.cache import KVState
 from evict.ops import attention
+from evict.ops.decode import decode_attention, kernel_runs_on
 from evict.ops.rope import rope
 
 from .conv import ShortConv
@@ -21,6 +22,7 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.d_model, (self.n_heads + 2 * self.n_kv) * self.hd, bias=cfg.bias)
         self.conv = ShortConv((self.n_heads + 2 * self.n_kv) * self.hd, cfg.conv_size) if cfg.short_conv else None
         self.wo = nn.Linear(self.n_heads * self.hd, cfg.d_model, bias=cfg.bias)
+        self.decode_kernel = True  # one-token steps over a cache use the split-K decode kernel where it runs (CUDA)
 
     def forward(self, x: torch.Tensor, state: KVState | None = None, pos: int = 0) -> torch.Tensor:
         B, T, _ = x.shape
@@ -41,7 +43,10 @@ class Attention(nn.Module):
             k, v = state.k[:, : pos + T], state.v[:, : pos + T]
         # one compute dtype at the op's boundary: the cache may hold another (float32 cache, bf16 autocast)
         k, v = k.to(q.dtype), v.to(q.dtype)
-        o = attention(q, k, v, causal=True, check=False)  # queries are the last T of pos + T keys
+        if T == 1 and state is not None and self.decode_kernel and kernel_runs_on(q):
+            o = decode_attention(q[:, 0], k, v)[:, None]  # reads each cached key and value once for its query heads
+        else:
+            o = attention(q, k, v, causal=True, check=False)  # queries are the last T of pos + T keys
         return self.wo(o.reshape(B, T, self.n_heads * self.hd))
 
     def new_state(self, batch_size: int, max_len: int, device=None, dtype=torch.float32) -> KVState:

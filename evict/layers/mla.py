@@ -13,6 +13,7 @@ from torch import nn
 
 from evict.cache import LatentState
 from evict.ops import attention
+from evict.ops.decode import decode_attention, kernel_runs_on
 from evict.ops.rope import rope
 
 from .conv import ShortConv
@@ -42,6 +43,7 @@ class MLA(nn.Module):
         nn.init.normal_(self.wuv, std=cfg.init_std)
         self.wgate = nn.Linear(d, H * e, bias=False) if cfg.mla_gate else None
         self.wo = nn.Linear(H * e, d, bias=False)
+        self.decode_kernel = True  # absorbed one-token steps use the split-K decode kernel where it runs (CUDA)
 
     def forward(self, x: torch.Tensor, state: LatentState | None = None, pos: int = 0, absorb: bool | None = None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -82,6 +84,10 @@ class MLA(nn.Module):
     def _absorbed(self, q_nope, q_rope, c, k_rope):
         T, L = q_nope.shape[1], c.shape[1]
         q_lat = torch.einsum("bthn,hnr->bthr", q_nope, self.wuk.to(c.dtype))  # [B, T, H, r]
+        if T == 1 and self.decode_kernel and kernel_runs_on(c):  # every latent read once, for all heads
+            two = {} if self.p == 0 else {"q2": q_rope[:, 0].to(c.dtype), "k2": k_rope[:, :, None]}
+            o_lat = decode_attention(q_lat[:, 0].to(c.dtype), c[:, :, None], None, scale=self.scale, **two)  # [B, H, r]
+            return torch.einsum("bhr,her->bhe", o_lat, self.wuv.to(c.dtype))[:, None]
         scores = torch.einsum("bthr,blr->bhtl", q_lat, c) + torch.einsum("bthp,blp->bhtl", q_rope, k_rope)
         scores = scores.float() if scores.dtype != torch.float64 else scores
         mask = torch.ones(T, L, dtype=torch.bool, device=c.device).tril(L - T)  # queries are the last T of L
