@@ -91,11 +91,11 @@ def decode_kernels(dt):
     sig = dict(q=p, k=p, v=p, q2=p, k2=p, lengths="*i32", po=f, pm=f, pl=f, **{n: i for n in names}, scale="fp32",
                split_len=i, n_splits=i)
     for tag, consts, warps in (
-        ("mha M1", dict(G=8, M=1, BM=16, DK=128, BDK=128, DV=128, BDV=128, D2=16, BD2=16, HAS2=False, V_IS_K=False, BN=64), 4),
-        ("gqa M4", dict(G=4, M=4, BM=16, DK=128, BDK=128, DV=128, BDV=128, D2=16, BD2=16, HAS2=False, V_IS_K=False, BN=64), 4),
-        ("mla M8", dict(G=1, M=8, BM=16, DK=512, BDK=512, DV=512, BDV=512, D2=64, BD2=64, HAS2=True, V_IS_K=True, BN=32), 8),
+        ("mha M1", dict(G=8, M=1, BM=16, DK=128, BDK=128, DV=128, BDV=128, D2=16, BD2=16, HAS2=False, V_IS_K=False, BN=128), 8),
+        ("gqa M4", dict(G=4, M=4, BM=16, DK=128, BDK=128, DV=128, BDV=128, D2=16, BD2=16, HAS2=False, V_IS_K=False, BN=128), 8),
+        ("mla M8", dict(G=1, M=8, BM=16, DK=512, BDK=512, DV=512, BDV=512, D2=64, BD2=64, HAS2=True, V_IS_K=True, BN=32), 4),
     ):
-        print(f"split {tag:8s} w{warps}", compile_one(dk._split_kernel, sig, dict(consts, PREC="tf32"), warps, 2, False), flush=True)
+        print(f"split {tag:8s} w{warps}", compile_one(dk._split_kernel, sig, dict(consts, PREC="tf32"), warps, 3 if consts["BN"] == 128 else 2, True), flush=True)
     msig = dict(po=f, pm=f, pl=f, o=p, n_splits=i)
     print("merge    DV128 w4", compile_one(dk._merge_kernel, msig, dict(DV=128, BS=64, BDV=128), 4, 1, False))
     print("merge    DV512 w4", compile_one(dk._merge_kernel, msig, dict(DV=512, BS=64, BDV=512), 4, 1, False))

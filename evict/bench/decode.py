@@ -112,17 +112,10 @@ def set_fast_path(model: LM, on: bool) -> None:
             m.dispatch = "auto" if on else "sort"
 
 
-def compiled_blocks(model: LM):
-    """torch.compile each block's parts (mixer, FFN, norms) in place; returns a function that undoes it."""
-    saved = []
-    for blk in model.blocks:
-        for name, child in list(blk.named_children()):
-            saved.append((blk, name, child))
-            setattr(blk, name, torch.compile(child, dynamic=False))
-    def undo():
-        for blk, name, child in saved:
-            setattr(blk, name, child)
-    return undo
+def compiled(model: LM):
+    """The model's forward compiled by torch.compile (static shapes: one graph per batch size and position, as the
+    bench replays a fixed step); graph breaks fall back to eager pieces."""
+    return torch.compile(model, dynamic=False)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
@@ -141,7 +134,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
 
 
 @torch.inference_mode()
-def time_decode(model: LM, batch: int, context: int, *, steps: int, warmup: int) -> float:
+def time_decode(model: LM, batch: int, context: int, *, steps: int, warmup: int, fn=None) -> float:
     """Median seconds of one decode step (one token for each of `batch` sequences) at `context`."""
     device = next(model.parameters()).device
     cache = filled_cache(model, batch, context, extra=1)
@@ -151,7 +144,7 @@ def time_decode(model: LM, batch: int, context: int, *, steps: int, warmup: int)
         cache.pos = context
         _sync(device)
         t0 = time.perf_counter()
-        tok = model(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+        tok = (model if fn is None else fn)(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)  # [B, 1]
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
@@ -159,7 +152,7 @@ def time_decode(model: LM, batch: int, context: int, *, steps: int, warmup: int)
 
 
 @torch.inference_mode()
-def time_decode_graphed(model: LM, batch: int, context: int, *, steps: int, warmup: int) -> float:
+def time_decode_graphed(model: LM, batch: int, context: int, *, steps: int, warmup: int, fn=None) -> float:
     """Median seconds of one decode step replayed from a CUDA graph captured at `context` (CUDA only).
 
     The graph holds one whole decode step at a fixed position: each replay writes the same cache slot and reads
@@ -169,17 +162,18 @@ def time_decode_graphed(model: LM, batch: int, context: int, *, steps: int, warm
     device = next(model.parameters()).device
     cache = filled_cache(model, batch, context, extra=1)
     tok = torch.zeros(batch, 1, dtype=torch.int64, device=device)  # [B, 1]
+    fn = model if fn is None else fn
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):  # warm up (Triton compiles) off the capture stream
-        for _ in range(2):
+        for _ in range(3):
             cache.pos = context
-            model(tok, cache=cache)
+            fn(tok, cache=cache)
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     cache.pos = context
     with torch.cuda.graph(graph):
-        nxt = model(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+        nxt = fn(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)  # [B, 1]
     times = []
     for i in range(warmup + steps):
         _sync(device)
@@ -195,18 +189,16 @@ def time_decode_graphed(model: LM, batch: int, context: int, *, steps: int, warm
 def _time_variant(model: LM, variant: str, batch: int, ctx: int, steps: int, warmup: int) -> tuple[float, str]:
     """(seconds per step, how it was timed) for one variant; a graph that cannot be captured falls back to eager."""
     set_fast_path(model, variant != "before")
-    undo = compiled_blocks(model) if variant == "compiled" else None
+    fn = compiled(model) if variant == "compiled" else model
     try:
         if variant == "eager":
             return time_decode(model, batch, ctx, steps=steps, warmup=warmup), "eager"
         try:
-            return time_decode_graphed(model, batch, ctx, steps=steps, warmup=warmup), "graph"
-        except RuntimeError as e:  # keep an eager time, say why
-            why = str(e).splitlines()[0][:60] if str(e) else type(e).__name__
+            return time_decode_graphed(model, batch, ctx, steps=steps, warmup=warmup, fn=fn), "graph"
+        except Exception as e:  # keep an eager time, say why (capture refused, or compile failed)
+            why = str(e).strip().splitlines()[0][:60] if str(e).strip() else type(e).__name__
             return time_decode(model, batch, ctx, steps=steps, warmup=warmup), f"eager (no graph: {why})"
     finally:
-        if undo is not None:
-            undo()
         set_fast_path(model, True)
 
 

@@ -60,7 +60,7 @@ def _split_kernel(
             k2t = tl.load(k2 + b64 * s_k2b + g * s_k2g + rn64[:, None] * s_k2l + r2[None, :], mask=mn[:, None] & m2[None, :],
                           other=0.0)
             s += tl.dot(q2t, tl.trans(k2t), input_precision=PREC)
-        s = tl.where(mn[None, :], s * scale, float("-inf"))
+        s = tl.where(mn[None, :], s * scale, float("-inf")).to(tl.float32)  # float32 even if scale arrives as fp64 (compile)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
@@ -95,23 +95,31 @@ def _merge_kernel(po, pm, pl, o, n_splits, DV: tl.constexpr, BS: tl.constexpr, B
 
 
 @functools.cache
-def _programs_wanted(device_index: int) -> int:
-    """About two waves of programs on the card (its SM count x 2); 64 for the interpreter."""
+def _sms(device_index: int) -> int:
+    """The card's SM count (16 for the interpreter)."""
     if not torch.cuda.is_available():
-        return 64
-    return 2 * torch.cuda.get_device_properties(device_index).multi_processor_count
+        return 16
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def plan(B: int, G: int, L: int, Dk: int, programs: int) -> tuple[int, int, int]:
+# Launch settings by key width, from dev/tune_decode.py on an H200 (dev/LOG.md 2026-11-30): MLA's 512-wide latent wants
+# small key blocks and many programs (8 per SM) to keep loads in flight; heads of <= 128 want long blocks, 8 warps,
+# 3 stages. (BN, warps, stages, programs per SM)
+WIDE, NARROW = (32, 4, 2, 8), (128, 8, 3, 2)
+
+
+def plan(B: int, G: int, L: int, Dk: int, programs: int, BN: int | None = None, max_splits: int = 512) -> tuple[int, int, int]:
     """(BN, n_splits, split_len) for B G sequence-groups over a cache of L positions."""
-    BN = 32 if Dk > 128 else 64
+    BN = BN or (WIDE if Dk > 128 else NARROW)[0]
     blocks = triton.cdiv(L, BN)
-    splits = max(1, min(triton.cdiv(blocks, 4), triton.cdiv(programs, B * G), 128))  # >= 4 key blocks a split
+    splits = max(1, min(triton.cdiv(blocks, 4), triton.cdiv(programs, B * G), max_splits))  # >= 4 key blocks a split
     split_len = triton.cdiv(blocks, splits) * BN
     return BN, triton.cdiv(L, split_len), split_len
 
 
-def decode_triton(q, k, v, lengths, *, scale, q2=None, k2=None):
+def decode_triton(q, k, v, lengths, *, scale, q2=None, k2=None, tune: dict | None = None):
+    """`tune` (benchmarks only): BN, programs, max_splits, warps, stages overrides."""
+    tune = tune or {}
     B, H, Dk = q.shape
     L, G = k.shape[1], k.shape[2]
     M = H // G
@@ -121,7 +129,9 @@ def decode_triton(q, k, v, lengths, *, scale, q2=None, k2=None):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name}: expected a unit stride in the last dim, got strides {list(t.stride())}")
     dev_index = q.device.index if q.is_cuda and q.device.index is not None else (torch.cuda.current_device() if q.is_cuda else 0)
-    BN, S, split_len = plan(B, G, L, Dk, _programs_wanted(dev_index))
+    BNd, warps, stages, per_sm = WIDE if Dk > 128 else NARROW
+    BN, S, split_len = plan(B, G, L, Dk, tune.get("programs", per_sm * _sms(dev_index)), tune.get("BN", BNd),
+                            tune.get("max_splits", 512))
     po = torch.empty(B, H, S, Dv, device=q.device, dtype=torch.float32)
     pm = torch.empty(B, H, S, device=q.device, dtype=torch.float32)
     pl = torch.empty(B, H, S, device=q.device, dtype=torch.float32)
@@ -139,10 +149,11 @@ def decode_triton(q, k, v, lengths, *, scale, q2=None, k2=None):
         float(scale), split_len, S,
         G=G, M=M, BM=BM, DK=Dk, BDK=BDK, DV=Dv, BDV=BDK if v_is_k else max(16, triton.next_power_of_2(Dv)),
         D2=D2, BD2=max(16, triton.next_power_of_2(D2)), HAS2=has2, V_IS_K=v_is_k, BN=BN, PREC=prec,
-        num_warps=8 if BDK >= 256 else 4, num_stages=2,
+        num_warps=tune.get("warps", warps), num_stages=tune.get("stages", stages),
     )
     o = torch.empty(B, H, Dv, device=q.device, dtype=q.dtype)
     BDV = min(64, max(16, triton.next_power_of_2(Dv)))
-    _merge_kernel[(B * H, triton.cdiv(Dv, BDV))](po, pm, pl, o, S, DV=Dv, BS=max(2, triton.next_power_of_2(S)), BDV=BDV,
-                                                 num_warps=4)
+    BS = max(2, triton.next_power_of_2(S))
+    BDV = min(BDV, max(16, 4096 // BS))  # the [BS, BDV] partial tile stays within registers
+    _merge_kernel[(B * H, triton.cdiv(Dv, BDV))](po, pm, pl, o, S, DV=Dv, BS=BS, BDV=BDV, num_warps=4)
     return o
