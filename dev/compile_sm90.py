@@ -87,13 +87,14 @@ def decode_kernels(dt):
     from evict.ops import decode_triton as dk
 
     p, f, i = "*" + dt, "*fp32", "i32"
-    names = ["s_qb", "s_qh", "s_kb", "s_kl", "s_kg", "s_vb", "s_vl", "s_vg", "s_q2b", "s_q2h", "s_k2b", "s_k2l", "s_k2g"]
-    sig = dict(q=p, k=p, v=p, q2=p, k2=p, lengths="*i32", po=f, pm=f, pl=f, **{n: i for n in names}, scale="fp32",
-               split_len=i, n_splits=i)
+    names = ["s_qb", "s_qh", "s_kb", "s_kl", "s_kg", "s_vb", "s_vl", "s_vg", "s_q2b", "s_q2h", "s_k2b", "s_k2l", "s_k2g", "s_tb"]
+    sig = dict(q=p, k=p, v=p, q2=p, k2=p, lengths="*i32", tab="*i64", po=f, pm=f, pl=f, **{n: i for n in names}, scale="fp32",
+               split_len=i, n_splits=i, page=i)
     for tag, consts, warps in (
-        ("mha M1", dict(G=8, M=1, BM=16, DK=128, BDK=128, DV=128, BDV=128, D2=16, BD2=16, HAS2=False, V_IS_K=False, BN=128), 8),
-        ("gqa M4", dict(G=4, M=4, BM=16, DK=128, BDK=128, DV=128, BDV=128, D2=16, BD2=16, HAS2=False, V_IS_K=False, BN=128), 8),
-        ("mla M8", dict(G=1, M=8, BM=16, DK=512, BDK=512, DV=512, BDV=512, D2=64, BD2=64, HAS2=True, V_IS_K=True, BN=32), 4),
+        ("mha pag", dict(G=8, M=1, BM=16, DK=128, BDK=128, DV=128, BDV=128, D2=16, BD2=16, HAS2=False, V_IS_K=False, BN=128, PAGED=True), 8),
+        ("mha M1", dict(G=8, M=1, BM=16, DK=128, BDK=128, DV=128, BDV=128, D2=16, BD2=16, HAS2=False, V_IS_K=False, BN=128, PAGED=False), 8),
+        ("gqa M4", dict(G=4, M=4, BM=16, DK=128, BDK=128, DV=128, BDV=128, D2=16, BD2=16, HAS2=False, V_IS_K=False, BN=128, PAGED=False), 8),
+        ("mla M8", dict(G=1, M=8, BM=16, DK=512, BDK=512, DV=512, BDV=512, D2=64, BD2=64, HAS2=True, V_IS_K=True, BN=32, PAGED=False), 4),
     ):
         print(f"split {tag:8s} w{warps}", compile_one(dk._split_kernel, sig, dict(consts, PREC="tf32"), warps, 3 if consts["BN"] == 128 else 2, True), flush=True)
     msig = dict(po=f, pm=f, pl=f, o=p, n_splits=i)

@@ -27,7 +27,7 @@ from .memory._check import FLOAT_DTYPES, check_scale
 IMPLS = ("auto", "reference", "triton")
 
 
-def _check(q, k, v, lengths, q2, k2, impl):
+def _check(q, k, v, lengths, q2, k2, impl, block_table=None):
     def shape(t):
         return list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
 
@@ -38,7 +38,16 @@ def _check(q, k, v, lengths, q2, k2, impl):
     B, H, Dk = q.shape
     if q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"q: expected a floating dtype (float16/bfloat16/float32/float64), got {q.dtype}")
-    if k.shape[0] != B or k.shape[3] != Dk or k.shape[1] < 1:
+    if block_table is not None:
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.shape[0] != B \
+                or block_table.dtype not in (torch.int32, torch.int64) or block_table.device != q.device:
+            raise ValueError(f"block_table: expected an int32/int64 tensor [B={B}, max_blocks] on {q.device}, "
+                             f"got {shape(block_table)}")
+        if lengths is None:
+            raise ValueError("lengths: expected a tensor with block_table (a paged cache has no full length)")
+        if k.shape[3] != Dk or k.shape[1] < 1:
+            raise ValueError(f"k: expected a block arena [n_blocks, page, G, Dk={Dk}], got {shape(k)}")
+    elif k.shape[0] != B or k.shape[3] != Dk or k.shape[1] < 1:
         raise ValueError(f"k: expected [B={B}, L >= 1, G, Dk={Dk}] (as q), got {shape(k)}")
     G = k.shape[2]
     if G < 1 or H % G:
@@ -46,7 +55,7 @@ def _check(q, k, v, lengths, q2, k2, impl):
     pairs = [("k", k)]
     if v is not None:
         if not isinstance(v, torch.Tensor) or v.dim() != 4 or list(v.shape[:3]) != list(k.shape[:3]):
-            raise ValueError(f"v: expected shape [{B}, {k.shape[1]}, {G}, Dv] (as k), got {shape(v)}")
+            raise ValueError(f"v: expected shape {list(k.shape[:3]) + ['Dv']} (as k), got {shape(v)}")
         pairs.append(("v", v))
     if (q2 is None) != (k2 is None):
         raise ValueError("q2, k2: expected both or neither (the second score term)")
@@ -68,8 +77,15 @@ def _check(q, k, v, lengths, q2, k2, impl):
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
 
 
-def decode_reference(q, k, v, lengths, *, scale, q2=None, k2=None):
+def gather_pages(x: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """A block arena [n_blocks, page, ...] read through block_table [B, max_blocks] as [B, max_blocks page, ...]."""
+    return x[block_table].flatten(1, 2)
+
+
+def decode_reference(q, k, v, lengths, *, scale, q2=None, k2=None, block_table=None):
     """The explicit form: per-sequence masked softmax in float32 (float64 for float64 inputs)."""
+    if block_table is not None:
+        k, v, k2 = (None if t is None else gather_pages(t, block_table) for t in (k, v, k2))
     B, H, _ = q.shape
     L, G = k.shape[1], k.shape[2]
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -89,21 +105,23 @@ def kernel_runs_on(q: torch.Tensor) -> bool:
     return q.is_cuda and _tri.runs_on(q)
 
 
-def decode_attention(q, k, v, lengths=None, *, scale=None, q2=None, k2=None, impl="auto"):
+def decode_attention(q, k, v, lengths=None, *, scale=None, q2=None, k2=None, block_table=None, impl="auto"):
     """o [B, H, Dv] (q's dtype) for one query per sequence; see the module docstring. `lengths` [B] (int) defaults to
     L for every sequence; each must be in [1, L] (not checked: a device tensor, and checking would sync).
+    Paged cache: `block_table` [B, max_blocks] (int) and k, v, k2 given as block arenas [n_blocks, page, G, D]; position
+    n of sequence b lives at row n % page of block block_table[b, n // page]; `lengths` is then required.
     `v=None` reads the values from k (MLA's latent: Dv = Dk). `scale` defaults to 1/sqrt(Dk + D2).
     `impl="auto"` runs the Triton kernels on CUDA (not float64) when triton is installed, else the reference."""
-    _check(q, k, v, lengths, q2, k2, impl)
+    _check(q, k, v, lengths, q2, k2, impl, block_table)
     scale = check_scale(scale, q.shape[-1] + (0 if q2 is None else q2.shape[-1]))
     if lengths is None:
         lengths = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32, device=q.device)
     if impl == "auto":
         impl = "triton" if _tri.runs_on(q) else "reference"
     if impl == "reference":
-        return decode_reference(q, k, v, lengths, scale=scale, q2=q2, k2=k2)
+        return decode_reference(q, k, v, lengths, scale=scale, q2=q2, k2=k2, block_table=block_table)
     if not _tri.available():
         raise ValueError("impl: 'triton' needs the triton package")
     from .decode_triton import decode_triton
 
-    return decode_triton(q, k, v, lengths, scale=scale, q2=q2, k2=k2)
+    return decode_triton(q, k, v, lengths, scale=scale, q2=q2, k2=k2, block_table=block_table)

@@ -21,12 +21,12 @@ import triton.language as tl
 
 @triton.jit
 def _split_kernel(
-    q, k, v, q2, k2, lengths, po, pm, pl,
-    s_qb, s_qh, s_kb, s_kl, s_kg, s_vb, s_vl, s_vg, s_q2b, s_q2h, s_k2b, s_k2l, s_k2g,
-    scale, split_len, n_splits,
+    q, k, v, q2, k2, lengths, tab, po, pm, pl,
+    s_qb, s_qh, s_kb, s_kl, s_kg, s_vb, s_vl, s_vg, s_q2b, s_q2h, s_k2b, s_k2l, s_k2g, s_tb,
+    scale, split_len, n_splits, page,
     G: tl.constexpr, M: tl.constexpr, BM: tl.constexpr, DK: tl.constexpr, BDK: tl.constexpr,
     DV: tl.constexpr, BDV: tl.constexpr, D2: tl.constexpr, BD2: tl.constexpr,
-    HAS2: tl.constexpr, V_IS_K: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
+    HAS2: tl.constexpr, V_IS_K: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, PAGED: tl.constexpr,
 ):
     i_bg, i_s = tl.program_id(0), tl.program_id(1)
     b, g = i_bg // G, i_bg % G
@@ -49,15 +49,20 @@ def _split_kernel(
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BDV], tl.float32)
-    kb = k + b64 * s_kb + g * s_kg
     for n0 in range(start, end, BN):
         rn = n0 + tl.arange(0, BN)
         mn = rn < end
-        rn64 = rn.to(tl.int64)
-        kt = tl.load(kb + rn64[:, None] * s_kl + rd[None, :], mask=mn[:, None] & md[None, :], other=0.0)  # [BN, BDK]
+        if PAGED:  # position n of sequence b is row n % page of block tab[b, n // page]
+            blk = tl.load(tab + b64 * s_tb + rn // page, mask=mn, other=0).to(tl.int64)
+            pin = (rn % page).to(tl.int64)
+        else:
+            blk = b64 + tl.zeros([BN], tl.int64)
+            pin = rn.to(tl.int64)
+        kt = tl.load(k + (blk * s_kb + pin * s_kl + g * s_kg)[:, None] + rd[None, :], mask=mn[:, None] & md[None, :],
+                     other=0.0)  # [BN, BDK]
         s = tl.dot(qt, tl.trans(kt), input_precision=PREC)  # [BM, BN] float32
         if HAS2:
-            k2t = tl.load(k2 + b64 * s_k2b + g * s_k2g + rn64[:, None] * s_k2l + r2[None, :], mask=mn[:, None] & m2[None, :],
+            k2t = tl.load(k2 + (blk * s_k2b + pin * s_k2l + g * s_k2g)[:, None] + r2[None, :], mask=mn[:, None] & m2[None, :],
                           other=0.0)
             s += tl.dot(q2t, tl.trans(k2t), input_precision=PREC)
         s = tl.where(mn[None, :], s * scale, float("-inf")).to(tl.float32)  # float32 even if scale arrives as fp64 (compile)
@@ -68,7 +73,7 @@ def _split_kernel(
         if V_IS_K:
             vt = kt
         else:
-            vt = tl.load(v + b64 * s_vb + g * s_vg + rn64[:, None] * s_vl + rv[None, :], mask=mn[:, None] & mv[None, :],
+            vt = tl.load(v + (blk * s_vb + pin * s_vl + g * s_vg)[:, None] + rv[None, :], mask=mn[:, None] & mv[None, :],
                          other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
         m_i = m_new
@@ -117,11 +122,14 @@ def plan(B: int, G: int, L: int, Dk: int, programs: int, BN: int | None = None, 
     return BN, triton.cdiv(L, split_len), split_len
 
 
-def decode_triton(q, k, v, lengths, *, scale, q2=None, k2=None, tune: dict | None = None):
-    """`tune` (benchmarks only): BN, programs, max_splits, warps, stages overrides."""
+def decode_triton(q, k, v, lengths, *, scale, q2=None, k2=None, block_table=None, tune: dict | None = None):
+    """`block_table` [B, max_blocks]: k, v, k2 are block arenas [n_blocks, page, G, D] (paged cache).
+    `tune` (benchmarks only): BN, programs, max_splits, warps, stages overrides."""
     tune = tune or {}
     B, H, Dk = q.shape
-    L, G = k.shape[1], k.shape[2]
+    G = k.shape[2]
+    paged = block_table is not None
+    L = block_table.shape[1] * k.shape[1] if paged else k.shape[1]  # positions a sequence can hold
     M = H // G
     v_is_k = v is None
     Dv = Dk if v_is_k else v.shape[-1]
@@ -142,13 +150,14 @@ def decode_triton(q, k, v, lengths, *, scale, q2=None, k2=None, tune: dict | Non
     BM = max(16, triton.next_power_of_2(M))
     BDK = max(16, triton.next_power_of_2(Dk))
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    tab = block_table if paged else lengths
     _split_kernel[(B * G, S)](
-        q, k, vv, q2_, k2_, lengths, po, pm, pl,
+        q, k, vv, q2_, k2_, lengths, tab, po, pm, pl,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), vv.stride(0), vv.stride(1), vv.stride(2),
-        q2_.stride(0), q2_.stride(1), k2_.stride(0), k2_.stride(1), k2_.stride(2),
-        float(scale), split_len, S,
+        q2_.stride(0), q2_.stride(1), k2_.stride(0), k2_.stride(1), k2_.stride(2), tab.stride(0),
+        float(scale), split_len, S, k.shape[1] if paged else 1,
         G=G, M=M, BM=BM, DK=Dk, BDK=BDK, DV=Dv, BDV=BDK if v_is_k else max(16, triton.next_power_of_2(Dv)),
-        D2=D2, BD2=max(16, triton.next_power_of_2(D2)), HAS2=has2, V_IS_K=v_is_k, BN=BN, PREC=prec,
+        D2=D2, BD2=max(16, triton.next_power_of_2(D2)), HAS2=has2, V_IS_K=v_is_k, BN=BN, PREC=prec, PAGED=paged,
         num_warps=tune.get("warps", warps), num_stages=tune.get("stages", stages),
     )
     o = torch.empty(B, H, Dv, device=q.device, dtype=q.dtype)

@@ -58,6 +58,37 @@ def naive(x, scale):
     return torch.cat(outs)
 
 
+def paged(x, page, seed=0):
+    """The same inputs as block arenas [B L / page (+ spare), page, G, D] in shuffled block order, with the table."""
+    B, L = x["k"].shape[:2]
+    nb = L // page
+    n_blocks = B * nb + 3  # spare blocks no table points to hold garbage
+    perm = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(seed))[: B * nb].to(x["k"].device)
+    out = dict(x)
+    for name in ("k", "v", "k2"):
+        t = x[name]
+        if t is None:
+            continue
+        arena = torch.full((n_blocks, page, *t.shape[2:]), 1e4, dtype=t.dtype, device=t.device)
+        arena[perm] = t.reshape(B * nb, page, *t.shape[2:])
+        out[name] = arena
+    out["block_table"] = perm.reshape(B, nb)
+    return out
+
+
+PAGED_CASES = {"gqa": ((4, 6, 2, 128, 32, 20, 0, False), 16), "mla": ((3, 4, 1, 96, 32, 32, 8, True), 32)}
+
+
+@pytest.mark.parametrize("case", PAGED_CASES)
+def test_paged_reference_equals_contiguous(case):
+    shape, page = PAGED_CASES[case]
+    x = make(*shape)
+    torch.testing.assert_close(decode_attention(**paged(x, page), scale=0.3), decode_reference(**x, scale=0.3),
+                               rtol=0, atol=0)
+    with pytest.raises(ValueError, match="lengths"):
+        decode_attention(**dict(paged(x, page), lengths=None))
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_reference_is_attention_per_sequence(case):
     x = make(*CASES[case])
@@ -102,7 +133,7 @@ def _patch_lang_tensor(tensor, scope):
 interp._patch_lang_tensor = _patch_lang_tensor
 from evict.ops.decode import decode_attention, decode_reference
 from tests.conftest import rel
-from tests.ops.test_decode import CASES, make
+from tests.ops.test_decode import CASES, PAGED_CASES, make, paged
 out = {}
 for name, case in CASES.items():
     for dtype in (torch.float32, torch.float16):
@@ -111,6 +142,12 @@ for name, case in CASES.items():
         x64["lengths"] = x["lengths"]
         o = decode_attention(**x, scale=0.25, impl="triton")
         out[f"{name}_{dtype}"] = [rel(o, decode_reference(**x64, scale=0.25)), str(o.dtype)]
+for name, (shape, page) in PAGED_CASES.items():
+    x = make(*shape, dtype=torch.float32, seed=4)
+    x64 = {n: None if t is None or n == "lengths" else t.double() for n, t in x.items()}
+    x64["lengths"] = x["lengths"]
+    o = decode_attention(**paged(x, page), scale=0.25, impl="triton")
+    out[f"paged_{name}"] = [rel(o, decode_reference(**x64, scale=0.25)), str(o.dtype)]
 print("RESULT" + json.dumps(out))
 """
 
@@ -134,6 +171,12 @@ def test_interpreter_matches_reference(interpreted, case, dtype):
     assert err <= (1e-6 if dtype == "torch.float32" else 2e-3), err
 
 
+@pytest.mark.parametrize("case", PAGED_CASES)
+def test_interpreter_paged_matches_reference(interpreted, case):
+    err, _ = interpreted[f"paged_{case}"]
+    assert err <= 1e-6, err
+
+
 GPU_CASES = {  # the decode bench's shapes, and odd ones
     "mha_128": (2, 8, 8, 4100, 128, 128, 0, False),
     "gqa_4": (3, 16, 4, 3001, 128, 128, 0, False),
@@ -154,6 +197,19 @@ def test_gpu_matches_reference(case, dtype):
     assert o.dtype == dtype and torch.isfinite(o).all()
     scale = (x["q"].shape[-1] + (0 if x["q2"] is None else x["q2"].shape[-1])) ** -0.5
     assert rel(o, decode_reference(**x64, scale=scale)) <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,page", [("mha_128", 64), ("mla_512", 40), ("many_seqs", 20)])
+def test_gpu_paged_matches_reference(case, page):
+    shape = list(GPU_CASES[case])
+    shape[3] = shape[3] // page * page
+    x = make(*shape, dtype=torch.bfloat16, seed=7, device="cuda")
+    x64 = {n: None if t is None or n == "lengths" else t.double() for n, t in x.items()}
+    x64["lengths"] = x["lengths"]
+    scale = (x["q"].shape[-1] + (0 if x["q2"] is None else x["q2"].shape[-1])) ** -0.5
+    o = decode_attention(**paged(x, page))
+    assert rel(o, decode_reference(**x64, scale=scale)) <= 1e-2
 
 
 @pytest.mark.gpu
