@@ -45,8 +45,8 @@ for L in (131072, 1048576):
         for BN, warps, stages, ms, progs in grid:
             tune = dict(BN=BN, warps=warps, stages=stages, max_splits=ms, programs=progs)
             try:
-                t = timeit(lambda: decode_triton(q, k, v, None if True else None, scale=0.1, q2=q2, k2=k2, tune=tune) if False else
-                           decode_triton(q, k, v, torch.full((1,), L, device="cuda", dtype=torch.int32), scale=0.1, q2=q2, k2=k2, tune=tune))
+                lengths = torch.full((1,), L, device="cuda", dtype=torch.int32)
+                t = timeit(lambda: decode_triton(q, k, v, lengths, scale=0.1, q2=q2, k2=k2, tune=tune))
             except Exception as e:
                 print(kind, L, tune, "failed", str(e).splitlines()[0][:80])
                 continue
