@@ -4,6 +4,7 @@ each computed by evict when asked.
 
     create_app(dial=Dial(), cache_dir=None) -> FastAPI app
     serve(host, port)                        -> runs it with uvicorn (blocks)
+    running(app)                             -> context manager: served on a free port on a thread, yields the URL
 
 Endpoints (GET unless noted; a bad query value is HTTP 422 with a one-line "detail"):
     /api/concepts                 concept map            /api/memory-wall?context=N      memory wall
@@ -16,7 +17,10 @@ Endpoints (GET unless noted; a bad query value is HTTP 422 with a one-line "deta
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
+import time
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -119,3 +123,26 @@ def serve(host: str = "127.0.0.1", port: int = 8000) -> None:
 
     print(f"evict explore: http://{host}:{port}/  (Ctrl-C to stop)", flush=True)
     uvicorn.run(create_app(), host=host, port=port, log_level="warning")
+
+
+@contextlib.contextmanager
+def running(app: FastAPI, host: str = "127.0.0.1", timeout: float = 30.0):
+    """Serve `app` with uvicorn on a free port on a thread; yields the base URL (for the browser test and screenshots)."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="explore-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"explore: the server did not start on {host}:{port}")
+        time.sleep(0.05)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
