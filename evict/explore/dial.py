@@ -36,7 +36,7 @@ class Dial:
     H: int = 4
     D: int = 64
     B: int = 1
-    repeats: int = 3
+    repeats: int = 5
     threads: int = 1  # torch CPU threads while measuring (one core: steadier on a shared machine)
 
     def __post_init__(self):

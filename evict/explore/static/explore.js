@@ -190,7 +190,7 @@ async function chunkDial() {
   const svg = $("dial-svg"); clear(svg);
   const T = d.shape.T, side = 300, u = side / T;
   el("text", { x: 10, y: 16 }, svg, `T×T work map: ${comma(d.at.intra_pairs)} pairs in tiles,`);
-  el("text", { x: 10, y: 332 }, svg, `${comma(d.at.folded_pairs)} folded into S`);
+  el("text", { x: 10, y: 344 }, svg, `${comma(d.at.folded_pairs)} folded into S`);
   el("polygon", { points: `10,24 10,${24 + side} ${10 + side},${24 + side}`, fill: "#dfe6f8" }, svg);
   for (let c = 0; c < d.at.chunks; c++) el("rect", { x: 10 + c * d.at.C * u, y: 24 + c * d.at.C * u, width: Math.max(d.at.C * u, 0.6), height: Math.max(d.at.C * u, 0.6), fill: ORANGE }, svg);
   const X = scale(1, T, 400, 930, true);
@@ -337,7 +337,9 @@ function lensDraw() {
     [d.plain.layer_rms.map((r) => [r.layer, r.rms]), lensPlain, GREY]];
   const top = Math.max(...curves.flatMap((c) => c[0].map((p) => p[1]))) * 1.1;
   const X = scale(0, n + 0.5, 540, 930, false), Y = scale(0, top, 230, 30, false);
-  el("text", { x: 520, y: 16 }, svg, "hidden-state RMS by depth: AttnRes sublayer inputs (blue) vs plain h (grey)");
+  el("text", { x: 520, y: 16 }, svg, "hidden-state RMS by depth");
+  el("text", { x: 760, y: 280, style: `fill:${BLUE}` }, svg, "AttnRes: each sublayer's input");
+  el("text", { x: 760, y: 296, style: `fill:${GREY}` }, svg, "plain: h after each layer");
   for (const v of [0, top / 2, top]) el("text", { x: 500, y: Y(v) + 4 }, svg, num(v));
   for (let l = 1; l <= n; l++) el("text", { x: X(l) - 3, y: 246, style: "font-size:10px" }, svg, String(l));
   curves.forEach(([pts, on, color]) => {
