@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
@@ -54,6 +55,11 @@ def create_app(dial_shape: dial.Dial | None = None, cache_dir: Path | None = Non
     @app.exception_handler(ValueError)
     async def bad_value(request: Request, exc: ValueError):
         return JSONResponse(status_code=422, content={"detail": " ".join(str(exc).split())})
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_type(request: Request, exc: RequestValidationError):  # one line, as every other bad value
+        e = exc.errors()[0]
+        return JSONResponse(status_code=422, content={"detail": f"{e['loc'][-1]}: {e['msg'].lower()}, got {e.get('input')!r}"})
 
     @app.get("/", include_in_schema=False)
     def index():

@@ -88,7 +88,7 @@ def test_memory_wall_gpt2_and_lines(client):
     assert m["gpt2_124m"]["hits_ceiling_at"] == -(-141_000_000_000 // 36_864)
     for bad in (999, 10_000_001, "x"):
         r = client.get("/api/memory-wall", params={"context": bad})
-        assert r.status_code == 422
+        assert r.status_code == 422 and r.json()["detail"].startswith("context: ") and "\n" not in r.json()["detail"]
 
 
 def test_history_fold_bytes_and_reads(client):
