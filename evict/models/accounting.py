@@ -2,6 +2,7 @@
 
     param_report(cfg)                          -> {"total", "active", "active_excl_embeddings", "by_kind", ...}
     memory_report(cfg, contexts, bytes_per_number=2) -> [{"context", "kv_bytes", "latent_bytes", "recurrent_bytes", ...}]
+    model_params(model), model_memory(model, contexts, bytes_per_number=2) -> the same for an LM already built
     comparisons(name, cfg)                     -> rows {"figure", "computed", "expected", "note"} (the seeds' figures)
     plot_memory({name: cfg}, contexts, png)    -> the "memory wall": bytes per sequence vs context, log-log
 
@@ -91,10 +92,11 @@ def param_report(cfg: ModelConfig) -> dict:
     Returns {"total", "active", "active_excl_embeddings", "embeddings": {"token", "position", "head"},
     "by_kind": {kind: count}, "moe": {"layers", "total", "active"}, "tied": bool}.
     """
-    return _params(build_meta(cfg))
+    return model_params(build_meta(cfg))
 
 
-def _params(model) -> dict:
+def model_params(model) -> dict:
+    """`param_report` of an LM already built (e.g. once, on the meta device)."""
     cfg = model.cfg
     letters, ffn_kinds = cfg.layer_mixers(), cfg.layer_ffns()
     by_kind = dict.fromkeys(KINDS, 0)
@@ -128,7 +130,12 @@ def memory_report(cfg: ModelConfig, contexts, bytes_per_number: int = 2) -> list
     contexts = _check_contexts(contexts)
     if not isinstance(bytes_per_number, int) or isinstance(bytes_per_number, bool) or bytes_per_number < 1:
         raise ValueError(f"bytes_per_number: expected a positive int, got {bytes_per_number!r}")
-    return _memory(build_meta(cfg), contexts, bytes_per_number)
+    return model_memory(build_meta(cfg), contexts, bytes_per_number)
+
+
+def model_memory(model, contexts, bytes_per_number: int = 2) -> list[dict]:
+    """`memory_report` of an LM already built (e.g. once, on the meta device, then asked at many contexts)."""
+    return _memory(model, _check_contexts(contexts), bytes_per_number)
 
 
 def _memory(model, contexts: list[int], bytes_per_number: int) -> list[dict]:
@@ -303,7 +310,7 @@ def size_report(name: str, cfg: ModelConfig, contexts, bytes_per_number: int = 2
     """Everything `evict size` prints, as data: params, memory rows, comparisons."""
     contexts = _check_contexts(contexts)
     model = build_meta(cfg)
-    params = _params(model)
+    params = model_params(model)
     return {"preset": name, "layers": "".join(cfg.layer_mixers()), "params": params,
             "memory": _memory(model, contexts, bytes_per_number), "bytes_per_number": bytes_per_number,
             "comparisons": comparisons(name, cfg, bytes_per_number, params=params)}

@@ -43,6 +43,14 @@ def attn_res(sources, query: torch.Tensor, norm_weight: torch.Tensor | None = No
     Keys, logits and softmax in float32 (float64 stays float64); returns [B, T, D] in the sources' dtype.
     """
     v = _stack(sources)  # [S, B, T, D]
+    w = attn_res_weights(v, query, norm_weight, eps)  # [S, B, T]
+    return torch.einsum("sbt,sbtd->btd", w, v.to(w.dtype)).to(v.dtype)  # [B, T, D]
+
+
+def attn_res_weights(sources, query: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """The mix's weights over the sources, [S, B, T] (float32, or float64 for float64 sources); sum 1 over S."""
+    v = _stack(sources)  # [S, B, T, D]
     _check(v, query, norm_weight)
     cd = torch.float64 if v.dtype == torch.float64 else torch.float32
     vf = v.to(cd)
@@ -50,8 +58,7 @@ def attn_res(sources, query: torch.Tensor, norm_weight: torch.Tensor | None = No
     if norm_weight is not None:
         key = key * norm_weight.to(cd)
     logits = torch.einsum("sbtd,d->sbt", key, query.to(cd))  # [S, B, T]
-    w = torch.softmax(logits, dim=0)  # [S, B, T] over sources
-    return torch.einsum("sbt,sbtd->btd", w, vf).to(v.dtype)  # [B, T, D]
+    return torch.softmax(logits, dim=0)  # [S, B, T] over sources
 
 
 def attn_res_reference(sources, query: torch.Tensor, norm_weight: torch.Tensor | None = None,

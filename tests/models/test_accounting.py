@@ -73,7 +73,7 @@ def test_kimi_linear_48b_counts():
 
 def test_kimi_k3_counts(k3):
     model, _ = k3
-    r = accounting._params(model)
+    r = accounting.model_params(model)
     assert 1e12 < r["total"] < 1e13
     assert abs(r["total"] - 2.78e12) / 2.78e12 < 0.01  # reported 2.78T
     assert 5e10 < r["active"] < 2e11

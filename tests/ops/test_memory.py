@@ -52,6 +52,16 @@ def test_chunked_matches_reference_float64(gate, delta, beta_max, T):
         assert rel(s, s_ref) <= 1e-10, (cs, init)
 
 
+@pytest.mark.parametrize("gate", GATES)
+def test_chunked_every_chunk_size_matches_reference(gate):
+    """The chunk dial's sizes below 16 and above 128: 1 (one token per chunk) up to one padded chunk for everything."""
+    x = make_inputs(1, 37, 2, 12, 7, gate=gate, beta_max=2.0, init=True)
+    o_ref, s_ref = run(x, True, impl="reference")
+    for cs in (1, 2, 4, 8, 256):
+        o, s = run(x, True, impl="chunked", chunk_size=cs)
+        assert rel(o, o_ref) <= 1e-10 and rel(s, s_ref) <= 1e-10, cs
+
+
 @pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
 def test_chunked_matches_reference_long(gate, delta):
     x = make_inputs(1, 1000, 2, 16, 8, gate=gate, beta_max=1.0, init=True)

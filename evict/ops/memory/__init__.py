@@ -23,7 +23,7 @@ from .triton import fits as triton_fits
 from .triton import runs_on as triton_runs_on
 
 IMPLS = ("auto", "reference", "chunked", "triton")
-CHUNK_SIZES = (16, 32, 64, 128)
+CHUNK_SIZES = tuple(2**i for i in range(11))  # 1 … 1024; 16–128 are the fast ones (the others: the chunk dial)
 
 __all__ = ["memory", "memory_step", "IMPLS", "CHUNK_SIZES", "LOG_ALPHA_FLOOR"]
 
@@ -54,7 +54,7 @@ def memory(
     `check=True` validates values too (finite, log_alpha <= 0, beta in [0, 2]); it costs a host sync.
     Autocast does not reach inside: the op computes at its own precision (float32 state and decays, or float64)
     whatever autocast is active, so a caller casts q, k, v to one dtype and gets o back in it.
-    `chunk_size` (16/32/64/128) is the chunked PyTorch form's; the Triton kernels always use chunks of 64 and take key
+    `chunk_size` (a power of two, 1 … 1024; 16–128 are fast) is the chunked PyTorch form's; the Triton kernels always use chunks of 64 and take key
     dims up to 128, value dims up to 256 ("auto" falls back to "chunked" beyond that, with a warning).
     """
     check_inputs(q, k, v, log_alpha, beta, initial_state, step=False, check_values=check)

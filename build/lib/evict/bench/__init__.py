@@ -1,0 +1,1 @@
+"""Benchmarks: print a table, write JSON."""

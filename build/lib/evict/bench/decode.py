@@ -1,0 +1,289 @@
+"""Decode cost vs context: time per output token of equal-width, equal-depth models of each memory kind.
+
+Models (one preset base, the same d_model / n_layers / heads / FFN for the first four):
+    attention  "A"     KV cache, O(N) per token
+    mla        "M"     latent cache, O(N) per token, smaller
+    kda        "K"     fixed-size state, O(1) per token
+    hybrid     "KKKM"  Kimi Linear's 3:1 (last layer MLA), dense FFN like the others
+    k3_mini    the k3_mini preset with its features (gated MLA, latent MoE, AttnRes, bounded gates)
+
+Method. Decode cost does not depend on what the memory holds, only on its shape, so no prompt is prefilled:
+one token is run through a fresh cache (this creates the recurrent states and conv tails), every cache tensor
+is then filled with random numbers, and `cache.pos` is set to the context length. Each timed step resets
+`cache.pos` to the context, runs the one-token forward and samples greedily, so every step attends over exactly
+`context` past tokens. Reported: median seconds per step over `steps` steps (after `warmup`), divided by the
+batch for time per token. On CUDA each step is bracketed by torch.cuda.synchronize().
+
+Batches: 1, and the largest batch whose cache fits --max-batch-bytes (cache bytes per sequence at this context,
+as allocated), capped at --max-batch. Memory per sequence is reported beside the time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import fields, replace
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from evict.bench.common import card, markdown_table, write_json
+from evict.models import LM, presets
+
+KINDS = ("attention", "mla", "kda", "hybrid", "k3_mini")
+CPU_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)
+CUDA_CONTEXTS = tuple(1024 * 2**i for i in range(8))  # 1K … 128K
+GPU_WIDTH = dict(d_model=1024, n_layers=8, n_heads=8, head_dim=128, d_ff=2816, kv_lora_rank=512, qk_nope_dim=128,
+                 qk_rope_dim=64, v_head_dim=128)
+
+
+def model_configs(kinds=KINDS, size: str = "tiny", width: dict | None = None) -> dict:
+    """{kind: ModelConfig} of equal width and depth. `width` overrides the size's shared settings."""
+    width = dict(width or {})
+    cfgs = {}
+    for kind in kinds:
+        if kind not in KINDS:
+            raise ValueError(f"models: unknown kind {kind!r}; expected some of {', '.join(KINDS)}")
+        if kind == "hybrid":
+            cfg = presets.get("kda", size=size, pattern="KKKM", final_mixer="M", **width)
+        elif kind == "k3_mini":
+            cfg = presets.get("k3_mini", size=size, **width)
+            if "d_model" in width:  # the preset derives these from d_model
+                half = width["d_model"] // 2
+                cfg = replace(cfg, q_lora_rank=half, moe=replace(cfg.moe, latent_dim=half))
+        else:
+            cfg = presets.get(kind, size=size, **width)
+        cfgs[kind] = cfg
+    return cfgs
+
+
+def cache_bytes(cache, context: int) -> int:
+    """Bytes per sequence the cache holds at `context` tokens (KV / latent buffers counted up to context)."""
+    total = 0
+    for st in cache.states:
+        for f in fields(st):
+            t = getattr(st, f.name)
+            if not isinstance(t, torch.Tensor):
+                continue
+            n = t.numel() * t.element_size() // cache.batch_size
+            if f.name in ("k", "v", "c", "k_rope"):  # [B, L_max, ...] buffers indexed by position
+                n = n * context // cache.max_len
+            total += n
+    return total
+
+
+def filled_cache(model: LM, batch: int, context: int, extra: int):
+    """A cache at position `context` whose every tensor holds random numbers (see the module docstring)."""
+    device = next(model.parameters()).device
+    cache = model.new_cache(batch, context + extra)
+    model(torch.zeros(batch, 1, dtype=torch.int64, device=device), cache=cache)  # creates recurrent states
+    for st in cache.states:
+        for f in fields(st):
+            t = getattr(st, f.name)
+            if isinstance(t, torch.Tensor):
+                t.normal_(0.0, 1.0 if f.name in ("k", "v", "c", "k_rope") else 0.02)
+    cache.pos = context
+    return cache
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def time_decode(model: LM, batch: int, context: int, *, steps: int, warmup: int) -> float:
+    """Median seconds of one decode step (one token for each of `batch` sequences) at `context`."""
+    device = next(model.parameters()).device
+    cache = filled_cache(model, batch, context, extra=1)
+    tok = torch.zeros(batch, 1, dtype=torch.int64, device=device)  # [B, 1]
+    times = []
+    for i in range(warmup + steps):
+        cache.pos = context
+        _sync(device)
+        t0 = time.perf_counter()
+        tok = model(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def time_decode_graphed(model: LM, batch: int, context: int, *, steps: int, warmup: int) -> float:
+    """Median seconds of one decode step replayed from a CUDA graph captured at `context` (CUDA only).
+
+    The graph holds one whole decode step at a fixed position: each replay writes the same cache slot and reads
+    the same `context` past tokens, i.e. exactly the work of a step at that context, without Python dispatch.
+    Raises RuntimeError when the model cannot be captured (e.g. MoE dispatch sizes its expert batches on the host).
+    """
+    device = next(model.parameters()).device
+    cache = filled_cache(model, batch, context, extra=1)
+    tok = torch.zeros(batch, 1, dtype=torch.int64, device=device)  # [B, 1]
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm up (Triton compiles) off the capture stream
+        for _ in range(2):
+            cache.pos = context
+            model(tok, cache=cache)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    cache.pos = context
+    with torch.cuda.graph(graph):
+        nxt = model(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+    times = []
+    for i in range(warmup + steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        graph.replay()
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    del nxt, graph
+    return statistics.median(times)
+
+
+def run(*, device: str = "cpu", kinds=KINDS, contexts=None, size: str | None = None, width: dict | None = None,
+        steps: int = 20, warmup: int = 3, max_batch_bytes: int | None = None, max_batch: int | None = None,
+        threads: int | None = None, out: str | Path | None = None, progress: bool = True, graphs: bool = False) -> dict:
+    """Time every (model, context, batch); print a table; write JSON to `out` and a PNG beside it. Returns the JSON."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: CUDA requested but torch.cuda.is_available() is False")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    cuda = dev.type == "cuda"
+    contexts = tuple(contexts or (CUDA_CONTEXTS if cuda else CPU_CONTEXTS))
+    size = size or ("small" if cuda else "tiny")
+    width = GPU_WIDTH if (width is None and cuda) else (width or {})
+    max_batch_bytes = max_batch_bytes or (64 << 30 if cuda else 256 << 20)
+    max_batch = max_batch or (256 if cuda else 32)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    out = Path(out or f"runs/bench/decode_{dev.type}.json")
+    for name, v in (("steps", steps), ("max_batch", max_batch), ("max_batch_bytes", max_batch_bytes)):
+        if v < 1:
+            raise ValueError(f"{name}: expected >= 1, got {v}")
+    if min(contexts) < 1:
+        raise ValueError(f"contexts: expected positive lengths, got {list(contexts)}")
+    if warmup < 0:
+        raise ValueError(f"warmup: expected >= 0, got {warmup}")
+
+    torch.manual_seed(0)
+    models = {k: LM(c).to(device=dev, dtype=dtype).eval() for k, c in model_configs(kinds, size, width).items()}
+    rows = []
+    jobs = [(k, ctx) for ctx in contexts for k in models]
+    bar = tqdm(jobs, desc="decode", disable=not progress, dynamic_ncols=True)
+    for kind, ctx in bar:
+        model = models[kind]
+        with torch.inference_mode():
+            per_seq = cache_bytes(filled_cache(model, 1, ctx, extra=1), ctx)
+        big = max(1, min(max_batch, max_batch_bytes // max(per_seq, 1)))
+        timed = {}
+        for mode, batch in (("1", 1), ("max", big)):
+            bar.set_postfix(model=kind, context=ctx, batch=batch)
+            if batch not in timed:
+                timed[batch] = (time_decode(model, batch, ctx, steps=steps, warmup=warmup), "eager")
+                if graphs and cuda:
+                    try:
+                        timed[batch] = (time_decode_graphed(model, batch, ctx, steps=steps, warmup=warmup), "graph")
+                    except RuntimeError as e:  # keep the eager time, say why
+                        timed[batch] = (timed[batch][0], f"eager (no graph: {str(e).splitlines()[0][:60]})")
+            step_s, how = timed[batch]
+            rows.append({"model": kind, "context": ctx, "batch": batch, "batch_mode": mode,
+                         "ms_per_token": 1e3 * step_s / batch, "ms_per_step": 1e3 * step_s,
+                         "tokens_per_s": batch / step_s, "cache_MiB_per_seq": per_seq / 2**20, "timing": how})
+        if cuda:
+            torch.cuda.empty_cache()
+    bar.close()
+    _ratios(rows)
+    payload = {"card": card(), "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "size": size,
+               "width": width, "layers": {k: m.cfg.pattern + (f"/{m.cfg.final_mixer}" if m.cfg.final_mixer else "")
+                                          for k, m in models.items()},
+               "params": {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()},
+               "steps": steps, "warmup": warmup, "max_batch_bytes": max_batch_bytes, "max_batch": max_batch,
+               "graphs": graphs and cuda, "rows": rows}
+    print(render(payload))
+    print(f"\njson: {write_json(out, payload)}")
+    print(f"plot: {plot(payload, out.with_suffix('.png'))}")
+    return payload
+
+
+def _ratios(rows: list[dict]) -> None:
+    """speedup_vs_attention = attention's ms/token / this model's, at the same context and batch mode."""
+    ref = {(r["context"], r["batch_mode"]): r["ms_per_token"] for r in rows if r["model"] == "attention"}
+    for r in rows:
+        a = ref.get((r["context"], r["batch_mode"]))
+        r["speedup_vs_attention"] = a / r["ms_per_token"] if a else None
+
+
+def render(payload: dict) -> str:
+    cols = ["model", "context", "batch", "ms_per_token", "tokens_per_s", "cache_MiB_per_seq", "speedup_vs_attention", "timing"]
+    fmt = []
+    for r in payload["rows"]:
+        fmt.append({**r, "ms_per_token": f"{r['ms_per_token']:.3f}", "tokens_per_s": f"{r['tokens_per_s']:.0f}",
+                    "cache_MiB_per_seq": f"{r['cache_MiB_per_seq']:.3f}",
+                    "speedup_vs_attention": "" if r["speedup_vs_attention"] is None else f"{r['speedup_vs_attention']:.2f}×"})
+    head = (f"decode on {payload['device']} ({payload['dtype']}, size {payload['size']}, width {payload['width'] or 'preset'}); "
+            f"median of {payload['steps']} steps; layers {payload['layers']}")
+    return head + "\n\n" + markdown_table(fmt, cols)
+
+
+def plot(payload: dict, png: str | Path) -> Path:
+    """Log-log ms/token vs context, one line per model; batch 1 and max batch side by side."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter
+
+    fig = Figure(figsize=(11, 4.2), constrained_layout=True)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2)
+    for ax, mode, title in zip(axes, ("1", "max"), ("batch 1", "largest batch within the memory budget")):
+        for kind in dict.fromkeys(r["model"] for r in payload["rows"]):
+            pts = [(r["context"], r["ms_per_token"]) for r in payload["rows"] if r["model"] == kind and r["batch_mode"] == mode]
+            if pts:
+                ax.plot(*zip(*pts), "o-", ms=3, label=kind)
+        ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms per output token", title=title)
+        ctxs = sorted({r["context"] for r in payload["rows"]})
+        ax.set_xticks(ctxs, [f"{c // 1024}K" if c >= 1024 else str(c) for c in ctxs])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.grid(alpha=0.3, which="both")
+        ax.legend()
+    fig.suptitle(f"decode cost vs context — {payload['device']}, {payload['dtype']}")
+    png = Path(png)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    return png
+
+
+def add_arguments(b) -> None:
+    """`evict bench decode` flags, on the bench subparser (--device and --out are shared with the other benches)."""
+    from evict.cli_args import positive_int
+
+    g = b.add_argument_group("decode", "flags of `evict bench decode`")
+    g.add_argument("--contexts", type=int, nargs="+", help="context lengths (default CPU 256 … 8K, CUDA 1K … 128K)")
+    g.add_argument("--models", nargs="+", choices=KINDS, help=f"default all: {' '.join(KINDS)}")
+    g.add_argument("--size", choices=sorted(presets.SIZES), help="preset size (default tiny on CPU, small on CUDA)")
+    g.add_argument("--d-model", type=positive_int, help="width override (CUDA default 1024, with 8 layers, 8 heads of 128)")
+    g.add_argument("--n-layers", type=positive_int)
+    g.add_argument("--n-heads", type=positive_int)
+    g.add_argument("--steps", type=int, default=20, help="timed decode steps per point (median)")
+    g.add_argument("--warmup", type=int, default=3)
+    g.add_argument("--max-batch-bytes", type=int, help="cache budget for the batched point (default 256 MiB CPU, 64 GiB CUDA)")
+    g.add_argument("--max-batch", type=int, help="cap on the batched point (default 32 CPU, 256 CUDA)")
+    g.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    g.add_argument("--graphs", action="store_true", help="CUDA: also time each step replayed from a CUDA graph (kept when capture works)")
+
+
+def cli_run(args) -> dict:
+    width = None
+    overrides = {k: v for k, v in (("d_model", args.d_model), ("n_layers", args.n_layers), ("n_heads", args.n_heads))
+                 if v is not None}
+    if overrides:
+        width = {**(GPU_WIDTH if args.device.startswith("cuda") else {}), **overrides}
+    try:
+        return run(device=args.device, kinds=tuple(args.models or KINDS), contexts=args.contexts, size=args.size,
+                   width=width, steps=args.steps, warmup=args.warmup, max_batch_bytes=args.max_batch_bytes,
+                   max_batch=args.max_batch, threads=args.threads, out=args.out, graphs=args.graphs)
+    except ValueError as e:
+        raise SystemExit(f"bench decode: {e}") from None

@@ -1,0 +1,170 @@
+"""Flag types and output checks for `evict …`: a bad value is rejected while parsing, with one line naming the flag.
+
+Types (for argparse `type=`): positive_int, nonneg_int, seed, positive_float, nonneg_float, unit_interval, device.
+Checks (before any work or write): writable_file(path, flag), writable_dir(path, flag).
+Lab commands: add_lab_parser (--quick / --full, --steps, --lr and the sweep flags), run_lab (flags over QUICK / FULL).
+`Parser` is an ArgumentParser whose errors are one line (no usage block), exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+from pathlib import Path
+
+
+class UserError(SystemExit):
+    """A one-line error for the user: printed to stderr by `evict.cli.main`, exit code 2; str() is the message."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _number(text: str, kind, want: str, ok) -> int | float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+    if (kind is float and not math.isfinite(value)) or not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _number(text, int, "a positive integer", lambda v: v >= 1)
+
+
+def nonneg_int(text: str) -> int:
+    return _number(text, int, "an integer >= 0", lambda v: v >= 0)
+
+
+def seed(text: str) -> int:
+    return _number(text, int, "an integer in [0, 2**32)", lambda v: 0 <= v < 2**32)
+
+
+def positive_float(text: str) -> float:
+    return _number(text, float, "a finite number > 0", lambda v: v > 0)
+
+
+def nonneg_float(text: str) -> float:
+    return _number(text, float, "a finite number >= 0", lambda v: v >= 0)
+
+
+def unit_interval(text: str) -> float:
+    return _number(text, float, "a number in (0, 1]", lambda v: 0 < v <= 1)
+
+
+def device(text: str) -> str:
+    """'auto', 'cpu', 'cuda' or 'cuda:N'; a CUDA device must exist on this machine."""
+    import torch
+
+    if text == "auto":
+        return text
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return text
+
+
+def _existing_ancestor(path: Path) -> Path:
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _can_create_in(folder: Path) -> str | None:
+    """None when a file can be created in `folder` (probed with a temporary file, removed at once), else why not."""
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=folder, prefix=".evict-write-check-"):
+            pass
+    except OSError as e:
+        return f"{folder} is not writable ({e.strerror or type(e).__name__})"
+    return None
+
+
+def writable_file(path: str | os.PathLike | None, flag: str) -> None:
+    """Raise UserError unless `path` can be created or overwritten as a file (nothing is left behind)."""
+    if path is None:
+        return
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise UserError(f"{flag}: {p} is a folder, expected a file path")
+    if p.exists():
+        try:
+            with p.open("ab"):
+                pass
+        except OSError as e:
+            raise UserError(f"{flag}: {p} is not writable ({e.strerror or type(e).__name__})") from None
+        return
+    why = _can_create_in(_existing_ancestor(p.parent))
+    if why:
+        raise UserError(f"{flag}: cannot create {p}: {why}")
+
+
+def writable_dir(path: str | os.PathLike | None, flag: str) -> None:
+    """Raise UserError unless `path` is (or can be created as) a writable folder (nothing is left behind)."""
+    if path is None:
+        return
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise UserError(f"{flag}: {p} is a file, expected a folder")
+    why = _can_create_in(_existing_ancestor(p))
+    if why:
+        raise UserError(f"{flag}: cannot use {p}: {why}")
+
+
+def add_sweep_flags(p: argparse.ArgumentParser, *, seeds_help: str) -> None:
+    """The flags every resumable lab sweep shares: seeds, processes, device, output folder."""
+    p.add_argument("--seeds", type=positive_int, help=seeds_help)
+    p.add_argument("--workers", type=positive_int, help="parallel processes (default 2 quick, 4 full)")
+    p.add_argument("--device", type=device, help="cpu, cuda or auto")
+    p.add_argument("--out", help="output folder; an existing one is resumed")
+
+
+def add_lab_parser(lab_sub, name: str, *, help: str, quick: str, full: str, seeds_help: str) -> argparse.ArgumentParser:
+    """`evict lab <name>` with the flags every lab sweep has: --quick (the default) or --full, --steps, --lr, then
+    add_sweep_flags'; the caller adds its own and sets `fn`."""
+    s = lab_sub.add_parser(name, help=help)
+    mode = s.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help=f"the default: {quick}")
+    mode.add_argument("--full", action="store_true", help=full)
+    s.add_argument("--steps", type=positive_int)
+    s.add_argument("--lr", type=positive_float)
+    add_sweep_flags(s, seeds_help=seeds_help)
+    return s
+
+
+def run_lab(args, lab, overrides: dict) -> None:
+    """Run module `lab`'s sweep (lab.run_sweep on lab.QUICK or lab.FULL) with the flags given laid over it: the
+    shared ones of add_lab_parser and `overrides` (field -> value, None = not given). A bad value is a user error."""
+    from dataclasses import replace
+
+    writable_dir(args.out, "--out")
+    shared = {"steps": args.steps, "lr": args.lr, "seeds": args.seeds, "workers": args.workers, "device": args.device}
+    given = {k: v for k, v in {**overrides, **shared}.items() if v is not None}
+    try:
+        lab.run_sweep(replace(lab.FULL if args.full else lab.QUICK, **given), out=args.out)
+    except ValueError as e:
+        raise UserError(str(e)) from None

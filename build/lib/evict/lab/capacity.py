@@ -1,0 +1,259 @@
+"""The capacity lab (`evict lab capacity`): how many key → value pairs can one fixed d_key × d_v memory hold before
+retrieval breaks, with the additive (linear attention) update and with the delta rule?
+
+Schlag, Irie, Schmidhuber (ICML 2021, synthetic retrieval experiments; numbers in LAB.md): one layer, d_key 64,
+S unique keys with one-hot values, loss ½‖y − ŷ‖² per query (0.5 = outputs zero). The additive elu+1 update breaks
+between S = 60 and 80 (loss 0.025 at 60, 0.11 at 80); with overwrites (2S writes, every key repeated) the additive
+update fails already at S = 20 (0.105) while the delta rule holds to S ≈ 60. The task is `evict.tasks.capacity`.
+
+The model (one layer, nothing but the memory between the key tokens and the prediction):
+
+    e = E[key]                         learned key embedding, d_key = 64 (one table for writes and queries)
+    k = φ(W_k e),  q = φ(W_q e)        φ(x) = (elu(x) + 1) / Σ_i (elu(x) + 1)_i: elu+1 with the paper's sum
+                                        normalisation, for both rules
+    v = one-hot(value) ∈ R^S           the value dimension is S, the number of distinct keys
+    β = σ(w_β · e + b_β)               "delta": learned per written token, as the paper's dynamic learning rate;
+                                        "additive": 1
+    writes then queries, one call of evict.ops.memory (chunked, float32, scale 1): the query tokens carry
+    β = 0, so they write nothing and read the state left by the last write; ŷ = q S.
+
+The two rules differ only in the update (delta, β); the feature map is the same. The paper's additive baseline is
+Katharopoulos et al.'s elu+1 linear attention; we give it the sum normalisation the paper proposes for its FWPs
+instead of the attention denominator φ(q)·Σφ(k) (LAB.md does not say which the paper used here). Without any
+normalisation, elu+1 keys and queries (all entries ≈ 1) read outputs of size ≈ d_key: after 300 Adam steps the
+loss was still 92 at S = 60 (dev/LOG.md, 2026-11-30). The choices LAB.md leaves open (embedding size, value
+dimension S, learned β, Adam lr, steps, batch) are ours, stated here and in the table's header.
+
+A sweep is a grid of (rule, overwrite, S, seed) runs; each trains a fresh model with Adam for a fixed number of
+steps and reports the loss on held-out batches. Outputs under runs/capacity/<timestamp>/: config.json,
+results.jsonl, table.md, capacity.png, runs/<name>/result.json (resumable with evict.lab.sweep.run_jobs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from evict.bench.common import markdown_table
+from evict.lab.sweep import run_grid
+from evict.ops.memory import memory
+from evict.tasks.capacity import CapacityBatch, make_batch
+from evict.train import resolve_device
+
+RULES = {"additive": "additive (β = 1)", "delta": "delta rule (learned β)"}
+PUBLISHED = {  # Schlag et al. (LAB.md): (rule, overwrite) -> {S: loss}
+    ("additive", False): {60: 0.025, 80: 0.11},
+    ("additive", True): {20: 0.105},
+}
+EVAL_SEED_OFFSET = 10_000  # held-out batches come from seed + this: no training seed of a sweep of < 10,000 seeds
+
+
+def write_then_read(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *, delta: bool,
+                    n_queries: int) -> torch.Tensor:
+    """Run W writes and then n_queries reads through evict.ops.memory; returns the reads [B, n_queries, V].
+
+    q, k: [B, W + n_queries, K] (q of the writes and k, v of the queries are ignored: the queries carry β = 0);
+    v: [B, W + n_queries, V]; beta: [B, W] (the writes' β). One head, scale 1.
+    """
+    B, T, _ = k.shape
+    beta = torch.cat([beta, beta.new_zeros(B, n_queries)], dim=1)  # [B, T]: queries write nothing
+    o, _ = memory(q[:, :, None], k[:, :, None], v[:, :, None], beta=beta[:, :, None], delta=delta, scale=1.0,
+                  impl="chunked", check=False)  # [B, T, 1, V]
+    return o[:, T - n_queries:, 0]
+
+
+class CapacityModel(nn.Module):
+    """One memory layer over S key tokens (module docstring). forward(batch) -> predicted values [B, S, S]."""
+
+    def __init__(self, S: int, rule: str, d_key: int = 64):
+        super().__init__()
+        self.S, self.rule = S, rule
+        self.embed = nn.Embedding(S, d_key)  # N(0, 1)
+        self.k_proj = nn.Linear(d_key, d_key, bias=False)  # PyTorch's default (Kaiming-uniform) for all three
+        self.q_proj = nn.Linear(d_key, d_key, bias=False)
+        self.beta_proj = nn.Linear(d_key, 1) if rule == "delta" else None
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        phi = F.elu(x) + 1
+        return phi / phi.sum(-1, keepdim=True)
+
+    def forward(self, batch: CapacityBatch) -> torch.Tensor:
+        tokens = torch.cat([batch.write_keys, batch.query_keys], dim=1)  # [B, T]
+        e = self.embed(tokens)  # [B, T, d_key]
+        k, q = self.features(self.k_proj(e)), self.features(self.q_proj(e))
+        v = F.one_hot(torch.cat([batch.write_values, torch.zeros_like(batch.query_keys)], dim=1), self.S).float()
+        W = batch.write_keys.shape[1]
+        if self.beta_proj is None:
+            beta = torch.ones(e.shape[0], W, device=e.device)
+        else:
+            beta = torch.sigmoid(self.beta_proj(e[:, :W]))[..., 0]  # [B, W]
+        return write_then_read(q, k, v, beta, delta=self.rule == "delta", n_queries=batch.query_keys.shape[1])
+
+
+def regression_loss(pred: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """½‖y − ŷ‖² per query, averaged over queries and rows; y = one-hot(targets) in R^{pred.shape[-1]}."""
+    y = F.one_hot(targets, pred.shape[-1]).to(pred.dtype)
+    return 0.5 * (pred - y).pow(2).sum(-1).mean()
+
+
+@dataclass
+class CapacitySweep:
+    rules: tuple = ("additive", "delta")
+    sizes: tuple = (20, 40, 60, 80, 100)  # S, the number of distinct keys
+    overwrite: tuple = (False, True)
+    d_key: int = 64
+    steps: int = 400
+    batch_size: int = 32
+    lr: float = 3e-3
+    eval_batches: int = 4
+    seed: int = 0
+    seeds: int = 1
+    workers: int = 2
+    device: str = "cpu"
+
+
+QUICK = CapacitySweep()
+FULL = CapacitySweep(  # S well past the break; every number here is ours (LAB.md gives none); not run yet
+    sizes=(20, 40, 60, 80, 100, 120, 160, 200, 300), steps=10_000, batch_size=64, lr=1e-3, eval_batches=16, seeds=3,
+    workers=4, device="auto",
+)
+
+
+def _batch_to(batch: CapacityBatch, device: torch.device) -> CapacityBatch:
+    return CapacityBatch(*(getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)))
+
+
+def run_one(job: dict) -> dict:
+    """Train one (rule, overwrite, S, seed) model with Adam; module-level so worker processes can run it."""
+    logging.getLogger("evict").setLevel(logging.WARNING)
+    sweep = CapacitySweep(**{k: tuple(v) if isinstance(v, list) else v for k, v in job["sweep"].items()})
+    S, seed, overwrite = job["S"], job["seed"], job["overwrite"]
+    device = resolve_device(sweep.device)
+    torch.manual_seed(seed)
+    model = CapacityModel(S, job["rule"], sweep.d_key).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=sweep.lr)
+    start, curve = time.perf_counter(), []
+    for step in range(sweep.steps):
+        batch = _batch_to(make_batch(S, sweep.batch_size, overwrite=overwrite, seed=seed, step=step), device)
+        loss = regression_loss(model(batch), batch.targets)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if (step + 1) % max(1, sweep.steps // 10) == 0:
+            curve.append((step + 1, loss.detach()))  # read after training: no host sync inside the loop
+    model.eval()
+    with torch.no_grad():
+        held_out = (make_batch(S, sweep.batch_size, overwrite=overwrite, seed=seed + EVAL_SEED_OFFSET, step=i)
+                    for i in range(sweep.eval_batches))
+        losses = [regression_loss(model(b), b.targets).item() for b in (_batch_to(h, device) for h in held_out)]
+    final = sum(losses) / len(losses)
+    return {
+        "rule": job["rule"], "overwrite": overwrite, "S": S, "seed": seed, "loss": final,
+        "train_curve": [[i, c.item()] for i, c in curve],
+        "steps": sweep.steps, "seconds": round(time.perf_counter() - start, 1),
+        "params": sum(p.numel() for p in model.parameters()),
+        "label": f"{job['rule']} S={S}{' ow' if overwrite else ''} {final:.3f}",
+    }
+
+
+def seeds_of(sweep: CapacitySweep) -> list[int]:
+    return list(range(sweep.seed, sweep.seed + sweep.seeds))
+
+
+def _name(rule: str, overwrite: bool, S: int, seed: int) -> str:
+    return f"{rule}_{'ow' if overwrite else 'unique'}_S{S}_s{seed}"
+
+
+def jobs_for(sweep: CapacitySweep, root: Path) -> list[dict]:
+    sw = dataclasses.asdict(sweep)
+    return [{"rule": r, "overwrite": ow, "S": S, "seed": s, "dir": str(root / "runs" / _name(r, ow, S, s)), "sweep": sw}
+            for s in seeds_of(sweep) for S in sorted(sweep.sizes, reverse=True) for ow in sweep.overwrite
+            for r in sweep.rules]
+
+
+def _line(rule: str, overwrite: bool) -> str:
+    return f"{RULES[rule]}{', overwrites (2S writes)' if overwrite else ', unique keys (S writes)'}"
+
+
+def mean_loss(results: list[dict]) -> dict:
+    """(rule, overwrite, S) -> (mean, min, max) final loss over seeds."""
+    cells: dict = {}
+    for r in results:
+        cells.setdefault((r["rule"], r["overwrite"], r["S"]), []).append(r["loss"])
+    return {key: (sum(v) / len(v), min(v), max(v)) for key, v in cells.items()}
+
+
+def report(sweep: CapacitySweep, results: list[dict]) -> str:
+    """Final held-out loss per S (rows) and (rule, overwrite) (columns), the published number in brackets."""
+    cells = mean_loss(results)
+    cols = [(r, ow) for ow in sweep.overwrite for r in sweep.rules]
+    names = [f"{r}{' + overwrites' if ow else ''}" for r, ow in cols]
+    rows = []
+    for S in sorted(sweep.sizes):
+        row = {"S": str(S)}
+        for (r, ow), name in zip(cols, names):
+            mean, lo, hi = cells[(r, ow, S)]
+            text = f"{mean:.3f}" if sweep.seeds == 1 else f"{mean:.3f} ({lo:.3f}–{hi:.3f})"
+            pub = PUBLISHED.get((r, ow), {}).get(S)
+            row[name] = text + (f" [published {pub:g}]" if pub is not None else "")
+        rows.append(row)
+    seeds = ", ".join(map(str, seeds_of(sweep)))
+    head = (f"Held-out loss ½‖y − ŷ‖² per query after {sweep.steps} Adam steps (lr {sweep.lr:g}, batch "
+            f"{sweep.batch_size}; {sweep.eval_batches} held-out batches; 0.5 = outputs zero); d_key {sweep.d_key}, "
+            f"one-hot values in R^S; seed{'s' if sweep.seeds > 1 else ''} {seeds}"
+            f"{' (mean, min–max)' if sweep.seeds > 1 else ''}. Published: Schlag et al. 2021 (LAB.md). Rules: "
+            + "; ".join(f"{r} = {RULES[r]}" for r in sweep.rules) + ".")
+    return f"{head}\n\n{markdown_table(rows, ['S', *names])}"
+
+
+def plot(sweep: CapacitySweep, results: list[dict], path: Path) -> Path:
+    """Loss vs S, one line per (rule, overwrite); published points as crosses."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    cells = mean_loss(results)
+    fig = Figure(figsize=(6.4, 4.2), constrained_layout=True)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    sizes = sorted(sweep.sizes)
+    for i, (r, ow) in enumerate((r, ow) for ow in sweep.overwrite for r in sweep.rules):
+        color = f"C{i}"
+        ax.plot(sizes, [cells[(r, ow, S)][0] for S in sizes], marker="o", ls="--" if ow else "-", color=color,
+                label=_line(r, ow))
+        pub = PUBLISHED.get((r, ow), {})
+        if pub:
+            ax.scatter(list(pub), list(pub.values()), marker="x", s=60, color=color, zorder=3,
+                       label=f"published: {RULES[r]}{' + overwrites' if ow else ''}")
+    ax.axhline(0.5, color="k", lw=0.6, ls=":")
+    ax.set_xlabel("S (distinct keys)")
+    ax.set_ylabel("held-out loss ½‖y − ŷ‖²  (0.5 = outputs zero)")
+    ax.set_title(f"Capacity: one memory, d_key {sweep.d_key}, {sweep.steps} steps", fontsize=10)
+    ax.legend(fontsize=7)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def validate(sweep: CapacitySweep) -> None:
+    bad = [r for r in sweep.rules if r not in RULES]
+    if bad or not sweep.rules:
+        raise ValueError(f"rules: expected names from {list(RULES)}, got {list(sweep.rules)}")
+    if not sweep.sizes or min(sweep.sizes) < 2 or len(set(sweep.sizes)) != len(sweep.sizes):
+        raise ValueError(f"sizes: expected distinct S >= 2, got {list(sweep.sizes)}")
+    if not sweep.overwrite or any(not isinstance(o, bool) for o in sweep.overwrite):
+        raise ValueError(f"overwrite: expected False and/or True, got {list(sweep.overwrite)}")
+    for name in ("d_key", "steps", "batch_size", "eval_batches", "seeds", "workers"):
+        if getattr(sweep, name) < 1:
+            raise ValueError(f"{name}: expected >= 1, got {getattr(sweep, name)}")
+
+
+def run_sweep(sweep: CapacitySweep, out: str | Path | None = None) -> Path:
+    """Run (or resume, when `out` already holds part of it) the sweep; write and print the results."""
+    validate(sweep)
+    return run_grid("capacity", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot)

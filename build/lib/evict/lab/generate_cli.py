@@ -1,0 +1,135 @@
+"""`evict generate`: load a model saved by `evict train` (+ its tokenizer), stream a continuation, report speed.
+
+Timing: prefill = from the call until the first new token exists (the prompt's forward pass + one sample);
+decode = from then until the last token (each further token is one cached one-token forward + one sample).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from evict.cli_args import device, nonneg_float, positive_int, seed, unit_interval
+
+
+class _StopText(Exception):
+    """Raised from the streaming callback once the generated text contains the multi-token --stop text."""
+
+
+def resolve_model_dir(path: str) -> Path:
+    """--model may name the model folder itself or the run folder holding model/."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise SystemExit(f"--model: no such folder: {p}")
+    if (p / "model" / "config.json").is_file():
+        p = p / "model"
+    if not (p / "config.json").is_file():
+        raise SystemExit(f"--model: {p} holds no config.json (expected the model/ folder written by `evict train`)")
+    if not (p / "tokenizer.json").is_file():
+        raise SystemExit(f"--model: {p} holds no tokenizer.json (models trained on text tasks have one)")
+    return p
+
+
+class Streamer:
+    """Collects token ids and writes the newly decodable text (held back while a UTF-8 character is incomplete)."""
+
+    def __init__(self, tokenizer, out=None, stop_text: str | None = None):
+        self.tok, self.out, self.stop_text = tokenizer, out or sys.stdout, stop_text
+        self.ids: list[int] = []
+        self.shown = 0
+        self.first_token_time: float | None = None
+
+    def __call__(self, tokens: torch.Tensor) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.ids.append(int(tokens[0]))
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return
+        self.out.write(text[self.shown :])
+        self.out.flush()
+        self.shown = len(text)
+        if self.stop_text and self.stop_text in text:
+            raise _StopText
+
+
+def run_generate(args) -> dict:
+    from evict.models import LM
+    from evict.tasks.tokenizers import load_tokenizer
+    from evict.train import resolve_device
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    folder = resolve_model_dir(args.model)
+    device = resolve_device(args.device)
+    try:
+        model = LM.load(folder, device=device)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"--model: {e}") from None
+    model.to(device)
+    try:
+        tok = load_tokenizer(folder / "tokenizer.json")
+    except (ValueError, ImportError) as e:
+        raise SystemExit(f"--model: {e}") from None
+    if tok.vocab_size != model.cfg.vocab_size:
+        raise SystemExit(f"--model: {folder / 'tokenizer.json'} has {tok.vocab_size} tokens but the model's vocab_size is "
+                         f"{model.cfg.vocab_size} (a tokenizer from another run?)")
+    try:
+        prompt_ids = tok.encode(args.prompt)
+    except ValueError as e:
+        raise SystemExit(f"--prompt: {e}") from None
+    if len(prompt_ids) == 0:
+        raise SystemExit("--prompt: expected a non-empty prompt")
+    stop_tokens, stop_text = (), None
+    if args.stop:
+        try:
+            stop_ids = tok.encode(args.stop)
+        except ValueError as e:
+            raise SystemExit(f"--stop: {e}") from None
+        if len(stop_ids) == 1:
+            stop_tokens = (int(stop_ids[0]),)
+        else:
+            stop_text = args.stop
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.int64)[None]  # [1, T0]
+    stream = Streamer(tok, stop_text=stop_text)
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    t0 = time.perf_counter()
+    try:
+        model.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, seed=args.seed, stop_tokens=stop_tokens, on_token=stream)
+    except _StopText:
+        pass
+    except ValueError as e:
+        raise SystemExit(f"generate: {e}") from None
+    t_end = time.perf_counter()
+    n = len(stream.ids)
+    prefill_s = stream.first_token_time - t0
+    decode_s = t_end - stream.first_token_time
+    stats = {"prompt_tokens": prompt.shape[1], "new_tokens": n, "prefill_s": prefill_s, "decode_s": decode_s,
+             "prefill_tok_s": prompt.shape[1] / max(prefill_s, 1e-9),
+             "decode_tok_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan"),
+             "text": tok.decode(stream.ids)}
+    print(f"\n\n[prefill {stats['prompt_tokens']} tokens in {prefill_s * 1e3:.1f} ms ({stats['prefill_tok_s']:.0f} tok/s); "
+          f"decode {n - 1} tokens in {decode_s * 1e3:.1f} ms ({stats['decode_tok_s']:.1f} tok/s); device {device}]",
+          file=sys.stderr)
+    return stats
+
+
+def add_parser(sub, fn) -> None:
+    """Register `evict generate` (calling fn(args)) on the argparse subparsers object."""
+    g = sub.add_parser("generate", help="stream a continuation from a model saved by `evict train`")
+    g.add_argument("--model", required=True, help="the run folder of `evict train` (or its model/ folder)")
+    g.add_argument("--prompt", default="\n")
+    g.add_argument("--max-new-tokens", type=positive_int, default=200)
+    g.add_argument("--temperature", type=nonneg_float, default=0.8, help="0 = greedy")
+    g.add_argument("--top-k", type=positive_int, default=50)
+    g.add_argument("--top-p", type=unit_interval, default=0.95)
+    g.add_argument("--seed", type=seed, default=None)
+    g.add_argument("--stop", default=None, help="stop once this text is generated")
+    g.add_argument("--device", type=device, default="cpu", help="cpu, cuda or auto")
+    g.add_argument("--threads", type=positive_int)
+    g.set_defaults(fn=fn)

@@ -1,0 +1,316 @@
+"""The recall lab: MQAR accuracy across every memory, as pairs grow (`evict recall`).
+
+A sweep is a grid of (architecture, (seq_len, pairs), d_model, lr, seed) runs of 2-layer models; each seed's cell is
+its best validation accuracy over learning rates (as in Zoology), and the table shows the mean over seeds with the
+range (min–max) beside it. Outputs under runs/recall/<timestamp>/: config.json, results.jsonl (one row per run, seed
+included), table.md (mean and range, then every seed), scorecard.md, recall_vs_pairs.png, recall_vs_state.png.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from evict.bench.common import markdown_table
+from evict.lab.sweep import run_jobs, sweep_folder, write_results
+from evict.models import LM, presets
+from evict.tasks.mqar import MQARConfig, MQARTask
+from evict.train import TrainConfig, resolve_device, train
+
+ARCHS = ("attention", "linear", "deltanet", "gated_deltanet", "kda", "gla", "kimi_linear")
+SCORECARD = [  # (architecture, stores, write, read, eviction, sweep arch measured for it)
+    ("GPT-2", "every k,v — O(N)", "append", "softmax, sharp", "none", "attention"),
+    ("Linear attention", "fixed d×d", "add kᵀv", "qS, blended", "accidental (interference)", "linear"),
+    ("DeltaNet", "fixed d×d", "erase-then-write", "qS", "targeted replace", "deltanet"),
+    ("Gated DeltaNet", "fixed d×d", "fade·erase·write", "qS", "replace + global decay", "gated_deltanet"),
+    ("KDA", "fixed d×d", "per-channel fade·erase·write", "qS", "replace + per-channel decay", "kda"),
+    ("GLA", "fixed d×d", "per-channel fade·write", "qS", "per-channel decay", "gla"),
+    ("MLA", "latents — O(N), ~28× smaller", "append latents", "softmax, sharp", "none (smaller rent)", "mla"),
+    ("Kimi Linear 3:1", "both", "both", "both", "division of labour", "kimi_linear"),
+    ("Kimi K3", "states + shelves + experts + depth snapshots", "+ routing", "+ depth attention", "four policies", "k3_mini"),
+]
+
+
+@dataclass
+class RecallSweep:
+    archs: tuple = ARCHS
+    settings: tuple = ((32, 2), (32, 4), (32, 8))  # (seq_len, num_pairs)
+    d_models: tuple = (32,)
+    lrs: tuple = (1e-2,)
+    head_dim: int = 16
+    n_layers: int = 2
+    vocab_size: int = 128
+    steps: int = 400
+    chunk_size: int = 16  # short chunks: fastest on a CPU, and per-channel decay stays in the two-factor range
+    batch_size: int = 32
+    eval_every: int = 100
+    eval_batches: int = 4
+    target_accuracy: float = 0.99
+    simple: bool = False
+    seed: int = 0
+    seeds: int = 1  # runs seeds seed, seed+1, …: model init and training batches differ, the val set is shared
+    workers: int = 2
+    device: str = "cpu"
+    notes: dict = field(default_factory=dict)
+
+
+QUICK = RecallSweep(seeds=2)  # 3 seeds took 463 s CPU (2 cores: ~4 min + install > 5 min); dev/LOG.md
+FULL = RecallSweep(
+    settings=((64, 4), (128, 8), (256, 16), (512, 64)), d_models=(64, 128, 256),
+    lrs=(1e-4, 4.6e-4, 2.2e-3, 1e-2), head_dim=32, vocab_size=8192, steps=8000, batch_size=256, eval_every=500, chunk_size=64,
+    eval_batches=8, workers=4, device="auto",  # 4 cells share one GPU: 8 gave no more cell-steps/s (BENCHMARKS.md)
+)
+
+
+def model_config(arch: str, d_model: int, sweep: RecallSweep, seq_len: int):
+    """A 2-layer model of `arch` at width d_model; heads of sweep.head_dim; dense SwiGLU FFNs (no MoE) everywhere.
+
+    Every mixer gets the same kernel-4 short causal conv on q/k/v (the delta family has it anyway): recall then
+    measures the memory, not how fast plain attention learns a previous-token head from scratch.
+    """
+    hd = min(sweep.head_dim, d_model)
+    return presets.get(
+        arch, size="tiny", vocab_size=sweep.vocab_size, d_model=d_model, n_layers=sweep.n_layers,
+        n_heads=d_model // hd, head_dim=hd, d_ff=2 * d_model, moe=None, attn_res=False, short_conv=True,
+        kv_lora_rank=max(16, d_model // 2), qk_nope_dim=hd, qk_rope_dim=max(2, hd // 2), v_head_dim=hd,
+        chunk_size=sweep.chunk_size, max_seq_len=max(seq_len, 64),
+    )
+
+
+def run_one(job: dict) -> dict:
+    """Train one (arch, L, K, d, lr) cell; module-level so worker processes can run it."""
+    logging.getLogger("evict").setLevel(logging.WARNING)
+    sweep = RecallSweep(**{k: tuple(v) if isinstance(v, list) else v for k, v in job["sweep"].items()})
+    L, K, d = job["seq_len"], job["pairs"], job["d_model"]
+    seed = job["seed"]
+    torch.manual_seed(seed)
+    cfg = model_config(job["arch"], d, sweep, L)
+    model = LM(cfg)
+    task = MQARTask(MQARConfig(vocab_size=sweep.vocab_size, seq_len=L, num_pairs=K, simple=sweep.simple, train_seed=seed))
+    stop_at = job.get("stop_at")
+    if stop_at is not None and time.time() >= stop_at:
+        return None  # out of time before it started: left for the next piece
+    on_gpu = resolve_device(sweep.device).type == "cuda"
+    tc = TrainConfig(steps=sweep.steps, batch_size=sweep.batch_size, lr=job["lr"], weight_decay=0.1, warmup_steps=0,
+                     eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, target_accuracy=sweep.target_accuracy,
+                     seed=seed, device=sweep.device, out_dir=job["dir"], progress=False, log_every=50,
+                     graphs=on_gpu, checkpoint_every=sweep.eval_every, stop_at=stop_at)
+    res = train(model, task, tc)
+    if res.interrupted:
+        return None
+    return {
+        "arch": job["arch"], "seq_len": L, "pairs": K, "d_model": d, "lr": job["lr"], "seed": seed,
+        "accuracy": res.best_val_accuracy, "final_accuracy": res.final_val_accuracy, "steps": res.steps_done,
+        "seconds": round(res.wall_seconds, 1), "state_size": model.state_size(L),
+        "params": sum(p.numel() for p in model.parameters()), "label": f"{job['arch']} K={K} acc={res.best_val_accuracy:.2f}",
+    }
+
+
+def seeds_of(sweep: RecallSweep) -> list[int]:
+    return list(range(sweep.seed, sweep.seed + sweep.seeds))
+
+
+def jobs_for(sweep: RecallSweep, root: Path) -> list[dict]:
+    """Every run of the grid; the costliest settings (most pairs) first, so the last runs to finish are short ones.
+
+    A run's folder is named by its cell, plus `_s<seed>` when the sweep has several seeds (one seed keeps the names
+    of sweeps written before seeds existed, so they still resume).
+    """
+    sw = dataclasses.asdict(sweep)
+    jobs = []
+    for (L, K) in sorted(sweep.settings, key=lambda s: (-s[0] * s[1], -s[1])):
+        for seed in seeds_of(sweep):
+            for arch in sweep.archs:
+                for d in sweep.d_models:
+                    for lr in sweep.lrs:
+                        name = f"{arch}_L{L}_K{K}_d{d}_lr{lr:g}" + (f"_s{seed}" if sweep.seeds > 1 else "")
+                        jobs.append({"arch": arch, "seq_len": L, "pairs": K, "d_model": d, "lr": lr, "seed": seed,
+                                     "dir": str(root / "runs" / name), "sweep": sw})
+    return jobs
+
+
+def best_over_lr(results: list[dict]) -> dict:
+    """(arch, L, K, d, seed) -> the result with the highest accuracy over learning rates."""
+    best = {}
+    for r in results:
+        key = (r["arch"], r["seq_len"], r["pairs"], r["d_model"], r["seed"])
+        if key not in best or r["accuracy"] > best[key]["accuracy"]:
+            best[key] = r
+    return best
+
+
+@dataclass
+class Cell:
+    """One (arch, L, K, d) cell over seeds: each seed's best-over-lr accuracy, and their mean and range."""
+
+    accuracies: list  # in seed order
+    seeds: list
+    state_size: int
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.accuracies)
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        return min(self.accuracies), max(self.accuracies)
+
+    def __str__(self) -> str:
+        """`0.512 (0.136–0.707)`: mean (min–max over seeds); the bare number for a single seed."""
+        if len(self.accuracies) == 1:
+            return f"{self.mean:.3f}"
+        lo, hi = self.spread
+        return f"{self.mean:.3f} ({lo:.3f}–{hi:.3f})"
+
+
+def over_seeds(best: dict) -> dict:
+    """best_over_lr's (arch, L, K, d, seed) -> result, folded into (arch, L, K, d) -> Cell."""
+    cells: dict = {}
+    for (arch, L, K, d, seed), r in sorted(best.items(), key=lambda kv: kv[0][4]):
+        c = cells.setdefault((arch, L, K, d), Cell([], [], r["state_size"]))
+        c.accuracies.append(r["accuracy"])
+        c.seeds.append(seed)
+    return cells
+
+
+def table(sweep: RecallSweep, cells: dict, d: int) -> str:
+    cols = [f"K={K} (L={L})" for L, K in sweep.settings]
+    rows = []
+    for arch in sweep.archs:
+        row = {"architecture": arch, "state (numbers/seq, largest L)": cells[(arch, *sweep.settings[-1], d)].state_size}
+        for (L, K), c in zip(sweep.settings, cols):
+            row[c] = str(cells[(arch, L, K, d)])
+        rows.append(row)
+    return markdown_table(rows, ["architecture", *cols, "state (numbers/seq, largest L)"])
+
+
+def seed_table(sweep: RecallSweep, cells: dict, d: int) -> str:
+    """Every seed's accuracy per cell, `a / b / c` in seed order."""
+    cols = [f"K={K} (L={L})" for L, K in sweep.settings]
+    rows = [{"architecture": arch, **{c: " / ".join(f"{a:.3f}" for a in cells[(arch, L, K, d)].accuracies)
+                                      for (L, K), c in zip(sweep.settings, cols)}} for arch in sweep.archs]
+    return markdown_table(rows, ["architecture", *cols])
+
+
+def scorecard(sweep: RecallSweep, cells: dict) -> str:
+    L, K = sweep.settings[-1]
+    d = max(sweep.d_models)
+    col = f"measured MQAR acc (K={K}, L={L}, d={d})"
+    rows = []
+    for name, stores, write, read, evict, arch in SCORECARD:
+        c = cells.get((arch, L, K, d))
+        rows.append({"Architecture": name, "Stores": stores, "Write": write, "Read": read, "Eviction": evict,
+                     col: str(c) if c else "not in this sweep"})
+    return markdown_table(rows, ["Architecture", "Stores", "Write", "Read", "Eviction", col])
+
+
+def plots(sweep: RecallSweep, cells: dict, root: Path) -> list[Path]:
+    """Mean over seeds, with a bar over the range (min–max) when there are several."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = max(sweep.d_models)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ks = [K for _, K in sweep.settings]
+    for i, arch in enumerate(sweep.archs):
+        shift = 2 ** (0.03 * (i - (len(sweep.archs) - 1) / 2))  # side by side on the log axis, so ranges don't hide
+        _mean_and_range(ax, [k * shift for k in ks], [cells[(arch, L, K, d)] for L, K in sweep.settings], arch)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ks, [str(k) for k in ks])
+    ax.minorticks_off()
+    p1 = _finish(plt, fig, ax, "key-value pairs K", f"Recall vs pairs — {sweep.n_layers} layers, d={d}{_seeds_note(sweep)}",
+                 root / "recall_vs_pairs.png")
+
+    L, K = sweep.settings[-1]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for arch in sweep.archs:
+        cs = sorted((cells[(arch, L, K, dd)] for dd in sweep.d_models), key=lambda c: c.state_size)
+        _mean_and_range(ax, [c.state_size for c in cs], cs, arch)
+    ax.set_xscale("log")
+    p2 = _finish(plt, fig, ax, f"memory held per sequence at L={L} (numbers, all layers)",
+                 f"Recall vs state size — K={K}{_seeds_note(sweep)}", root / "recall_vs_state.png")
+    return [p1, p2]
+
+
+def _seeds_note(sweep: RecallSweep) -> str:
+    return f"; mean, range over {sweep.seeds} seeds" if sweep.seeds > 1 else ""
+
+
+def _mean_and_range(ax, xs: list, cs: list, label: str) -> None:
+    means = [c.mean for c in cs]
+    err = [[c.mean - c.spread[0] for c in cs], [c.spread[1] - c.mean for c in cs]]
+    ax.errorbar(xs, means, yerr=err if any(len(c.accuracies) > 1 for c in cs) else None, marker="o", capsize=3, label=label)
+
+
+def _finish(plt, fig, ax, xlabel: str, title: str, path: Path) -> Path:
+    """Shared styling of the lab's accuracy plots; saves and closes the figure."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("MQAR accuracy (best over lr)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def report(sweep: RecallSweep, results: list[dict]) -> tuple[str, str]:
+    """The markdown tables (mean and range per cell, then every seed; one block per d_model) and the scorecard."""
+    cells = over_seeds(best_over_lr(results))
+    seeds = ", ".join(str(s) for s in seeds_of(sweep))
+    blocks = []
+    for d in sweep.d_models:
+        blocks.append(f"d_model = {d}; seeds {seeds}" + (f"; mean (min–max) over the {sweep.seeds} seeds" if sweep.seeds > 1 else "")
+                      + f"\n\n{table(sweep, cells, d)}")
+        if sweep.seeds > 1:
+            blocks.append(f"d_model = {d}, each seed ({seeds})\n\n{seed_table(sweep, cells, d)}")
+    return "\n\n".join(blocks), scorecard(sweep, cells)
+
+
+def run_sweep(sweep: RecallSweep, out: str | Path | None = None, minutes: float | None = None) -> Path:
+    """Run (or resume, when `out` already holds part of it) the sweep; write and print the results.
+
+    `minutes`: stop after about this long — runs in flight checkpoint and stop, no new run starts — and say how much
+    is left; the same command (same `out`) continues. Tables and plots are written once every run has finished."""
+    if minutes is not None and not minutes > 0:
+        raise ValueError(f"minutes: expected a positive number, got {minutes}")
+    unknown = [a for a in sweep.archs if a not in presets.FAMILIES]
+    if unknown:
+        raise ValueError(f"archs: unknown architecture(s) {unknown}; expected names from {list(presets.FAMILIES)}")
+    if sweep.seeds < 1:
+        raise ValueError(f"seeds: expected >= 1, got {sweep.seeds}")
+    for L, K in sweep.settings:
+        MQARConfig(vocab_size=sweep.vocab_size, seq_len=L, num_pairs=K, simple=sweep.simple)  # validates
+    # fields added since an older config.json was written take their defaults, so an old sweep resumes
+    root = sweep_folder("recall", sweep, out, defaults=json.loads(json.dumps(dataclasses.asdict(RecallSweep()))))
+    jobs = jobs_for(sweep, root)
+    print(f"recall sweep: {len(jobs)} runs (seeds {', '.join(map(str, seeds_of(sweep)))}) -> {root}")
+    if minutes is not None:
+        stop_at = time.time() + 60 * minutes
+        jobs = [{**job, "stop_at": stop_at} for job in jobs]
+    results = run_jobs(run_one, jobs, workers=sweep.workers, desc="recall")
+    left = sum(r is None for r in results)
+    if left:
+        print(f"stopped after {minutes:g} min: {len(jobs) - left} of {len(jobs)} runs finished, {left} left "
+              f"(unfinished ones resume from their checkpoints); run the same command with --out {root} to continue")
+        return root
+    results = [{**r, "seed": job["seed"]} for r, job in zip(results, jobs)]  # results of older runs lack the seed
+    write_results(root, results)
+    tables, card = report(sweep, results)
+    (root / "table.md").write_text(tables + "\n")
+    (root / "scorecard.md").write_text(card + "\n")
+    pngs = plots(sweep, over_seeds(best_over_lr(results)), root)
+    print(f"\nMQAR accuracy (best over lr {list(sweep.lrs)}), {sweep.n_layers} layers, vocab {sweep.vocab_size}\n\n{tables}\n")
+    print(f"{card}\n")
+    print("wrote " + ", ".join(str(p) for p in [root / "table.md", root / "scorecard.md", *pngs]))
+    return root

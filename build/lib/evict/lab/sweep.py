@@ -1,0 +1,102 @@
+"""Run a grid of independent jobs across processes, resumably: a job is done when its result.json exists."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import multiprocessing as mp
+import os
+from pathlib import Path
+from typing import Callable
+
+from tqdm import tqdm
+
+
+def _worker(args):
+    i, fn, job, threads = args
+    import torch
+
+    torch.set_num_threads(threads)
+    return i, fn(job)
+
+
+def run_jobs(fn: Callable[[dict], dict], jobs: list[dict], *, workers: int = 1, desc: str = "runs") -> list[dict]:
+    """Apply fn to every job (a dict with a "dir" key) not already finished; returns all results in job order.
+
+    fn must be a module-level function (it is pickled to worker processes) and write nothing but under job["dir"].
+    A finished job's result is read back from <dir>/result.json, so an interrupted sweep resumes where it stopped.
+    fn returns None for a job it left unfinished (e.g. out of time): no result.json, None in the returned list.
+    """
+    results: dict[int, dict] = {}
+    todo = []
+    for i, job in enumerate(jobs):
+        done = Path(job["dir"]) / "result.json"
+        if done.exists():
+            results[i] = json.loads(done.read_text())
+        else:
+            todo.append(i)
+    threads = max(1, (os.cpu_count() or 1) // max(workers, 1))
+    bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc=desc, dynamic_ncols=True)
+    payload = [(i, fn, jobs[i], threads) for i in todo]
+    if workers <= 1:
+        outs = (_worker(p) for p in payload)
+        pool = None
+    else:
+        pool = mp.get_context("spawn").Pool(workers)
+        outs = pool.imap_unordered(_worker, payload)
+    try:
+        for i, res in outs:
+            results[i] = res
+            if res is None:
+                continue
+            out = Path(jobs[i]["dir"]) / "result.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_suffix(".tmp")
+            tmp.write_text(json.dumps(res, indent=2))
+            tmp.replace(out)
+            bar.set_postfix_str(res.get("label", ""))
+            bar.update(1)
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.close()
+            pool.join()
+    return [results.get(i) for i in range(len(jobs))]
+
+
+def sweep_folder(kind: str, sweep, out: str | Path | None, *, defaults: dict | None = None) -> Path:
+    """The folder of a sweep (a dataclass): `out`, or runs/<kind>/<timestamp>/, with the sweep's config.json. A folder
+    that already holds another config is refused; `defaults` (the config's fields at their defaults) fills in fields
+    a saved config predates, so an older sweep still resumes."""
+    root = Path(out) if out else Path("runs") / kind / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    root.mkdir(parents=True, exist_ok=True)
+    cfg_path = root / "config.json"
+    want = json.loads(json.dumps(dataclasses.asdict(sweep)))
+    if cfg_path.exists() and {**(defaults or {}), **json.loads(cfg_path.read_text())} != want:
+        raise ValueError(f"out: {root} holds a sweep with another config; use a new folder or the same options")
+    cfg_path.write_text(json.dumps(want, indent=2))
+    return root
+
+
+def write_results(root: Path, results: list[dict]) -> None:
+    with (root / "results.jsonl").open("w") as f:
+        for r in results:
+            f.write(json.dumps(r) + "\n")
+
+
+def run_grid(kind: str, sweep, out: str | Path | None, *, jobs_for: Callable, run_one: Callable, report: Callable,
+             plot: Callable) -> Path:
+    """Run (or resume) a lab's validated sweep (a dataclass) in `sweep_folder(kind, sweep, out)`: jobs_for(sweep,
+    root) through run_jobs, then results.jsonl, table.md = report(sweep, results) and plot(sweep, results,
+    root / "<kind>.png"); prints the table; returns root."""
+    root = sweep_folder(kind, sweep, out)
+    jobs = jobs_for(sweep, root)
+    print(f"{kind} sweep: {len(jobs)} runs -> {root}")
+    results = run_jobs(run_one, jobs, workers=sweep.workers, desc=kind)
+    write_results(root, results)
+    table = report(sweep, results)
+    (root / "table.md").write_text(table + "\n")
+    png = plot(sweep, results, root / f"{kind}.png")
+    print(f"\n{table}\n\nwrote {root / 'table.md'}, {png}")
+    return root

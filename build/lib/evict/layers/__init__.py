@@ -1,0 +1,1 @@
+"""nn.Modules built on evict.ops: mixers, FFNs, norms, conv."""

@@ -1,0 +1,146 @@
+"""The linear-memory mixers: linear attention, DeltaNet, Gated DeltaNet, KDA, GLA — one module, one op.
+
+Each kind is a setting of the memory op (see ../shared/spec/MEMORY.md):
+    kind            decay      delta  beta  q/k features                 output
+    linear          none       no     1     elu+1, normalizer (v = [v,1])  W_o o
+    deltanet        none       yes    σ     SiLU(conv) + L2               W_o(RMSNorm(o) ⊙ σ(gate))
+    gated_deltanet  scalar     yes    σ     SiLU(conv) + L2               "
+    kda             channel    yes    σ     SiLU(conv) + L2               "
+    gla             channel    no     1     SiLU(conv)                    "
+Legend: B batch, T time, H heads, D head dim (= d_k = d_v).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from evict.cache import RecurrentState
+from evict.ops import memory, memory_step
+
+from .conv import ShortConv
+from .norms import RMSNorm
+
+KINDS = {  # kind -> (gate, delta, conv, features, normalizer, gated output)
+    "linear": (None, False, False, "elu1", True, False),
+    "deltanet": (None, True, True, "l2", False, True),
+    "gated_deltanet": ("scalar", True, True, "l2", False, True),
+    "kda": ("channel", True, True, "l2", False, True),
+    "gla": ("channel", False, True, "none", False, True),
+}
+
+
+def _gate_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+class MemoryMixer(nn.Module):
+    def __init__(self, cfg, kind: str):
+        super().__init__()
+        if kind not in KINDS:
+            raise ValueError(f"kind: expected one of {sorted(KINDS)}, got {kind!r}")
+        self.kind = kind
+        self.gate, self.delta, use_conv, self.features, self.normalizer, gated_out = KINDS[kind]
+        use_conv = use_conv or cfg.short_conv
+        H, D, d = cfg.n_heads, cfg.head_size, cfg.d_model
+        self.H, self.D, self.chunk_size = H, D, cfg.chunk_size
+        self.gate_form, self.neg_eigval = cfg.gate_form, cfg.neg_eigval
+        self.wqkv = nn.Linear(d, 3 * H * D, bias=False)
+        self.conv = ShortConv(3 * H * D, cfg.conv_size) if use_conv else None
+        self.wo = nn.Linear(H * D, d, bias=False)
+        self.wb = nn.Linear(d, H, bias=False) if self.delta else None
+        if self.gate is not None:
+            width = H if self.gate == "scalar" else H * D
+            if self.gate == "scalar":
+                self.f_gate = nn.Linear(d, H, bias=False)
+            else:  # low rank, rank = head dim
+                self.f_gate = nn.Sequential(nn.Linear(d, D, bias=False), nn.Linear(D, width, bias=False))
+            self.A_log = nn.Parameter(torch.empty(H))
+            self.dt_bias = nn.Parameter(torch.empty(width))
+            self.reset_gate()
+        if gated_out:
+            self.o_norm = RMSNorm(D, eps=cfg.norm_eps)
+            rank = D if cfg.out_gate_rank == 0 else cfg.out_gate_rank
+            if rank is None:
+                self.f_out = nn.Linear(d, H * D, bias=False)
+            else:
+                self.f_out = nn.Sequential(nn.Linear(d, rank, bias=False), nn.Linear(rank, H * D, bias=True))
+        else:
+            self.o_norm = self.f_out = None
+
+    def reset_gate(self) -> None:
+        """A_log = log U(1, 16); dt_bias so the initial per-step decay rate A·dt has dt log-uniform in [1e-3, 1e-1]."""
+        with torch.no_grad():
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+            dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)))
+            if self.gate_form == "softplus":
+                self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+            else:  # bounded: -5 sigmoid(A (g + b)) = -A dt at g = 0
+                A = self.A_log.exp().repeat_interleave(self.dt_bias.numel() // self.H)
+                r = (A * dt / 5).clamp(1e-6, 0.5)
+                self.dt_bias.copy_(torch.log(r / (1 - r)) / A)
+
+    def log_alpha(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-step log decay, <= 0: [B, T, H] (scalar) or [B, T, H, D] (per channel), float32 (float64 in float64)."""
+        B, T, _ = x.shape
+        ft = _gate_dtype(x)
+        g = self.f_gate(x).to(ft) + self.dt_bias.to(ft)  # [B, T, H] or [B, T, H*D]
+        A = self.A_log.to(ft).exp()
+        if self.gate == "channel":
+            g, A = g.view(B, T, self.H, self.D), A[:, None]
+        if self.gate_form == "softplus":
+            return -A * F.softplus(g)
+        return -5.0 * torch.sigmoid(A * g)
+
+    def forward(self, x: torch.Tensor, state: RecurrentState | None = None, pos: int = 0) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, D = self.H, self.D
+        qkv = self.wqkv(x)  # [B, T, 3 H D]
+        if self.conv is not None:
+            qkv, tail = self.conv(qkv, None if state is None else state.conv)
+            qkv = F.silu(qkv)
+        q, k, v = qkv.view(B, T, 3, H, D).unbind(2)  # [B, T, H, D] each
+        if self.features == "l2":
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        elif self.features == "elu1":
+            q, k = F.elu(q) + 1, F.elu(k) + 1
+        # One compute dtype at the op's boundary: the projection's (bf16 under autocast or in a bf16 model, else the
+        # parameters'). Feature maps may come back in float32 (CUDA autocast runs F.normalize in float32); gates and
+        # beta stay float32 and the op keeps its state in float32 whatever the inputs.
+        q, k, v = q.to(qkv.dtype), k.to(qkv.dtype), v.to(qkv.dtype)
+        if self.normalizer:  # the normalizer z = sum phi(k) is the same op run on v = ones
+            v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+        la = None if self.gate is None else self.log_alpha(x)
+        beta = None
+        if self.wb is not None:
+            beta = torch.sigmoid(self.wb(x).to(_gate_dtype(x))) * (2.0 if self.neg_eigval else 1.0)  # [B, T, H]
+        if state is not None and T == 1:
+            S = state.S if state.S is not None else x.new_zeros(B, H, D, v.shape[-1], dtype=torch.float32)
+            o, S = memory_step(q[:, 0], k[:, 0], v[:, 0], S, log_alpha=None if la is None else la[:, 0],
+                               beta=None if beta is None else beta[:, 0], delta=self.delta)
+            o = o[:, None]
+        else:
+            o, S = memory(q, k, v, log_alpha=la, beta=beta, delta=self.delta, initial_state=None if state is None else state.S,
+                          output_final_state=state is not None, chunk_size=self.chunk_size, check=False)
+        if state is not None:
+            state.S = S
+            if self.conv is not None:
+                state.conv = tail
+        if self.normalizer:
+            o = o[..., :D] / (o[..., D:] + 1e-6)
+        if self.o_norm is not None:
+            o = self.o_norm(o) * torch.sigmoid(self.f_out(x)).view(B, T, H, D)
+        return self.wo(o.reshape(B, T, H * D))
+
+    def new_state(self, batch_size: int, max_len: int, device=None, dtype=torch.float32) -> RecurrentState:
+        return RecurrentState()
+
+    def state_size(self, context_len: int) -> int:
+        """Numbers held per sequence, whatever the context: S (+ normalizer column) and the conv tails."""
+        s = self.H * self.D * (self.D + (1 if self.normalizer else 0))
+        if self.conv is not None:
+            s += 3 * self.H * self.D * (self.conv.kernel - 1)
+        return s

@@ -1,0 +1,99 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3; Kimi Linear / K3 use it with NoPE).
+
+Legend: B batch, T new tokens, L cached tokens (incl. new), H heads, r kv_lora_rank, n nope dim, p rope dim, e v dim.
+Cache per token: c (r) + k_rope (p) numbers. Two equal forms:
+    naive     k = [W_uk c ; k_rope], v = W_uv c, softmax attention per head (training, prefill)
+    absorbed  q~ = q_nope W_uk^T (into latent space); scores = q~ c^T + q_rope k_rope^T; o = (softmax c) W_uv (decode)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from evict.cache import LatentState
+from evict.ops import attention
+from evict.ops.rope import rope
+
+from .conv import ShortConv
+from .norms import RMSNorm
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        H, r, n, p, e = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim
+        self.H, self.r, self.n, self.p, self.e = H, r, n, p, e
+        self.use_rope, self.theta = cfg.mla_rope, cfg.rope_theta
+        self.scale = (n + p) ** -0.5
+        d = cfg.d_model
+        if cfg.q_lora_rank:
+            self.wq = nn.Sequential(nn.Linear(d, cfg.q_lora_rank, bias=False), RMSNorm(cfg.q_lora_rank, cfg.norm_eps),
+                                    nn.Linear(cfg.q_lora_rank, H * (n + p), bias=False))
+        else:
+            self.wq = nn.Linear(d, H * (n + p), bias=False)
+        self.wdkv = nn.Linear(d, r + p, bias=False)
+        # optional short causal conv over [q ; c ; k_rope] before normalization / RoPE (cfg.short_conv)
+        self.conv = ShortConv(H * (n + p) + r + p, cfg.conv_size) if cfg.short_conv else None
+        self.kv_norm = RMSNorm(r, cfg.norm_eps)
+        self.wuk = nn.Parameter(torch.empty(H, n, r))  # k_nope = W_uk c per head
+        self.wuv = nn.Parameter(torch.empty(H, e, r))  # v = W_uv c per head
+        nn.init.normal_(self.wuk, std=cfg.init_std)
+        nn.init.normal_(self.wuv, std=cfg.init_std)
+        self.wgate = nn.Linear(d, H * e, bias=False) if cfg.mla_gate else None
+        self.wo = nn.Linear(H * e, d, bias=False)
+
+    def forward(self, x: torch.Tensor, state: LatentState | None = None, pos: int = 0, absorb: bool | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, n, p = self.H, self.n, self.p
+        q, ckv = self.wq(x), self.wdkv(x)  # [B, T, H (n + p)], [B, T, r + p]
+        if self.conv is not None:
+            qc, tail = self.conv(torch.cat([q, ckv], dim=-1), None if state is None else state.conv)
+            q, ckv = qc.split([H * (n + p), self.r + p], dim=-1)
+            if state is not None:
+                state.conv = tail
+        q_nope, q_rope = q.view(B, T, H, n + p).split([n, p], dim=-1)  # [B, T, H, n], [B, T, H, p]
+        c, k_rope = ckv.split([self.r, p], dim=-1)
+        c = self.kv_norm(c)  # [B, T, r]
+        if self.use_rope:
+            positions = torch.arange(pos, pos + T, device=x.device)
+            q_rope = rope(q_rope, positions, self.theta)
+            k_rope = rope(k_rope[:, :, None], positions, self.theta)[:, :, 0]
+        if state is not None:
+            state.c[:, pos : pos + T] = c
+            state.k_rope[:, pos : pos + T] = k_rope
+            c, k_rope = state.c[:, : pos + T], state.k_rope[:, : pos + T]  # [B, L, r], [B, L, p]
+        if absorb is None:
+            absorb = state is not None and T == 1
+        o = self._absorbed(q_nope, q_rope, c, k_rope) if absorb else self._naive(q_nope, q_rope, c, k_rope)  # [B, T, H, e]
+        if self.wgate is not None:
+            o = o * torch.sigmoid(self.wgate(x)).view(B, T, H, self.e)
+        return self.wo(o.reshape(B, T, H * self.e))
+
+    def _naive(self, q_nope, q_rope, c, k_rope):
+        B, L, _ = c.shape
+        k_nope = torch.einsum("blr,hnr->blhn", c, self.wuk.to(c.dtype))  # [B, L, H, n]
+        v = torch.einsum("blr,her->blhe", c, self.wuv.to(c.dtype))  # [B, L, H, e]
+        k = torch.cat([k_nope, k_rope[:, :, None].expand(B, L, self.H, self.p)], dim=-1)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # one compute dtype at the op's boundary (cache vs autocast dtypes)
+        return attention(q, k, v, causal=True, scale=self.scale, check=False)  # v head dim e may differ from n + p
+
+    def _absorbed(self, q_nope, q_rope, c, k_rope):
+        T, L = q_nope.shape[1], c.shape[1]
+        q_lat = torch.einsum("bthn,hnr->bthr", q_nope, self.wuk.to(c.dtype))  # [B, T, H, r]
+        scores = torch.einsum("bthr,blr->bhtl", q_lat, c) + torch.einsum("bthp,blp->bhtl", q_rope, k_rope)
+        scores = scores.float() if scores.dtype != torch.float64 else scores
+        mask = torch.ones(T, L, dtype=torch.bool, device=c.device).tril(L - T)  # queries are the last T of L
+        w = (scores * self.scale).masked_fill(~mask, float("-inf")).softmax(-1).to(c.dtype)  # [B, H, T, L]
+        o_lat = torch.einsum("bhtl,blr->bthr", w, c)  # [B, T, H, r]
+        return torch.einsum("bthr,her->bthe", o_lat, self.wuv.to(c.dtype))
+
+    def new_state(self, batch_size: int, max_len: int, device=None, dtype=torch.float32) -> LatentState:
+        return LatentState(c=torch.zeros(batch_size, max_len, self.r, device=device, dtype=dtype),
+                           k_rope=torch.zeros(batch_size, max_len, self.p, device=device, dtype=dtype))
+
+    def state_size(self, context_len: int) -> int:
+        """Numbers held per sequence: the latent and the shared rope key of every token (+ the conv tail, if any)."""
+        tail = 0 if self.conv is None else self.conv.weight.shape[0] * (self.conv.kernel - 1)
+        return (self.r + self.p) * context_len + tail

@@ -1,0 +1,327 @@
+"""The one language model: embeddings -> n_layers x (mixer, FFN) from the config's pattern -> norm -> head.
+
+Residual stream: pre-norm `h += mixer(norm(h)); h += ffn(norm(h))`, or, with AttnRes, every sublayer input
+(and the final norm's input) is a learned softmax mix over depth sources (embedding, completed blocks, current block).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from evict.cache import HybridCache
+from evict.jsonfile import read_json_object
+from evict.layers.attention import Attention
+from evict.layers.attn_res import AttnResBlocks, AttnResRead
+from evict.layers.ffn import SiTU, SwiGLU
+from evict.layers.memory_mixer import MemoryMixer
+from evict.layers.mla import MLA
+from evict.layers.mlp import GeluMLP
+from evict.layers.moe import MoE
+from evict.layers.norms import RMSNorm
+
+from .config import MIXERS, ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+def build_mixer(cfg: ModelConfig, letter: str) -> nn.Module:
+    kind = MIXERS[letter]
+    if kind == "attention":
+        return Attention(cfg)
+    if kind == "mla":
+        return MLA(cfg)
+    return MemoryMixer(cfg, kind)
+
+
+def build_ffn(cfg: ModelConfig, kind: str) -> nn.Module:
+    d, hidden = cfg.d_model, cfg.ffn_hidden
+    if kind == "gelu":
+        return GeluMLP(d, hidden, bias=cfg.bias)
+    if kind == "swiglu":
+        return SwiGLU(d, hidden)
+    if kind == "situ":
+        return SiTU(d, hidden)
+    m = cfg.moe
+    return MoE(d, m.n_routed, m.top_k, m.d_expert, n_shared=m.n_shared, latent_dim=m.latent_dim,
+               routed_scaling=m.routed_scaling, bias_update_rate=m.bias_update_rate, aux_loss_coef=m.aux_loss_coef,
+               expert="situ" if cfg.ffn == "situ" else "swiglu")
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, letter: str, ffn_kind: str, first: bool = False):
+        super().__init__()
+        self.letter, self.ffn_kind = letter, ffn_kind
+        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = build_mixer(cfg, letter)
+        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn = build_ffn(cfg, ffn_kind)
+        if cfg.attn_res:
+            # the first mixer's only source is the embedding: a read over one source is the identity, so none is built
+            self.read_mixer = None if first else AttnResRead(cfg.d_model, cfg.norm_eps)
+            self.read_ffn = AttnResRead(cfg.d_model, cfg.norm_eps)
+
+
+class LM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.pos == "learned" else None
+        self.blocks = nn.ModuleList(
+            Block(cfg, m, f, first=i == 0) for i, (m, f) in enumerate(zip(cfg.layer_mixers(), cfg.layer_ffns()))
+        )
+        self.final_read = AttnResRead(cfg.d_model, cfg.norm_eps) if cfg.attn_res else None
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        if not any(p.is_meta for p in self.parameters()):
+            self.init_weights()
+        log.info("LM %s", " ".join(f"{b.letter}{'/moe' if b.ffn_kind == 'moe' else ''}" for b in self.blocks))
+
+    def init_weights(self) -> None:
+        """Initialise every parameter:
+        - nn.Linear weights ~ N(0, init_std); biases 0; the projections that write into the residual stream
+          (`wo`, `w2`, and each MoE's `output_weights()`) ~ N(0, init_std / sqrt(2 n_layers))
+        - embeddings (token, learned positions) ~ N(0, init_std); RMSNorm weights 1
+        - kept from the modules' own init: short-conv kernels U(±k^-1/2); decay A_log = log U(1, 16) and dt_bias
+          (dt log-uniform in [1e-3, 1e-1]); MLA W_uk, W_uv ~ N(0, init_std); MoE expert stacks (their own init);
+          AttnRes queries 0 (uniform mix over depth at start)
+        """
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, mod in self.named_modules():
+            if isinstance(mod, nn.Linear):
+                nn.init.normal_(mod.weight, std=out_std if name.split(".")[-1] in ("wo", "w2") else std)
+                if mod.bias is not None:
+                    nn.init.zeros_(mod.bias)
+            elif isinstance(mod, nn.Embedding):
+                nn.init.normal_(mod.weight, std=std)
+        for moe in self.moe_layers():
+            for w in moe.output_weights():
+                nn.init.normal_(w, std=out_std)
+
+    # -- forward ----------------------------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, cache: HybridCache | None = None, *,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T] int64 -> logits [B, T, vocab]. With a cache: continue from cache.pos, then advance it.
+
+        `positions` [B, P] int64 (indices into T): logits only there, [B, P, vocab] — the head and the loss of a task
+        whose labels sit at a few positions (MQAR) then cost P, not T, rows."""
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64:
+            got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            raise ValueError(f"tokens: expected an int64 tensor [B, T], got {got}")
+        B, T = tokens.shape
+        if B == 0 or T == 0:
+            raise ValueError(f"tokens: expected at least one sequence of at least one token, got shape {tuple(tokens.shape)}")
+        if tokens.device != self.embed.weight.device:
+            raise ValueError(f"tokens: expected a tensor on the model's device {self.embed.weight.device}, got {tokens.device}")
+        # Values are checked where that costs no device sync: CPU tensors (one cheap pass), outside torch.compile.
+        # CUDA callers check once at their entry (generate, the CLI); tasks produce ids in range by construction.
+        if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                raise ValueError(f"tokens: expected ids in [0, vocab_size={self.cfg.vocab_size}), got range [{lo}, {hi}]")
+        pos = 0
+        if cache is not None:
+            if not isinstance(cache, HybridCache) or len(cache) != len(self.blocks):
+                raise ValueError(f"cache: expected a HybridCache from this model's new_cache, got {type(cache).__name__}")
+            if cache.batch_size != B:
+                raise ValueError(f"cache: built for batch {cache.batch_size}, got tokens for batch {B}")
+            cache.reserve(T)
+            pos = cache.pos
+        h = self.embed(tokens)  # [B, T, D]
+        if self.wpe is not None:
+            if pos + T > self.cfg.max_seq_len:
+                raise ValueError(f"tokens: learned positions cover {self.cfg.max_seq_len} tokens, got up to {pos + T}")
+            h = h + self.wpe(torch.arange(pos, pos + T, device=tokens.device))
+        states = [None] * len(self.blocks) if cache is None else cache.states
+        if self.final_read is None:
+            for blk, st in zip(self.blocks, states):
+                h = h + blk.mixer(blk.norm1(h), st, pos)
+                h = h + blk.ffn(blk.norm2(h))
+        else:
+            depth = AttnResBlocks(h)
+            for i, (blk, st) in enumerate(zip(self.blocks, states)):
+                x = depth.completed[0] if blk.read_mixer is None else depth.read(blk.read_mixer)
+                depth.add(blk.mixer(blk.norm1(x), st, pos))
+                depth.add(blk.ffn(blk.norm2(depth.read(blk.read_ffn))))
+                if (i + 1) % self.cfg.attn_res_block == 0:
+                    depth.close_block()
+            h = depth.read(self.final_read)
+        if cache is not None:
+            cache.advance(T)
+        if positions is not None:
+            if not (isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[0] == B
+                    and positions.dtype == torch.int64):
+                got = f"{tuple(positions.shape)} {positions.dtype}" if isinstance(positions, torch.Tensor) else type(positions).__name__
+                raise ValueError(f"positions: expected an int64 tensor [B={B}, P], got {got}")
+            h = h.gather(1, positions[..., None].expand(-1, -1, h.shape[-1]))  # [B, P, D]
+        return self.head(self.norm(h))
+
+    # -- training hooks ---------------------------------------------------------------------------------------
+    def moe_layers(self) -> list[MoE]:
+        return [b.ffn for b in self.blocks if isinstance(b.ffn, MoE)]
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """Sum of the MoE auxiliary losses of the last forward (None when no layer has one)."""
+        losses = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
+        return sum(losses) if losses else None
+
+    def after_step(self) -> None:
+        """Called by the training loop after each optimizer step: MoE selection-bias balancing."""
+        for m in self.moe_layers():
+            m.update_bias()
+
+    # -- inference --------------------------------------------------------------------------------------------
+    def new_cache(self, batch_size: int, max_len: int, device=None, dtype=None) -> HybridCache:
+        """States for `batch_size` sequences of up to `max_len` tokens, on the model's device and dtype by default."""
+        for name, value in (("batch_size", batch_size), ("max_len", max_len)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise ValueError(f"dtype: expected a floating torch dtype (or None for the model's), got {dtype!r}")
+        try:
+            device = None if device is None else torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', got {device!r}") from None
+        p = next(self.parameters())
+        device = p.device if device is None else device
+        dtype = p.dtype if dtype is None else dtype
+        return HybridCache([b.mixer.new_state(batch_size, max_len, device, dtype) for b in self.blocks], batch_size, max_len)
+
+    def state_size(self, context_len: int) -> int:
+        """Numbers of memory held per sequence at this context length (KV, latents, recurrent states)."""
+        return sum(b.mixer.state_size(context_len) for b in self.blocks)
+
+    def generate(self, prompt: torch.Tensor, **kw) -> torch.Tensor:
+        from evict.generate import generate
+
+        return generate(self, prompt, **kw)
+
+    # -- persistence ------------------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """Write `model.safetensors` (with a sha256 of the tensor data in its metadata, checked at load) and
+        `config.json` into the folder `path`; each is written to a temporary name and renamed, so none is half-written."""
+        from safetensors.torch import save_model
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = self.state_dict()
+        for name, write in (("model.safetensors", lambda tmp: save_model(self, str(tmp), metadata={
+                                 "evict_sha256": _digest(_by_storage(state, state))})),
+                            ("config.json", lambda tmp: tmp.write_text(self.cfg.to_json()))):
+            tmp = path / f".{name}.tmp"
+            write(tmp)
+            os.replace(tmp, path / name)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, device=None) -> "LM":
+        """Build the model from `config.json` and load `model.safetensors` (checked: see `load_weights`)."""
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"path: expected a folder with config.json and model.safetensors, got {path}")
+        try:
+            cfg = ModelConfig.from_dict(_read_config(path / "config.json"))
+        except ValueError as e:
+            msg = str(e)
+            raise ValueError(msg if msg.startswith("checkpoint: ") else f"checkpoint: {path / 'config.json'}: {msg}") from None
+        model = cls(cfg)
+        model.load_weights(path, device=device)
+        return model
+
+    def load_weights(self, path: str | Path, device=None) -> None:
+        """Load weights saved by `save`, checked before any is copied: the config must equal this model's (else the
+        differing fields are named), and every tensor must be present, of the model's shape, floating where the model's
+        is (any float dtype converts), and finite. Each failure is one ValueError naming the file."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        saved = _read_config(path / "config.json")
+        mine = json.loads(self.cfg.to_json())
+        diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+        if diff:
+            shown = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs model {mine.get(k)!r}" for k in diff[:4])
+            raise ValueError(f"checkpoint: {path} was saved from another config ({shown})")
+        file = path / "model.safetensors"
+        if not file.is_file():
+            raise ValueError(f"checkpoint: no such file: {file}")
+        try:
+            tensors = load_file(str(file), device="cpu")
+        except Exception as e:  # safetensors raises its own error type (truncated file, bad header, bad offsets)
+            raise ValueError(f"checkpoint: {file} is not a readable safetensors file ({str(e).splitlines()[0][:200]})") from None
+        expected = self.state_dict()
+        _check_tensors(file, tensors, expected)
+        _check_digest(file, tensors, expected)
+        self.load_state_dict(tensors, strict=False)  # every name was checked above; tied copies are one tensor
+        if device is not None:
+            self.to(device)
+
+
+def _storage_groups(expected: dict) -> list[list[str]]:
+    """The model's state-dict names grouped by the storage they share (tied embeddings are one group)."""
+    groups: dict = {}
+    for name, t in expected.items():
+        groups.setdefault((t.device, t.untyped_storage().data_ptr()) if t.numel() else name, []).append(name)
+    return list(groups.values())
+
+
+def _by_storage(tensors: dict, expected: dict) -> dict:
+    """{the first name (sorted) of each of the model's storage groups: tensor}: tied weights once, whichever alias the
+    file kept."""
+    first = {name: min(names) for names in _storage_groups(expected) for name in names}
+    return {first[name]: t for name, t in tensors.items()}
+
+
+def _digest(tensors: dict) -> str:
+    """sha256 over names, dtypes, shapes and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _check_digest(file: Path, tensors: dict, expected: dict) -> None:
+    """A file written by `save` carries the sha256 of its tensors: a changed byte that still decodes to finite
+    numbers of the right shape is caught here. Files without one (older saves) are accepted as they are."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        want = (f.metadata() or {}).get("evict_sha256")
+    if want is not None and _digest(_by_storage(tensors, expected)) != want:
+        raise ValueError(f"checkpoint: {file}: the tensor data does not match the checksum written at save (corrupted)")
+
+
+def _read_config(file: Path) -> dict:
+    return read_json_object(file, "checkpoint")
+
+
+def _check_tensors(file: Path, tensors: dict, expected: dict) -> None:
+    """Names, shapes, dtypes and finiteness of a loaded state dict against the model's; tied tensors count once."""
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise ValueError(f"checkpoint: {file} holds tensors this model does not have: {unexpected[:4]}")
+    # names sharing one storage (tied embeddings): the file holds one of them
+    missing = sorted(names[0] for names in _storage_groups(expected) if not any(n in tensors for n in names))
+    if missing:
+        raise ValueError(f"checkpoint: {file} lacks tensors of this model: {missing[:4]}")
+    for name, t in tensors.items():
+        want = expected[name]
+        if t.shape != want.shape:
+            raise ValueError(f"checkpoint: {file}: {name} has shape {list(t.shape)}, the config gives {list(want.shape)}")
+        if t.is_floating_point() != want.is_floating_point() or (not want.is_floating_point() and t.dtype != want.dtype):
+            raise ValueError(f"checkpoint: {file}: {name} has dtype {t.dtype}, expected {want.dtype}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"checkpoint: {file}: {name} holds NaN or Inf")

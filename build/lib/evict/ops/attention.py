@@ -1,0 +1,90 @@
+"""Softmax attention: an explicit reference beside PyTorch SDPA, one contract for training and decoding.
+
+Legend: B batch, Tq query length, Tk key length, H query heads, Hkv key/value heads (H % Hkv == 0, GQA), D head dim.
+Queries are the LAST Tq positions of the Tk keys (bottom-right causal alignment), so the same call serves a
+full sequence (Tq == Tk), a chunked prefill over a cache, and a one-token decode (Tq == 1) over a KV cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .memory._check import FLOAT_DTYPES, check_flag, check_scale
+
+IMPLS = ("auto", "reference", "sdpa")
+
+
+def _check(q, k, v, impl, check_values):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: expected shape [B, T, H, D], got {got}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name}: expected a floating dtype (float16/bfloat16/float32/float64), got {t.dtype}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name}: expected dtype {q.dtype} on {q.device} (as q), got {t.dtype} on {t.device}")
+    if q.shape[-1] == 0:
+        raise ValueError(f"q: expected a head dim D >= 1, got {list(q.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"v: expected leading dims {list(k.shape[:3])} (as k), got {list(v.shape)}")
+    if k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k: expected batch {q.shape[0]} and head dim {q.shape[-1]} (as q), got {list(k.shape)}")
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"k: expected a number of heads dividing q's {q.shape[2]}, got {k.shape[2]}")
+    if q.shape[1] > k.shape[1]:
+        raise ValueError(f"q: expected at most Tk={k.shape[1]} queries (they are the last Tq positions), got {q.shape[1]}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    if check_values:  # SDPA's CPU kernels turn a NaN query row into zeros where the reference gives NaN: reject both
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{name}: contains NaN or Inf")
+
+
+def _causal_mask(tq: int, tk: int, device) -> torch.Tensor:
+    """[Tq, Tk] bool, True where query i (absolute position tk - tq + i) may see key j."""
+    return torch.ones(tq, tk, dtype=torch.bool, device=device).tril(tk - tq)
+
+
+def attention_reference(q, k, v, *, causal=True, scale):
+    """softmax(q k^T * scale) v written out, in float32 (float64 for float64 inputs)."""
+    sd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rep = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(rep, dim=2)
+    v = v.repeat_interleave(rep, dim=2)
+    scores = torch.einsum("bihd,bjhd->bhij", q.to(sd), k.to(sd)) * scale  # (B, H, Tq, Tk)
+    if causal:
+        scores = scores.masked_fill(~_causal_mask(q.shape[1], k.shape[1], q.device), float("-inf"))
+    p = scores.softmax(dim=-1)
+    return torch.einsum("bhij,bjhd->bihd", p, v.to(sd)).to(q.dtype)
+
+
+def attention_sdpa(q, k, v, *, causal=True, scale):
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, T, D)
+    rep = q.shape[2] // k.shape[2]
+    if rep > 1:
+        kt, vt = kt.repeat_interleave(rep, dim=1), vt.repeat_interleave(rep, dim=1)
+    tq, tk = q.shape[1], k.shape[1]
+    if not causal or tq == 1:
+        o = F.scaled_dot_product_attention(qt, kt, vt, scale=scale)
+    elif tq == tk:
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+    else:
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=_causal_mask(tq, tk, q.device), scale=scale)
+    return o.transpose(1, 2)
+
+
+def attention(q, k, v, *, causal=True, scale=None, impl="auto", check=True):
+    """Softmax attention. q [B, Tq, H, D]; k, v [B, Tk, Hkv, D]; returns [B, Tq, H, D] in q's dtype.
+
+    Decode: pass the one new query (Tq = 1) and the cache's keys/values up to and including the new token.
+    `check=True` rejects NaN/Inf inputs, as the memory op does (a host sync); with check=False such inputs give
+    unspecified outputs (NaN through the reference, zeros through SDPA on CPU), so layers pass it only on the hot path.
+    """
+    _check(q, k, v, impl, check)
+    check_flag("causal", causal)
+    scale = check_scale(scale, q.shape[-1])
+    if impl == "reference":
+        return attention_reference(q, k, v, causal=causal, scale=scale)
+    return attention_sdpa(q, k, v, causal=causal, scale=scale)

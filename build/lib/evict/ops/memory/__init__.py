@@ -1,0 +1,99 @@
+"""The memory op: one update rule (decay -> delta erase -> write -> read) in every form, behind one entry point.
+
+    o, S = memory(q, k, v, log_alpha=..., beta=..., delta=True)      # sequences [B, T, H, D]
+    o, S = memory_step(q, k, v, S, log_alpha=..., beta=..., delta=True)  # one token [B, H, D]
+
+Forms: "reference" (token loop, float64-capable), "chunked" (WY/UT chunks), "triton" (CUDA kernels; triton is optional).
+"auto" picks "triton" for CUDA inputs (not float64) when triton imports, else "chunked".
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from ._check import check_flag, check_inputs, check_scale, state_dtype
+from .chunked import memory_chunked
+from .reference import memory_reference
+from .step import memory_step
+from .triton import MAX_K, MAX_V
+from .triton import fits as triton_fits
+from .triton import runs_on as triton_runs_on
+
+IMPLS = ("auto", "reference", "chunked", "triton")
+CHUNK_SIZES = tuple(2**i for i in range(11))  # 1 … 1024; 16–128 are the fast ones (the others: the chunk dial)
+
+__all__ = ["memory", "memory_step", "IMPLS", "CHUNK_SIZES", "LOG_ALPHA_FLOOR"]
+
+# log alpha is clamped from below at these values (by the state dtype) before any form runs: e^floor is exactly 0 there,
+# so the decay is the same "hard reset" as for any lower value, while in-chunk prefix sums stay finite and keep their
+# precision (float32's most negative value on two consecutive tokens would sum to -inf, and -inf - -inf is NaN).
+LOG_ALPHA_FLOOR = {torch.float32: -110.0, torch.float64: -750.0}
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
+
+
+def memory(
+    q, k, v, *,
+    log_alpha=None, beta=None, delta=False, scale=None,
+    initial_state=None, output_final_state=False,
+    impl="auto", chunk_size=64, check=True,
+):
+    """The generalized associative-memory update over a sequence.
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; log_alpha: [B, T, H] (scalar gate) or [B, T, H, K] (per channel),
+    values <= 0, None = no decay (at or below LOG_ALPHA_FLOOR: a hard reset, alpha = 0 exactly); beta: [B, T, H],
+    None = 1; delta: erase against the faded state before writing; scale: a finite number, default K ** -0.5;
+    initial_state: [B, H, K, V] float32 (float64 for float64 inputs), on q's device.
+    Returns (o [B, T, H, V] in q's dtype, final state or None unless output_final_state).
+    `check=True` validates values too (finite, log_alpha <= 0, beta in [0, 2]); it costs a host sync.
+    Autocast does not reach inside: the op computes at its own precision (float32 state and decays, or float64)
+    whatever autocast is active, so a caller casts q, k, v to one dtype and gets o back in it.
+    `chunk_size` (a power of two, 1 … 1024; 16–128 are fast) is the chunked PyTorch form's; the Triton kernels always use chunks of 64 and take key
+    dims up to 128, value dims up to 256 ("auto" falls back to "chunked" beyond that, with a warning).
+    """
+    check_inputs(q, k, v, log_alpha, beta, initial_state, step=False, check_values=check)
+    check_flag("delta", delta)
+    check_flag("output_final_state", output_final_state)
+    if impl not in IMPLS:
+        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size!r}")
+    scale = check_scale(scale, q.shape[-1])
+    if log_alpha is not None:
+        log_alpha = log_alpha.clamp(min=LOG_ALPHA_FLOOR[state_dtype(q.dtype)])
+    with torch.autocast(q.device.type, enabled=False):
+        return _dispatch(q, k, v, log_alpha, beta, delta, scale, initial_state, output_final_state, impl, chunk_size)
+
+
+def _dispatch(q, k, v, log_alpha, beta, delta, scale, initial_state, output_final_state, impl, chunk_size):
+    K, V = q.shape[-1], v.shape[-1]
+    if impl == "auto":
+        impl = "triton" if q.is_cuda and triton_runs_on(q) else "chunked"
+        if impl == "triton" and not triton_fits(K, V):
+            _warn_once(f"memory: head dims K={K}, V={V} exceed the Triton kernels' {MAX_K} / {MAX_V}; using the chunked PyTorch form")
+            impl = "chunked"
+    if impl == "triton":
+        if not triton_fits(K, V):
+            raise ValueError(f"impl: 'triton' takes key dims up to {MAX_K} and value dims up to {MAX_V}, got K={K}, V={V}")
+        if not triton_runs_on(q):
+            raise ValueError(f"impl: 'triton' needs the triton package and CUDA tensors (not float64), got {q.device} {q.dtype}")
+        from .triton.autograd import memory_triton
+
+        o, S = memory_triton(
+            q, k, v, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale,
+            initial_state=initial_state, chunk_size=chunk_size,
+        )
+    elif impl == "reference":
+        o, S = memory_reference(q, k, v, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale, initial_state=initial_state)
+    else:
+        o, S = memory_chunked(
+            q, k, v, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale,
+            initial_state=initial_state, chunk_size=chunk_size,
+        )
+    return o.to(q.dtype), (S if output_final_state else None)

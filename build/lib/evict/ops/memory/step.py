@@ -1,0 +1,44 @@
+"""One decode step of the memory op: [B, H, D] tensors and a state [B, H, K, V]."""
+
+from __future__ import annotations
+
+import torch
+
+from ._check import check_flag, check_inputs, check_scale, state_dtype
+from .reference import rule
+from .triton import runs_on as triton_runs_on
+
+
+def memory_step(q, k, v, state, *, log_alpha=None, beta=None, delta=False, scale=None, check=False, out=None):
+    """(o_t, S_t) = step(q_t, k_t, v_t, S_{t-1}): the T = 1 case of `memory`.
+
+    q, k [B, H, K]; v [B, H, V]; state [B, H, K, V] float32 (float64 for float64 inputs);
+    log_alpha [B, H] or [B, H, K]; beta [B, H]. Returns o [B, H, V] in q's dtype and the new state.
+    `out` (contiguous, shape and dtype of state; may be `state` itself, for in-place) receives the new state.
+    On CUDA this is one fused Triton launch with no host sync (graph-capturable when check=False).
+    `check=True` also rejects NaN/Inf, positive log_alpha and beta outside [0, 2] (costs a host sync).
+    """
+    check_inputs(q, k, v, log_alpha, beta, state, step=True, check_values=check)
+    check_flag("delta", delta)
+    if state is None:
+        raise ValueError("state: expected a tensor of shape [B, H, Dk, Dv], got None")
+    if out is not None and not (isinstance(out, torch.Tensor) and out.shape == state.shape and out.dtype == state.dtype
+                                and out.device == state.device and out.is_contiguous()):
+        raise ValueError(f"out: expected a contiguous {state.dtype} tensor of shape {list(state.shape)} on {state.device}")
+    sd = state_dtype(q.dtype)
+    scale = check_scale(scale, q.shape[-1])
+    if q.is_cuda and state.dtype == torch.float32 and triton_runs_on(q):
+        from .triton.step import step_triton
+
+        return step_triton(q, k, v, state, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale, out=out)
+    with torch.autocast(q.device.type, enabled=False):  # the step runs at the state's precision, as `memory` does
+        o, S = rule(
+            q.to(sd), k.to(sd), v.to(sd), state.to(sd),
+            None if log_alpha is None else log_alpha.to(sd),
+            None if beta is None else beta.to(sd),
+            delta, scale,
+        )
+    if out is not None:
+        out.copy_(S)
+        S = out
+    return o.to(q.dtype), S

