@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from evict.ops import memory, memory_step
+from evict.stories import K_CAT, K_DOG, V_BISCUIT, V_MOCHI, V_REX
 
 
 def _seq(*rows):
@@ -13,8 +14,7 @@ def _seq(*rows):
 
 def run_demo() -> None:
     z = [0.0] * 4
-    k_cat, k_dog = [1.0, 0, 0, 0], [0.6, 0.8, 0, 0]
-    mochi, rex, biscuit = [2.0, 1, 0, 1], [0.0, 3, 1, 2], [1.0, 0, 2, 2]
+    k_cat, k_dog, mochi, rex, biscuit = K_CAT, K_DOG, V_MOCHI, V_REX, V_BISCUIT
     o, _ = memory(_seq(z, z, k_cat), _seq(k_cat, k_dog, z), _seq(mochi, rex, z), scale=1.0)
     print(f"additive: write cat->Mochi, dog->Rex; read cat = {o[0, 2, 0].tolist()}  (Mochi + 0.6 * Rex: interference)")
     beta = torch.ones(1, 3, 1, dtype=torch.float64)
