@@ -14,7 +14,7 @@ from evict.lab.switch import QUICK, SwitchTask, read_memory, recording, run_swee
 from evict.models import LM
 
 MICRO = replace(QUICK, facts=1, distractor=2, new=2, fact_keys=2, topic_keys=4, values=4, d_model=8, head_dim=4,
-                steps=2, eval_every=1, eval_batches=1, batch_size=4, workers=1)
+                n_layers=1, seeds=1, steps=2, eval_every=1, eval_batches=1, batch_size=4, workers=1)
 
 
 def _model(name, sweep=MICRO):
