@@ -23,7 +23,7 @@ from pathlib import Path
 
 from evict.bench.common import markdown_table
 from evict.lab import recall
-from evict.lab.sweep import run_grid
+from evict.lab.sweep import check_at_least_one, check_names, run_grid
 from evict.tasks.mqar import MQARConfig
 
 RULES = {"linear": "linear attention", "deltanet": "DeltaNet", "gated_deltanet": "Gated DeltaNet", "kda": "KDA",
@@ -219,9 +219,7 @@ def plot(sweep: PairsSweep, results: list[dict], path: Path) -> Path:
 
 
 def validate(sweep: PairsSweep) -> None:
-    bad = [r for r in sweep.rules if r not in RULES]
-    if bad or not sweep.rules:
-        raise ValueError(f"rules: expected names from {list(RULES)}, got {list(sweep.rules)}")
+    check_names("rules", sweep.rules, RULES)
     if not sweep.dims or min(sweep.dims) < 1 or len(set(sweep.dims)) != len(sweep.dims):
         raise ValueError(f"dims: expected distinct head dims >= 1, got {list(sweep.dims)}")
     if max(sweep.dims) > sweep.d_model:
@@ -234,9 +232,8 @@ def validate(sweep: PairsSweep) -> None:
         raise ValueError(f"len_per_pair: expected >= 4 (MQAR needs L >= 4K), got {sweep.len_per_pair}")
     if not sweep.lrs or not all(lr > 0 for lr in sweep.lrs):
         raise ValueError(f"lrs: expected learning rates > 0, got {list(sweep.lrs)}")
-    for name in ("steps", "batch_size", "eval_every", "eval_batches", "seeds", "workers", "min_len", "n_layers"):
-        if getattr(sweep, name) < 1:
-            raise ValueError(f"{name}: expected >= 1, got {getattr(sweep, name)}")
+    check_at_least_one(sweep, ("steps", "batch_size", "eval_every", "eval_batches", "seeds", "workers", "min_len",
+                               "n_layers", "d_model"))
     for K in sweep.pairs:
         try:
             MQARConfig(vocab_size=sweep.vocab_size, seq_len=seq_len(sweep, K), num_pairs=K)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import run_grid
+from evict.lab.sweep import check_at_least_one, check_names, run_grid
 from evict.layers import memory_mixer
 from evict.models import LM, presets
 from evict.stories import fade_curve, twin_boards
@@ -291,13 +291,9 @@ def lesson_plot(path: Path) -> Path:
 
 
 def validate(sweep: StoriesSweep) -> None:
-    bad = [m for m in sweep.models if m not in MODELS]
-    if bad or not sweep.models:
-        raise ValueError(f"models: expected names from {list(MODELS)}, got {list(sweep.models)}")
-    for name in ("steps", "batch_size", "eval_every", "eval_batches", "seeds", "workers", "n_layers", "d_model",
-                 "n_heads", "head_dim"):
-        if getattr(sweep, name) < 1:
-            raise ValueError(f"{name}: expected >= 1, got {getattr(sweep, name)}")
+    check_names("models", sweep.models, MODELS)
+    check_at_least_one(sweep, ("steps", "batch_size", "eval_every", "eval_batches", "seeds", "workers", "n_layers",
+                               "d_model", "n_heads", "head_dim"))
     task = SwitchTask(task_config(sweep, sweep.seed))  # validates the task's sizes
     for m in sweep.models:
         model_config(m, sweep, task.vocab_size, task.seq_len)  # validates the widths
