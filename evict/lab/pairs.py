@@ -185,7 +185,8 @@ def plot(sweep: PairsSweep, results: list[dict], path: Path) -> Path:
     from matplotlib.figure import Figure
 
     cs, fs = cells(results), fits(sweep, results)
-    dims = sorted(sweep.dims)
+    dims, ladder = sorted(sweep.dims), sorted(sweep.pairs)
+    floor = ladder[0] / 2
     fig = Figure(figsize=(6.4, 4.4), constrained_layout=True)
     FigureCanvasAgg(fig)
     ax = fig.subplots()
@@ -194,7 +195,7 @@ def plot(sweep: PairsSweep, results: list[dict], path: Path) -> Path:
         ks = [sum(cs[(r, d)][0]) / len(cs[(r, d)][0]) for d in dims]
         tops = [cs[(r, d)][1] for d in dims]
         xs = [d * shift for d in dims]
-        ys = [max(k, 1) for k in ks]  # 0 (first rung failed) drawn at 1, the axis floor
+        ys = [k if k > 0 else floor for k in ks]  # 0 (the first rung failed) drawn on the floor row, "0"
         ax.plot(xs, ys, color=f"C{i}", lw=1, alpha=0.6)
         ax.scatter([x for x, t in zip(xs, tops) if not t], [y for y, t in zip(ys, tops) if not t], color=f"C{i}",
                    label=RULES[r], zorder=3)
@@ -210,6 +211,8 @@ def plot(sweep: PairsSweep, results: list[dict], path: Path) -> Path:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xticks(dims, [str(d) for d in dims])
+    ax.set_yticks([floor, *ladder], ["0", *map(str, ladder)])
+    ax.set_ylim(floor / 1.4, ladder[-1] * 1.4)
     ax.set_xlabel(f"head dim d (one head per layer, d_model {sweep.d_model})")
     ax.set_ylabel(f"largest K at >= {sweep.threshold:g} accuracy")
     ax.set_title(f"MQAR pairs vs head dim ({sweep.steps} steps; open: ladder top reached)", fontsize=10)
