@@ -20,7 +20,7 @@ def add_parser(lab_sub) -> None:
     from evict.lab.pairs import RULES
 
     s = add_lab_parser(lab_sub, "pairs", help="largest MQAR K recalled at >= 90%% vs head dim d, per rule; fit K* vs d",
-                       quick="d 8/16/32, K 2-32, 5 rules, ~5 min on a 2-core CPU",
+                       quick="d 8/16/32, K 2-32, 5 rules: 283 s of CPU, ~2.5 min on 2 free cores",
                        full="d 16-256, K 4-512, 3 lrs; GPU",
                        seeds_help="seeds per (rule, d); the table shows each seed's K*")
     s.add_argument("--rules", nargs="+", choices=list(RULES))

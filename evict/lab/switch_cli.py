@@ -17,7 +17,7 @@ def add_parser(lab_sub) -> None:
 
     s = add_lab_parser(lab_sub, "stories", help="the fade curve and twin boards at d = 4, then KDA vs Gated DeltaNet "
                        "trained on a context switch: which channels does each gate clear?",
-                       quick="2 layers, one head of 16 channels, 1,500 steps, KDA and Gated DeltaNet, 2 seeds; ~3 min on 2 cores",
+                       quick="2 layers, one head of 16 channels, 1,500 steps, KDA and GDN, 2 seeds: 168 s of CPU",
                        full="2 layers, 2 heads of 64, 100 pairs, 10,000 steps, 3 seeds; GPU",
                        seeds_help="seeds per model; one row per seed")
     s.add_argument("--models", nargs="+", choices=list(MODELS))

@@ -89,3 +89,11 @@ def test_cli_runs_with_flags(tmp_path, monkeypatch):
     rows = [json.loads(line) for line in (tmp_path / "y" / "results.jsonl").read_text().splitlines()]
     assert [(r["rule"], r["d"], [u["lr"] for u in r["rungs"]]) for r in rows] == [("kda", 4, [0.02])]
     assert json.loads((tmp_path / "y" / "config.json").read_text())["threshold"] == 0.5
+
+
+@pytest.mark.gpu
+def test_micro_sweep_on_cuda(tmp_path):
+    """The GPU path of a rung (recall's cell with whole-step CUDA graphs) end to end."""
+    root = run_sweep(replace(MICRO, device="cuda", steps=4, eval_every=2), out=tmp_path / "gpu")
+    rows = [json.loads(line) for line in (root / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == len(MICRO.rules) * len(MICRO.dims) and all(r["rungs"] for r in rows)

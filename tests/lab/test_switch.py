@@ -96,3 +96,13 @@ def test_bad_sweeps_and_cli(tmp_path, monkeypatch):
     assert main(["lab", "stories", "--models", "kda", "--steps", "1", "--out", str(tmp_path / "y")]) == 0
     rows = [json.loads(line) for line in (tmp_path / "y" / "results.jsonl").read_text().splitlines()]
     assert [(r["model"], r["steps"]) for r in rows] == [("kda", 1)]
+
+
+@pytest.mark.gpu
+def test_micro_sweep_on_cuda(tmp_path):
+    """Training with whole-step CUDA graphs, then the recorded read of the memory (Triton op) on the GPU."""
+    root = run_sweep(replace(MICRO, device="cuda", n_layers=2, steps=4, eval_every=2), out=tmp_path / "gpu")
+    rows = [json.loads(line) for line in (root / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["model"] for r in rows) == sorted(MICRO.models)
+    for r in rows:
+        assert len(r["layers"]) == 2 and all(0 <= a <= 1 for a in r["layers"][0]["alpha_switch"][0])
