@@ -161,7 +161,7 @@ def build_parser() -> Parser:
     z.add_argument("--json", default=None, help="JSON output path")
     z.set_defaults(fn=_size)
     from evict.explore import cli as explore_cli
-    from evict.lab import capacity_cli, generate_cli, state_cli, train_cli
+    from evict.lab import capacity_cli, generate_cli, pairs_cli, state_cli, switch_cli, train_cli
 
     train_cli.add_parser(sub, _train)
     generate_cli.add_parser(sub, _generate)
@@ -170,6 +170,8 @@ def build_parser() -> Parser:
     experiments = lab.add_subparsers(dest="experiment", required=True)
     state_cli.add_parser(experiments)
     capacity_cli.add_parser(experiments)
+    pairs_cli.add_parser(experiments)
+    switch_cli.add_parser(experiments)
     return p
 
 

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import run_grid
+from evict.lab.sweep import check_at_least_one, check_names, run_grid
 from evict.ops.memory import memory
 from evict.tasks.capacity import CapacityBatch, make_batch
 from evict.train import resolve_device
@@ -241,16 +241,12 @@ def plot(sweep: CapacitySweep, results: list[dict], path: Path) -> Path:
 
 
 def validate(sweep: CapacitySweep) -> None:
-    bad = [r for r in sweep.rules if r not in RULES]
-    if bad or not sweep.rules:
-        raise ValueError(f"rules: expected names from {list(RULES)}, got {list(sweep.rules)}")
+    check_names("rules", sweep.rules, RULES)
     if not sweep.sizes or min(sweep.sizes) < 2 or len(set(sweep.sizes)) != len(sweep.sizes):
         raise ValueError(f"sizes: expected distinct S >= 2, got {list(sweep.sizes)}")
     if not sweep.overwrite or any(not isinstance(o, bool) for o in sweep.overwrite):
         raise ValueError(f"overwrite: expected False and/or True, got {list(sweep.overwrite)}")
-    for name in ("d_key", "steps", "batch_size", "eval_batches", "seeds", "workers"):
-        if getattr(sweep, name) < 1:
-            raise ValueError(f"{name}: expected >= 1, got {getattr(sweep, name)}")
+    check_at_least_one(sweep, ("d_key", "steps", "batch_size", "eval_batches", "seeds", "workers"))
 
 
 def run_sweep(sweep: CapacitySweep, out: str | Path | None = None) -> Path:

@@ -45,6 +45,7 @@ class RecallSweep:
     d_models: tuple = (32,)
     lrs: tuple = (1e-2,)
     head_dim: int = 16
+    n_heads: int | None = None  # None: d_model // head_dim heads; evict lab pairs uses 1 (one head of head_dim)
     n_layers: int = 2
     vocab_size: int = 128
     steps: int = 400
@@ -70,7 +71,8 @@ FULL = RecallSweep(
 
 
 def model_config(arch: str, d_model: int, sweep: RecallSweep, seq_len: int):
-    """A 2-layer model of `arch` at width d_model; heads of sweep.head_dim; dense SwiGLU FFNs (no MoE) everywhere.
+    """A 2-layer model of `arch` at width d_model; heads of sweep.head_dim (d_model // head_dim of them unless
+    sweep.n_heads is set); dense SwiGLU FFNs (no MoE) everywhere.
 
     Every mixer gets the same kernel-4 short causal conv on q/k/v (the delta family has it anyway): recall then
     measures the memory, not how fast plain attention learns a previous-token head from scratch.
@@ -78,8 +80,8 @@ def model_config(arch: str, d_model: int, sweep: RecallSweep, seq_len: int):
     hd = min(sweep.head_dim, d_model)
     return presets.get(
         arch, size="tiny", vocab_size=sweep.vocab_size, d_model=d_model, n_layers=sweep.n_layers,
-        n_heads=d_model // hd, head_dim=hd, d_ff=2 * d_model, moe=None, attn_res=False, short_conv=True,
-        kv_lora_rank=max(16, d_model // 2), qk_nope_dim=hd, qk_rope_dim=max(2, hd // 2), v_head_dim=hd,
+        n_heads=sweep.n_heads or d_model // hd, head_dim=hd, d_ff=2 * d_model, moe=None, attn_res=False,
+        short_conv=True, kv_lora_rank=max(16, d_model // 2), qk_nope_dim=hd, qk_rope_dim=max(2, hd // 2), v_head_dim=hd,
         chunk_size=sweep.chunk_size, max_seq_len=max(seq_len, 64),
     )
 

@@ -85,6 +85,19 @@ def write_results(root: Path, results: list[dict]) -> None:
             f.write(json.dumps(r) + "\n")
 
 
+def check_names(field: str, got, allowed) -> None:
+    """A sweep's list of names (rules, models): non-empty, each one of `allowed`; else a ValueError naming the field."""
+    if not got or any(x not in allowed for x in got):
+        raise ValueError(f"{field}: expected names from {list(allowed)}, got {list(got)}")
+
+
+def check_at_least_one(sweep, fields: tuple) -> None:
+    """Each of a sweep's integer `fields` is >= 1; else a ValueError naming the first that is not."""
+    for name in fields:
+        if getattr(sweep, name) < 1:
+            raise ValueError(f"{name}: expected >= 1, got {getattr(sweep, name)}")
+
+
 def run_grid(kind: str, sweep, out: str | Path | None, *, jobs_for: Callable, run_one: Callable, report: Callable,
              plot: Callable) -> Path:
     """Run (or resume) a lab's validated sweep (a dataclass) in `sweep_folder(kind, sweep, out)`: jobs_for(sweep,

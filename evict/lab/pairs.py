@@ -1,0 +1,253 @@
+"""The pairs-vs-dimension lab (`evict lab pairs`): the largest number of MQAR pairs a memory recalls at >= 90 %
+accuracy, as its head dim d grows — linear in d? (The lesson's question; LAB.md, Capacity.)
+
+Each ladder is one (rule, d, seed): a model of the recall lab (`evict.lab.recall.run_one`, the one MQAR cell: 2
+layers of a fixed width d_model, each with one head of dim d, so only the memory grows with d: every memory layer
+holds a d × d state, attention a d-dim key and value per token) trained at K = 2, 4, 8, … pairs
+(sequence length len_per_pair · K) until a rung stays below the threshold; a rung's accuracy is its best over the
+sweep's learning rates. K*(rule, d) is the largest K of the ladder reached before the first failing rung (0 when the
+first fails; "≥ K" when the ladder ran out of rungs). The fit per rule: K* ≈ c · d (least squares through the origin)
+and the slope p of log K* against log d (K* ∝ d^p; p = 1 is linear in d), over the ds where K* was found and was not
+cut off by the ladder's top. Outputs under runs/pairs/<timestamp>/: config.json, results.jsonl (one row per ladder,
+every rung inside), table.md, pairs.png, runs/<rule>_d<d>_s<seed>/K<K>_lr<lr>/ (each rung's training run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from evict.bench.common import markdown_table
+from evict.lab import recall
+from evict.lab.sweep import check_at_least_one, check_names, run_grid
+from evict.tasks.mqar import MQARConfig
+
+RULES = {"linear": "linear attention", "deltanet": "DeltaNet", "gated_deltanet": "Gated DeltaNet", "kda": "KDA",
+         "attention": "attention"}
+
+
+@dataclass
+class PairsSweep:
+    rules: tuple = tuple(RULES)
+    dims: tuple = (8, 16, 32)  # head dim d (one head per layer), at most d_model
+    d_model: int = 32
+    pairs: tuple = (2, 4, 8, 16, 32)  # the ladder of K, ascending
+    threshold: float = 0.9
+    len_per_pair: int = 4  # sequence length L = len_per_pair · K (MQAR needs >= 4), at least min_len
+    min_len: int = 16
+    lrs: tuple = (1e-2,)
+    n_layers: int = 2
+    vocab_size: int = 128
+    steps: int = 500
+    batch_size: int = 32
+    eval_every: int = 100
+    eval_batches: int = 2
+    chunk_size: int = 16
+    seed: int = 0
+    seeds: int = 1
+    workers: int = 2
+    device: str = "cpu"
+
+
+QUICK = PairsSweep()  # 283 s of CPU (README)
+FULL = PairsSweep(  # the lesson's dims; Zoology's lrs and vocabulary; steps and ladder ours (LAB.md gives none); not run yet
+    dims=(16, 32, 64, 128, 256), d_model=256, pairs=(4, 8, 16, 32, 64, 128, 256, 512), len_per_pair=8,
+    lrs=(4.6e-4, 2.2e-3, 1e-2),
+    vocab_size=8192, steps=4000, batch_size=256, eval_every=500, eval_batches=8, chunk_size=64, workers=4, device="auto",
+)
+
+
+def seq_len(sweep: PairsSweep, K: int) -> int:
+    return max(sweep.min_len, sweep.len_per_pair * K)
+
+
+def recall_sweep(sweep: PairsSweep, d: int) -> recall.RecallSweep:
+    """The recall lab's settings for one rung at head dim d (one head of dim d per layer, width sweep.d_model)."""
+    return recall.RecallSweep(
+        archs=tuple(sweep.rules), d_models=(sweep.d_model,), lrs=tuple(sweep.lrs), head_dim=d, n_heads=1,
+        n_layers=sweep.n_layers,
+        vocab_size=sweep.vocab_size, steps=sweep.steps, chunk_size=sweep.chunk_size, batch_size=sweep.batch_size,
+        eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, seed=sweep.seed, device=sweep.device, workers=1,
+    )
+
+
+def _rung(job: dict, rsweep: dict, K: int, lr: float, L: int) -> dict:
+    """One training run of the recall lab's cell; a finished one is read back from its result.json."""
+    folder = Path(job["dir"]) / f"K{K}_lr{lr:g}"
+    done = folder / "result.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    folder.mkdir(parents=True, exist_ok=True)
+    res = recall.run_one({"arch": job["rule"], "seq_len": L, "pairs": K, "d_model": rsweep["d_models"][0], "lr": lr,
+                          "seed": job["seed"], "dir": str(folder), "sweep": rsweep})
+    done.write_text(json.dumps(res, indent=2))
+    return res
+
+
+def run_one(job: dict) -> dict:
+    """Climb one (rule, d, seed) ladder; module-level so worker processes can run it."""
+    logging.getLogger("evict").setLevel(logging.WARNING)
+    sweep = PairsSweep(**{k: tuple(v) if isinstance(v, list) else v for k, v in job["sweep"].items()})
+    rsweep = dataclasses.asdict(recall_sweep(sweep, job["d"]))
+    rungs, best_k, seconds = [], 0, 0.0
+    for K in sorted(sweep.pairs):
+        L = seq_len(sweep, K)
+        runs = [_rung(job, rsweep, K, lr, L) for lr in sweep.lrs]
+        top = max(runs, key=lambda r: r["accuracy"])
+        seconds += sum(r["seconds"] for r in runs)
+        rungs.append({"pairs": K, "seq_len": L, "accuracy": top["accuracy"], "lr": top["lr"], "steps": top["steps"],
+                      "state_size": top["state_size"], "params": top["params"]})
+        if top["accuracy"] < sweep.threshold:
+            break
+        best_k = K
+    topped = best_k == max(sweep.pairs)
+    return {"rule": job["rule"], "d": job["d"], "seed": job["seed"], "max_pairs": best_k, "ladder_top": topped,
+            "rungs": rungs, "seconds": round(seconds, 1),
+            "label": f"{job['rule']} d={job['d']} K*={'≥' if topped else ''}{best_k}"}
+
+
+def seeds_of(sweep: PairsSweep) -> list[int]:
+    return list(range(sweep.seed, sweep.seed + sweep.seeds))
+
+
+def jobs_for(sweep: PairsSweep, root: Path) -> list[dict]:
+    sw = dataclasses.asdict(sweep)
+    return [{"rule": r, "d": d, "seed": s, "dir": str(root / "runs" / f"{r}_d{d}_s{s}"), "sweep": sw}
+            for s in seeds_of(sweep) for d in sorted(sweep.dims, reverse=True) for r in sweep.rules]
+
+
+def cells(results: list[dict]) -> dict:
+    """(rule, d) -> (K* of every seed, whether any seed ran off the ladder's top)."""
+    out: dict = {}
+    for r in sorted(results, key=lambda r: r["seed"]):
+        ks, top = out.get((r["rule"], r["d"]), ([], False))
+        out[(r["rule"], r["d"])] = (ks + [r["max_pairs"]], top or r["ladder_top"])
+    return out
+
+
+def fit(points: list[tuple[int, float]]) -> dict | None:
+    """K* against d: c of K* ≈ c·d (least squares through the origin) and the log-log slope p (K* ∝ d^p); None with
+    fewer than two points."""
+    pts = [(d, k) for d, k in points if k > 0]
+    if len(pts) < 2:
+        return None
+    c = sum(d * k for d, k in pts) / sum(d * d for d, _ in pts)
+    xs, ys = [math.log2(d) for d, _ in pts], [math.log2(k) for _, k in pts]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    p = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else float("nan")
+    return {"c": c, "p": p, "points": len(pts)}
+
+
+def fits(sweep: PairsSweep, results: list[dict]) -> dict:
+    """rule -> fit over the ds whose K* (mean over seeds) was found below the ladder's top."""
+    cs = cells(results)
+    out = {}
+    for r in sweep.rules:
+        pts = [(d, sum(cs[(r, d)][0]) / len(cs[(r, d)][0])) for d in sorted(sweep.dims) if not cs[(r, d)][1]]
+        out[r] = fit(pts)
+    return out
+
+
+def _k_text(ks: list[int], top: bool) -> str:
+    body = " / ".join(str(k) for k in ks)
+    return ("≥ " if top else "") + body
+
+
+def report(sweep: PairsSweep, results: list[dict]) -> str:
+    cs, fs = cells(results), fits(sweep, results)
+    dims = sorted(sweep.dims)
+    rows = []
+    for r in sweep.rules:
+        f = fs[r]
+        row = {"rule": RULES[r], **{f"d={d}": _k_text(*cs[(r, d)]) for d in dims},
+               "K* ≈ c·d": f"c = {f['c']:.2f}" if f else "—",
+               "K* ∝ d^p": f"p = {f['p']:.2f} ({f['points']} dims)" if f else "—"}
+        rows.append(row)
+    seeds = ", ".join(map(str, seeds_of(sweep)))
+    head = (f"K* = the largest K of the ladder {list(sorted(sweep.pairs))} recalled at >= {sweep.threshold:g} MQAR "
+            f"accuracy before the first failing rung (best over lr {list(sweep.lrs)}; seeds {seeds}, one K* per seed, "
+            f"`a / b`); {sweep.n_layers} layers of width {sweep.d_model}, one head of dim d each, L = max({sweep.min_len}, "
+            f"{sweep.len_per_pair}K), vocab {sweep.vocab_size}, {sweep.steps} steps of batch {sweep.batch_size} "
+            "(stopping early at 0.99). ≥: the ladder's top passed (no fit through it). Fits over the other dims: "
+            "c of K* ≈ c·d, and the log-log slope p (p = 1: linear in d).")
+    return f"{head}\n\n{markdown_table(rows, ['rule', *[f'd={d}' for d in dims], 'K* ≈ c·d', 'K* ∝ d^p'])}"
+
+
+def plot(sweep: PairsSweep, results: list[dict], path: Path) -> Path:
+    """K* against d on log-log axes per rule (open markers: cut off by the ladder's top), the fit as a dotted line,
+    and K = d for reference."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    cs, fs = cells(results), fits(sweep, results)
+    dims, ladder = sorted(sweep.dims), sorted(sweep.pairs)
+    floor = ladder[0] / 2
+    fig = Figure(figsize=(6.4, 4.4), constrained_layout=True)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    for i, r in enumerate(sweep.rules):
+        shift = 2 ** (0.04 * (i - (len(sweep.rules) - 1) / 2))
+        ks = [sum(cs[(r, d)][0]) / len(cs[(r, d)][0]) for d in dims]
+        tops = [cs[(r, d)][1] for d in dims]
+        xs = [d * shift for d in dims]
+        ys = [k if k > 0 else floor for k in ks]  # 0 (the first rung failed) drawn on the floor row, "0"
+        ax.plot(xs, ys, color=f"C{i}", lw=1, alpha=0.6)
+        ax.scatter([x for x, t in zip(xs, tops) if not t], [y for y, t in zip(ys, tops) if not t], color=f"C{i}",
+                   label=RULES[r], zorder=3)
+        ax.scatter([x for x, t in zip(xs, tops) if t], [y for y, t in zip(ys, tops) if t], facecolors="none",
+                   edgecolors=f"C{i}", zorder=3)
+        f = fs[r]
+        if f and math.isfinite(f["p"]):
+            pts = [(d, k) for d, k, t in zip(dims, ks, tops) if k > 0 and not t]
+            gm = 2 ** (sum(math.log2(k) - f["p"] * math.log2(d) for d, k in pts) / len(pts))
+            ax.plot(dims, [gm * d ** f["p"] for d in dims], ls=":", color=f"C{i}",
+                    label=f"  fit: K* ∝ d^{f['p']:.2f}")
+    ax.plot(dims, dims, color="k", lw=0.7, ls="--", label="K = d")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xticks(dims, [str(d) for d in dims])
+    ax.set_yticks([floor, *ladder], ["0", *map(str, ladder)])
+    ax.set_ylim(floor / 1.4, ladder[-1] * 1.4)
+    ax.set_xlabel(f"head dim d (one head per layer, d_model {sweep.d_model})")
+    ax.set_ylabel(f"largest K at >= {sweep.threshold:g} accuracy")
+    ax.set_title(f"MQAR pairs vs head dim ({sweep.steps} steps; open: ladder top reached)", fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def validate(sweep: PairsSweep) -> None:
+    check_names("rules", sweep.rules, RULES)
+    if not sweep.dims or min(sweep.dims) < 1 or len(set(sweep.dims)) != len(sweep.dims):
+        raise ValueError(f"dims: expected distinct head dims >= 1, got {list(sweep.dims)}")
+    if max(sweep.dims) > sweep.d_model:
+        raise ValueError(f"dims: expected head dims <= d_model = {sweep.d_model}, got {max(sweep.dims)}")
+    if not sweep.pairs or min(sweep.pairs) < 1 or len(set(sweep.pairs)) != len(sweep.pairs):
+        raise ValueError(f"pairs: expected distinct K >= 1, got {list(sweep.pairs)}")
+    if not 0 < sweep.threshold <= 1:
+        raise ValueError(f"threshold: expected a number in (0, 1], got {sweep.threshold}")
+    if sweep.len_per_pair < 4:
+        raise ValueError(f"len_per_pair: expected >= 4 (MQAR needs L >= 4K), got {sweep.len_per_pair}")
+    if not sweep.lrs or not all(lr > 0 for lr in sweep.lrs):
+        raise ValueError(f"lrs: expected learning rates > 0, got {list(sweep.lrs)}")
+    check_at_least_one(sweep, ("steps", "batch_size", "eval_every", "eval_batches", "seeds", "workers", "min_len",
+                               "n_layers", "d_model"))
+    for K in sweep.pairs:
+        try:
+            MQARConfig(vocab_size=sweep.vocab_size, seq_len=seq_len(sweep, K), num_pairs=K)
+        except ValueError as e:
+            raise ValueError(f"pairs: K = {K} does not fit: {e}") from None
+    for r in sweep.rules:
+        for d in sweep.dims:
+            recall.model_config(r, d, recall_sweep(sweep, d), seq_len(sweep, max(sweep.pairs)))  # validates widths
+
+
+def run_sweep(sweep: PairsSweep, out: str | Path | None = None) -> Path:
+    """Run (or resume, when `out` already holds part of it) the sweep; write and print the results."""
+    validate(sweep)
+    return run_grid("pairs", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot)

@@ -1,0 +1,99 @@
+"""The pairs-vs-dimension lab: the ladder's rule (first failing rung ends it, best over lr), the fit, and the sweep
+end to end on a micro grid (real training through the recall lab's cell)."""
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from evict.cli import main
+from evict.lab import pairs
+from evict.lab.pairs import QUICK, fit, jobs_for, run_sweep
+
+MICRO = replace(QUICK, rules=("deltanet", "attention"), dims=(4, 8), d_model=8, pairs=(1, 2), steps=2, eval_every=1,
+                eval_batches=1, batch_size=4, workers=1)
+
+
+def test_fit_recovers_linear_and_square_laws():
+    lin = fit([(8, 16), (16, 32), (32, 64)])
+    assert lin["c"] == pytest.approx(2) and lin["p"] == pytest.approx(1) and lin["points"] == 3
+    sq = fit([(2, 4), (4, 16), (8, 64)])
+    assert sq["p"] == pytest.approx(2)
+    assert fit([(8, 16), (16, 0)]) is None  # K* = 0 carries no power law; one point is no fit
+
+
+def test_ladder_stops_at_the_first_failing_rung_best_over_lr(tmp_path, monkeypatch):
+    acc = {(1, 0.1): 0.95, (1, 0.2): 0.5, (2, 0.1): 0.3, (2, 0.2): 0.92, (4, 0.1): 0.1, (4, 0.2): 0.89, (8, 0.1): 1.0}
+    trained = []
+
+    def fake(job):
+        trained.append((job["pairs"], job["lr"]))
+        return {"accuracy": acc[(job["pairs"], job["lr"])], "lr": job["lr"], "steps": 1, "seconds": 0.5,
+                "state_size": 1, "params": 1}
+
+    monkeypatch.setattr(pairs.recall, "run_one", fake)
+    sweep = replace(MICRO, pairs=(8, 1, 4, 2), lrs=(0.1, 0.2))
+    job = {**jobs_for(sweep, tmp_path)[0], "dir": str(tmp_path / "ladder")}
+    res = pairs.run_one(job)
+    assert res["max_pairs"] == 2 and not res["ladder_top"]  # K = 4 fails at both lrs (0.89 < 0.9): K = 8 never runs
+    assert [r["pairs"] for r in res["rungs"]] == [1, 2, 4] and [r["lr"] for r in res["rungs"]] == [0.1, 0.2, 0.2]
+    assert (8, 0.1) not in trained
+    trained.clear()
+    assert pairs.run_one(job) == res and trained == []  # finished rungs are read back, not retrained
+    top = pairs.run_one({**job, "dir": str(tmp_path / "top"), "sweep": {**job["sweep"], "pairs": [1, 2]}})
+    assert top["max_pairs"] == 2 and top["ladder_top"]
+
+
+def test_sweep_runs_resumes_and_writes_outputs(tmp_path):
+    root = run_sweep(MICRO, out=tmp_path / "sweep")
+    for name in ("config.json", "results.jsonl", "table.md", "pairs.png"):
+        assert (root / name).stat().st_size > 0, name
+    rows = [json.loads(line) for line in (root / "results.jsonl").read_text().splitlines()]
+    assert {(r["rule"], r["d"]) for r in rows} == {(r, d) for r in MICRO.rules for d in MICRO.dims}
+    for r in rows:
+        assert r["rungs"] and r["rungs"][0]["pairs"] == 1 and all(u["steps"] <= 2 for u in r["rungs"])
+        passed = [u["pairs"] for u in r["rungs"] if u["accuracy"] >= MICRO.threshold]
+        assert r["max_pairs"] == (max(passed) if passed else 0)
+    table = (root / "table.md").read_text()
+    assert "| rule | d=4 | d=8 | K* ≈ c·d | K* ∝ d^p |" in table
+    stamps = {p: p.stat().st_mtime_ns for p in (root / "runs").glob("*/result.json")}
+    run_sweep(MICRO, out=root)  # resuming a finished sweep trains nothing
+    assert stamps == {p: p.stat().st_mtime_ns for p in (root / "runs").glob("*/result.json")}
+
+
+def test_one_head_of_dim_d_at_a_fixed_width(tmp_path):
+    """Only the memory grows with d: the width stays d_model, one head per layer, state d × d per memory layer."""
+    from evict.models import LM
+
+    sizes = {}
+    for d in (4, 8):
+        cfg = pairs.recall.model_config("deltanet", MICRO.d_model, pairs.recall_sweep(MICRO, d), 16)
+        assert (cfg.d_model, cfg.n_heads, cfg.head_dim) == (8, 1, d)
+        sizes[d] = LM(cfg).blocks[0].mixer.state_size(16) - 3 * d * 3  # minus the conv tails
+    assert sizes == {4: 16, 8: 64}
+
+
+@pytest.mark.parametrize("kw, name", [(dict(dims=(16,)), "dims"), (dict(pairs=(200,)), "pairs"),
+                                      (dict(rules=("gla",)), "rules"), (dict(threshold=0), "threshold"),
+                                      (dict(len_per_pair=3), "len_per_pair"), (dict(lrs=()), "lrs")])
+def test_bad_sweeps_name_the_field(kw, name, tmp_path):
+    with pytest.raises(ValueError, match=rf"^{name}: "):
+        run_sweep(replace(MICRO, **kw), out=tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_runs_with_flags(tmp_path, monkeypatch):
+    monkeypatch.setattr("evict.lab.pairs.QUICK", MICRO)  # the flags on top of a micro sweep, not the quick one
+    assert main(["lab", "pairs", "--rules", "kda", "--dims", "4", "--pairs", "1", "--lr", "0.02", "--threshold", "0.5",
+                 "--steps", "1", "--out", str(tmp_path / "y")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "y" / "results.jsonl").read_text().splitlines()]
+    assert [(r["rule"], r["d"], [u["lr"] for u in r["rungs"]]) for r in rows] == [("kda", 4, [0.02])]
+    assert json.loads((tmp_path / "y" / "config.json").read_text())["threshold"] == 0.5
+
+
+@pytest.mark.gpu
+def test_micro_sweep_on_cuda(tmp_path):
+    """The GPU path of a rung (recall's cell with whole-step CUDA graphs) end to end."""
+    root = run_sweep(replace(MICRO, device="cuda", steps=4, eval_every=2), out=tmp_path / "gpu")
+    rows = [json.loads(line) for line in (root / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == len(MICRO.rules) * len(MICRO.dims) and all(r["rungs"] for r in rows)
