@@ -10,6 +10,7 @@ from evict.ops import attention
 from evict.ops.rope import rope
 
 from .conv import ShortConv
+from .init import reset_children
 
 
 class Attention(nn.Module):
@@ -21,6 +22,10 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.d_model, (self.n_heads + 2 * self.n_kv) * self.hd, bias=cfg.bias)
         self.conv = ShortConv((self.n_heads + 2 * self.n_kv) * self.hd, cfg.conv_size) if cfg.short_conv else None
         self.wo = nn.Linear(self.n_heads * self.hd, cfg.d_model, bias=cfg.bias)
+
+    def reset_parameters(self) -> None:
+        """PyTorch's Linear defaults and the conv's own init (the LM overrides the Linears: see LM.init_weights)."""
+        reset_children(self)
 
     def forward(self, x: torch.Tensor, state: KVState | None = None, pos: int = 0) -> torch.Tensor:
         B, T, _ = x.shape
