@@ -72,22 +72,48 @@ def _read_config_file(path: str) -> dict:
     return d
 
 
+_ACTIONS: dict = {}  # dest -> the argparse action of `evict train` (filled by add_parser): checks config-file values
+
+
+def _check_recorded(path: str, dest: str, value):
+    """A flag's value read from a run.json, checked as the command line would check it."""
+    act = _ACTIONS[dest]
+    flag = act.option_strings[0]
+    if value is None and DEFAULTS.get(dest) is None:
+        return value
+    if act.nargs == 0:  # store_true
+        ok = isinstance(value, bool)
+    elif act.choices is not None:
+        ok = value in act.choices
+    elif act.type is not None and not isinstance(value, (bool, dict, list)):
+        try:
+            return act.type(str(value))
+        except argparse.ArgumentTypeError as e:
+            raise SystemExit(f"--config: {path}: {flag}: {e}") from None
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        raise SystemExit(f"--config: {path}: {flag}: unexpected value {value!r}")
+    return value
+
+
 def resolve(args) -> SimpleNamespace:
     """Every flag's value: the command line's, else (--config run.json) the recorded run's, else DEFAULTS.
     A --config that is a ModelConfig JSON gives only the model."""
     given = {k: v for k, v in vars(args).items() if v is not None}
-    o = dict(DEFAULTS, model=None)
+    o = dict(DEFAULTS, model=None, config=None, set=None)
     if args.config:
         d = _read_config_file(args.config)
         if {"model", "task", "train"} <= set(d):  # a run.json
             if not all(isinstance(d[k], dict) for k in ("model", "task", "train")):
                 raise SystemExit(f"--config: {args.config}: model, task and train must be JSON objects")
             o["model"] = d["model"]
-            o.update({k: d["task"][k] for k in _TASK_FLAGS if k in d["task"]})
             t = d["train"]
-            o.update({flag: t[field] for field, flag in _TRAIN_FLAGS.items() if field in t})
-            if "min_lr_ratio" in t and "lr" in t:
-                o["min_lr"] = t["min_lr_ratio"] * t["lr"]
+            recorded = {k: d["task"][k] for k in _TASK_FLAGS if k in d["task"]}
+            recorded.update({flag: t[field] for field, flag in _TRAIN_FLAGS.items() if field in t})
+            if isinstance(t.get("min_lr_ratio"), (int, float)) and isinstance(t.get("lr"), (int, float)):
+                recorded["min_lr"] = t["min_lr_ratio"] * t["lr"]
+            o.update({k: _check_recorded(args.config, k, v) for k, v in recorded.items()})
         else:
             o["model"] = d
     o.update(given)
@@ -282,3 +308,4 @@ def add_parser(sub, fn) -> None:
     t.add_argument("--no-resume", action="store_true", help="start over in --out (removes the previous run's files)")
     t.add_argument("--out", help=f"output folder; an existing one is resumed (default {d['out']})")
     t.set_defaults(fn=fn)
+    _ACTIONS.update({a.dest: a for a in t._actions if a.option_strings})
