@@ -22,9 +22,14 @@ DIST = ("fsdp", "ddp")
 
 def world() -> tuple[int, int]:
     """(rank, world size) of the initialised process group, else (0, 1)."""
-    if dist.is_available() and dist.is_initialized():
+    if active():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def active() -> bool:
+    """Whether a process group is initialised (the model is then wrapped, even in a world of one)."""
+    return dist.is_available() and dist.is_initialized()
 
 
 def env_world_size() -> int:
@@ -53,13 +58,13 @@ def check_fsdp_available() -> None:
 
 
 def parallelize(model: nn.Module, *, kind: str, compile: bool, device: torch.device) -> nn.Module:
-    """Per-block torch.compile (when `compile`), then, in a process group of more than one rank, FSDP2 per block and
+    """Per-block torch.compile (when `compile`), then, when a process group is initialised, FSDP2 per block and
     at the root (`kind="fsdp"`) or DDP (`kind="ddp"`). Returns the module to call (the model itself, or its DDP)."""
     blocks = list(getattr(model, "blocks", []))
     if compile:
         for blk in blocks or [model]:
             blk.compile()
-    if world()[1] == 1:
+    if not active():
         return model
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -103,7 +108,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def full_model_state(model: nn.Module) -> dict:
     """The full (unsharded) model state dict on the CPU; a collective under torch.distributed (every rank calls it)."""
     model = unwrap(model)
-    if world()[1] == 1:
+    if not active():
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -132,7 +137,7 @@ def load_sharded(path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
 
 def load_full(model: nn.Module, opt: torch.optim.Optimizer, ms: dict, os_: dict) -> None:
     """Load full (unsharded) state dicts, as a single-process run saves them, into this model and optimizer."""
-    if world()[1] == 1:
+    if not active():
         unwrap(model).load_state_dict(ms)
         opt.load_state_dict(os_)
         return

@@ -332,9 +332,9 @@ def _forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, per_row: int | 
 
 def _make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW; on one CUDA device the fused kernel with the learning rate as a device tensor (set each step,
-    graph-safe); under torch.distributed on CUDA the foreach kernel (sharded DTensor parameters)."""
+    graph-safe); under torch.distributed on CUDA the foreach kernel (DTensor parameters)."""
     groups = param_groups(model, cfg.weight_decay)
-    if device.type != "cuda" or distributed.world()[1] > 1:
+    if device.type != "cuda" or distributed.active():
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, foreach=device.type == "cuda" or None)
     return torch.optim.AdamW(groups, lr=torch.tensor(cfg.lr, device=device), betas=cfg.betas, fused=True,
                              capturable=cfg.graphs)
@@ -343,7 +343,7 @@ def _make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
 def _restore_optimizer_placement(opt: torch.optim.Optimizer, cfg: TrainConfig, device: torch.device) -> None:
     """After loading a checkpoint (read on the CPU): this run's betas and weight decay (a changed flag is honoured),
     learning-rate holder and graph flag, device steps."""
-    fused = device.type == "cuda" and distributed.world()[1] == 1
+    fused = device.type == "cuda" and not distributed.active()
     for g, wd in zip(opt.param_groups, (cfg.weight_decay, 0.0)):
         g["betas"], g["weight_decay"] = cfg.betas, wd
         lr = float(g["lr"])
@@ -388,8 +388,10 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
     distributed.init_from_env(device)
     rank, world = distributed.world()
     cfg.check_world(world)
-    if world > 1 and cfg.dist == "fsdp":
+    if distributed.active() and cfg.dist == "fsdp":
         distributed.check_fsdp_available()
+    if cfg.graphs and distributed.active():
+        raise ValueError("graphs: CUDA graphs are single-process; drop graphs under torch.distributed")
     lead = rank == 0
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
@@ -468,7 +470,7 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
         state = {"step": step, "rng": rngs, "history": history, "best_val_accuracy": best, "done": done,
                  "stopped_early": stopped_early, "config": dataclasses.asdict(cfg), "segments": segments,
                  "record": record}
-        if world > 1:  # each rank its shards, into a folder named by the step; checkpoint.pt points at it
+        if distributed.active():  # each rank its shards, into a folder named by the step; checkpoint.pt points at it
             state["sharded"] = f"checkpoint-{step}.dcp"
             distributed.save_sharded(out / state["sharded"], model, opt)
             dist.barrier()
@@ -483,7 +485,7 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
                 write_json(out / "run.json", {**record, "train": dataclasses.asdict(cfg), "steps_done": step,
                                               "world_size": world, "per_rank_batch": cfg.batch_size // world,
                                               "segments": segments})
-        if world > 1:
+        if distributed.active():
             dist.barrier()
 
     def train_step(xs: torch.Tensor, ys: torch.Tensor):

@@ -75,3 +75,31 @@ def test_two_processes_match_one(tmp_path):
     assert want and all(w.abs().sum() > 0 for w in want)
     for x, y, w in zip(b0, b1, want):
         assert torch.equal(x, y) and torch.allclose(x, w, atol=1e-9)
+
+
+@pytest.mark.slow
+def test_torchrun_cli_equals_one_process(tmp_path):
+    """`torchrun --nproc_per_node 2 -m evict.cli train` (real processes): rank 0 alone writes the metrics, run.json
+    records the world, and the losses and the saved model's val loss are those of one process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("ROMEO: what light through yonder window breaks?\nJULIET: ay me!\n" * 40)
+    argv = ["-m", "evict.cli", "train", "--preset", "kimi_linear", "--corpus", str(corpus), "--seq-len", "16",
+            "--batch-size", "4", "--steps", "3", "--warmup", "1", "--eval-every", "3", "--eval-batches", "1",
+            "--log-every", "1", "--threads", "1", "--device", "cpu", "--set", "n_layers=2", "--set", "d_model=32",
+            "--set", "n_heads=2", "--set", "head_dim=16", "--set", "d_ff=64"]
+    env = dict(os.environ, PYTHONPATH=str(root), XDG_CACHE_HOME=str(tmp_path / "cache"))
+    for name, launch in (("one", []), ("two", ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"])):
+        cmd = [sys.executable, *launch, *argv, "--out", str(tmp_path / name)]
+        subprocess.run(cmd, check=True, env=env, cwd=tmp_path, capture_output=True, timeout=300)
+    one, two = (_train_rows(tmp_path / n / "metrics.jsonl") for n in ("one", "two"))
+    assert [r["step"] for r in two] == [1, 2, 3]
+    assert all(abs(a["loss"] - b["loss"]) <= 1e-5 for a, b in zip(one, two))
+    run = json.loads((tmp_path / "two" / "run.json").read_text())
+    assert run["world_size"] == 2 and run["per_rank_batch"] == 2
+    summaries = [json.loads((tmp_path / n / "summary.json").read_text()) for n in ("one", "two")]
+    assert summaries[0]["val_loss"] == pytest.approx(summaries[1]["val_loss"], abs=1e-5)

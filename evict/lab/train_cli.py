@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import shutil
@@ -228,6 +229,8 @@ def run_train(args) -> dict | None:
     run = {"model": cfg.to_dict(), "task": task_record}
     _check_resume(out, run, tcfg)
     lead = int(os.environ.get("RANK", "0")) == 0
+    if not lead:  # rank 0 alone logs and prints
+        logging.getLogger().setLevel(logging.WARNING)
     if lead and out.exists() and not tcfg.resume:
         _start_over(out)
 
@@ -239,7 +242,7 @@ def run_train(args) -> dict | None:
               f"task: {task.name}, vocab {task.vocab_size}; out: {out}")
     try:
         result = train(model, task, tcfg, record=json.loads(json.dumps(run)))
-        state = distributed.full_model_state(model) if distributed.world()[1] > 1 else None  # a collective
+        state = distributed.full_model_state(model) if distributed.active() else None  # a collective
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
