@@ -92,3 +92,23 @@ def test_block_forward_is_the_lm_step():
     h = torch.randn(2, 9, m.cfg.d_model, dtype=torch.float64)
     mid = h + blk.mixer(blk.norm1(h))
     assert torch.allclose(blk(h), mid + blk.ffn(blk.norm2(mid)), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["kimi_linear", "k3_mini"])
+def test_activation_checkpointing_per_block_keeps_gradients(name):
+    """Each block recomputed in backward (torch.utils.checkpoint around Block.forward): the same loss and gradients."""
+    import torch.utils.checkpoint as ckpt
+
+    torch.manual_seed(2)
+    cfg = presets.get(name, size="tiny")
+    tok = torch.randint(0, cfg.vocab_size, (2, 12))
+    grads = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        m = LM(cfg).double()
+        if recompute:
+            for blk in m.blocks:
+                blk.forward = lambda *a, _f=blk.forward, **k: ckpt.checkpoint(_f, *a, use_reentrant=False, **k)
+        torch.nn.functional.cross_entropy(m(tok).flatten(0, 1), tok.flatten()).backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+    assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in zip(*grads))
