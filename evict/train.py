@@ -8,9 +8,15 @@ loss; e.g. MoE balancing) and `model.after_step()` (called after each optimizer 
 Batches are a function of the step, so a run resumed from a checkpoint (model, optimizer, RNG
 states) takes exactly the same steps as one that was never interrupted.
 
-Distributed (torchrun, FSDP2 applied by the caller): when torch.distributed is initialised, rank r trains on
-batch index step·world + r and evaluates val batches i·world + r for i < eval_batches (so every rank runs the
-same number of forwards); eval sums are all-reduced; only rank 0 shows progress, logs and writes checkpoints.
+`batch_size` is the global batch of one optimizer step: split over the ranks of a torch.distributed run (torchrun;
+evict.distributed wraps the model in FSDP2 or DDP) and then into `grad_accum` micro-batches per rank. Rank r takes
+rows [r·B/world, (r+1)·B/world) of train batch `step` (and of each val batch), so a run on N ranks with
+accumulation computes the same losses as one process at the same global batch. Only rank 0 shows progress, logs
+and writes the metrics; checkpoints are one file on one rank, or torch.distributed.checkpoint shards on several.
+
+Resuming (out_dir/checkpoint.pt) continues the step count, RNG and optimizer; `check_resume` says which changed
+flags are honoured (schedule, optimizer settings, steps, logging: re-planned from the resume step) and which are
+refused (seed, batch_size: they change which data the finished steps saw).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,9 +38,11 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from . import distributed
 from .tasks.base import Task
 
 _AMP = ("auto", "bf16", "none")
+FIXED_ON_RESUME = ("seed", "batch_size")  # a resumed run must keep these: they decide the data of every step
 
 
 @dataclass
@@ -64,9 +73,13 @@ class TrainConfig:
     select_labels: bool = True  # head and loss at the labelled positions only, for tasks with `labels_per_row`
     prefetch: int = 2  # CUDA: batches prepared ahead by a background thread (0 = inline)
     stop_at: float | None = None  # wall-clock time (time.time()): checkpoint and return early once past it (resumable)
+    grad_accum: int = 1  # micro-batches per rank per optimizer step (batch_size is the global batch)
+    compile: bool = False  # torch.compile each block (or the whole model if it has no `blocks`)
+    dist: str = "fsdp"  # under torchrun: "fsdp" (FSDP2, per block) or "ddp"
+    tensorboard: bool = False  # also write the metrics rows as TensorBoard scalars into out_dir/tensorboard
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "eval_every", "eval_batches", "log_every"):
+        for name in ("steps", "batch_size", "eval_every", "eval_batches", "log_every", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0:
@@ -92,6 +105,45 @@ class TrainConfig:
             raise ValueError(f"target_accuracy must be in (0, 1] or None, got {self.target_accuracy}")
         if self.prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {self.prefetch}")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"batch_size must be a multiple of grad_accum={self.grad_accum}, got {self.batch_size}")
+        if self.dist not in distributed.DIST:
+            raise ValueError(f"dist must be one of {distributed.DIST}, got {self.dist!r}")
+        if self.graphs and self.grad_accum > 1:
+            raise ValueError("graphs: a captured step holds one batch; use grad_accum=1 with graphs")
+        if self.tensorboard and self.out_dir is None:
+            raise ValueError("tensorboard: needs out_dir (the event files go into out_dir/tensorboard)")
+
+    def check_world(self, world: int) -> None:
+        """The global batch must split evenly over `world` ranks × grad_accum micro-batches."""
+        if self.batch_size % (world * self.grad_accum):
+            raise ValueError(f"batch_size must be a multiple of world size × grad_accum = {world} × {self.grad_accum}, "
+                             f"got {self.batch_size}")
+        if self.graphs and world > 1:
+            raise ValueError("graphs: CUDA graphs are single-process; drop graphs under torchrun")
+
+
+def check_resume(saved: dict, step: int, cfg: TrainConfig) -> None:
+    """Refuse a resume that would misdescribe the finished steps: the flags in FIXED_ON_RESUME must match the
+    checkpoint's config (`saved`), and `steps` cannot fall below the `step` already trained. Everything else is
+    honoured from the resume step on (the schedule is planned for the new `steps`, warmup and min_lr_ratio)."""
+    for name in FIXED_ON_RESUME:
+        if name in saved and saved[name] != getattr(cfg, name):
+            raise ValueError(f"{name}: the checkpoint was trained with {saved[name]!r}, got {getattr(cfg, name)!r}; "
+                             "pass the same value to resume, or start over (--no-resume / resume=False)")
+    if cfg.steps < step:
+        raise ValueError(f"steps: the checkpoint has already trained {step} steps; expected steps >= {step} to resume, "
+                         "or start over (--no-resume / resume=False)")
+
+
+def read_checkpoint(path: Path) -> dict:
+    """checkpoint.pt as saved (tensors memory-mapped, not read), loaded with weights_only=True; one-line ValueError
+    if it is not a readable checkpoint."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # a truncated zip, a foreign pickle: torch raises several types
+        raise ValueError(f"checkpoint: {path} is not a readable checkpoint ({str(e).splitlines()[0][:160]}); "
+                         "delete it to start over") from None
 
 
 @dataclass
@@ -146,40 +198,44 @@ def _logits(out) -> torch.Tensor:
 
 
 def _aux_loss(model: nn.Module) -> torch.Tensor | None:
-    hook = getattr(model, "aux_loss", None)
+    hook = getattr(distributed.unwrap(model), "aux_loss", None)
     return hook() if callable(hook) else None
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _labels_per_row(model: nn.Module, task: Task, cfg: TrainConfig) -> int | None:
     """The task's fixed number of labelled positions per row, when the model can compute logits at given positions."""
     n = getattr(task, "labels_per_row", None) if cfg.select_labels else None
-    return n if n is not None and "positions" in inspect.signature(model.forward).parameters else None
+    return n if n is not None and "positions" in inspect.signature(distributed.unwrap(model).forward).parameters else None
+
+
+def _rows(task: Task, split: str, index: int, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of batch `index` of `split`, as grad_accum micro-batches: [A, B / (world A), T] each."""
+    rank, world = distributed.world()
+    x, y = task.get_batch(split, index, cfg.batch_size)  # [B, T]: the global batch, the same on every rank
+    per_rank = cfg.batch_size // world
+    rows = slice(rank * per_rank, (rank + 1) * per_rank)
+    return (x[rows].reshape(cfg.grad_accum, per_rank // cfg.grad_accum, -1),
+            y[rows].reshape(cfg.grad_accum, per_rank // cfg.grad_accum, -1))
 
 
 def evaluate(model: nn.Module, task: Task, cfg: TrainConfig, device: torch.device, autocast) -> dict:
-    """Loss and accuracy over labelled positions of the fixed val set, summed over ranks."""
+    """Loss and accuracy over labelled positions of the fixed val set (eval_batches global batches), summed over ranks."""
     per_row = _labels_per_row(model, task, cfg)
-    rank, world = _world()
+    world = distributed.world()[1]
     was_training = model.training
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, labelled
     with torch.no_grad():
         for i in range(cfg.eval_batches):
-            x, y = task.get_batch("val", i * world + rank, cfg.batch_size)
-            x, y = x.to(device), y.to(device)  # [B, T]
-            with autocast():
-                logits, y = _forward(model, x, y, per_row)
-            logits = logits.float()
-            mask = y != -100  # [B, T] (or [B, P])
-            sums[0] += F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
-            sums[1] += ((logits.argmax(-1) == y) & mask).sum()
-            sums[2] += mask.sum()
+            xs, ys = _rows(task, "val", i, cfg)
+            for x, y in zip(xs.to(device), ys.to(device)):  # [b, T] each
+                with autocast():
+                    logits, y = _forward(model, x, y, per_row)
+                logits = logits.float()
+                mask = y != -100  # [b, T] (or [b, P])
+                sums[0] += F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
+                sums[1] += ((logits.argmax(-1) == y) & mask).sum()
+                sums[2] += mask.sum()
     if world > 1:
         dist.all_reduce(sums)
     model.train(was_training)
@@ -201,29 +257,17 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def _model_optim_state(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """Full (unsharded) state dicts; under torch.distributed this is a collective every rank must call."""
-    if _world()[1] == 1:
-        return model.state_dict(), opt.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    return get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def _load_model_optim_state(model: nn.Module, opt: torch.optim.Optimizer, ms: dict, os_: dict) -> None:
-    if _world()[1] == 1:
-        model.load_state_dict(ms)
-        opt.load_state_dict(os_)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    set_state_dict(model, opt, model_state_dict=ms, optim_state_dict=os_, options=StateDictOptions(full_state_dict=True))
-
-
 def save_checkpoint(path: Path, state: dict) -> None:
     """Atomic: write a temporary file beside `path`, then os.replace it into place."""
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, obj: dict) -> None:
+    """Atomic, as save_checkpoint."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2))
     os.replace(tmp, path)
 
 
@@ -236,11 +280,11 @@ def _trim_metrics(path: Path, step: int) -> None:
 
 
 class _Prefetch:
-    """Batches `first`, `first + 1`, ... of the train split, prepared `depth` ahead by a thread in pinned memory.
+    """Batches `first`, `first + 1`, ... (`make(step)`), prepared `depth` ahead by a thread in pinned memory.
 
-    The batch for a step is the same as `task.get_batch` would give inline; only when it is made differs."""
+    The batch for a step is the same as `make` would give inline; only when it is made differs."""
 
-    def __init__(self, task: Task, first: int, stride: int, offset: int, batch_size: int, depth: int) -> None:
+    def __init__(self, make, first: int, depth: int) -> None:
         import queue
         import threading
 
@@ -250,7 +294,7 @@ class _Prefetch:
         def work() -> None:
             s = first
             while not self.stop.is_set():
-                x, y = task.get_batch("train", s * stride + offset, batch_size)
+                x, y = make(s)
                 item = (s, x.pin_memory(), y.pin_memory())
                 while not self.stop.is_set():
                     try:
@@ -287,22 +331,26 @@ def _forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, per_row: int | 
 
 
 def _make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; on CUDA the fused kernel with the learning rate as a device tensor (set each step, graph-safe)."""
+    """AdamW; on one CUDA device the fused kernel with the learning rate as a device tensor (set each step,
+    graph-safe); under torch.distributed on CUDA the foreach kernel (DTensor parameters)."""
     groups = param_groups(model, cfg.weight_decay)
-    if device.type != "cuda":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
+    if device.type != "cuda" or distributed.active():
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, foreach=device.type == "cuda" or None)
     return torch.optim.AdamW(groups, lr=torch.tensor(cfg.lr, device=device), betas=cfg.betas, fused=True,
                              capturable=cfg.graphs)
 
 
 def _restore_optimizer_placement(opt: torch.optim.Optimizer, cfg: TrainConfig, device: torch.device) -> None:
-    """After loading a checkpoint (read on the CPU): this run's learning-rate holder and graph flag, device steps."""
-    for g in opt.param_groups:
+    """After loading a checkpoint (read on the CPU): this run's betas and weight decay (a changed flag is honoured),
+    learning-rate holder and graph flag, device steps."""
+    fused = device.type == "cuda" and not distributed.active()
+    for g, wd in zip(opt.param_groups, (cfg.weight_decay, 0.0)):
+        g["betas"], g["weight_decay"] = cfg.betas, wd
         lr = float(g["lr"])
-        g["lr"] = torch.tensor(lr, device=device) if device.type == "cuda" else lr
-        if device.type == "cuda":
+        g["lr"] = torch.tensor(lr, device=device) if fused else lr
+        if fused:
             g["fused"], g["capturable"] = True, cfg.graphs
-    if device.type == "cuda":
+    if fused:
         for st in opt.state.values():
             if isinstance(st.get("step"), torch.Tensor):
                 st["step"] = st["step"].to(device, torch.float32)
@@ -316,8 +364,16 @@ def _set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
             g["lr"] = lr
 
 
-def train(model: nn.Module, task: Task, cfg: TrainConfig) -> TrainResult:
+def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = None) -> TrainResult:
     """Train `model` on `task` for cfg.steps optimizer steps (or until val accuracy >= target_accuracy).
+
+    Under torch.distributed (torchrun) the model is sharded (FSDP2) or replicated (DDP) here, after per-block
+    torch.compile when cfg.compile; `model` is then the trained model on every rank (FSDP2: sharded in place — take
+    `distributed.full_model_state(model)` on every rank for its full weights).
+
+    `record` (JSON-able, e.g. the model and task configs): with out_dir, out_dir/run.json is rewritten after each
+    checkpoint as the record plus what has been trained (steps done, world size, per-rank batch, and one segment of
+    training flags per session), so it only ever describes training that happened.
 
     Fast path for small models on CUDA (each part measured in BENCHMARKS.md): the head and loss only at labelled
     positions when the task fixes their number per row (`task.labels_per_row`, e.g. MQAR) and the model takes
@@ -326,88 +382,139 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig) -> TrainResult:
     capturable, clipping is on the device). Every step is the same computation on the same batch either way.
     """
     t0 = time.perf_counter()
-    rank, world = _world()
-    lead = rank == 0
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
     device = resolve_device(cfg.device)
     if cfg.graphs and device.type != "cuda":
         raise ValueError(f"graphs: CUDA graphs need a CUDA device, got {device}")
+    distributed.init_from_env(device)
+    rank, world = distributed.world()
+    cfg.check_world(world)
+    if distributed.active() and cfg.dist == "fsdp":
+        distributed.check_fsdp_available()
+    if cfg.graphs and distributed.active():
+        raise ValueError("graphs: CUDA graphs are single-process; drop graphs under torch.distributed")
+    lead = rank == 0
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
     use_amp = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda")
 
     def autocast():
         # no weight-cast cache: a captured graph must recompute the casts from the live weights on each replay
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp, cache_enabled=not cfg.graphs)
 
+    out = Path(cfg.out_dir) if cfg.out_dir is not None else None
+    ckpt_path = out / "checkpoint.pt" if out is not None else None
+    metrics_path = out / "metrics.jsonl" if out is not None else None
+    ck = read_checkpoint(ckpt_path) if ckpt_path is not None and cfg.resume and ckpt_path.exists() else None
+    if ck is not None:
+        check_resume(ck["config"], ck["step"], cfg)
+
     torch.manual_seed(cfg.seed + rank)
     random.seed(cfg.seed + rank)
     model.to(device)
     model.train()
+    core = model
+    model = distributed.parallelize(model, kind=cfg.dist, compile=cfg.compile, device=device)
     opt = _make_optimizer(model, cfg, device)
     schedule = WarmupCosine(cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
     per_row = _labels_per_row(model, task, cfg)
     params = [p for p in model.parameters() if p.requires_grad]
-
-    out = Path(cfg.out_dir) if cfg.out_dir is not None else None
-    ckpt_path = out / "checkpoint.pt" if out is not None else None
-    metrics_path = out / "metrics.jsonl" if out is not None else None
     if out is not None and lead:
         out.mkdir(parents=True, exist_ok=True)
 
-    step, history, best, done, stopped_early, interrupted = 0, [], 0.0, False, False, False
-    if ckpt_path is not None and cfg.resume and ckpt_path.exists():
-        ck = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        _load_model_optim_state(model, opt, ck["model"], ck["optimizer"])
+    step, history, best, stopped_early, interrupted, segments = 0, [], 0.0, False, False, []
+    if ck is not None:
+        if "sharded" in ck:
+            distributed.load_sharded(out / ck["sharded"], model, opt)
+        else:
+            distributed.load_full(model, opt, ck["model"], ck["optimizer"])
         _restore_optimizer_placement(opt, cfg, device)
         rngs = ck["rng"]
         _set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0], device)
         step, history, best = ck["step"], ck["history"], ck["best_val_accuracy"]
-        done, stopped_early = ck["done"], ck["stopped_early"]
+        segments = ck.get("segments", [])
+        # a run that reached its target stays stopped unless the target changed; one that ran out of steps goes on
+        stopped_early = ck["stopped_early"] and cfg.target_accuracy is not None and best >= cfg.target_accuracy
         if lead:
             _trim_metrics(metrics_path, step)
+        del ck
     elif metrics_path is not None and lead and metrics_path.exists():
         metrics_path.unlink()
+    done = stopped_early or step >= cfg.steps
+    session = {"steps": [step, step], "world_size": world, "per_rank_batch": cfg.batch_size // world,
+               "micro_batch": cfg.batch_size // world // cfg.grad_accum, "train": dataclasses.asdict(cfg)}
+    segments.append(session)
+    writer = None
+    if cfg.tensorboard and lead and not done:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(str(out / "tensorboard"))
 
     def log(row: dict) -> None:
         if metrics_path is not None and lead:
             with metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
+            if writer is not None:
+                for k, v in row.items():
+                    if k not in ("split", "step") and isinstance(v, (int, float)):
+                        writer.add_scalar(f"{row['split']}/{k}", v, row["step"])
 
     def checkpoint() -> None:
-        ms, os_ = _model_optim_state(model, opt)
+        """Every rank calls this (collectives under torch.distributed); rank 0 writes checkpoint.pt, then run.json."""
+        session["steps"][1] = step
         rng = _rng_state(device)
         rngs = [None] * world
         if world > 1:
             dist.all_gather_object(rngs, rng)
         else:
             rngs = [rng]
+        state = {"step": step, "rng": rngs, "history": history, "best_val_accuracy": best, "done": done,
+                 "stopped_early": stopped_early, "config": dataclasses.asdict(cfg), "segments": segments,
+                 "record": record}
+        if distributed.active():  # each rank its shards, into a folder named by the step; checkpoint.pt points at it
+            state["sharded"] = f"checkpoint-{step}.dcp"
+            distributed.save_sharded(out / state["sharded"], model, opt)
+            dist.barrier()
+        else:
+            state["model"], state["optimizer"] = model.state_dict(), opt.state_dict()
         if lead:
-            state = {
-                "model": ms, "optimizer": os_, "step": step, "rng": rngs,
-                "history": history, "best_val_accuracy": best, "done": done, "stopped_early": stopped_early,
-                "config": dataclasses.asdict(cfg),
-            }
             save_checkpoint(ckpt_path, state)
+            for old in out.glob("checkpoint-*.dcp"):
+                if old.name != state.get("sharded"):
+                    shutil.rmtree(old, ignore_errors=True)
+            if record is not None:
+                write_json(out / "run.json", {**record, "train": dataclasses.asdict(cfg), "steps_done": step,
+                                              "world_size": world, "per_rank_batch": cfg.batch_size // world,
+                                              "segments": segments})
+        if distributed.active():
+            dist.barrier()
 
-    def train_step(x: torch.Tensor, y: torch.Tensor):
-        """Forward, backward, clip, AdamW on one batch (gradients must be None on entry); no host sync."""
-        with autocast():
-            logits, y = _forward(model, x, y, per_row)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
-        aux = _aux_loss(model)
-        (loss if aux is None else loss + aux).backward()
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip, foreach=device.type == "cuda" or None)
+    def train_step(xs: torch.Tensor, ys: torch.Tensor):
+        """Forward and backward of each micro-batch, clip, AdamW (gradients must be None on entry); no host sync.
+        Returns the mean loss and aux loss over the micro-batches, the last one's logits and targets, the grad norm."""
+        A = xs.shape[0]
+        loss_sum = aux_sum = None
+        for m in range(A):
+            with distributed.grad_sync(model, m == A - 1):
+                with autocast():
+                    logits, y = _forward(model, xs[m], ys[m], per_row)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
+                aux = _aux_loss(model)
+                ((loss if aux is None else loss + aux) / A).backward()
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+            if aux is not None:
+                aux_sum = aux.detach() if aux_sum is None else aux_sum + aux.detach()
+        # always measured (logged); max_norm inf scales by exactly 1
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf, foreach=device.type == "cuda" or None)
         opt.step()
-        return loss.detach(), None if aux is None else aux.detach(), logits.detach(), y
+        return loss_sum / A, None if aux_sum is None else aux_sum / A, logits.detach(), y, norm.detach()
 
     def batch(s: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = prefetch.get(s) if prefetch is not None else task.get_batch("train", s * world + rank, cfg.batch_size)
-        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # [B, T]
+        x, y = prefetch.get(s) if prefetch is not None else _rows(task, "train", s, cfg)
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # [A, b, T]
 
     prefetch = None
-    if device.type == "cuda" and cfg.prefetch > 0 and step < cfg.steps and not done:
-        prefetch = _Prefetch(task, step, world, rank, cfg.batch_size, cfg.prefetch)
+    if device.type == "cuda" and cfg.prefetch > 0 and not done:
+        prefetch = _Prefetch(lambda s: _rows(task, "train", s, cfg), step, cfg.prefetch)
     graph = static = None
     side = torch.cuda.Stream(device) if cfg.graphs else None
     warmup_until = step + 3  # eager steps (on a side stream) before capture
@@ -417,7 +524,7 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig) -> TrainResult:
     window_steps, window_t = 0, time.perf_counter()
     last_val = history[-1] if history else None
     try:
-        while step < cfg.steps and not done:
+        while not done:
             lr = cfg.lr * schedule(step)
             _set_lr(opt, lr)
             x, y = batch(step)
@@ -425,7 +532,7 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig) -> TrainResult:
                 static[0].copy_(x)
                 static[1].copy_(y)
                 graph.replay()
-                loss, aux, logits, y_used = static[2]
+                loss, aux, logits, y_used, norm = static[2]
             elif cfg.graphs and step >= warmup_until:
                 static = [x.clone(), y.clone(), None]
                 opt.zero_grad(set_to_none=True)
@@ -436,17 +543,17 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig) -> TrainResult:
                     static[2] = train_step(static[0], static[1])
                 torch.cuda.current_stream(device).wait_stream(side)
                 graph.replay()
-                loss, aux, logits, y_used = static[2]
+                loss, aux, logits, y_used, norm = static[2]
             else:
                 opt.zero_grad(set_to_none=True)
                 if side is not None:
                     side.wait_stream(torch.cuda.current_stream(device))
                     with torch.cuda.stream(side):
-                        loss, aux, logits, y_used = train_step(x, y)
+                        loss, aux, logits, y_used, norm = train_step(x, y)
                     torch.cuda.current_stream(device).wait_stream(side)
                 else:
-                    loss, aux, logits, y_used = train_step(x, y)
-            hook = getattr(model, "after_step", None)
+                    loss, aux, logits, y_used, norm = train_step(x, y)
+            hook = getattr(core, "after_step", None)
             if callable(hook):
                 hook()
             step += 1
@@ -456,10 +563,15 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig) -> TrainResult:
 
             if step % cfg.log_every == 0 or step == cfg.steps:
                 mask = y_used != -100
-                acc = (((logits.argmax(-1) == y_used) & mask).sum() / mask.sum().clamp_min(1)).item()
-                mean_loss = (window_loss / window_steps).item()
+                acc = torch.stack([((logits.argmax(-1) == y_used) & mask).sum() / mask.sum().clamp_min(1),
+                                   window_loss / window_steps]).float()
+                if world > 1:
+                    dist.all_reduce(acc)
+                    acc /= world
+                acc, mean_loss = acc.tolist()
                 dt = time.perf_counter() - window_t
                 row = {"split": "train", "step": step, "loss": mean_loss, "accuracy": acc, "lr": lr,
+                       "grad_norm": float(distributed.local(norm)),
                        "tokens_per_s": window_steps * x.numel() * world / max(dt, 1e-9)}
                 if aux is not None:
                     row["aux_loss"] = float(aux)
@@ -482,6 +594,10 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig) -> TrainResult:
                     done = True
             done = done or step == cfg.steps
             interrupted = cfg.stop_at is not None and not done and time.time() >= cfg.stop_at
+            if world > 1 and cfg.stop_at is not None:  # every rank must take the same branch: rank 0's clock decides
+                flag = torch.tensor([float(interrupted)], device=device)
+                dist.broadcast(flag, 0)
+                interrupted = bool(flag.item())
             if ckpt_path is not None and (done or interrupted or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
                 checkpoint()
             if interrupted:
@@ -490,6 +606,8 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig) -> TrainResult:
         if prefetch is not None:
             prefetch.close()
         bar.close()
+        if writer is not None:
+            writer.close()
 
     return TrainResult(
         steps_done=step, best_val_accuracy=best, final_val_loss=last_val["loss"] if last_val else math.nan,

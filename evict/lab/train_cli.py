@@ -1,28 +1,49 @@
 """`evict train`: any preset (or a ModelConfig JSON) on any task, with the shared training loop.
 
-Outputs in --out (an existing folder with a checkpoint is resumed):
-    run.json        the model config, task and training flags of the run (a resume must match them)
-    metrics.jsonl   train / val rows (evict.train); loss.png is drawn from it
-    checkpoint.pt   model, optimizer, scheduler, RNG states (resume)
+Outputs in --out (an existing folder with a checkpoint is resumed; --no-resume starts over):
+    run.json        the model, task and training flags of what has been trained (rewritten at each checkpoint;
+                    `--config run.json` replays it, flags given on the command line win)
+    metrics.jsonl   train / val rows (evict.train: loss, accuracy, lr, grad_norm, tokens_per_s); loss.png from it
+    checkpoint.pt   model, optimizer, RNG states (resume); under torchrun it points at checkpoint-<step>.dcp/
+    tensorboard/    with --tensorboard: the metrics as TensorBoard scalars
     model/          model.safetensors + config.json (LM.save) and tokenizer.json (text tasks) for `evict generate`
     summary.json    the final numbers, also printed as one line
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import math
+import os
+import shutil
 import zipfile
-from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
-from evict.cli_args import device, nonneg_int, positive_float, positive_int, seed, writable_dir
+from evict import distributed
+from evict.cli_args import device, nonneg_float, nonneg_int, positive_float, positive_int, seed, writable_dir
 from evict.models import LM, presets
 from evict.models.config import ModelConfig
 from evict.plots import plot_metrics
-from evict.train import TrainConfig, train
+from evict.train import TrainConfig, read_checkpoint, train
+
+# Flag defaults, applied after --config: a flag given on the command line wins, then the config file's value, then these.
+DEFAULTS = dict(preset="gpt2", size="tiny", task="text", corpus=None, tokenizer="char", bpe_vocab=2048, seq_len=None,
+                pairs=4, vocab=8192, steps=1000, batch_size=32, lr=3e-3, min_lr=0.0, warmup=None, weight_decay=0.1,
+                clip=1.0, grad_accum=1, amp="auto", compile=False, dist="fsdp", eval_every=100, eval_batches=10,
+                log_every=10, ckpt_every=None, device="auto", threads=None, seed=0, tensorboard=False,
+                out="runs/train/latest")
+# run.json's "train" fields -> the flags they came from
+_TRAIN_FLAGS = dict(steps="steps", batch_size="batch_size", lr="lr", warmup_steps="warmup", weight_decay="weight_decay",
+                    grad_clip="clip", grad_accum="grad_accum", amp="amp", compile="compile", dist="dist",
+                    eval_every="eval_every", eval_batches="eval_batches", log_every="log_every",
+                    checkpoint_every="ckpt_every", device="device", threads="threads", seed="seed",
+                    tensorboard="tensorboard")
+_TASK_FLAGS = ("task", "corpus", "tokenizer", "bpe_vocab", "seq_len", "pairs", "vocab")
 
 
 def parse_overrides(items: list[str] | None) -> dict:
@@ -37,6 +58,69 @@ def parse_overrides(items: list[str] | None) -> dict:
         except json.JSONDecodeError:
             out[key] = value
     return out
+
+
+def _read_config_file(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise SystemExit(f"--config: no such file: {p}")
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SystemExit(f"--config: {p} is not JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise SystemExit(f"--config: {p}: expected a JSON object (a ModelConfig or a run.json)")
+    return d
+
+
+_ACTIONS: dict = {}  # dest -> the argparse action of `evict train` (filled by add_parser): checks config-file values
+
+
+def _check_recorded(path: str, dest: str, value):
+    """A flag's value read from a run.json, checked as the command line would check it."""
+    act = _ACTIONS[dest]
+    flag = act.option_strings[0]
+    if value is None and DEFAULTS.get(dest) is None:
+        return value
+    if act.nargs == 0:  # store_true
+        ok = isinstance(value, bool)
+    elif act.choices is not None:
+        ok = value in act.choices
+    elif act.type is not None and not isinstance(value, (bool, dict, list)):
+        try:
+            return act.type(str(value))
+        except argparse.ArgumentTypeError as e:
+            raise SystemExit(f"--config: {path}: {flag}: {e}") from None
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        raise SystemExit(f"--config: {path}: {flag}: unexpected value {value!r}")
+    return value
+
+
+def resolve(args) -> SimpleNamespace:
+    """Every flag's value: the command line's, else (--config run.json) the recorded run's, else DEFAULTS.
+    A --config that is a ModelConfig JSON gives only the model."""
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    o = dict(DEFAULTS, model=None, config=None, set=None)
+    if args.config:
+        d = _read_config_file(args.config)
+        if {"model", "task", "train"} <= set(d):  # a run.json
+            if not all(isinstance(d[k], dict) for k in ("model", "task", "train")):
+                raise SystemExit(f"--config: {args.config}: model, task and train must be JSON objects")
+            o["model"] = d["model"]
+            t = d["train"]
+            recorded = {k: d["task"][k] for k in _TASK_FLAGS if k in d["task"]}
+            recorded.update({flag: t[field] for field, flag in _TRAIN_FLAGS.items() if field in t})
+            if isinstance(t.get("min_lr_ratio"), (int, float)) and isinstance(t.get("lr"), (int, float)):
+                recorded["min_lr"] = t["min_lr_ratio"] * t["lr"]
+            o.update({k: _check_recorded(args.config, k, v) for k, v in recorded.items()})
+        else:
+            o["model"] = d
+    o.update(given)
+    o["warmup"] = min(50, o["steps"]) if o["warmup"] is None else o["warmup"]
+    o["ckpt_every"] = o["eval_every"] if o["ckpt_every"] is None else o["ckpt_every"]
+    return SimpleNamespace(**o)
 
 
 def build_task(args):
@@ -59,74 +143,114 @@ def build_task(args):
 
 
 def build_config(args, vocab_size: int) -> ModelConfig:
-    """--config JSON or --preset/--size, then --set overrides; vocab_size always follows the task."""
+    """The model (--config or --preset/--size), then --set overrides; vocab_size always follows the task."""
     overrides = parse_overrides(args.set)
     try:
-        if args.config:
-            path = Path(args.config)
-            if not path.is_file():
-                raise SystemExit(f"--config: no such file: {path}")
-            try:
-                d = json.loads(path.read_text())
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"--config: {path} is not JSON ({e})") from None
-            d.update(overrides, vocab_size=vocab_size)
-            return ModelConfig.from_dict(d)
+        if args.model is not None:
+            return ModelConfig.from_dict({**args.model, **overrides, "vocab_size": vocab_size})
         return presets.get(args.preset, size=args.size, **overrides, vocab_size=vocab_size)
     except (ValueError, TypeError) as e:
-        raise SystemExit(f"--{'config' if args.config else 'preset'}: {e}") from None
+        raise SystemExit(f"--{'config' if args.model is not None else 'preset'}: {e}") from None
 
 
-def _check_resume(out: Path, run: dict) -> None:
-    """An existing run folder may only be resumed with the same model and task. Only a checkpoint makes a run
-    resumable: a run.json without one is what a run that failed before its first checkpoint left, and is replaced."""
-    prev_path, ckpt = out / "run.json", out / "checkpoint.pt"
-    if not ckpt.exists():
+def train_config(o) -> TrainConfig:
+    """The TrainConfig of the flags; every value checked (ValueError -> one line naming it)."""
+    for name, ok, want in (("seq_len", lambda v: v is None or (type(v) is int and v >= 1), "a positive integer"),
+                           ("min_lr", lambda v: 0 <= v <= o.lr, f"a number in [0, --lr={o.lr}]"),
+                           ("clip", lambda v: v >= 0, "a number >= 0 (0 = no clipping)")):
+        if not ok(getattr(o, name)):
+            raise SystemExit(f"--{name.replace('_', '-')}: expected {want}, got {getattr(o, name)!r}")
+    try:
+        device(o.device)
+    except argparse.ArgumentTypeError as e:
+        raise SystemExit(f"--device: {e}") from None
+    try:
+        tcfg = TrainConfig(steps=o.steps, batch_size=o.batch_size, lr=o.lr, warmup_steps=o.warmup,
+                           min_lr_ratio=o.min_lr / o.lr, weight_decay=o.weight_decay, grad_clip=o.clip or None,
+                           grad_accum=o.grad_accum, amp=o.amp, compile=o.compile, dist=o.dist, eval_every=o.eval_every,
+                           eval_batches=o.eval_batches, log_every=o.log_every, checkpoint_every=o.ckpt_every,
+                           seed=o.seed, threads=o.threads, device=o.device, out_dir=o.out, resume=not o.no_resume,
+                           tensorboard=o.tensorboard)
+        world = distributed.env_world_size()
+        tcfg.check_world(world)
+        if world > 1 and tcfg.dist == "fsdp":
+            distributed.check_fsdp_available()
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"training flags: {e}") from None
+    if tcfg.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise SystemExit("--tensorboard: the tensorboard package is not installed (pip install tensorboard)") from None
+    return tcfg
+
+
+def _check_resume(out: Path, run: dict, tcfg: TrainConfig) -> None:
+    """An existing run folder is resumed only with the same model and task and with flags the loop can honour
+    (evict.train.check_resume); only a checkpoint makes a run resumable (a folder without one is started over)."""
+    ckpt = out / "checkpoint.pt"
+    if not tcfg.resume or not ckpt.exists():
         return
     if not zipfile.is_zipfile(ckpt):
         raise SystemExit(f"--out: {ckpt} is not a complete checkpoint (truncated or corrupted); delete it to start over")
-    if not prev_path.exists():
-        return
     try:
-        prev = json.loads(prev_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SystemExit(f"--out: {prev_path} is not readable JSON ({e}); delete the folder or pick a new --out") from None
-    if not isinstance(prev, dict):
-        raise SystemExit(f"--out: {prev_path} is not a run record; delete the folder or pick a new --out")
-    for key in ("model", "task"):
-        if prev.get(key) != json.loads(json.dumps(run[key])):
-            raise SystemExit(f"--out: {out} holds a run with another {key} config; pick a new --out folder")
+        ck = read_checkpoint(ckpt)
+        prev = ck.get("record") or {}
+        for key in ("model", "task"):
+            if key in prev and prev[key] != json.loads(json.dumps(run[key])):
+                raise SystemExit(f"--out: {out} holds a run with another {key} config; pick a new --out folder "
+                                 "or pass --no-resume")
+        from evict.train import check_resume
+
+        check_resume(ck["config"], ck["step"], tcfg)
+    except (ValueError, KeyError) as e:
+        raise SystemExit(f"--out: {out}: {e}") from None
 
 
-def run_train(args) -> dict:
-    # every flag, the model config and --out are checked before the corpus is read and tokenised
-    writable_dir(args.out, "--out")
-    warmup = min(50, args.steps) if args.warmup is None else args.warmup
-    try:
-        tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=warmup,
-                           eval_every=args.eval_every, eval_batches=args.eval_batches, seed=args.seed,
-                           threads=args.threads, device=args.device, out_dir=args.out,
-                           checkpoint_every=args.eval_every)
-    except ValueError as e:
-        raise SystemExit(f"training flags: {e}") from None
-    build_config(args, 256)  # the vocabulary follows the task; every other field is checked now
-    task = build_task(args)
-    cfg = build_config(args, task.vocab_size)
-    out = Path(args.out)
-    run = {"model": cfg.to_dict(), "task": {"name": task.name, "seq_len": task.seq_len} if args.task == "text"
-           else {"name": task.name, "seq_len": args.seq_len or 64, "pairs": args.pairs, "vocab": args.vocab},
-           "train": asdict(tcfg)}
-    _check_resume(out, run)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "run.json").write_text(json.dumps(run, indent=2))
+def _start_over(out: Path) -> None:
+    """--no-resume: remove what a previous run left in `out` (its checkpoint, record, metrics, model)."""
+    for name in ("checkpoint.pt", "run.json", "metrics.jsonl", "summary.json", "loss.png"):
+        (out / name).unlink(missing_ok=True)
+    for name in ["model", "tensorboard", *(p.name for p in out.glob("checkpoint-*.dcp"))]:
+        shutil.rmtree(out / name, ignore_errors=True)
 
-    torch.manual_seed(args.seed)  # the initial weights are a function of --seed
+
+def run_train(args) -> dict | None:
+    # every flag, the model config and --out are checked before the corpus is read and anything is written
+    o = resolve(args)
+    writable_dir(o.out, "--out")
+    tcfg = train_config(o)
+    build_config(o, 256)  # the vocabulary follows the task; every other field is checked now
+    task = build_task(o)
+    cfg = build_config(o, task.vocab_size)
+    out = Path(o.out)
+    flags = ("corpus", "tokenizer", "bpe_vocab") if o.task == "text" else ("pairs", "vocab")
+    task_record = {"name": task.name, "task": o.task, **{k: getattr(o, k) for k in flags}, "seq_len": task.seq_len}
+    run = {"model": cfg.to_dict(), "task": task_record}
+    _check_resume(out, run, tcfg)
+    lead = int(os.environ.get("RANK", "0")) == 0
+    if not lead:  # rank 0 alone logs and prints
+        logging.getLogger().setLevel(logging.WARNING)
+    if lead and out.exists() and not tcfg.resume:
+        _start_over(out)
+
+    torch.manual_seed(o.seed)  # the initial weights are a function of --seed (the same on every rank)
     model = LM(cfg)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {args.config or f'{args.preset} ({args.size})'}, {n_params / 1e6:.2f} M parameters; "
-          f"task: {task.name}, vocab {task.vocab_size}; out: {out}")
-    result = train(model, task, tcfg)
-
+    if lead:
+        print(f"model: {o.config or f'{o.preset} ({o.size})'}, {n_params / 1e6:.2f} M parameters; "
+              f"task: {task.name}, vocab {task.vocab_size}; out: {out}")
+    try:
+        result = train(model, task, tcfg, record=json.loads(json.dumps(run)))
+        state = distributed.full_model_state(model) if distributed.active() else None  # a collective
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    if not lead:
+        return None
+    if state is not None:  # FSDP2 left the model sharded: save a whole copy
+        model = LM(cfg)
+        model.load_state_dict(state)
     png = plot_metrics(out / "metrics.jsonl", out / "loss.png")
     model_dir = model.cpu().save(out / "model")
     if hasattr(task, "tokenizer"):
@@ -147,29 +271,44 @@ def run_train(args) -> dict:
 
 
 def add_parser(sub, fn) -> None:
-    """Register `evict train` (calling fn(args)) on the argparse subparsers object."""
+    """Register `evict train` (calling fn(args)) on the argparse subparsers object. Flags default to None here and
+    get their values in `resolve` (command line > --config run.json > DEFAULTS)."""
     t = sub.add_parser("train", help="train any preset on text (default Shakespeare) or MQAR; save a generate-able model")
+    d = DEFAULTS
     src = t.add_mutually_exclusive_group()
-    src.add_argument("--preset", default="gpt2", choices=presets.FAMILIES, help="model family (default gpt2)")
-    src.add_argument("--config", help="a ModelConfig JSON file instead of a preset")
-    t.add_argument("--size", default="tiny", choices=sorted(presets.SIZES))
+    src.add_argument("--preset", choices=presets.FAMILIES, help=f"model family (default {d['preset']})")
+    src.add_argument("--config", help="a ModelConfig JSON, or the run.json of a run (its model, task and flags; "
+                                      "flags given here win)")
+    t.add_argument("--size", choices=sorted(presets.SIZES), help=f"default {d['size']}")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="ModelConfig override, e.g. n_layers=2; repeatable")
-    t.add_argument("--task", default="text", choices=["text", "mqar"])
+    t.add_argument("--task", choices=["text", "mqar"], help="default text")
     t.add_argument("--corpus", help="text: a UTF-8 file or a folder of *.txt (default: Shakespeare)")
-    t.add_argument("--tokenizer", default="char", choices=["char", "byte", "bpe"])
-    t.add_argument("--bpe-vocab", type=positive_int, default=2048)
+    t.add_argument("--tokenizer", choices=["char", "byte", "bpe"], help="default char")
+    t.add_argument("--bpe-vocab", type=positive_int, help=f"default {d['bpe_vocab']}")
     t.add_argument("--seq-len", type=positive_int, help="default 256 (text) / 64 (mqar)")
-    t.add_argument("--pairs", type=positive_int, default=4, help="mqar: key-value pairs")
-    t.add_argument("--vocab", type=positive_int, default=8192, help="mqar: vocabulary size")
-    t.add_argument("--steps", type=positive_int, default=1000)
-    t.add_argument("--batch-size", type=positive_int, default=32)
-    t.add_argument("--lr", type=positive_float, default=3e-3)
-    t.add_argument("--warmup", type=nonneg_int, default=None, help="warmup steps, at most --steps (default min(50, steps))")
-    t.add_argument("--eval-every", type=positive_int, default=100, help="also the checkpoint interval")
-    t.add_argument("--eval-batches", type=positive_int, default=10)
-    t.add_argument("--device", type=device, default="auto", help="auto, cpu, cuda, cuda:1 …")
+    t.add_argument("--pairs", type=positive_int, help=f"mqar: key-value pairs (default {d['pairs']})")
+    t.add_argument("--vocab", type=positive_int, help=f"mqar: vocabulary size (default {d['vocab']})")
+    t.add_argument("--steps", type=positive_int, help=f"optimizer steps in all (default {d['steps']}); a larger value "
+                                                       "continues a finished run")
+    t.add_argument("--batch-size", type=positive_int, help=f"global batch per step, over all ranks (default {d['batch_size']})")
+    t.add_argument("--grad-accum", type=positive_int, help="micro-batches per rank per step (default 1)")
+    t.add_argument("--lr", type=positive_float, help=f"peak learning rate (default {d['lr']})")
+    t.add_argument("--min-lr", type=nonneg_float, help="the cosine's final learning rate (default 0)")
+    t.add_argument("--warmup", type=nonneg_int, help="warmup steps, at most --steps (default min(50, steps))")
+    t.add_argument("--weight-decay", type=nonneg_float, help=f"AdamW decay of matrices (default {d['weight_decay']})")
+    t.add_argument("--clip", type=nonneg_float, help=f"gradient-norm clip, 0 = none (default {d['clip']})")
+    t.add_argument("--amp", choices=["auto", "bf16", "none"], help="bf16 autocast: auto = on CUDA only (default)")
+    t.add_argument("--compile", action="store_true", default=None, help="torch.compile each block")
+    t.add_argument("--dist", choices=list(distributed.DIST), help="under torchrun: fsdp (FSDP2, default) or ddp")
+    t.add_argument("--eval-every", type=positive_int, help=f"default {d['eval_every']}")
+    t.add_argument("--eval-batches", type=positive_int, help=f"default {d['eval_batches']}")
+    t.add_argument("--log-every", type=positive_int, help=f"train rows in metrics.jsonl (default every {d['log_every']} steps)")
+    t.add_argument("--ckpt-every", type=positive_int, help="checkpoint interval (default --eval-every)")
+    t.add_argument("--device", type=device, help="auto (default), cpu, cuda, cuda:1 …")
     t.add_argument("--threads", type=positive_int, help="torch CPU threads")
-    t.add_argument("--seed", type=seed, default=0)
-    t.add_argument("--out", default="runs/train/latest", help="output folder; an existing one is resumed")
+    t.add_argument("--seed", type=seed, help="default 0")
+    t.add_argument("--tensorboard", action="store_true", default=None, help="also write TensorBoard scalars")
+    t.add_argument("--no-resume", action="store_true", help="start over in --out (removes the previous run's files)")
+    t.add_argument("--out", help=f"output folder; an existing one is resumed (default {d['out']})")
     t.set_defaults(fn=fn)
-
+    _ACTIONS.update({a.dest: a for a in t._actions if a.option_strings})

@@ -11,6 +11,7 @@ from evict.ops.decode import decode_attention, kernel_runs_on
 from evict.ops.rope import rope
 
 from .conv import ShortConv
+from .init import reset_children
 
 
 class Attention(nn.Module):
@@ -23,6 +24,10 @@ class Attention(nn.Module):
         self.conv = ShortConv((self.n_heads + 2 * self.n_kv) * self.hd, cfg.conv_size) if cfg.short_conv else None
         self.wo = nn.Linear(self.n_heads * self.hd, cfg.d_model, bias=cfg.bias)
         self.decode_kernel = True  # one-token steps over a cache use the split-K decode kernel where it runs (CUDA)
+
+    def reset_parameters(self) -> None:
+        """PyTorch's Linear defaults and the conv's own init (the LM overrides the Linears: see LM.init_weights)."""
+        reset_children(self)
 
     def forward(self, x: torch.Tensor, state: KVState | None = None, pos: int = 0) -> torch.Tensor:
         B, T, _ = x.shape

@@ -1,4 +1,5 @@
-"""Attention Residuals (Kimi): one read point per sublayer input, and the block bookkeeping of its sources.
+"""Attention Residuals (Kimi): one read point per sublayer input (the block bookkeeping of its sources is in
+evict.models.lm: LM.forward closes blocks, Block.forward reads and adds).
 
 A read point h = sum_i softmax_i(q . RMSNorm(v_i)) v_i has its own query q [D] (zero at init: the uniform
 mean of the sources) and its own key RMSNorm. In the block form the sources are the embedding, one sum per
@@ -31,31 +32,3 @@ class AttnResRead(nn.Module):
 
     def forward(self, sources) -> torch.Tensor:
         return attn_res(sources, self.query, norm_weight=self.norm.weight, eps=self.norm.eps)
-
-
-class AttnResBlocks:
-    """Source bookkeeping for one forward pass (plain object, no parameters).
-
-    completed: [embedding, block_1 sum, ...]; partial: running sum of the current block's sublayer outputs,
-    or None right after a block closes. The caller decides when blocks close (every S layers).
-    """
-
-    def __init__(self, embedding: torch.Tensor):
-        self.completed: list[torch.Tensor] = [embedding]
-        self.partial: torch.Tensor | None = None
-
-    def sources(self) -> list[torch.Tensor]:
-        return self.completed + ([] if self.partial is None else [self.partial])
-
-    def read(self, read_point: AttnResRead) -> torch.Tensor:
-        """The input of the next sublayer (or the final norm): read_point's mix of the current sources."""
-        return read_point(self.sources())
-
-    def add(self, sublayer_output: torch.Tensor) -> None:
-        self.partial = sublayer_output if self.partial is None else self.partial + sublayer_output
-
-    def close_block(self) -> None:
-        """Freeze the current block's sum as a source (no-op when the block has no output yet)."""
-        if self.partial is not None:
-            self.completed.append(self.partial)
-            self.partial = None

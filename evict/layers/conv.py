@@ -17,7 +17,11 @@ class ShortConv(nn.Module):
         super().__init__()
         self.kernel = kernel
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
-        nn.init.uniform_(self.weight, -kernel**-0.5, kernel**-0.5)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """weight ~ U(±k^-1/2) (PyTorch's conv default for a depthwise kernel of size k)."""
+        nn.init.uniform_(self.weight, -self.kernel**-0.5, self.kernel**-0.5)
 
     def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, C = x.shape

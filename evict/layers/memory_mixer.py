@@ -22,6 +22,7 @@ from evict.cache import RecurrentState
 from evict.ops import memory, memory_step
 
 from .conv import ShortConv
+from .init import reset_children
 from .norms import RMSNorm
 
 KINDS = {  # kind -> (gate, delta, conv, features, normalizer, gated output)
@@ -70,6 +71,12 @@ class MemoryMixer(nn.Module):
                 self.f_out = nn.Sequential(nn.Linear(d, rank, bias=False), nn.Linear(rank, H * D, bias=True))
         else:
             self.o_norm = self.f_out = None
+
+    def reset_parameters(self) -> None:
+        """The decay gate (reset_gate), norms 1, the conv its own; Linears PyTorch's defaults (the LM overrides them)."""
+        if self.gate is not None:
+            self.reset_gate()
+        reset_children(self)
 
     def reset_gate(self) -> None:
         """A_log = log U(1, 16); dt_bias so the initial per-step decay rate A·dt has dt log-uniform in [1e-3, 1e-1]."""

@@ -17,6 +17,7 @@ from evict.ops.decode import decode_attention, kernel_runs_on
 from evict.ops.rope import rope
 
 from .conv import ShortConv
+from .init import reset_children
 from .norms import RMSNorm
 
 
@@ -39,11 +40,18 @@ class MLA(nn.Module):
         self.kv_norm = RMSNorm(r, cfg.norm_eps)
         self.wuk = nn.Parameter(torch.empty(H, n, r))  # k_nope = W_uk c per head
         self.wuv = nn.Parameter(torch.empty(H, e, r))  # v = W_uv c per head
+        self.init_std = cfg.init_std
         nn.init.normal_(self.wuk, std=cfg.init_std)
         nn.init.normal_(self.wuv, std=cfg.init_std)
         self.wgate = nn.Linear(d, H * e, bias=False) if cfg.mla_gate else None
         self.wo = nn.Linear(H * e, d, bias=False)
         self.decode_kernel = True  # absorbed one-token steps use the split-K decode kernel where it runs (CUDA)
+
+    def reset_parameters(self) -> None:
+        """W_uk, W_uv ~ N(0, init_std); norms 1; the conv its own; Linears PyTorch's defaults (the LM overrides them)."""
+        nn.init.normal_(self.wuk, std=self.init_std)
+        nn.init.normal_(self.wuv, std=self.init_std)
+        reset_children(self)
 
     def forward(self, x: torch.Tensor, state: LatentState | None = None, pos: int = 0, absorb: bool | None = None) -> torch.Tensor:
         B, T, _ = x.shape

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..ops import moe as ops
@@ -128,10 +129,15 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def update_bias(self) -> None:
-        """Move the selection bias toward balance using the load since the last update (no-op if none)."""
+        """Move the selection bias toward balance using the load since the last update (no-op if none). Under
+        torch.distributed the load is averaged over the ranks first, so every rank keeps the same bias."""
         if self._load_n == 0:
             return
-        ops.balance_bias_update(self.select_bias, self._load_sum / self._load_n, self.bias_update_rate)
+        load = self._load_sum / self._load_n
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(load)
+            load = load / dist.get_world_size()
+        ops.balance_bias_update(self.select_bias, load, self.bias_update_rate)
         self._load_sum, self._load_n = None, 0
 
     def param_counts(self) -> dict[str, int]:

@@ -14,6 +14,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

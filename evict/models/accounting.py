@@ -114,6 +114,31 @@ def model_params(model) -> dict:
             "moe": {"layers": len(moe), "total": moe_total, "active": moe_active}}
 
 
+def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
+    """Model FLOPs of one trained token at `seq_len` (forward + backward = 3 × forward; the MFU convention):
+    - params: 6 × the active parameters that multiply (embeddings excluded: a lookup; an untied head included)
+    - mixing: the sequence work that has no parameters, 3 × forward per layer: softmax / MLA attention
+      2 × H × (d_qk + d_v) × T/2 (causal: a query sees T/2 keys on average); a linear memory 2 × 2 × H × D²
+      (writing k vᵀ into and reading qᵀS out of the D × D state per head; the chunked form does this work in
+      another order). Returns {"params", "mixing", "total"}."""
+    _check_cfg(cfg)
+    r = param_report(cfg)
+    matmul = r["active"] - r["embeddings"]["token"] - r["embeddings"]["position"]
+    if cfg.tie_embeddings:  # the tied head is a matmul too
+        matmul += r["embeddings"]["token"]
+    H, D = cfg.n_heads, cfg.head_size
+    mixing = 0
+    for letter in cfg.layer_mixers():
+        kind = MIXERS[letter]
+        if kind == "mla":
+            mixing += 2 * H * (cfg.qk_nope_dim + cfg.qk_rope_dim + cfg.v_head_dim) * seq_len / 2
+        elif kind == "attention":
+            mixing += 2 * H * 2 * D * seq_len / 2
+        else:
+            mixing += 2 * 2 * H * D * D
+    return {"params": 6 * matmul, "mixing": 3 * mixing, "total": 6 * matmul + 3 * mixing}
+
+
 def _check_contexts(contexts) -> list[int]:
     contexts = list(contexts)
     if not contexts or not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in contexts):

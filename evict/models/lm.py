@@ -19,8 +19,9 @@ from torch import nn
 from evict.cache import HybridCache
 from evict.jsonfile import read_json_object
 from evict.layers.attention import Attention
-from evict.layers.attn_res import AttnResBlocks, AttnResRead
+from evict.layers.attn_res import AttnResRead
 from evict.layers.ffn import SiTU, SwiGLU
+from evict.layers.init import reset_children
 from evict.layers.memory_mixer import MemoryMixer
 from evict.layers.mla import MLA
 from evict.layers.mlp import GeluMLP
@@ -56,9 +57,14 @@ def build_ffn(cfg: ModelConfig, kind: str) -> nn.Module:
 
 
 class Block(nn.Module):
+    """One residual block: mixer then FFN, each pre-normed; with AttnRes, also the read points of its two inputs.
+
+    The unit that FSDP2 shards, activation checkpointing recomputes and torch.compile compiles, one block at a time."""
+
     def __init__(self, cfg: ModelConfig, letter: str, ffn_kind: str, first: bool = False):
         super().__init__()
         self.letter, self.ffn_kind = letter, ffn_kind
+        self.init_std, self.out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mixer = build_mixer(cfg, letter)
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -67,6 +73,37 @@ class Block(nn.Module):
             # the first mixer's only source is the embedding: a read over one source is the identity, so none is built
             self.read_mixer = None if first else AttnResRead(cfg.d_model, cfg.norm_eps)
             self.read_ffn = AttnResRead(cfg.d_model, cfg.norm_eps)
+        self.attn_res = cfg.attn_res
+
+    def reset_parameters(self) -> None:
+        """Every submodule its own init (norms 1, conv kernels, decay gates, MLA's W_uk / W_uv, MoE experts, AttnRes
+        queries 0), then every nn.Linear ~ N(0, init_std) with zero biases, except the projections that write into the
+        residual stream (`wo`, `w2`, each MoE's `output_weights()`) ~ N(0, init_std / sqrt(2 n_layers))."""
+        reset_children(self)
+        for name, mod in self.named_modules():
+            if isinstance(mod, nn.Linear):
+                nn.init.normal_(mod.weight, std=self.out_std if name.split(".")[-1] in ("wo", "w2") else self.init_std)
+                if mod.bias is not None:
+                    nn.init.zeros_(mod.bias)
+        if isinstance(self.ffn, MoE):
+            for w in self.ffn.output_weights():
+                nn.init.normal_(w, std=self.out_std)
+
+    def forward(self, h: torch.Tensor | None, state=None, pos: int = 0,
+                completed: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Pre-norm: h [B, T, D] is the residual stream; returns h + mixer(norm(h)), then + ffn(norm(.)).
+
+        AttnRes: `completed` is the list of closed depth sources (the embedding, then one sum per closed block) and h
+        the running sum of the current block's sublayer outputs (None right after a block closes); returns that sum
+        with this block's two outputs added. `state` is this layer's cache state (decode), `pos` its position."""
+        if not self.attn_res:
+            h = h + self.mixer(self.norm1(h), state, pos)
+            return h + self.ffn(self.norm2(h))
+        sources = completed if h is None else completed + [h]
+        x = completed[0] if self.read_mixer is None else self.read_mixer(sources)
+        out = self.mixer(self.norm1(x), state, pos)
+        h = out if h is None else h + out
+        return h + self.ffn(self.norm2(self.read_ffn(completed + [h])))
 
 
 class LM(nn.Module):
@@ -74,6 +111,7 @@ class LM(nn.Module):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
+        rng = torch.get_rng_state()
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.pos == "learned" else None
         self.blocks = nn.ModuleList(
@@ -85,30 +123,37 @@ class LM(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         if not any(p.is_meta for p in self.parameters()):
+            # The weights are init_weights' draws from the RNG state LM() was called with; the draws the submodules
+            # made while being built are discarded. So meta-built + to_empty + init_weights() gives the same weights.
+            torch.set_rng_state(rng)
             self.init_weights()
         log.info("LM %s", " ".join(f"{b.letter}{'/moe' if b.ffn_kind == 'moe' else ''}" for b in self.blocks))
 
     def init_weights(self) -> None:
-        """Initialise every parameter:
-        - nn.Linear weights ~ N(0, init_std); biases 0; the projections that write into the residual stream
-          (`wo`, `w2`, and each MoE's `output_weights()`) ~ N(0, init_std / sqrt(2 n_layers))
-        - embeddings (token, learned positions) ~ N(0, init_std); RMSNorm weights 1
-        - kept from the modules' own init: short-conv kernels U(±k^-1/2); decay A_log = log U(1, 16) and dt_bias
-          (dt log-uniform in [1e-3, 1e-1]); MLA W_uk, W_uv ~ N(0, init_std); MoE expert stacks (their own init);
-          AttnRes queries 0 (uniform mix over depth at start)
+        """Initialise every parameter and buffer (also after building on the meta device and `to_empty`):
+        - embeddings (token, learned positions) ~ N(0, init_std); the head ~ N(0, init_std) unless tied; RMSNorm
+          weights 1; the final AttnRes read's query 0 (a uniform mix over depth at start)
+        - each block (Block.reset_parameters): nn.Linear weights ~ N(0, init_std), biases 0; the projections that
+          write into the residual stream (`wo`, `w2`, each MoE's `output_weights()`) ~ N(0, init_std / sqrt(2 n_layers));
+          short-conv kernels U(±k^-1/2); decay A_log = log U(1, 16) and dt_bias (dt log-uniform in [1e-3, 1e-1]);
+          MLA W_uk, W_uv ~ N(0, init_std); MoE expert stacks N(0, 0.02) and selection bias 0; AttnRes queries 0
         """
+        if self.cfg.tie_embeddings:  # to_empty makes one new tensor per module: tie them again
+            self.head.weight = self.embed.weight
         std = self.cfg.init_std
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)
-        for name, mod in self.named_modules():
-            if isinstance(mod, nn.Linear):
-                nn.init.normal_(mod.weight, std=out_std if name.split(".")[-1] in ("wo", "w2") else std)
-                if mod.bias is not None:
-                    nn.init.zeros_(mod.bias)
-            elif isinstance(mod, nn.Embedding):
-                nn.init.normal_(mod.weight, std=std)
-        for moe in self.moe_layers():
-            for w in moe.output_weights():
-                nn.init.normal_(w, std=out_std)
+        nn.init.normal_(self.embed.weight, std=std)
+        if self.wpe is not None:
+            nn.init.normal_(self.wpe.weight, std=std)
+        for blk in self.blocks:
+            blk.reset_parameters()
+        if self.final_read is not None:
+            self.final_read.reset_parameters()
+        self.norm.reset_parameters()
+        if not self.cfg.tie_embeddings:
+            nn.init.normal_(self.head.weight, std=std)
+
+    def reset_parameters(self) -> None:
+        self.init_weights()
 
     # -- forward ----------------------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, cache: HybridCache | None = None, *,
@@ -147,17 +192,14 @@ class LM(nn.Module):
         states = [None] * len(self.blocks) if cache is None else cache.states
         if self.final_read is None:
             for blk, st in zip(self.blocks, states):
-                h = h + blk.mixer(blk.norm1(h), st, pos)
-                h = h + blk.ffn(blk.norm2(h))
+                h = blk(h, st, pos)
         else:
-            depth = AttnResBlocks(h)
+            completed, partial = [h], None  # AttnRes depth sources: closed ones, and the current block's running sum
             for i, (blk, st) in enumerate(zip(self.blocks, states)):
-                x = depth.completed[0] if blk.read_mixer is None else depth.read(blk.read_mixer)
-                depth.add(blk.mixer(blk.norm1(x), st, pos))
-                depth.add(blk.ffn(blk.norm2(depth.read(blk.read_ffn))))
+                partial = blk(partial, st, pos, completed=completed)
                 if (i + 1) % self.cfg.attn_res_block == 0:
-                    depth.close_block()
-            h = depth.read(self.final_read)
+                    completed, partial = completed + [partial], None
+            h = self.final_read(completed if partial is None else completed + [partial])
         if cache is not None:
             cache.advance(T)
         if positions is not None:

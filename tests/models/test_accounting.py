@@ -111,3 +111,18 @@ def test_unknown_preset_is_a_clear_error():
         memory_report(presets.get("gpt2_124m"), [1024], bytes_per_number=0)
     with pytest.raises(ValueError, match="cfg"):
         param_report("gpt2_124m")
+
+
+def test_train_flops_per_token_gpt2_is_the_textbook_count():
+    """GPT-2 124M: 6 N (N without the embeddings; the tied head counted) + 6 L d T (PaLM's 12 L d T, halved for causal)."""
+    from evict.models.accounting import train_flops_per_token
+
+    cfg = presets.get("gpt2_124m")
+    T, L, d, V = 1024, 12, 768, 50304
+    n = 12 * L * d * d + V * d  # the blocks' matrices and the head (biases and norms add ~0.1 %)
+    f = train_flops_per_token(cfg, T)
+    assert f["mixing"] == 6 * L * d * T
+    assert f["params"] == pytest.approx(6 * n, rel=2e-3)
+    assert f["total"] == f["params"] + f["mixing"]
+    kimi = presets.get("kimi_linear", size="small")
+    assert train_flops_per_token(kimi, 2 * T)["mixing"] > train_flops_per_token(kimi, T)["mixing"]  # the MLA layers

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from evict.layers.attn_res import AttnResBlocks, AttnResRead
+from evict.layers.attn_res import AttnResRead
 from evict.ops.attn_res import attn_res, attn_res_reference
 from tests.conftest import rel
 
@@ -67,23 +67,6 @@ def test_read_point_gradients_and_init():
         read.query.normal_()
     read.reset_parameters()
     assert torch.equal(read.query, torch.zeros(10))
-
-
-def test_blocks_bookkeeping():
-    emb = torch.randn(1, 4, 6, dtype=torch.float64)
-    blocks = AttnResBlocks(emb)
-    read = AttnResRead(6).double()
-    assert rel(blocks.read(read), emb) < 1e-15  # only the embedding
-    a, b, c = (torch.randn(1, 4, 6, dtype=torch.float64) for _ in range(3))
-    blocks.add(a)
-    blocks.add(b)
-    assert len(blocks.sources()) == 2 and rel(blocks.sources()[1], a + b) < 1e-15
-    blocks.close_block()
-    assert blocks.partial is None and len(blocks.completed) == 2
-    blocks.close_block()  # empty block: no new source
-    assert len(blocks.completed) == 2
-    blocks.add(c)
-    assert rel(blocks.read(read), (emb + a + b + c) / 3) < 1e-15
 
 
 @pytest.mark.parametrize("args,name", [
