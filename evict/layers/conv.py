@@ -19,6 +19,10 @@ class ShortConv(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
         nn.init.uniform_(self.weight, -kernel**-0.5, kernel**-0.5)
 
+    def new_tail(self, batch_size: int, device=None, dtype=torch.float32) -> torch.Tensor:
+        """The tail before the first token: zeros [batch_size, k-1, C]."""
+        return torch.zeros(batch_size, self.kernel - 1, self.weight.shape[0], device=device, dtype=dtype)
+
     def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, C = x.shape
         k = self.kernel
