@@ -243,6 +243,8 @@ class Engine:
             elif len(r.out) >= r.params.max_tokens:
                 self._finish(r, "length")
         self.recent.append((now, len(reqs)))
+        while self.recent[0][0] < now - 10:
+            self.recent.popleft()
 
     def step(self) -> bool:
         """One scheduling iteration; False when there was nothing to do."""
@@ -291,10 +293,9 @@ class Engine:
 
     def metrics(self) -> dict:
         now = time.perf_counter()
-        while self.recent and self.recent[0][0] < now - 10:
-            self.recent.popleft()
-        span = now - self.recent[0][0] if self.recent else 0.0
-        tok_s = sum(n for _, n in self.recent) / span if span > 0 else 0.0
+        recent = [(t, n) for t, n in list(self.recent) if t >= now - 10]  # a snapshot: the engine thread appends
+        span = now - recent[0][0] if recent else 0.0
+        tok_s = sum(n for _, n in recent) / span if span > 0 else 0.0
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else _max_rss()
         return {**self.stats, "running": len(self.running), "waiting": len(self.waiting), "tokens_per_second": tok_s,
                 "slots_used": self.max_batch - len(self.free_slots), "slots_total": self.max_batch,
