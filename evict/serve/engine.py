@@ -93,7 +93,7 @@ class Engine:
         self.uses_blocks = per_token > 0
         left = cache_budget - max_batch * per_slot
         n_blocks = left // (per_token * block_size) if self.uses_blocks else 1
-        if left <= 0 or n_blocks < 1:
+        if left < 0 or n_blocks < 1:
             raise ValueError(f"cache_budget: {cache_budget} bytes hold no block of {block_size} tokens beside {max_batch} "
                              f"slots of {per_slot} bytes; need at least {max_batch * per_slot + per_token * block_size}")
         limit = n_blocks * block_size if self.uses_blocks else 1 << 20
