@@ -111,7 +111,8 @@ class Engine:
         self.running: list[Request] = []  # in admission order
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.ids = itertools.count(1)
-        self.stats = {"requests": 0, "finished": 0, "preemptions": 0, "generated_tokens": 0, "prefill_tokens": 0, "steps": 0}
+        self.stats = {"requests": 0, "finished": 0, "preemptions": 0, "cancelled": 0, "generated_tokens": 0,
+                      "prefill_tokens": 0, "steps": 0}
         self.recent: deque[tuple[float, int]] = deque()  # (time, tokens) of the last 10 s, for tokens/s
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -182,6 +183,7 @@ class Engine:
             self.waiting.remove(req)
         req.finish_reason = reason
         self.stats["finished"] += 1
+        self.stats["cancelled"] += reason == "cancelled"
         if req.on_finish is not None:
             req.on_finish(req)
 

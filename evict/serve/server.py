@@ -154,21 +154,24 @@ def build_app(engine: Engine, tokenizer, model_name: str):
                         engine.cancel(req)
 
             return StreamingResponse(sse(), media_type="text/event-stream")
+        async def watch() -> None:  # the request's body is read: the next ASGI message is the client hanging up
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            engine.cancel(req)
+
+        watcher = asyncio.create_task(watch())
         pieces, all_ids, reason = [], [], None
         try:
             while reason is None:
-                try:
-                    event = await asyncio.wait_for(events.get(), timeout=0.25)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return None
-                    continue
-                piece, new_ids, reason = on_event(*event)
+                piece, new_ids, reason = on_event(*await events.get())
                 pieces.append(piece)
                 all_ids += new_ids
-        finally:  # the client went away, or the handler was cancelled
+        finally:  # also when the handler itself is cancelled
+            watcher.cancel()
             if req.finish_reason is None and reason is None:
                 engine.cancel(req)
+        if reason == "cancelled":
+            return None  # the client is gone
         return {**head, "choices": [choice("".join(pieces), all_ids, reason)], "usage": usage()}
 
     return app
@@ -180,6 +183,7 @@ def prometheus(m: dict) -> str:
             ("requests_waiting", "gauge", "requests queued (new or preempted)", m["waiting"]),
             ("requests_total", "counter", "requests received", m["requests"]),
             ("requests_finished_total", "counter", "requests finished (stop, length or cancelled)", m["finished"]),
+            ("requests_cancelled_total", "counter", "requests cancelled (client gone, stop text seen)", m["cancelled"]),
             ("preemptions_total", "counter", "requests preempted (freed, to be recomputed)", m["preemptions"]),
             ("generated_tokens_total", "counter", "tokens generated", m["generated_tokens"]),
             ("prefill_tokens_total", "counter", "prompt tokens run (recomputation included)", m["prefill_tokens"]),
