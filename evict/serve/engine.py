@@ -57,8 +57,13 @@ class Request:
     t_first: float | None = None
 
     @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.out
+    def n_tokens(self) -> int:
+        return len(self.prompt) + len(self.out)
+
+    def pending(self, T: int) -> list[int]:
+        """The next T tokens not yet in the slot."""
+        s, P = self.cached, len(self.prompt)
+        return (self.prompt[s : s + T] if s < P else []) + self.out[max(s - P, 0) : s + T - P]
 
 
 def arena_bytes(pool) -> tuple[int, int]:
@@ -193,12 +198,13 @@ class Engine:
     def _admit(self) -> None:
         while self.waiting and self.free_slots:
             req = self.waiting[0]
-            if self._blocks_for(len(req.tokens)) > len(self.free_blocks):
+            if self._blocks_for(req.n_tokens) > len(self.free_blocks):
                 return
             self.waiting.popleft()
             req.slot = self.free_slots.pop()
             self.pool.reset_slot(req.slot)
             self.running.append(req)
+            self._grow(req, req.n_tokens)  # its prompt's blocks, taken now (they fit: checked above)
 
     def _grow(self, req: Request, n_tokens: int) -> bool:
         """Give req blocks for its first n_tokens positions, preempting younger requests; False if req itself was."""
@@ -219,7 +225,7 @@ class Engine:
     def _forward(self, reqs: list[Request], T: int) -> torch.Tensor:
         """Run T new tokens of each request (their tokens[cached : cached + T]); logits of the last [B, V]."""
         self.pool.select([r.slot for r in reqs], [r.cached for r in reqs], T)
-        toks = torch.tensor([r.tokens[r.cached : r.cached + T] for r in reqs], dtype=torch.int64, device=self.device)
+        toks = torch.tensor([r.pending(T) for r in reqs], dtype=torch.int64, device=self.device)
         with torch.no_grad():
             logits = self.model(toks, cache=self.pool)[:, -1]  # [B, V]
         for r in reqs:
@@ -255,15 +261,15 @@ class Engine:
         if not self.running:
             return False
         self.stats["steps"] += 1
-        prefill = next((r for r in self.running if len(r.tokens) - r.cached > 1), None)
+        prefill = next((r for r in self.running if r.n_tokens - r.cached > 1), None)
         if prefill is not None:
-            T = min(self.prefill_chunk - prefill.cached % self.prefill_chunk, len(prefill.tokens) - prefill.cached)
+            T = min(self.prefill_chunk - prefill.cached % self.prefill_chunk, prefill.n_tokens - prefill.cached)
             if self._grow(prefill, prefill.cached + T):
                 self.stats["prefill_tokens"] += T
                 logits = self._forward([prefill], T)
-                if prefill.cached == len(prefill.tokens):
+                if prefill.cached == prefill.n_tokens:
                     self._sample([prefill], logits)
-        decode = [r for r in self.running if len(r.tokens) - r.cached == 1 and r is not prefill]
+        decode = [r for r in self.running if r.n_tokens - r.cached == 1 and r is not prefill]
         decode = [r for r in decode if r.slot is not None and self._grow(r, r.cached + 1)]
         decode = [r for r in decode if r.slot is not None]  # a later _grow may have preempted an earlier row
         if decode:
