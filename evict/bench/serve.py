@@ -178,6 +178,7 @@ def summarize(results: list[dict], wall: float, metrics: dict, args) -> dict:
         "tpot_p99_s": percentile([r["tpot"] for r in ok if r["tpot"] == r["tpot"]], 99),
         "peak_memory_gib": metrics.get("peak_memory_bytes", float("nan")) / 2**30,
         "pool_gib": metrics.get("cache_pool_bytes", float("nan")) / 2**30,
+        "pool_peak_used_gib": metrics.get("cache_pool_peak_used_bytes", float("nan")) / 2**30,
         "preemptions": int(metrics.get("preemptions_total", 0)),
         "complete": f"{len(complete)}/{len(results)}",
         "equal_alone": f"{sum(r['alone'] == r['ids'] for r in replayed)}/{len(replayed)}",

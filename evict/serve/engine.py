@@ -109,7 +109,9 @@ class Engine:
             raise ValueError(f"max_len: expected an integer in [1, {limit}] (the pool and the model's positions), got {max_len!r}")
         self.n_blocks = n_blocks
         self.pool = model.new_pool(max_batch, n_blocks, block_size, self.max_len)
-        self.pool_bytes = n_blocks * block_size * per_token + max_batch * per_slot
+        self.block_bytes, self.slot_bytes = block_size * per_token, per_slot
+        self.pool_bytes = n_blocks * self.block_bytes + max_batch * per_slot
+        self.peak_blocks = 0
         self.free_slots = list(range(max_batch - 1, -1, -1))
         self.free_blocks = list(range(n_blocks - 1, -1, -1))
         self.waiting: deque[Request] = deque()
@@ -220,6 +222,7 @@ class Engine:
         if need > 0:
             req.blocks += [self.free_blocks.pop() for _ in range(need)]
             self.pool.set_blocks(req.slot, req.blocks)
+            self.peak_blocks = max(self.peak_blocks, self.n_blocks - len(self.free_blocks))
         return True
 
     def _forward(self, reqs: list[Request], T: int) -> torch.Tensor:
@@ -308,7 +311,8 @@ class Engine:
         return {**self.stats, "running": len(self.running), "waiting": len(self.waiting), "tokens_per_second": tok_s,
                 "slots_used": self.max_batch - len(self.free_slots), "slots_total": self.max_batch,
                 "blocks_used": self.n_blocks - len(self.free_blocks), "blocks_total": self.n_blocks,
-                "pool_bytes": self.pool_bytes, "peak_memory_bytes": peak}
+                "pool_bytes": self.pool_bytes, "peak_memory_bytes": peak,
+                "pool_peak_used_bytes": self.peak_blocks * self.block_bytes + self.max_batch * self.slot_bytes}
 
 
 def _max_rss() -> int:

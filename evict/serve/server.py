@@ -193,6 +193,8 @@ def prometheus(m: dict) -> str:
             ("cache_blocks_used", "gauge", "KV / latent blocks in use", m["blocks_used"]),
             ("cache_blocks_total", "gauge", "KV / latent blocks in the pool", m["blocks_total"]),
             ("cache_pool_bytes", "gauge", "bytes of the slot pool (blocks + recurrent states)", m["pool_bytes"]),
+            ("cache_pool_peak_used_bytes", "gauge", "peak bytes of the pool in use (blocks held + all slots' states)",
+             m["pool_peak_used_bytes"]),
             ("peak_memory_bytes", "gauge", "peak device memory (CUDA) or resident set (CPU)", m["peak_memory_bytes"])]
     out = []
     for name, kind, help_, value in rows:
