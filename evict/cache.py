@@ -145,6 +145,7 @@ class HybridCache:
                 if isinstance(t, torch.Tensor):
                     t.zero_()
         self.pos = 0
+        self.batch = None
 
     def bytes_per_sequence(self) -> int:
         """Bytes this cache holds per sequence, as allocated (KV and latent at full max_len)."""

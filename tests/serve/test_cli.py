@@ -33,6 +33,27 @@ def test_bench_serve_starts_its_server_and_checks(model_dir, tmp_path, capsys):
     assert "| model |" in capsys.readouterr().out
 
 
+def test_served_text_equals_evict_generate(model_dir, capsys):
+    """`evict serve --model DIR`'s engine and app answer a text prompt with `evict generate --temperature 0`'s text."""
+    import httpx
+
+    from evict.cli import build_parser
+    from evict.serve.cli import build_engine
+    from evict.serve.server import ServerThread, build_app
+
+    main(["generate", "--model", str(model_dir), "--prompt", "To be", "--temperature", "0", "--max-new-tokens", "20",
+          "--threads", "1"])
+    want = capsys.readouterr().out.split("\n\n[prefill")[0].removeprefix("To be")
+    engine, tok, name = build_engine(build_parser().parse_args(["serve", "--model", str(model_dir), "--threads", "1"]))
+    engine.start()
+    try:
+        with ServerThread(build_app(engine, tok, name)) as url:
+            got = httpx.post(f"{url}/v1/completions", json={"prompt": "To be", "max_tokens": 20, "temperature": 0}).json()
+    finally:
+        engine.stop()
+    assert got["choices"][0]["text"] == want and got["usage"]["completion_tokens"] == 20
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["serve"], "--model"), (["serve", "--model", "/nonexistent/run"], "--model"),
     (["serve", "--preset", "attention", "--cache-budget", "12X"], "--cache-budget"),
