@@ -133,10 +133,11 @@ class LM(nn.Module):
                 raise ValueError(f"tokens: expected ids in [0, vocab_size={self.cfg.vocab_size}), got range [{lo}, {hi}]")
         pos = 0
         states = [None] * len(self.blocks)
-        slots = cache is not None and cache.block_size is not None  # a slot pool: rows at their own positions
+        slots = False
         if cache is not None:
             if not isinstance(cache, HybridCache) or len(cache) != len(self.blocks):
                 raise ValueError(f"cache: expected a HybridCache from this model's new_cache, got {type(cache).__name__}")
+            slots = cache.block_size is not None  # a slot pool: rows at their own positions
             if slots:
                 if cache.batch is None or tuple(cache.batch.positions.shape) != (B, T):
                     got = "none" if cache.batch is None else list(cache.batch.positions.shape)

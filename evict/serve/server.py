@@ -119,8 +119,9 @@ def build_app(engine: Engine, tokenizer, model_name: str):
         head = {"id": f"cmpl-{next(counter)}", "object": "text_completion", "created": int(time.time()), "model": model_name}
         text = TextStream(tokenizer, opts["stop"])
 
-        def usage() -> dict:
-            return {"prompt_tokens": len(ids), "completion_tokens": len(req.out), "total_tokens": len(ids) + len(req.out)}
+        def usage() -> dict:  # the tokens this reply carries (the engine may have run a step past a stop text)
+            n = len(text.ids)
+            return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
 
         def on_event(kind: str, value) -> tuple[str, list[int], str | None]:
             """An engine event -> (text piece, new ids, finish reason or None); a stop text cancels the request."""

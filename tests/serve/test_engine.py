@@ -134,3 +134,17 @@ def test_rope_per_row_positions():
     both = rope(x, pos)
     torch.testing.assert_close(both[0], rope(x[:1], pos[0])[0])
     torch.testing.assert_close(both[1], rope(x[1:], pos[1])[0])
+
+
+def test_pool_needs_a_selection():
+    model = tiny("kimi_linear", n_layers=2)
+    pool = model.new_pool(2, 4, 8, 32)
+    with pytest.raises(ValueError, match="^cache: a slot pool needs select"):
+        model(torch.zeros(1, 3, dtype=torch.int64), cache=pool)
+    pool.select([1], [0], 2)
+    with pytest.raises(ValueError, match="^cache: a slot pool needs select"):
+        model(torch.zeros(1, 3, dtype=torch.int64), cache=pool)  # selected for 2 tokens, given 3
+    with pytest.raises(ValueError, match="^cache: select needs a slot pool"):
+        model.new_cache(1, 8).select([0], [0], 1)
+    with pytest.raises(ValueError, match="^n_blocks:"):
+        model.new_pool(2, 0, 8, 32)
