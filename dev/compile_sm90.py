@@ -46,9 +46,12 @@ def main():
     ap.add_argument("--only", default="")
     ap.add_argument("--warps", default="", help="name=warps,... overrides, e.g. intra=8,dkey=16")
     ap.add_argument("--gates", default="2,1,0")
+    ap.add_argument("--decode", action="store_true", help="the split-K decode attention kernels instead")
     ap.add_argument("--no-div16", action="store_true", help="integer arguments (T, N) not divisible by 16 (odd T)")
     a = ap.parse_args()
     dt, D, DV = a.dtype, a.D, a.V or a.D
+    if a.decode:
+        return decode_kernels(a.dtype)
     BK, BV = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV))
     p, f = "*" + dt, "*fp32"
     common = dict(H=16, K=D, V=DV, C=64)
@@ -76,6 +79,27 @@ def main():
                     continue
                 warps = over.get(name, warps)
                 print(f"{tag:16s} {name:7s} w{warps}", compile_one(fn, sig, consts, warps, stages, not a.no_div16), flush=True)
+
+
+def decode_kernels(dt):
+    """evict/ops/decode_triton.py: the split kernel for attention heads of 128 (M = 1, 2, 4 per group) and MLA's
+    latent (Dk = Dv = 512 read once, rope key 64, M = 8), and the merge kernel."""
+    from evict.ops import decode_triton as dk
+
+    p, f, i = "*" + dt, "*fp32", "i32"
+    names = ["s_qb", "s_qh", "s_kb", "s_kl", "s_kg", "s_vb", "s_vl", "s_vg", "s_q2b", "s_q2h", "s_k2b", "s_k2l", "s_k2g", "s_tb"]
+    sig = dict(q=p, k=p, v=p, q2=p, k2=p, lengths="*i32", tab="*i64", po=f, pm=f, pl=f, **{n: i for n in names}, scale="fp32",
+               split_len=i, n_splits=i, page=i)
+    for tag, consts, warps in (
+        ("mha pag", dict(G=8, M=1, BM=16, DK=128, BDK=128, DV=128, BDV=128, D2=16, BD2=16, HAS2=False, V_IS_K=False, BN=128, PAGED=True), 8),
+        ("mha M1", dict(G=8, M=1, BM=16, DK=128, BDK=128, DV=128, BDV=128, D2=16, BD2=16, HAS2=False, V_IS_K=False, BN=128, PAGED=False), 8),
+        ("gqa M4", dict(G=4, M=4, BM=16, DK=128, BDK=128, DV=128, BDV=128, D2=16, BD2=16, HAS2=False, V_IS_K=False, BN=128, PAGED=False), 8),
+        ("mla M8", dict(G=1, M=8, BM=16, DK=512, BDK=512, DV=512, BDV=512, D2=64, BD2=64, HAS2=True, V_IS_K=True, BN=32, PAGED=False), 4),
+    ):
+        print(f"split {tag:8s} w{warps}", compile_one(dk._split_kernel, sig, dict(consts, PREC="tf32"), warps, 3 if consts["BN"] == 128 else 2, True), flush=True)
+    msig = dict(po=f, pm=f, pl=f, o=p, n_splits=i)
+    print("merge    DV128 w4", compile_one(dk._merge_kernel, msig, dict(DV=128, BS=64, BDV=128), 4, 1, False))
+    print("merge    DV512 w4", compile_one(dk._merge_kernel, msig, dict(DV=512, BS=64, BDV=512), 4, 1, False))
 
 
 if __name__ == "__main__":

@@ -43,22 +43,29 @@ class RecurrentState:
 class SlotBatch:
     """Where one forward's rows live in a slot pool (B rows of T new tokens each, L = keys read per row).
 
-    rows [B] slot ids; positions [B, T] absolute positions of the new tokens; write [B*T] arena rows they go to;
-    read [B, L] arena rows of positions 0..L-1 of each slot; mask [B, T, L]: key j is visible iff j <= position.
+    rows [B] slot ids; positions [B, T] absolute positions of the new tokens; where [B*T] arena rows they go to;
+    gather [B, L] arena rows of positions 0..L-1 of each slot; mask [B, T, L]: key j is visible iff j <= position;
+    table [B, max_blocks] the rows' block tables and lengths [B] their lengths after this step (the paged decode op).
     """
 
     rows: torch.Tensor
     positions: torch.Tensor
-    write: torch.Tensor
-    read: torch.Tensor
+    where: torch.Tensor
+    gather: torch.Tensor
     mask: torch.Tensor
+    table: torch.Tensor
+    lengths: torch.Tensor
 
-    def store(self, arena: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """Write new [B, T, ...] into the block arena [n_blocks, block_size, ...]; return every row's keys [B, L, ...]."""
+    def write(self, arena: torch.Tensor, new: torch.Tensor) -> None:
+        """Write new [B, T, ...] into the block arena [n_blocks, block_size, ...] at the rows' positions."""
         flat = arena.view(-1, *arena.shape[2:])  # [n_blocks * block_size, ...]
-        flat.index_copy_(0, self.write, new.reshape(-1, *new.shape[2:]).to(flat.dtype))
-        B, L = self.read.shape
-        return flat.index_select(0, self.read.reshape(-1)).view(B, L, *flat.shape[1:])  # row copies, ~10x advanced indexing
+        flat.index_copy_(0, self.where, new.reshape(-1, *new.shape[2:]).to(flat.dtype))
+
+    def read(self, arena: torch.Tensor) -> torch.Tensor:
+        """Every row's positions 0..L-1 from the block arena, contiguous: [B, L, ...] (one copy of what is read)."""
+        flat = arena.view(-1, *arena.shape[2:])
+        B, L = self.gather.shape
+        return flat.index_select(0, self.gather.reshape(-1)).view(B, L, *flat.shape[1:])  # ~10x advanced indexing
 
 
 class HybridCache:
@@ -95,10 +102,10 @@ class HybridCache:
         positions = torch.tensor(starts, dtype=torch.int64, device=dev)[:, None] + torch.arange(T, device=dev)  # [B, T]
         L = -(-(max(starts) + T) // bs) * bs  # keys read per row: the longest row's, whole blocks
         blocks = self.table[rows_t]  # [B, max_blocks]
-        write = (blocks.gather(1, positions // bs) * bs + positions % bs).reshape(-1)  # [B*T]
-        read = (blocks[:, : L // bs, None] * bs + torch.arange(bs, device=dev)).reshape(len(rows), L)  # [B, L]
+        where = (blocks.gather(1, positions // bs) * bs + positions % bs).reshape(-1)  # [B*T]
+        gather = (blocks[:, : L // bs, None] * bs + torch.arange(bs, device=dev)).reshape(len(rows), L)  # [B, L]
         mask = torch.arange(L, device=dev) <= positions[:, :, None]  # [B, T, L]
-        self.batch = SlotBatch(rows_t, positions, write, read, mask)
+        self.batch = SlotBatch(rows_t, positions, where, gather, mask, blocks, positions[:, -1] + 1)
 
     def slot_states(self) -> list:
         """Per-layer states of the selected rows: recurrent states and conv tails gathered, KV / latent arenas shared."""

@@ -14,6 +14,14 @@ is then filled with random numbers, and `cache.pos` is set to the context length
 `context` past tokens. Reported: median seconds per step over `steps` steps (after `warmup`), divided by the
 batch for time per token. On CUDA each step is bracketed by torch.cuda.synchronize().
 
+Variants (CUDA; side by side in one run):
+    graph     the fast path: split-K decode kernels for attention / MLA, graph-safe MoE dispatch, one CUDA graph
+    before    the previous path: SDPA / einsum decode and sort-dispatched MoE, one CUDA graph where it captures
+    compiled  the fast path with each layer compiled by torch.compile (elementwise chains fused), one CUDA graph
+    eager     the fast path without a graph (the only variant on a CPU)
+The weights floor: parameter bytes / the card's copy bandwidth (one 1 GiB device-to-device copy, read + write bytes
+over its time, measured in the same run): the time to read every weight once per step.
+
 Batches: 1, and the largest batch whose cache fits --max-batch-bytes (cache bytes per sequence at this context,
 as allocated), capped at --max-batch. Memory per sequence is reported beside the time.
 """
@@ -92,8 +100,41 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+VARIANTS = ("graph", "before", "compiled", "eager")
+
+
+def set_fast_path(model: LM, on: bool) -> None:
+    """Switch the decode kernels of attention / MLA layers and the MoE dispatch between the fast and the previous path."""
+    for m in model.modules():
+        if hasattr(m, "decode_kernel"):
+            m.decode_kernel = on
+        if hasattr(m, "dispatch"):
+            m.dispatch = "auto" if on else "sort"
+
+
+def compiled(model: LM):
+    """The model's forward compiled by torch.compile (static shapes: one graph per batch size and position, as the
+    bench replays a fixed step); graph breaks fall back to eager pieces."""
+    return torch.compile(model, dynamic=False)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a device-to-device copy (read + write bytes over the time), median of 5."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(6):
+        _sync(device)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    del a, b
+    return 2 * nbytes / statistics.median(times[1:])
+
+
 @torch.inference_mode()
-def time_decode(model: LM, batch: int, context: int, *, steps: int, warmup: int) -> float:
+def time_decode(model: LM, batch: int, context: int, *, steps: int, warmup: int, fn=None) -> float:
     """Median seconds of one decode step (one token for each of `batch` sequences) at `context`."""
     device = next(model.parameters()).device
     cache = filled_cache(model, batch, context, extra=1)
@@ -103,7 +144,7 @@ def time_decode(model: LM, batch: int, context: int, *, steps: int, warmup: int)
         cache.pos = context
         _sync(device)
         t0 = time.perf_counter()
-        tok = model(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+        tok = (model if fn is None else fn)(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)  # [B, 1]
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
@@ -111,7 +152,7 @@ def time_decode(model: LM, batch: int, context: int, *, steps: int, warmup: int)
 
 
 @torch.inference_mode()
-def time_decode_graphed(model: LM, batch: int, context: int, *, steps: int, warmup: int) -> float:
+def time_decode_graphed(model: LM, batch: int, context: int, *, steps: int, warmup: int, fn=None) -> float:
     """Median seconds of one decode step replayed from a CUDA graph captured at `context` (CUDA only).
 
     The graph holds one whole decode step at a fixed position: each replay writes the same cache slot and reads
@@ -121,17 +162,18 @@ def time_decode_graphed(model: LM, batch: int, context: int, *, steps: int, warm
     device = next(model.parameters()).device
     cache = filled_cache(model, batch, context, extra=1)
     tok = torch.zeros(batch, 1, dtype=torch.int64, device=device)  # [B, 1]
+    fn = model if fn is None else fn
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):  # warm up (Triton compiles) off the capture stream
-        for _ in range(2):
+        for _ in range(3):
             cache.pos = context
-            model(tok, cache=cache)
+            fn(tok, cache=cache)
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     cache.pos = context
     with torch.cuda.graph(graph):
-        nxt = model(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+        nxt = fn(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)  # [B, 1]
     times = []
     for i in range(warmup + steps):
         _sync(device)
@@ -144,16 +186,42 @@ def time_decode_graphed(model: LM, batch: int, context: int, *, steps: int, warm
     return statistics.median(times)
 
 
+def _time_variant(model: LM, variant: str, batch: int, ctx: int, steps: int, warmup: int) -> tuple[float, str]:
+    """(seconds per step, how it was timed) for one variant; a graph that cannot be captured falls back to eager."""
+    set_fast_path(model, variant != "before")
+    fn = compiled(model) if variant == "compiled" else model
+    try:
+        if variant == "eager":
+            return time_decode(model, batch, ctx, steps=steps, warmup=warmup), "eager"
+        try:
+            return time_decode_graphed(model, batch, ctx, steps=steps, warmup=warmup, fn=fn), "graph"
+        except Exception as e:  # keep an eager time, say why (capture refused, or compile failed)
+            why = str(e).strip().splitlines()[0][:60] if str(e).strip() else type(e).__name__
+            return time_decode(model, batch, ctx, steps=steps, warmup=warmup), f"eager (no graph: {why})"
+    finally:
+        set_fast_path(model, True)
+
+
 def run(*, device: str = "cpu", kinds=KINDS, contexts=None, size: str | None = None, width: dict | None = None,
         steps: int = 20, warmup: int = 3, max_batch_bytes: int | None = None, max_batch: int | None = None,
-        threads: int | None = None, out: str | Path | None = None, progress: bool = True, graphs: bool = False) -> dict:
-    """Time every (model, context, batch); print a table; write JSON to `out` and a PNG beside it. Returns the JSON."""
+        threads: int | None = None, out: str | Path | None = None, progress: bool = True, graphs: bool = False,
+        variants=None, batched: bool = True) -> dict:
+    """Time every (model, context, batch, variant); print a table; write JSON to `out` and a PNG beside it.
+
+    `variants` (see the module docstring) default to ("graph",) on CUDA and ("eager",) on a CPU; `graphs=True` is the
+    older spelling of ("graph",). Variants other than "eager" need CUDA. `batched=False` times batch 1 only."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: CUDA requested but torch.cuda.is_available() is False")
     if threads is not None:
         torch.set_num_threads(threads)
     cuda = dev.type == "cuda"
+    variants = tuple(variants or (("graph",) if cuda and graphs else ("eager",) if not cuda else ("graph",)))
+    for v in variants:
+        if v not in VARIANTS:
+            raise ValueError(f"variants: expected some of {', '.join(VARIANTS)}, got {v!r}")
+        if v != "eager" and not cuda:
+            raise ValueError(f"variants: {v!r} needs --device cuda (CUDA graphs); use eager on a CPU")
     contexts = tuple(contexts or (CUDA_CONTEXTS if cuda else CPU_CONTEXTS))
     size = size or ("small" if cuda else "tiny")
     width = GPU_WIDTH if (width is None and cuda) else (width or {})
@@ -171,6 +239,8 @@ def run(*, device: str = "cpu", kinds=KINDS, contexts=None, size: str | None = N
 
     torch.manual_seed(0)
     models = {k: LM(c).to(device=dev, dtype=dtype).eval() for k, c in model_configs(kinds, size, width).items()}
+    bandwidth = copy_bandwidth(dev) if cuda else None
+    weight_bytes = {k: sum(p.numel() * p.element_size() for p in m.parameters()) for k, m in models.items()}
     rows = []
     jobs = [(k, ctx) for ctx in contexts for k in models]
     bar = tqdm(jobs, desc="decode", disable=not progress, dynamic_ncols=True)
@@ -179,20 +249,18 @@ def run(*, device: str = "cpu", kinds=KINDS, contexts=None, size: str | None = N
         with torch.inference_mode():
             per_seq = cache_bytes(filled_cache(model, 1, ctx, extra=1), ctx)
         big = max(1, min(max_batch, max_batch_bytes // max(per_seq, 1)))
-        timed = {}
-        for mode, batch in (("1", 1), ("max", big)):
-            bar.set_postfix(model=kind, context=ctx, batch=batch)
-            if batch not in timed:
-                timed[batch] = (time_decode(model, batch, ctx, steps=steps, warmup=warmup), "eager")
-                if graphs and cuda:
-                    try:
-                        timed[batch] = (time_decode_graphed(model, batch, ctx, steps=steps, warmup=warmup), "graph")
-                    except RuntimeError as e:  # keep the eager time, say why
-                        timed[batch] = (timed[batch][0], f"eager (no graph: {str(e).splitlines()[0][:60]})")
-            step_s, how = timed[batch]
-            rows.append({"model": kind, "context": ctx, "batch": batch, "batch_mode": mode,
-                         "ms_per_token": 1e3 * step_s / batch, "ms_per_step": 1e3 * step_s,
-                         "tokens_per_s": batch / step_s, "cache_MiB_per_seq": per_seq / 2**20, "timing": how})
+        timed: dict = {}
+        for mode, batch in (("1", 1), ("max", big)) if batched else (("1", 1),):
+            for variant in variants:
+                bar.set_postfix(model=kind, context=ctx, batch=batch, variant=variant)
+                if (batch, variant) not in timed:
+                    timed[batch, variant] = _time_variant(model, variant, batch, ctx, steps, warmup)
+                step_s, how = timed[batch, variant]
+                floor = weight_bytes[kind] / bandwidth if bandwidth else None
+                rows.append({"model": kind, "context": ctx, "batch": batch, "batch_mode": mode, "variant": variant,
+                             "ms_per_token": 1e3 * step_s / batch, "ms_per_step": 1e3 * step_s,
+                             "tokens_per_s": batch / step_s, "cache_MiB_per_seq": per_seq / 2**20, "timing": how,
+                             "x_weights_floor": None if floor is None else step_s / floor})
         if cuda:
             torch.cuda.empty_cache()
     bar.close()
@@ -201,8 +269,10 @@ def run(*, device: str = "cpu", kinds=KINDS, contexts=None, size: str | None = N
                "width": width, "layers": {k: m.cfg.pattern + (f"/{m.cfg.final_mixer}" if m.cfg.final_mixer else "")
                                           for k, m in models.items()},
                "params": {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()},
+               "weight_bytes": weight_bytes, "copy_bandwidth_GBps": None if bandwidth is None else bandwidth / 1e9,
+               "weights_floor_ms": {k: None if bandwidth is None else 1e3 * b / bandwidth for k, b in weight_bytes.items()},
                "steps": steps, "warmup": warmup, "max_batch_bytes": max_batch_bytes, "max_batch": max_batch,
-               "graphs": graphs and cuda, "rows": rows}
+               "variants": list(variants), "graphs": any(v != "eager" for v in variants), "rows": rows}
     print(render(payload))
     print(f"\njson: {write_json(out, payload)}")
     print(f"plot: {plot(payload, out.with_suffix('.png'))}")
@@ -210,22 +280,35 @@ def run(*, device: str = "cpu", kinds=KINDS, contexts=None, size: str | None = N
 
 
 def _ratios(rows: list[dict]) -> None:
-    """speedup_vs_attention = attention's ms/token / this model's, at the same context and batch mode."""
-    ref = {(r["context"], r["batch_mode"]): r["ms_per_token"] for r in rows if r["model"] == "attention"}
+    """speedup_vs_attention = attention's ms/token / this model's (same context, batch mode and variant);
+    speedup_vs_before = this model's "before" ms/token / this variant's (same context and batch mode)."""
+    key = lambda r: (r["context"], r["batch_mode"], r["variant"])
+    att = {key(r): r["ms_per_token"] for r in rows if r["model"] == "attention"}
+    before = {(r["model"], r["context"], r["batch_mode"]): r["ms_per_token"] for r in rows if r["variant"] == "before"}
     for r in rows:
-        a = ref.get((r["context"], r["batch_mode"]))
+        a = att.get(key(r))
         r["speedup_vs_attention"] = a / r["ms_per_token"] if a else None
+        b = before.get((r["model"], r["context"], r["batch_mode"]))
+        r["speedup_vs_before"] = b / r["ms_per_token"] if b and r["variant"] != "before" else None
 
 
 def render(payload: dict) -> str:
-    cols = ["model", "context", "batch", "ms_per_token", "tokens_per_s", "cache_MiB_per_seq", "speedup_vs_attention", "timing"]
+    cols = ["model", "context", "batch", "variant", "ms_per_token", "tokens_per_s", "cache_MiB_per_seq",
+            "speedup_vs_attention", "speedup_vs_before", "x_weights_floor", "timing"]
+    x = lambda v, f: "" if v is None else f.format(v)
     fmt = []
     for r in payload["rows"]:
         fmt.append({**r, "ms_per_token": f"{r['ms_per_token']:.3f}", "tokens_per_s": f"{r['tokens_per_s']:.0f}",
                     "cache_MiB_per_seq": f"{r['cache_MiB_per_seq']:.3f}",
-                    "speedup_vs_attention": "" if r["speedup_vs_attention"] is None else f"{r['speedup_vs_attention']:.2f}×"})
+                    "speedup_vs_attention": x(r["speedup_vs_attention"], "{:.2f}×"),
+                    "speedup_vs_before": x(r.get("speedup_vs_before"), "{:.2f}×"),
+                    "x_weights_floor": x(r.get("x_weights_floor") if r["batch_mode"] == "1" else None, "{:.1f}×")})
+    floors = payload.get("weights_floor_ms") or {}
     head = (f"decode on {payload['device']} ({payload['dtype']}, size {payload['size']}, width {payload['width'] or 'preset'}); "
             f"median of {payload['steps']} steps; layers {payload['layers']}")
+    if payload.get("copy_bandwidth_GBps"):
+        head += (f"\ncopy bandwidth {payload['copy_bandwidth_GBps']:.0f} GB/s; weights floor (ms/step): "
+                 + ", ".join(f"{k} {v:.3f}" for k, v in floors.items()))
     return head + "\n\n" + markdown_table(fmt, cols)
 
 
@@ -239,16 +322,19 @@ def plot(payload: dict, png: str | Path) -> Path:
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 2)
     for ax, mode, title in zip(axes, ("1", "max"), ("batch 1", "largest batch within the memory budget")):
+        variants = list(dict.fromkeys(r.get("variant", "eager") for r in payload["rows"]))
         for kind in dict.fromkeys(r["model"] for r in payload["rows"]):
-            pts = [(r["context"], r["ms_per_token"]) for r in payload["rows"] if r["model"] == kind and r["batch_mode"] == mode]
-            if pts:
-                ax.plot(*zip(*pts), "o-", ms=3, label=kind)
+            for variant, style in zip(variants, ("o-", "x--", "s:", "^-.")):
+                pts = [(r["context"], r["ms_per_token"]) for r in payload["rows"]
+                       if r["model"] == kind and r["batch_mode"] == mode and r.get("variant", "eager") == variant]
+                if pts:
+                    ax.plot(*zip(*pts), style, ms=3, label=kind if len(variants) == 1 else f"{kind} ({variant})")
         ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms per output token", title=title)
         ctxs = sorted({r["context"] for r in payload["rows"]})
         ax.set_xticks(ctxs, [f"{c // 1024}K" if c >= 1024 else str(c) for c in ctxs])
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(alpha=0.3, which="both")
-        ax.legend()
+        ax.legend(fontsize=7)
     fig.suptitle(f"decode cost vs context — {payload['device']}, {payload['dtype']}")
     png = Path(png)
     png.parent.mkdir(parents=True, exist_ok=True)
@@ -272,7 +358,10 @@ def add_arguments(b) -> None:
     g.add_argument("--max-batch-bytes", type=int, help="cache budget for the batched point (default 256 MiB CPU, 64 GiB CUDA)")
     g.add_argument("--max-batch", type=int, help="cap on the batched point (default 32 CPU, 256 CUDA)")
     g.add_argument("--threads", type=positive_int, help="torch CPU threads")
-    g.add_argument("--graphs", action="store_true", help="CUDA: also time each step replayed from a CUDA graph (kept when capture works)")
+    g.add_argument("--graphs", action="store_true", help="CUDA: time each step replayed from a CUDA graph (= --paths graph)")
+    g.add_argument("--paths", nargs="+", choices=VARIANTS,
+                   help="CUDA: graph (fast path), before (previous path), compiled (+ torch.compile), eager; default graph")
+    g.add_argument("--batch1-only", action="store_true", help="time batch 1 only (skip the largest-batch point)")
 
 
 def cli_run(args) -> dict:
@@ -284,6 +373,7 @@ def cli_run(args) -> dict:
     try:
         return run(device=args.device, kinds=tuple(args.models or KINDS), contexts=args.contexts, size=args.size,
                    width=width, steps=args.steps, warmup=args.warmup, max_batch_bytes=args.max_batch_bytes,
-                   max_batch=args.max_batch, threads=args.threads, out=args.out, graphs=args.graphs)
+                   max_batch=args.max_batch, threads=args.threads, out=args.out, graphs=args.graphs,
+                   variants=args.paths, batched=not args.batch1_only)
     except ValueError as e:
         raise SystemExit(f"bench decode: {e}") from None

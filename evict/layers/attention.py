@@ -7,6 +7,7 @@ from torch import nn
 
 from evict.cache import KVState, SlotBatch
 from evict.ops import attention
+from evict.ops.decode import decode_attention, kernel_runs_on
 from evict.ops.rope import rope
 
 from .conv import ShortConv
@@ -21,6 +22,7 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.d_model, (self.n_heads + 2 * self.n_kv) * self.hd, bias=cfg.bias)
         self.conv = ShortConv((self.n_heads + 2 * self.n_kv) * self.hd, cfg.conv_size) if cfg.short_conv else None
         self.wo = nn.Linear(self.n_heads * self.hd, cfg.d_model, bias=cfg.bias)
+        self.decode_kernel = True  # one-token steps over a cache use the split-K decode kernel where it runs (CUDA)
 
     def forward(self, x: torch.Tensor, state: KVState | None = None, pos: int | SlotBatch = 0) -> torch.Tensor:
         """x [B, T, d]; pos: the batch's first position, or a SlotBatch (rows of a slot pool at their own positions)."""
@@ -37,16 +39,26 @@ class Attention(nn.Module):
         if self.rope:
             positions = pos.positions if slots else torch.arange(pos, pos + T, device=x.device)
             q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
-        mask = None
-        if slots:  # [B, L, Hkv, D] each row's keys, the keys past its position masked
-            k, v, mask = pos.store(state.k, k), pos.store(state.v, v), pos.mask
+        mask, o = None, None
+        kernel = T == 1 and state is not None and self.decode_kernel and kernel_runs_on(q)
+        if slots:
+            pos.write(state.k, k)
+            pos.write(state.v, v)
+            if kernel and state.k.dtype == q.dtype:  # the paged decode op reads each row's blocks in place
+                o = decode_attention(q[:, 0], state.k, state.v, pos.lengths, block_table=pos.table)[:, None]
+            else:  # [B, L, Hkv, D] each row's keys, the keys past its position masked
+                k, v, mask = pos.read(state.k), pos.read(state.v), pos.mask
         elif state is not None:
             state.k[:, pos : pos + T] = k
             state.v[:, pos : pos + T] = v
             k, v = state.k[:, : pos + T], state.v[:, : pos + T]
-        # one compute dtype at the op's boundary: the cache may hold another (float32 cache, bf16 autocast)
-        k, v = k.to(q.dtype), v.to(q.dtype)
-        o = attention(q, k, v, causal=mask is None, mask=mask, check=False)  # else queries are the last T of pos + T keys
+        if o is None:
+            # one compute dtype at the op's boundary: the cache may hold another (float32 cache, bf16 autocast)
+            k, v = k.to(q.dtype), v.to(q.dtype)
+            if kernel and mask is None:
+                o = decode_attention(q[:, 0], k, v)[:, None]  # reads each cached key and value once for its query heads
+            else:  # without a mask the queries are the last T of pos + T keys
+                o = attention(q, k, v, causal=mask is None, mask=mask, check=False)
         return self.wo(o.reshape(B, T, self.n_heads * self.hd))
 
     def new_state(self, batch_size: int, max_len: int, device=None, dtype=torch.float32, *, blocks: int | None = None) -> KVState:

@@ -13,6 +13,7 @@ from torch import nn
 
 from evict.cache import LatentState, SlotBatch
 from evict.ops import attention
+from evict.ops.decode import decode_attention, kernel_runs_on
 from evict.ops.rope import rope
 
 from .conv import ShortConv
@@ -42,6 +43,7 @@ class MLA(nn.Module):
         nn.init.normal_(self.wuv, std=cfg.init_std)
         self.wgate = nn.Linear(d, H * e, bias=False) if cfg.mla_gate else None
         self.wo = nn.Linear(H * e, d, bias=False)
+        self.decode_kernel = True  # absorbed one-token steps use the split-K decode kernel where it runs (CUDA)
 
     def forward(self, x: torch.Tensor, state: LatentState | None = None, pos: int | SlotBatch = 0,
                 absorb: bool | None = None) -> torch.Tensor:
@@ -62,16 +64,24 @@ class MLA(nn.Module):
             positions = pos.positions if slots else torch.arange(pos, pos + T, device=x.device)
             q_rope = rope(q_rope, positions, self.theta)
             k_rope = rope(k_rope[:, :, None], positions, self.theta)[:, :, 0]
-        mask = None
-        if slots:  # [B, L, r], [B, L, p]: each row's latents, those past its position masked
-            c, k_rope, mask = pos.store(state.c, c), pos.store(state.k_rope, k_rope), pos.mask
+        if absorb is None:
+            absorb = state is not None and T == 1
+        mask, paged = None, None
+        if slots:
+            pos.write(state.c, c)
+            pos.write(state.k_rope, k_rope)
+            if absorb and T == 1 and self.decode_kernel and kernel_runs_on(state.c):  # the paged decode op, in place
+                c, k_rope, paged = state.c, state.k_rope, pos
+            else:  # [B, L, r], [B, L, p]: each row's latents, those past its position masked
+                c, k_rope, mask = pos.read(state.c), pos.read(state.k_rope), pos.mask
         elif state is not None:
             state.c[:, pos : pos + T] = c
             state.k_rope[:, pos : pos + T] = k_rope
             c, k_rope = state.c[:, : pos + T], state.k_rope[:, : pos + T]  # [B, L, r], [B, L, p]
-        if absorb is None:
-            absorb = state is not None and T == 1
-        o = self._absorbed(q_nope, q_rope, c, k_rope, mask) if absorb else self._naive(q_nope, q_rope, c, k_rope, mask)  # [B, T, H, e]
+        if absorb:
+            o = self._absorbed(q_nope, q_rope, c, k_rope, mask, paged)  # [B, T, H, e]
+        else:
+            o = self._naive(q_nope, q_rope, c, k_rope, mask)
         if self.wgate is not None:
             o = o * torch.sigmoid(self.wgate(x)).view(B, T, H, self.e)
         return self.wo(o.reshape(B, T, H * self.e))
@@ -86,9 +96,15 @@ class MLA(nn.Module):
         # v head dim e may differ from n + p; without a mask the queries are the last T of the L keys
         return attention(q, k, v, causal=mask is None, mask=mask, scale=self.scale, check=False)
 
-    def _absorbed(self, q_nope, q_rope, c, k_rope, mask=None):
+    def _absorbed(self, q_nope, q_rope, c, k_rope, mask=None, paged=None):
+        """`paged` (a SlotBatch): c and k_rope are a slot pool's block arenas, read in place by the decode op."""
         T, L = q_nope.shape[1], c.shape[1]
         q_lat = torch.einsum("bthn,hnr->bthr", q_nope, self.wuk.to(c.dtype))  # [B, T, H, r]
+        if paged is not None or (T == 1 and mask is None and self.decode_kernel and kernel_runs_on(c)):
+            two = {} if self.p == 0 else {"q2": q_rope[:, 0].to(c.dtype), "k2": k_rope[:, :, None]}
+            rows = {} if paged is None else {"lengths": paged.lengths, "block_table": paged.table}
+            o_lat = decode_attention(q_lat[:, 0].to(c.dtype), c[:, :, None], None, scale=self.scale, **two, **rows)  # [B, H, r]
+            return torch.einsum("bhr,her->bhe", o_lat, self.wuv.to(c.dtype))[:, None]
         scores = torch.einsum("bthr,blr->bhtl", q_lat, c) + torch.einsum("bthp,blp->bhtl", q_rope, k_rope)
         scores = scores.float() if scores.dtype != torch.float64 else scores
         if mask is None:

@@ -76,6 +76,7 @@ class MoE(nn.Module):
             self.w_down = nn.Linear(d_model, latent_dim, bias=False)
             self.latent_norm = RMSNorm(latent_dim)
             self.w_up = nn.Linear(latent_dim, d_model, bias=False)
+        self.dispatch = "auto"  # evict.ops.moe.experts' dispatch: sort / gather / dense, "auto" picks (graph-safe)
         self.register_buffer("select_bias", torch.zeros(n_routed))
         self.last_load: torch.Tensor | None = None
         self.aux_loss: torch.Tensor | None = None
@@ -110,7 +111,7 @@ class MoE(nn.Module):
         xf = x.reshape(-1, self.d_model)  # [N, D]
         weights, index, scores = ops.route(self.router(xf), self.select_bias, self.top_k, self.routed_scaling)
         xin = xf if self.latent_dim is None else self.w_down(xf)  # [N, D or L]
-        u = ops.experts(xin, weights, index, self.w1, self.w3, self.w2, self.act)  # [N, D or L]
+        u = ops.experts(xin, weights, index, self.w1, self.w3, self.w2, self.act, self.dispatch)  # [N, D or L]
         y = u if self.latent_dim is None else self.w_up(self.latent_norm(u))  # [N, D]
         if self.shared is not None:
             y = y + self.shared(xf)

@@ -64,20 +64,18 @@ def attention_reference(q, k, v, *, causal=True, scale, mask=None):
 
 def attention_sdpa(q, k, v, *, causal=True, scale, mask=None):
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, T, D)
-    rep = q.shape[2] // k.shape[2]
-    if rep > 1:
-        kt, vt = kt.repeat_interleave(rep, dim=1), vt.repeat_interleave(rep, dim=1)
+    gqa = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}  # SDPA reads each kv head once (torch >= 2.5)
     tq, tk = q.shape[1], k.shape[1]
     if mask is not None:
         if causal:
             mask = mask & _causal_mask(tq, tk, q.device)
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask[:, None], scale=scale)
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask[:, None], scale=scale, **gqa)
     elif not causal or tq == 1:
-        o = F.scaled_dot_product_attention(qt, kt, vt, scale=scale)
+        o = F.scaled_dot_product_attention(qt, kt, vt, scale=scale, **gqa)
     elif tq == tk:
-        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, **gqa)
     else:
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=_causal_mask(tq, tk, q.device), scale=scale)
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=_causal_mask(tq, tk, q.device), scale=scale, **gqa)
     return o.transpose(1, 2)
 
 

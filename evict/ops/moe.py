@@ -69,15 +69,40 @@ def balance_bias_update(bias: torch.Tensor, load: torch.Tensor, rate: float) -> 
     return bias
 
 
-def experts(x, weights, index, w1, w3, w2, act: Callable) -> torch.Tensor:
-    """sum_j weights[n, j] * E_index[n, j](x_n) for every token, dispatching by sort (no loop over tokens).
+DISPATCH = ("auto", "sort", "gather", "dense")
 
-    E_e(x) = w2[e] act(w1[e] x, w3[e] x). x [N, D]; weights, index [N, k]; returns [N, D] in x's dtype.
-    Assignments are sorted by expert, each expert runs once on its contiguous slice of gathered tokens,
-    and the results are scattered back to (token, slot) order before the weighted sum.
+
+def experts(x, weights, index, w1, w3, w2, act: Callable, dispatch: str = "auto") -> torch.Tensor:
+    """sum_j weights[n, j] * E_index[n, j](x_n) for every token. x [N, D]; weights, index [N, k]; returns [N, D].
+
+    E_e(x) = w2[e] act(w1[e] x, w3[e] x). Three equal dispatches:
+        sort    assignments sorted by expert, each expert runs once on its contiguous slice of gathered tokens (the
+                slice sizes are read on the host: one sync). Training and long prefills.
+        gather  each assignment multiplies its own expert's weights (gathered, [N k, H, D]): reads only the chosen
+                experts, no sync. Decode, when N k <= E.
+        dense   every expert on every token, mixed by a [N, E] matrix that is zero off the chosen experts: no sync,
+                fixed shapes. Small batches under CUDA-graph capture, when N k > E.
+    "auto": sort when gradients are being recorded; else gather when N k <= E; else dense while a CUDA graph is being
+    captured; else sort.
     """
+    if dispatch not in DISPATCH:
+        raise ValueError(f"dispatch: expected one of {DISPATCH}, got {dispatch!r}")
     N, k = index.shape
     E = w1.shape[0]
+    if dispatch == "auto":
+        recording = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, w1, w3, w2))
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        dispatch = "sort" if recording else "gather" if N * k <= E else "dense" if capturing else "sort"
+    if dispatch == "gather":
+        flat = index.reshape(-1)  # [N k]
+        xs = x[:, None].expand(N, k, x.shape[1]).reshape(N * k, -1, 1)  # [N k, D, 1]
+        h = act(torch.bmm(w1[flat], xs)[..., 0], torch.bmm(w3[flat], xs)[..., 0])  # [N k, H]
+        y = torch.bmm(w2[flat], h[..., None])[..., 0]  # [N k, D]
+        return torch.einsum("nk,nkd->nd", weights.to(x.dtype), y.view(N, k, -1))
+    if dispatch == "dense":
+        mix = torch.zeros(N, E, dtype=x.dtype, device=x.device).scatter_add_(1, index, weights.to(x.dtype))  # [N, E]
+        h = act(torch.einsum("nd,ehd->neh", x, w1), torch.einsum("nd,ehd->neh", x, w3))  # [N, E, H]
+        return torch.einsum("ne,ned->nd", mix, torch.einsum("neh,edh->ned", h, w2))
     flat = index.reshape(-1)  # [N k]
     order = torch.argsort(flat, stable=True)  # [N k] assignment ids sorted by expert
     counts = torch.bincount(flat, minlength=E).tolist()  # E ints

@@ -89,9 +89,10 @@ def test_route_validation(kw, name):
         ops.route(**kw)
 
 
+@pytest.mark.parametrize("dispatch", ops.DISPATCH)
 @pytest.mark.parametrize("act", [swiglu, situ], ids=["swiglu", "situ"])
 @pytest.mark.parametrize("N,E,k", [(37, 5, 2), (3, 8, 2), (16, 4, 4), (1, 3, 1)])
-def test_dispatch_matches_per_token_loop(act, N, E, k):
+def test_dispatch_matches_per_token_loop(act, N, E, k, dispatch):
     g = torch.Generator().manual_seed(N * 100 + E * 10 + k)
     D, H = 13, 7
     x = torch.randn(N, D, generator=g, dtype=torch.float64, requires_grad=True)
@@ -99,7 +100,7 @@ def test_dispatch_matches_per_token_loop(act, N, E, k):
     w2 = torch.randn(E, D, H, generator=g, dtype=torch.float64, requires_grad=True)
     weights, index = _rand_routing(N, E, k, g)
     weights.requires_grad_(True)
-    y = ops.experts(x, weights, index, w1, w3, w2, act)
+    y = ops.experts(x, weights, index, w1, w3, w2, act, dispatch=dispatch)
     ref = ops.experts_reference(x, weights, index, w1, w3, w2, act)
     assert rel(y, ref) < 1e-10
     dy = torch.randn(N, D, generator=g, dtype=torch.float64)
@@ -108,6 +109,25 @@ def test_dispatch_matches_per_token_loop(act, N, E, k):
     gb = torch.autograd.grad(ref, inputs, dy)
     for a, b in zip(ga, gb):
         assert rel(a, b) < 1e-10
+
+
+def test_auto_dispatch_needs_no_host_sync_in_inference():
+    """Without gradients and with N k <= E, `auto` never reads a device value on the host (gather): checked by
+    running it with tensor -> Python conversions made to fail."""
+    g = torch.Generator().manual_seed(0)
+    x, w1, w3, w2 = torch.randn(2, 5), torch.randn(8, 3, 5), torch.randn(8, 3, 5), torch.randn(8, 5, 3)
+    weights, index = _rand_routing(2, 8, 2, g)
+    want = ops.experts(x, weights, index, w1, w3, w2, swiglu, dispatch="sort")
+    orig = torch.Tensor.tolist
+    try:
+        torch.Tensor.tolist = lambda self: (_ for _ in ()).throw(AssertionError("host sync"))
+        with torch.no_grad():
+            got = ops.experts(x, weights, index, w1, w3, w2, swiglu)
+    finally:
+        torch.Tensor.tolist = orig
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="dispatch"):
+        ops.experts(x, weights, index, w1, w3, w2, swiglu, dispatch="fast")
 
 
 # ---- layer --------------------------------------------------------------------------------------------

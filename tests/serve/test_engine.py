@@ -148,3 +148,26 @@ def test_pool_needs_a_selection():
         model.new_cache(1, 8).select([0], [0], 1)
     with pytest.raises(ValueError, match="^n_blocks:"):
         model.new_pool(2, 0, 8, 32)
+
+
+@pytest.mark.parametrize("name", ["kimi_linear", "attention"])
+def test_paged_decode_op_path(name, monkeypatch, one_thread):
+    """The path CUDA takes: one-token steps read the pool's blocks in place through the paged decode op (its reference
+    form here, forced on) instead of gathering each row's keys; outputs still equal `generate`'s."""
+    import evict.layers.attention
+    import evict.layers.mla
+
+    for mod in (evict.layers.attention, evict.layers.mla):
+        monkeypatch.setattr(mod, "kernel_runs_on", lambda t: True)
+    calls = []
+    real = evict.layers.attention.decode_attention
+    spy = lambda *a, **kw: calls.append("block_table" in kw) or real(*a, **kw)  # noqa: E731
+    for mod in (evict.layers.attention, evict.layers.mla):
+        monkeypatch.setattr(mod, "decode_attention", spy)
+    model = tiny(name, n_layers=2)
+    eng = Engine(model, max_batch=4, cache_budget=budget(model, 4, 8, 12), block_size=8, prefill_chunk=16)
+    reqs = [(p, n, eng.submit(p, SamplingParams(max_tokens=n, temperature=0))) for p, n in requests(10, seed=4)]
+    eng.run_until_idle()
+    assert any(calls) and eng.stats["preemptions"] > 0
+    for p, n, r in reqs:
+        assert r.out == alone(model, p, n, 16)
