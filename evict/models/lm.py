@@ -177,19 +177,28 @@ class LM(nn.Module):
             if lo < 0 or hi >= self.cfg.vocab_size:
                 raise ValueError(f"tokens: expected ids in [0, vocab_size={self.cfg.vocab_size}), got range [{lo}, {hi}]")
         pos = 0
+        states = [None] * len(self.blocks)
+        slots = False
         if cache is not None:
             if not isinstance(cache, HybridCache) or len(cache) != len(self.blocks):
                 raise ValueError(f"cache: expected a HybridCache from this model's new_cache, got {type(cache).__name__}")
-            if cache.batch_size != B:
-                raise ValueError(f"cache: built for batch {cache.batch_size}, got tokens for batch {B}")
-            cache.reserve(T)
-            pos = cache.pos
+            slots = cache.block_size is not None  # a slot pool: rows at their own positions
+            if slots:
+                if cache.batch is None or tuple(cache.batch.positions.shape) != (B, T):
+                    got = "none" if cache.batch is None else list(cache.batch.positions.shape)
+                    raise ValueError(f"cache: a slot pool needs select(rows, starts, T) for these [B, T] = [{B}, {T}] tokens, got {got}")
+                pos, states = cache.batch, cache.slot_states()
+            else:
+                if cache.batch_size != B:
+                    raise ValueError(f"cache: built for batch {cache.batch_size}, got tokens for batch {B}")
+                cache.reserve(T)
+                pos, states = cache.pos, cache.states
         h = self.embed(tokens)  # [B, T, D]
         if self.wpe is not None:
-            if pos + T > self.cfg.max_seq_len:
+            at = pos.positions if slots else torch.arange(pos, pos + T, device=tokens.device)  # [B, T] or [T]
+            if not slots and pos + T > self.cfg.max_seq_len:  # a pool checks its max_len against the config once
                 raise ValueError(f"tokens: learned positions cover {self.cfg.max_seq_len} tokens, got up to {pos + T}")
-            h = h + self.wpe(torch.arange(pos, pos + T, device=tokens.device))
-        states = [None] * len(self.blocks) if cache is None else cache.states
+            h = h + self.wpe(at)
         if self.final_read is None:
             for blk, st in zip(self.blocks, states):
                 h = blk(h, st, pos)
@@ -200,7 +209,9 @@ class LM(nn.Module):
                 if (i + 1) % self.cfg.attn_res_block == 0:
                     completed, partial = completed + [partial], None
             h = self.final_read(completed if partial is None else completed + [partial])
-        if cache is not None:
+        if slots:
+            cache.write_back(states)  # the caller advances each slot's length
+        elif cache is not None:
             cache.advance(T)
         if positions is not None:
             if not (isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[0] == B
@@ -240,6 +251,21 @@ class LM(nn.Module):
         device = p.device if device is None else device
         dtype = p.dtype if dtype is None else dtype
         return HybridCache([b.mixer.new_state(batch_size, max_len, device, dtype) for b in self.blocks], batch_size, max_len)
+
+    def new_pool(self, n_slots: int, n_blocks: int, block_size: int, max_len: int, device=None, dtype=None) -> HybridCache:
+        """A slot pool for serving: `n_slots` sequences of up to `max_len` tokens each, their KV / latent positions
+        in `n_blocks` shared blocks of `block_size` tokens (see evict.cache). Select rows before each forward."""
+        for name, value in (("n_slots", n_slots), ("n_blocks", n_blocks), ("block_size", block_size), ("max_len", max_len)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        if self.cfg.pos == "learned" and max_len > self.cfg.max_seq_len:
+            raise ValueError(f"max_len: the model's learned positions cover {self.cfg.max_seq_len} tokens, got {max_len}")
+        p = next(self.parameters())
+        device = p.device if device is None else torch.device(device)
+        dtype = p.dtype if dtype is None else dtype
+        states = [b.mixer.new_state(n_slots, block_size, device, dtype, blocks=n_blocks) for b in self.blocks]
+        table = torch.zeros(n_slots, -(-max_len // block_size), dtype=torch.int64, device=device)
+        return HybridCache(states, n_slots, max_len, block_size=block_size, table=table)
 
     def state_size(self, context_len: int) -> int:
         """Numbers of memory held per sequence at this context length (KV, latents, recurrent states)."""

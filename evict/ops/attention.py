@@ -47,7 +47,7 @@ def _causal_mask(tq: int, tk: int, device) -> torch.Tensor:
     return torch.ones(tq, tk, dtype=torch.bool, device=device).tril(tk - tq)
 
 
-def attention_reference(q, k, v, *, causal=True, scale):
+def attention_reference(q, k, v, *, causal=True, scale, mask=None):
     """softmax(q k^T * scale) v written out, in float32 (float64 for float64 inputs)."""
     sd = torch.float64 if q.dtype == torch.float64 else torch.float32
     rep = q.shape[2] // k.shape[2]
@@ -56,15 +56,21 @@ def attention_reference(q, k, v, *, causal=True, scale):
     scores = torch.einsum("bihd,bjhd->bhij", q.to(sd), k.to(sd)) * scale  # (B, H, Tq, Tk)
     if causal:
         scores = scores.masked_fill(~_causal_mask(q.shape[1], k.shape[1], q.device), float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
     p = scores.softmax(dim=-1)
     return torch.einsum("bhij,bjhd->bihd", p, v.to(sd)).to(q.dtype)
 
 
-def attention_sdpa(q, k, v, *, causal=True, scale):
+def attention_sdpa(q, k, v, *, causal=True, scale, mask=None):
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, T, D)
     gqa = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}  # SDPA reads each kv head once (torch >= 2.5)
     tq, tk = q.shape[1], k.shape[1]
-    if not causal or tq == 1:
+    if mask is not None:
+        if causal:
+            mask = mask & _causal_mask(tq, tk, q.device)
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask[:, None], scale=scale, **gqa)
+    elif not causal or tq == 1:
         o = F.scaled_dot_product_attention(qt, kt, vt, scale=scale, **gqa)
     elif tq == tk:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, **gqa)
@@ -73,16 +79,22 @@ def attention_sdpa(q, k, v, *, causal=True, scale):
     return o.transpose(1, 2)
 
 
-def attention(q, k, v, *, causal=True, scale=None, impl="auto", check=True):
+def attention(q, k, v, *, causal=True, scale=None, mask=None, impl="auto", check=True):
     """Softmax attention. q [B, Tq, H, D]; k, v [B, Tk, Hkv, D]; returns [B, Tq, H, D] in q's dtype.
 
+    `mask` [B, Tq, Tk] bool (True = may attend), applied with the causal mask when causal: sequences of different
+    lengths in one batch (the serving engine's slots). Every query row must see at least one key.
     Decode: pass the one new query (Tq = 1) and the cache's keys/values up to and including the new token.
     `check=True` rejects NaN/Inf inputs, as the memory op does (a host sync); with check=False such inputs give
     unspecified outputs (NaN through the reference, zeros through SDPA on CPU), so layers pass it only on the hot path.
     """
     _check(q, k, v, impl, check)
     check_flag("causal", causal)
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool
+                             or tuple(mask.shape) != (q.shape[0], q.shape[1], k.shape[1])):
+        got = f"{tuple(mask.shape)} {mask.dtype}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"mask: expected a bool tensor [B, Tq, Tk] = {[q.shape[0], q.shape[1], k.shape[1]]}, got {got}")
     scale = check_scale(scale, q.shape[-1])
     if impl == "reference":
-        return attention_reference(q, k, v, causal=causal, scale=scale)
-    return attention_sdpa(q, k, v, causal=causal, scale=scale)
+        return attention_reference(q, k, v, causal=causal, scale=scale, mask=mask)
+    return attention_sdpa(q, k, v, causal=causal, scale=scale, mask=mask)

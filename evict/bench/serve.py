@@ -1,0 +1,231 @@
+"""`evict bench serve`: a load test of `evict serve` through its HTTP API.
+
+Requests arrive as a Poisson process (--rate per second; inf = all at once), at most --clients in flight; prompt and
+output lengths are drawn uniformly from the given ranges; prompts are random token ids; every request is streamed and
+greedy unless --temperature is given. Reported: requests/s, output and total tokens/s, time to first token (TTFT) and
+time per output token after the first (TPOT), p50 / p99, peak memory (the server's /metrics), preemptions, and two
+checks: completeness (every request returned exactly max_tokens tokens, finish_reason "length") and equality (the
+first --check greedy requests, replayed one at a time on the idle server, return the same tokens).
+
+The server is --url, or started by the benchmark from --model / --preset and the engine flags: as a subprocess
+(--spawn process, the default: its memory is its own) or in this process (--spawn thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+from evict.bench.common import card, markdown_table, write_json
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); NaN for no data."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
+
+
+def server_argv(args, port: int) -> list[str]:
+    """`evict serve` flags for the benchmark's own server, from the engine flags given to the benchmark."""
+    argv = [sys.executable, "-m", "evict.cli", "serve", "--port", str(port)]
+    argv += ["--model", args.model] if args.model else ["--preset", args.preset, "--size", args.size, "--seed", str(args.seed)]
+    if args.set:
+        argv += ["--set", *args.set]
+    for flag in ("max_batch", "cache_budget", "block_size", "max_len", "prefill_chunk", "dtype", "threads"):
+        if getattr(args, flag) is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    return argv + ["--device", args.device]
+
+
+@contextmanager
+def started_server(args):
+    """The URL of the server to load: --url, or one started here (subprocess or thread) and stopped afterwards."""
+    import httpx
+
+    if args.url:
+        yield args.url.rstrip("/")
+        return
+    if args.spawn == "thread":
+        from evict.serve.cli import build_engine
+        from evict.serve.server import ServerThread, build_app
+
+        engine, tok, name = build_engine(args)
+        engine.start()
+        try:
+            with ServerThread(build_app(engine, tok, name)) as url:
+                yield url
+        finally:
+            engine.stop()
+        return
+    port = free_port()
+    proc = subprocess.Popen(server_argv(args, port), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.time()
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"bench serve: the server exited: {proc.stderr.read().strip().splitlines()[-1:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() - t0 > args.start_timeout:
+                raise SystemExit(f"bench serve: the server did not answer /health within {args.start_timeout} s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+async def one_request(client, url: str, model: str, prompt: list[int], max_tokens: int, temperature: float,
+                      seed: int | None) -> dict:
+    """Stream one completion; returns its token ids, finish reason and timings."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
+            "return_token_ids": True, **({} if seed is None else {"seed": seed})}
+    t0 = time.perf_counter()
+    ids, times, reason, usage = [], [], None, None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"error": f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}", "prompt": prompt}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            c = chunk["choices"][0]
+            if c.get("token_ids"):
+                ids += c["token_ids"]
+                times.append(time.perf_counter())
+            reason, usage = c["finish_reason"] or reason, chunk.get("usage", usage)
+    return {"prompt": prompt, "max_tokens": max_tokens, "ids": ids, "finish_reason": reason, "usage": usage,
+            "ttft": times[0] - t0 if times else float("nan"),
+            "tpot": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")}
+
+
+async def load(url: str, args) -> tuple[list[dict], float, dict]:
+    import httpx
+
+    rng = random.Random(args.bench_seed)
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=args.clients + 4)) as client:
+        info = (await client.get(f"{url}/v1/models")).json()["data"][0]
+        vocab = 256 if args.vocab is None else args.vocab
+        jobs = []
+        for _ in range(args.requests):
+            P, N = rng.randint(*args.prompt_len), rng.randint(*args.output_len)
+            jobs.append(([rng.randrange(vocab) for _ in range(P)], N, rng.expovariate(args.rate) if args.rate != math.inf else 0.0))
+        gate = asyncio.Semaphore(args.clients)
+
+        async def client_task(prompt, N, delay):
+            await asyncio.sleep(delay)
+            async with gate:
+                return await one_request(client, url, info["id"], prompt, N, args.temperature, None)
+
+        delays, t = [], 0.0
+        for _, _, gap in jobs:
+            t += gap
+            delays.append(t)
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(client_task(p, n, d) for (p, n, _), d in zip(jobs, delays)))
+        wall = time.perf_counter() - t0
+        metrics = parse_metrics((await client.get(f"{url}/metrics")).text)
+        for r in results[: args.check] if args.temperature == 0 else []:  # replayed alone, one at a time
+            if "error" not in r:
+                r["alone"] = (await one_request(client, url, info["id"], r["prompt"], r["max_tokens"], 0.0, None))["ids"]
+    return list(results), wall, {**metrics, "model": info["id"]}
+
+
+def parse_metrics(text: str) -> dict:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name.removeprefix("evict_")] = float(value)
+    return out
+
+
+def summarize(results: list[dict], wall: float, metrics: dict, args) -> dict:
+    ok = [r for r in results if "error" not in r]
+    out_tokens = sum(len(r["ids"]) for r in ok)
+    complete = [r for r in ok if len(r["ids"]) == r["max_tokens"] and r["finish_reason"] == "length"
+                and r["usage"]["completion_tokens"] == r["max_tokens"]]
+    replayed = [r for r in ok if "alone" in r]
+    return {
+        "requests": len(results), "errors": len(results) - len(ok), "wall_s": wall,
+        "requests_per_s": len(ok) / wall, "output_tokens_per_s": out_tokens / wall,
+        "total_tokens_per_s": (out_tokens + sum(len(r["prompt"]) for r in ok)) / wall,
+        "ttft_p50_s": percentile([r["ttft"] for r in ok], 50), "ttft_p99_s": percentile([r["ttft"] for r in ok], 99),
+        "tpot_p50_s": percentile([r["tpot"] for r in ok if r["tpot"] == r["tpot"]], 50),
+        "tpot_p99_s": percentile([r["tpot"] for r in ok if r["tpot"] == r["tpot"]], 99),
+        "peak_memory_gib": metrics.get("peak_memory_bytes", float("nan")) / 2**30,
+        "pool_gib": metrics.get("cache_pool_bytes", float("nan")) / 2**30,
+        "pool_peak_used_gib": metrics.get("cache_pool_peak_used_bytes", float("nan")) / 2**30,
+        "preemptions": int(metrics.get("preemptions_total", 0)),
+        "complete": f"{len(complete)}/{len(results)}",
+        "equal_alone": f"{sum(r['alone'] == r['ids'] for r in replayed)}/{len(replayed)}",
+        "first_error": next((r["error"] for r in results if "error" in r), None),
+    }
+
+
+def run(args) -> dict:
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    args.size, args.max_batch = args.size or "tiny", args.max_batch or 16  # shared with bench decode (default None)
+    if args.url is None and args.model is None and args.preset is None:
+        raise SystemExit("--url: expected a running server's URL, or --model DIR / --preset NAME to start one")
+    if args.spawn == "process" and args.url is None and args.model is not None and not os.path.isdir(args.model):
+        raise SystemExit(f"--model: no such folder: {args.model}")
+    with started_server(args) as url:
+        results, wall, metrics = asyncio.run(load(url, args))
+    s = summarize(results, wall, metrics, args)
+    row = {"model": metrics["model"], **{k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in s.items() if k != "first_error"}}
+    print(markdown_table([row], list(row)))
+    if s["first_error"]:
+        print(f"first error: {s['first_error']}", file=sys.stderr)
+    payload = {"card": card(), "flags": {k: v for k, v in vars(args).items() if k != "fn"}, "summary": s,
+               "server_metrics": metrics}
+    if args.out:
+        print(f"json: {write_json(args.out, payload)}")
+    return payload
+
+
+def add_arguments(b) -> None:
+    """`evict bench serve` flags on the bench subparser (--device and --out are the bench's own)."""
+    from evict.cli_args import positive_float, positive_int
+
+    g = b.add_argument_group("serve", "flags of `evict bench serve` (engine flags as `evict serve`'s, for its own server)")
+    g.add_argument("--url", help="a running server (default: start one from --model / --preset)")
+    g.add_argument("--spawn", choices=["process", "thread"], default="process", help="how to start the server (default process)")
+    g.add_argument("--clients", type=positive_int, default=16, help="requests in flight at most (default 16)")
+    g.add_argument("--requests", type=positive_int, default=64, help="requests in all (default 64)")
+    g.add_argument("--rate", type=positive_float, default=math.inf, help="Poisson arrivals per second (default: all at once)")
+    g.add_argument("--prompt-len", type=positive_int, nargs=2, default=[16, 256], metavar=("LO", "HI"))
+    g.add_argument("--output-len", type=positive_int, nargs=2, default=[16, 64], metavar=("LO", "HI"))
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; the equality check needs it)")
+    g.add_argument("--check", type=int, default=8, help="greedy requests replayed alone for the equality check (default 8)")
+    g.add_argument("--vocab", type=positive_int, help="prompt token ids in [0, VOCAB) (default 256)")
+    g.add_argument("--bench-seed", type=int, default=0, help="seed of the lengths, prompts and arrivals")
+    g.add_argument("--start-timeout", type=positive_float, default=600, help="seconds to wait for the server (default 600)")
+    from evict.serve.cli import add_engine_flags
+
+    add_engine_flags(g, shared=True)

@@ -1,0 +1,1 @@
+"""Serving: the continuous-batching engine, the OpenAI-compatible HTTP server, `evict serve`."""
