@@ -154,7 +154,7 @@ def build_parser() -> Parser:
     z.add_argument("--plot", default=None, help="PNG path (default runs/size/<preset>.png)")
     z.add_argument("--json", default=None, help="JSON output path")
     z.set_defaults(fn=_size)
-    from evict.lab import capacity_cli, generate_cli, state_cli, train_cli
+    from evict.lab import capacity_cli, generate_cli, hybrid_cli, state_cli, train_cli
 
     train_cli.add_parser(sub, _train)
     generate_cli.add_parser(sub, _generate)
@@ -162,6 +162,7 @@ def build_parser() -> Parser:
     experiments = lab.add_subparsers(dest="experiment", required=True)
     state_cli.add_parser(experiments)
     capacity_cli.add_parser(experiments)
+    hybrid_cli.add_parser(experiments)
     return p
 
 
