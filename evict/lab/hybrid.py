@@ -38,7 +38,7 @@ from evict.lab import recall
 from evict.lab.sweep import run_grid
 from evict.models import LM, ModelConfig, accounting
 from evict.tasks.mqar import MQARConfig, MQARTask
-from evict.tasks.text import TextTask
+from evict.tasks.text import TextTask, corpus_files
 from evict.train import TrainConfig, resolve_device, train
 
 KINDS = {"mla": "M", "attention": "A"}  # the attention layers' kind -> pattern letter
@@ -85,8 +85,7 @@ QUICK = HybridSweep(  # 4 layers: every CPU second goes to depth (see README "Hy
 )
 FULL = HybridSweep(  # the paper's hardest MQAR setting (L 512, K 64, vocab 8192); 16 layers for 15:1; not run yet
     d_model=128, head_dim=32, d_ff=256, chunk_size=64, seq_len=512, pairs=64, vocab_size=8192, text_seq_len=256,
-    steps=4000, batch_size=64, lr=1e-3, eval_every=500, eval_batches=16, placement_ratios=("15:1", "3:1", "1:1"),
-    seeds=2, workers=4, device="auto",
+    steps=2000, batch_size=64, lr=3e-3, eval_every=250, eval_batches=16, workers=4, device="auto",
 )
 
 
@@ -357,10 +356,14 @@ def plot(sweep: HybridSweep, results: list[dict], path: Path) -> Path:
             line = [v for v in vs if (v.kind in (kind, "kda")) and v.placement in ("spread", "—")]
             ax.plot([xs[v.ratio] for v in line], [statistics.fmean(cells[(v.name, task)]) for v in line], "o-",
                     color=f"C{i}", label=f"{kind} (spread)")
+            shown = set()
             for v in (v for v in vs if v.kind == kind and v.placement in marks):
                 ax.scatter([xs[v.ratio]], [statistics.fmean(cells[(v.name, task)])], marker=marks[v.placement], s=60,
-                           color=f"C{i}", label=f"{kind} {v.placement}")
+                           color=f"C{i}", label=None if v.placement in shown else f"{kind} {v.placement}")
+                shown.add(v.placement)
         ax.set_xticks(range(len(sweep.ratios)), list(sweep.ratios))
+        if task == "mqar":
+            ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("KDA : attention layers")
         ax.set_ylabel("MQAR accuracy (best eval)" if task == "mqar" else "validation loss (nats/char)")
         ax.set_title(f"MQAR L {sweep.seq_len}, K {sweep.pairs}" if task == "mqar" else "Shakespeare, next character",
@@ -369,11 +372,12 @@ def plot(sweep: HybridSweep, results: list[dict], path: Path) -> Path:
         ax.grid(alpha=0.3)
     ax = axes[-1]
     grid = sorted({2 ** i for i in range(10, 21)} | set(sweep.contexts))
-    for i, v in enumerate(v for v in vs if v.placement in ("spread", "—") and (v.kind == "kda" or v.kind == sweep.kinds[0])):
+    styles = {"kda": "-", **dict(zip(sweep.kinds, ("-", "--")))}
+    for v in (v for v in vs if v.placement in ("spread", "—")):
         ys = [r["total_bytes"] for r in accounting.memory_report(model_config(sweep, v.pattern, sweep.vocab_size), grid, CACHE_BYTES)]
-        ax.plot(grid, ys, color=f"C{i}", label=v.label)
+        ax.plot(grid, ys, color=f"C{xs[v.ratio]}", ls=styles[v.kind], label=v.label)
     ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="cache read per decode step (bytes)")
-    ax.set_title(f"Decode memory traffic ({sweep.kinds[0]} hybrids)", fontsize=10)
+    ax.set_title("Decode memory traffic, from the accountant", fontsize=10)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
     fig.savefig(path, dpi=120)
@@ -406,6 +410,8 @@ def validate(sweep: HybridSweep) -> None:
     if not sweep.contexts or any(type(c) is not int or c < 1 for c in sweep.contexts):
         raise ValueError(f"contexts: expected positive integers, got {list(sweep.contexts)}")
     MQARConfig(vocab_size=sweep.vocab_size, seq_len=sweep.seq_len, num_pairs=sweep.pairs)
+    if "text" in sweep.tasks:
+        corpus_files(sweep.corpus)  # the file or folder exists (read in run_sweep)
     for v in variants(sweep):  # also checks that every ratio tiles n_layers
         gap = accountant(sweep, v.pattern)["params_gap"]
         if abs(gap) > PARAM_TOLERANCE:

@@ -18,7 +18,7 @@ from evict.models import LM, ModelConfig
 from tests.test_bad_input import _cli
 
 CORPUS = "ROMEO: But soft, what light through yonder window breaks?\nJULIET: Ay me!\n" * 40
-MICRO = replace(QUICK, ratios=("1:0", "3:1", "1:1", "0:1"), placement_ratios=("3:1",), n_layers=4, d_model=16,
+MICRO = replace(QUICK, ratios=("1:0", "3:1", "0:1"), placement_ratios=("3:1",), n_layers=4, d_model=16,
                 head_dim=8, d_ff=32, seq_len=16, pairs=2, vocab_size=16, text_seq_len=16, steps=2, batch_size=4,
                 eval_every=2, eval_batches=1, contexts=(64, 1024), workers=1)
 
@@ -63,7 +63,7 @@ def test_spread_is_kimi_linear_tiling_and_the_lm_builds_it():
 
 
 def test_variants_fold_placements_with_the_same_pattern():
-    vs = {v.name: v for v in variants(FULL)}
+    vs = {v.name: v for v in variants(replace(FULL, placement_ratios=("15:1", "3:1")))}
     assert vs["mla_15to1_spread"].same_as == ("late",) and "mla_15to1_late" not in vs  # one attention layer: last
     assert vs["mla_15to1_early"].pattern == "M" + "K" * 15
     assert {v.placement for v in vs.values() if v.ratio == "7:1"} == {"spread"}  # not a placement ratio
@@ -72,7 +72,7 @@ def test_variants_fold_placements_with_the_same_pattern():
     assert len({v.pattern for v in vs.values()}) == len(vs)
 
 
-@pytest.mark.parametrize("sweep", [QUICK, FULL, MICRO], ids=["quick", "full", "micro"])
+@pytest.mark.parametrize("sweep", [QUICK, pytest.param(FULL, marks=pytest.mark.slow), MICRO], ids=["quick", "full", "micro"])
 def test_equal_parameters_within_tolerance(sweep):
     """Counted here from the built model's parameters (meta device), not from the accountant the lab used."""
     def body(pattern):
@@ -130,7 +130,7 @@ def test_sweep_runs_resumes_and_writes_outputs(tmp_path):
         assert (root / name).stat().st_size > 0, name
     rows = [json.loads(line) for line in (root / "results.jsonl").read_text().splitlines()]
     vs = variants(sweep)
-    assert len(vs) == 1 + 2 * 4  # 1:0; per kind 3:1 spread (= late) and early, 1:1, 0:1
+    assert len(vs) == 1 + 2 * 3  # 1:0; per kind 3:1 spread (= late) and early, 0:1
     assert {(r["variant"], r["task"]) for r in rows} == {(v.name, t) for v in vs for t in ("mqar", "text")}
     for r in rows:
         assert r["steps"] == 2 and abs(r["params_gap"]) <= PARAM_TOLERANCE
