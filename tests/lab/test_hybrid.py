@@ -122,7 +122,14 @@ def test_ordering_ranks_our_scores_beside_the_published_ones():
     assert f"| 0:1 | {PUBLISHED['0:1']:.2f} (3) | 3.000 (3) | 0.700 (2) |" in text
 
 
-def test_sweep_runs_resumes_and_writes_outputs(tmp_path):
+@pytest.fixture
+def single_thread_runs(one_thread, monkeypatch):
+    """run_jobs gives each run cpu_count // workers threads: one here (tiny shapes; a busy machine's spinning
+    threads made a micro run 10× slower); one_thread restores the thread count afterwards."""
+    monkeypatch.setattr("evict.lab.sweep.os.cpu_count", lambda: 1)
+
+
+def test_sweep_runs_resumes_and_writes_outputs(tmp_path, single_thread_runs):
     (tmp_path / "c.txt").write_text(CORPUS)
     sweep = replace(MICRO, corpus=str(tmp_path / "c.txt"))
     root = run_sweep(sweep, out=tmp_path / "sweep")
@@ -146,14 +153,14 @@ def test_sweep_runs_resumes_and_writes_outputs(tmp_path):
         run_sweep(replace(sweep, steps=3), out=root)
 
 
-def test_cli_runs_a_micro_sweep(tmp_path, monkeypatch):
+def test_cli_runs_a_micro_sweep(tmp_path, monkeypatch, single_thread_runs):
     (tmp_path / "c.txt").write_text(CORPUS)
     monkeypatch.setattr("evict.lab.hybrid.QUICK", MICRO)  # the flags on top of a micro sweep, not the 5-minute one
     argv = ["lab", "hybrid", "--ratios", "3:1", "0:1", "--kinds", "attention", "--tasks", "text", "--corpus",
             str(tmp_path / "c.txt"), "--steps", "1", "--out", str(tmp_path / "y")]
     assert main(argv) == 0
     rows = [json.loads(line) for line in (tmp_path / "y" / "results.jsonl").read_text().splitlines()]
-    assert sorted(r["pattern"] for r in rows) == ["AAAA", "KKKA"]
+    assert sorted(r["pattern"] for r in rows) == ["AAAA", "AKKK", "KKKA"]  # 3:1 keeps the micro sweep's placements
 
 
 BAD = [
