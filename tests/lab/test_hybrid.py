@@ -56,7 +56,7 @@ def test_spread_is_kimi_linear_tiling_and_the_lm_builds_it():
         assert list(layer_pattern(ratio, 16, "spread", "M")) == tiled
     for pat in ("KKKMKKKM", "AAKKKKKK", "KMKMKMKM", "MMMMMMMM"):
         with torch.device("meta"):
-            lm = LM(model_config(QUICK, pat, 64))
+            lm = LM(model_config(replace(QUICK, n_layers=len(pat)), pat, 64))
         want = {"K": MemoryMixer, "M": MLA, "A": Attention}
         assert [type(b.mixer) for b in lm.blocks] == [want[c] for c in pat]
         assert all(b.mixer.kind == "kda" for b, c in zip(lm.blocks, pat) if c == "K")
