@@ -174,7 +174,7 @@ def build_parser() -> Parser:
     z.add_argument("--json", default=None, help="JSON output path")
     z.set_defaults(fn=_size)
     from evict.explore import cli as explore_cli
-    from evict.lab import capacity_cli, generate_cli, pairs_cli, state_cli, switch_cli, train_cli
+    from evict.lab import capacity_cli, generate_cli, hybrid_cli, pairs_cli, state_cli, switch_cli, train_cli
     from evict.serve import cli as serve_cli
 
     train_cli.add_parser(sub, _train)
@@ -187,6 +187,7 @@ def build_parser() -> Parser:
     capacity_cli.add_parser(experiments)
     pairs_cli.add_parser(experiments)
     switch_cli.add_parser(experiments)
+    hybrid_cli.add_parser(experiments)
     return p
 
 

@@ -1,0 +1,182 @@
+"""The hybrid lab: layer patterns per ratio and placement, equal parameters, the accountant's cache numbers, the
+ordering against Kimi Linear's Table 1, the sweep end to end (micro) and its flags."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from evict.cli import main
+from evict.lab import hybrid
+from evict.lab.hybrid import (FULL, KINDS, PARAM_TOLERANCE, PUBLISHED, QUICK, accountant, layer_pattern, model_config,
+                              ordering, run_sweep, variants)
+from evict.layers.attention import Attention
+from evict.layers.memory_mixer import MemoryMixer
+from evict.layers.mla import MLA
+from evict.models import LM, ModelConfig
+from tests.test_bad_input import _cli
+
+CORPUS = "ROMEO: But soft, what light through yonder window breaks?\nJULIET: Ay me!\n" * 40
+MICRO = replace(QUICK, ratios=("1:0", "3:1", "0:1"), placement_ratios=("3:1",), n_layers=4, d_model=16,
+                head_dim=8, d_ff=32, seq_len=16, pairs=2, vocab_size=16, text_seq_len=16, steps=2, batch_size=4,
+                eval_every=2, eval_batches=1, contexts=(64, 1024), workers=1)
+
+
+def _expected_positions(ratio: str, n: int, placement: str) -> list[int]:
+    """Where the attention layers go, written out per placement (spread: 1-based layers g, 2g, … for b = 1)."""
+    a, b = (int(x) for x in ratio.split(":"))
+    n_attn = n * b // (a + b)
+    if placement == "early":
+        return list(range(n_attn))
+    if placement == "late":
+        return list(range(n - n_attn, n))
+    return [i for i in range(n) if i % (a + b) >= a]
+
+
+@pytest.mark.parametrize("n", [8, 16])
+@pytest.mark.parametrize("placement", ["spread", "early", "late"])
+@pytest.mark.parametrize("ratio", ["1:0", "15:1", "7:1", "3:1", "1:1", "0:1"])
+def test_pattern_counts_and_positions(ratio, placement, n):
+    a, b = (int(x) for x in ratio.split(":"))
+    if n % (a + b):
+        with pytest.raises(ValueError, match=rf"^n_layers: ratio {ratio} needs a multiple of {a + b} layers"):
+            layer_pattern(ratio, n, placement, "M")
+        return
+    for letter in "MA":
+        pat = layer_pattern(ratio, n, placement, letter)
+        assert len(pat) == n and set(pat) <= {"K", letter}
+        assert pat.count(letter) == n * b // (a + b) and pat.count("K") == n * a // (a + b)
+        assert [i for i, c in enumerate(pat) if c == letter] == _expected_positions(ratio, n, placement)
+
+
+def test_spread_is_kimi_linear_tiling_and_the_lm_builds_it():
+    for ratio, tile in (("3:1", "KKKM"), ("7:1", "KKKKKKKM"), ("15:1", "K" * 15 + "M"), ("1:1", "KM")):
+        tiled = ModelConfig(pattern=tile, n_layers=16).layer_mixers()  # the config's own tiling of a short pattern
+        assert list(layer_pattern(ratio, 16, "spread", "M")) == tiled
+    for pat in ("KKKMKKKM", "AAKKKKKK", "KMKMKMKM", "MMMMMMMM"):
+        with torch.device("meta"):
+            lm = LM(model_config(replace(QUICK, n_layers=len(pat)), pat, 64))
+        want = {"K": MemoryMixer, "M": MLA, "A": Attention}
+        assert [type(b.mixer) for b in lm.blocks] == [want[c] for c in pat]
+        assert all(b.mixer.kind == "kda" for b, c in zip(lm.blocks, pat) if c == "K")
+
+
+def test_variants_fold_placements_with_the_same_pattern():
+    vs = {v.name: v for v in variants(replace(FULL, placement_ratios=("15:1", "3:1")))}
+    assert vs["mla_15to1_spread"].same_as == ("late",) and "mla_15to1_late" not in vs  # one attention layer: last
+    assert vs["mla_15to1_early"].pattern == "M" + "K" * 15
+    assert {v.placement for v in vs.values() if v.ratio == "7:1"} == {"spread"}  # not a placement ratio
+    assert {v.placement for v in vs.values() if v.ratio == "3:1" and v.kind == "attention"} == {"spread", "early", "late"}
+    assert [v.name for v in vs.values() if v.kind == "kda"] == ["kda_1to0"]
+    assert len({v.pattern for v in vs.values()}) == len(vs)
+
+
+@pytest.mark.parametrize("sweep", [QUICK, pytest.param(FULL, marks=pytest.mark.slow), MICRO], ids=["quick", "full", "micro"])
+def test_equal_parameters_within_tolerance(sweep):
+    """Counted here from the built model's parameters (meta device), not from the accountant the lab used."""
+    def body(pattern):
+        with torch.device("meta"):
+            lm = LM(model_config(sweep, pattern, sweep.vocab_size))
+        return sum(p.numel() for p in lm.parameters()) - lm.embed.weight.numel()  # tied head: counted once
+
+    target = body("K" * sweep.n_layers)
+    widths = {}
+    for v in variants(sweep):
+        got = body(v.pattern)
+        assert abs(got / target - 1) <= PARAM_TOLERANCE, (v.label, got, target)
+        assert accountant(sweep, v.pattern)["params"] == got
+        widths[v.pattern] = model_config(sweep, v.pattern, 10).d_ff
+    assert widths["K" * sweep.n_layers] == sweep.d_ff
+    assert len(set(widths.values())) > 1  # the widths really were adjusted (attention mixers are smaller than KDA)
+
+
+def test_validate_rejects_what_cannot_be_matched(monkeypatch):
+    monkeypatch.setattr(hybrid, "PARAM_TOLERANCE", 0.0)
+    with pytest.raises(ValueError, match=r"^d_ff: .* cannot match the all-KDA model's parameters within 0%"):
+        hybrid.validate(QUICK)
+
+
+def test_accountant_cache_numbers_by_hand():
+    s = MICRO  # d 16, heads of 8 (2 heads), MLA latent kv_lora max(16, d/2) = 16 + rope max(2, hd/2) = 4
+    H, D, conv = 2, 8, 3  # kernel 4 keeps 3 tokens of q, k, v (3 H D channels) per conv layer
+    tail = 3 * H * D * conv * 2  # bytes of one layer's conv tail (2 B per number)
+    kda = accountant(s, "KKKK")
+    assert kda["cache_bytes_per_token"] == 0 and kda["fixed_bytes"] == 4 * (H * D * D * 4 + tail)
+    mla = accountant(s, "KKKM")
+    assert mla["cache_bytes_per_token"] == 1 * (16 + 4) * 2
+    attn = accountant(s, "KAKA")
+    assert attn["cache_bytes_per_token"] == 2 * (2 * H * D) * 2  # two layers of K and V
+    assert attn["decode_bytes"]["1024"] == attn["fixed_bytes"] + 1024 * attn["cache_bytes_per_token"]
+
+
+def test_ordering_ranks_our_scores_beside_the_published_ones():
+    sweep = replace(MICRO, ratios=("3:1", "1:1", "0:1"), placement_ratios=(), kinds=("mla",))
+    loss = {"3:1": 2.0, "1:1": 1.5, "0:1": 3.0}  # ours: 1:1 best, then 3:1, then 0:1
+    acc = {"3:1": 0.5, "1:1": 0.9, "0:1": 0.7}
+    rows = [{"variant": v.name, "task": t, "seed": 0, "val_loss": loss[v.ratio], "accuracy": acc[v.ratio]}
+            for v in variants(sweep) for t in ("mqar", "text")]
+    text = ordering(sweep, rows)
+    assert f"| 3:1 | {PUBLISHED['3:1']:.2f} (1) | 2.000 (2) | 0.500 (3) |" in text
+    assert f"| 1:1 | {PUBLISHED['1:1']:.2f} (2) | 1.500 (1) | 0.900 (1) |" in text
+    assert f"| 0:1 | {PUBLISHED['0:1']:.2f} (3) | 3.000 (3) | 0.700 (2) |" in text
+
+
+@pytest.fixture
+def single_thread_runs(one_thread, monkeypatch):
+    """run_jobs gives each run cpu_count // workers threads: one here (tiny shapes; a busy machine's spinning
+    threads made a micro run 10× slower); one_thread restores the thread count afterwards."""
+    monkeypatch.setattr("evict.lab.sweep.os.cpu_count", lambda: 1)
+
+
+def test_sweep_runs_resumes_and_writes_outputs(tmp_path, single_thread_runs):
+    (tmp_path / "c.txt").write_text(CORPUS)
+    sweep = replace(MICRO, corpus=str(tmp_path / "c.txt"))
+    root = run_sweep(sweep, out=tmp_path / "sweep")
+    for name in ("config.json", "results.jsonl", "table.md", "hybrid.png"):
+        assert (root / name).stat().st_size > 0, name
+    rows = [json.loads(line) for line in (root / "results.jsonl").read_text().splitlines()]
+    vs = variants(sweep)
+    assert len(vs) == 1 + 2 * 3  # 1:0; per kind 3:1 spread (= late) and early, 0:1
+    assert {(r["variant"], r["task"]) for r in rows} == {(v.name, t) for v in vs for t in ("mqar", "text")}
+    for r in rows:
+        assert r["steps"] == 2 and abs(r["params_gap"]) <= PARAM_TOLERANCE
+        assert (0 <= r["accuracy"] <= 1) if r["task"] == "mqar" else r["val_loss"] > 0
+        assert (root / "runs" / f"{r['variant']}_{r['task']}_s0" / "result.json").exists()
+    table = (root / "table.md").read_text()
+    assert "| mla 3:1 spread = late | KKKM |" in table and "| attention 3:1 early | AKKK |" in table
+    assert "published ppl (rank)" in table and "5.65 (1)" in table
+    stamps = {p: p.stat().st_mtime_ns for p in (root / "runs").glob("*/result.json")}
+    run_sweep(sweep, out=root)  # resuming a finished sweep trains nothing
+    assert stamps == {p: p.stat().st_mtime_ns for p in (root / "runs").glob("*/result.json")}
+    with pytest.raises(ValueError, match=r"^out: .* holds a sweep with another config"):
+        run_sweep(replace(sweep, steps=3), out=root)
+
+
+def test_cli_runs_a_micro_sweep(tmp_path, monkeypatch, single_thread_runs):
+    (tmp_path / "c.txt").write_text(CORPUS)
+    monkeypatch.setattr("evict.lab.hybrid.QUICK", MICRO)  # the flags on top of a micro sweep, not the 5-minute one
+    argv = ["lab", "hybrid", "--ratios", "3:1", "0:1", "--kinds", "attention", "--tasks", "text", "--corpus",
+            str(tmp_path / "c.txt"), "--steps", "1", "--out", str(tmp_path / "y")]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in (tmp_path / "y" / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["pattern"] for r in rows) == ["AAAA", "AKKK", "KKKA"]  # 3:1 keeps the micro sweep's placements
+
+
+BAD = [
+    ["--ratios", "2:2"], ["--ratios", "x"], ["--ratios", "5:1"], ["--ratios", "3:1", "3:1"], ["--kinds", "rnn"],
+    ["--tasks", "wiki"], ["--placement-ratios", "1:0"], ["--placement-ratios", "7:1", "--ratios", "3:1"],
+    ["--layers", "0"], ["--layers", "6"], ["--d-model", "24"], ["--setting", "10", "8"], ["--steps", "0"],
+    ["--corpus", "/no/such.txt"], ["--out", "{file}"], ["--quick", "--full"], ["--workers", "-1"],
+]
+
+
+@pytest.mark.parametrize("flags", BAD, ids=[" ".join(b) for b in BAD])
+def test_bad_flags_one_line_exit_2_nothing_written(flags, tmp_path, monkeypatch, capsys):
+    (tmp_path / "a_file").write_text("x")
+    argv = ["lab", "hybrid", *[str(tmp_path / "a_file") if f == "{file}" else f for f in flags]]
+    if "--out" not in flags:
+        argv += ["--out", str(tmp_path / "new")]
+    code, err = _cli(argv, tmp_path, monkeypatch, capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith("evict") and "error:" in err[0], err
+    assert not (tmp_path / "new").exists()
