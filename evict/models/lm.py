@@ -25,7 +25,7 @@ from evict.layers.memory_mixer import MemoryMixer
 from evict.layers.mla import MLA
 from evict.layers.mlp import GeluMLP
 from evict.layers.moe import MoE
-from evict.layers.norms import RMSNorm
+from evict.layers.norms import build_norm
 
 from .config import MIXERS, ModelConfig
 
@@ -59,9 +59,9 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, letter: str, ffn_kind: str, first: bool = False):
         super().__init__()
         self.letter, self.ffn_kind = letter, ffn_kind
-        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm1 = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.mixer = build_mixer(cfg, letter)
-        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm2 = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.ffn = build_ffn(cfg, ffn_kind)
         if cfg.attn_res:
             # the first mixer's only source is the embedding: a read over one source is the identity, so none is built
@@ -80,7 +80,7 @@ class LM(nn.Module):
             Block(cfg, m, f, first=i == 0) for i, (m, f) in enumerate(zip(cfg.layer_mixers(), cfg.layer_ffns()))
         )
         self.final_read = AttnResRead(cfg.d_model, cfg.norm_eps) if cfg.attn_res else None
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
@@ -92,7 +92,7 @@ class LM(nn.Module):
         """Initialise every parameter:
         - nn.Linear weights ~ N(0, init_std); biases 0; the projections that write into the residual stream
           (`wo`, `w2`, and each MoE's `output_weights()`) ~ N(0, init_std / sqrt(2 n_layers))
-        - embeddings (token, learned positions) ~ N(0, init_std); RMSNorm weights 1
+        - embeddings (token, learned positions) ~ N(0, init_std); norm weights 1 (LayerNorm biases 0)
         - kept from the modules' own init: short-conv kernels U(±k^-1/2); decay A_log = log U(1, 16) and dt_bias
           (dt log-uniform in [1e-3, 1e-1]); MLA W_uk, W_uv ~ N(0, init_std); MoE expert stacks (their own init);
           AttnRes queries 0 (uniform mix over depth at start)
@@ -248,6 +248,10 @@ class LM(nn.Module):
 
         path = Path(path)
         saved = _read_config(path / "config.json")
+        try:  # fields added since the file was written take their defaults (what that model was built with)
+            saved = json.loads(ModelConfig.from_dict(saved).to_json())
+        except (ValueError, TypeError):
+            pass  # compared as written: the differing fields are named below
         mine = json.loads(self.cfg.to_json())
         diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
         if diff:
