@@ -52,6 +52,12 @@ def _generate(args) -> None:
     run_generate(args)
 
 
+def _convert(args) -> None:
+    from evict.convert.cli import run_convert
+
+    run_convert(args)
+
+
 def _demo(args) -> None:
     from evict.demo import run_demo
 
@@ -154,10 +160,12 @@ def build_parser() -> Parser:
     z.add_argument("--plot", default=None, help="PNG path (default runs/size/<preset>.png)")
     z.add_argument("--json", default=None, help="JSON output path")
     z.set_defaults(fn=_size)
+    from evict.convert import cli as convert_cli
     from evict.lab import capacity_cli, generate_cli, state_cli, train_cli
 
     train_cli.add_parser(sub, _train)
     generate_cli.add_parser(sub, _generate)
+    convert_cli.add_parser(sub, _convert)
     lab = sub.add_parser("lab", help="the research lab's experiments (each with --quick and --full)")
     experiments = lab.add_subparsers(dest="experiment", required=True)
     state_cli.add_parser(experiments)

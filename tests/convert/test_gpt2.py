@@ -14,7 +14,7 @@ from evict.models.accounting import param_report  # noqa: E402
 def _hf_gpt2(seed: int, **kw):
     torch.manual_seed(seed)
     cfg = transformers.GPT2Config(vocab_size=101, n_positions=48, n_embd=48, n_layer=3, n_head=4,
-                                  initializer_range=0.2, bos_token_id=0, eos_token_id=0, **kw)
+                                  initializer_range=0.2, bos_token_id=None, eos_token_id=None, **kw)
     return transformers.GPT2LMHeadModel(cfg).eval()
 
 
