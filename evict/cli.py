@@ -119,7 +119,10 @@ def _check_recall_models(sweep) -> None:
 
 
 def build_parser() -> Parser:
+    from evict import __version__
+
     p = Parser(prog="evict", description="Attention is an associative memory; a fixed-size memory must evict.")
+    p.add_argument("--version", action="version", version=f"evict {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="the memory op's worked examples, computed live")
     d.set_defaults(fn=_demo)

@@ -182,7 +182,9 @@ class EvictForCausalLM(PreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: c})
+        out = CausalLMOutputWithPast(loss=loss, logits=logits)
+        out[_CACHE_FIELD] = c
+        return out
 
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, past_key_values: Cache | None = None,
                                       cache: Cache | None = None, attention_mask: torch.Tensor | None = None,
@@ -198,7 +200,7 @@ def to_hf(lm: LM) -> EvictForCausalLM:
     """A transformers model around `lm` (its parameters, not a copy), ready for generate() and save_pretrained()."""
     if not isinstance(lm, LM):
         raise ValueError(f"lm: expected an evict LM, got {type(lm).__name__}")
-    return EvictForCausalLM(EvictConfig(evict=lm.cfg.to_dict()), lm=lm).to(next(lm.parameters()).dtype)
+    return EvictForCausalLM(EvictConfig(evict=lm.cfg.to_dict()), lm=lm)
 
 
 AutoConfig.register("evict", EvictConfig, exist_ok=True)

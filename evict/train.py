@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from typing import Any
 import json
 import math
 import os
@@ -363,7 +364,7 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig) -> TrainResult:
         _set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0], device)
         step, history, best = ck["step"], ck["history"], ck["best_val_accuracy"]
         done, stopped_early = ck["done"], ck["stopped_early"]
-        if lead:
+        if lead and metrics_path is not None:
             _trim_metrics(metrics_path, step)
     elif metrics_path is not None and lead and metrics_path.exists():
         metrics_path.unlink()
@@ -376,12 +377,12 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig) -> TrainResult:
     def checkpoint() -> None:
         ms, os_ = _model_optim_state(model, opt)
         rng = _rng_state(device)
-        rngs = [None] * world
+        rngs: list[Any] = [None] * world
         if world > 1:
             dist.all_gather_object(rngs, rng)
         else:
             rngs = [rng]
-        if lead:
+        if lead and ckpt_path is not None:
             state = {
                 "model": ms, "optimizer": os_, "step": step, "rng": rngs,
                 "history": history, "best_val_accuracy": best, "done": done, "stopped_early": stopped_early,
@@ -408,7 +409,8 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig) -> TrainResult:
     prefetch = None
     if device.type == "cuda" and cfg.prefetch > 0 and step < cfg.steps and not done:
         prefetch = _Prefetch(task, step, world, rank, cfg.batch_size, cfg.prefetch)
-    graph = static = None
+    graph: torch.cuda.CUDAGraph | None = None
+    static: list[Any] = []  # inputs and outputs of the captured step
     side = torch.cuda.Stream(device) if cfg.graphs else None
     warmup_until = step + 3  # eager steps (on a side stream) before capture
 
@@ -426,7 +428,7 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig) -> TrainResult:
                 static[1].copy_(y)
                 graph.replay()
                 loss, aux, logits, y_used = static[2]
-            elif cfg.graphs and step >= warmup_until:
+            elif side is not None and step >= warmup_until:  # side exists exactly when cfg.graphs
                 static = [x.clone(), y.clone(), None]
                 opt.zero_grad(set_to_none=True)
                 side.wait_stream(torch.cuda.current_stream(device))

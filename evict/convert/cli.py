@@ -71,8 +71,7 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
 
 def add_parser(sub, fn) -> None:
     """Register `evict convert` (calling fn(args)) on the argparse subparsers object."""
-    c = sub.add_parser("convert", help="convert models: from transformers' GPT-2; to transformers or fla folders",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    c = sub.add_parser("convert", help="convert models: from transformers' GPT-2; to transformers or fla folders")
     c.add_argument("kind", choices=["gpt2", "hf", "fla"], help="gpt2: from a transformers GPT-2 folder; hf / fla: from an "
                                                              "evict model folder to that format")
     c.add_argument("source", help="the folder to convert (for hf / fla: a model folder or a run folder holding model/)")

@@ -76,6 +76,7 @@ class MoE(nn.Module):
             self.w_down = nn.Linear(d_model, latent_dim, bias=False)
             self.latent_norm = RMSNorm(latent_dim)
             self.w_up = nn.Linear(latent_dim, d_model, bias=False)
+        self.select_bias: torch.Tensor
         self.register_buffer("select_bias", torch.zeros(n_routed))
         self.last_load: torch.Tensor | None = None
         self.aux_loss: torch.Tensor | None = None
@@ -128,7 +129,7 @@ class MoE(nn.Module):
     @torch.no_grad()
     def update_bias(self) -> None:
         """Move the selection bias toward balance using the load since the last update (no-op if none)."""
-        if self._load_n == 0:
+        if self._load_n == 0 or self._load_sum is None:
             return
         ops.balance_bias_update(self.select_bias, self._load_sum / self._load_n, self.bias_update_rate)
         self._load_sum, self._load_n = None, 0

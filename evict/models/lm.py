@@ -6,12 +6,15 @@ Residual stream: pre-norm `h += mixer(norm(h)); h += ffn(norm(h))`, or, with Att
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import math
+import operator
 import os
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -32,7 +35,7 @@ from .config import MIXERS, ModelConfig
 log = logging.getLogger(__name__)
 
 
-def build_mixer(cfg: ModelConfig, letter: str) -> nn.Module:
+def build_mixer(cfg: ModelConfig, letter: str) -> Attention | MLA | MemoryMixer:
     kind = MIXERS[letter]
     if kind == "attention":
         return Attention(cfg)
@@ -50,6 +53,8 @@ def build_ffn(cfg: ModelConfig, kind: str) -> nn.Module:
     if kind == "situ":
         return SiTU(d, hidden)
     m = cfg.moe
+    if kind != "moe" or m is None:
+        raise ValueError(f"ffn: expected gelu, swiglu, situ, or moe with a MoE config; got {kind!r}")
     return MoE(d, m.n_routed, m.top_k, m.d_expert, n_shared=m.n_shared, latent_dim=m.latent_dim,
                routed_scaling=m.routed_scaling, bias_update_rate=m.bias_update_rate, aux_loss_coef=m.aux_loss_coef,
                expert="situ" if cfg.ffn == "situ" else "swiglu")
@@ -65,7 +70,7 @@ class Block(nn.Module):
         self.ffn = build_ffn(cfg, ffn_kind)
         if cfg.attn_res:
             # the first mixer's only source is the embedding: a read over one source is the identity, so none is built
-            self.read_mixer = None if first else AttnResRead(cfg.d_model, cfg.norm_eps)
+            self.read_mixer: AttnResRead | None = None if first else AttnResRead(cfg.d_model, cfg.norm_eps)
             self.read_ffn = AttnResRead(cfg.d_model, cfg.norm_eps)
 
 
@@ -146,12 +151,12 @@ class LM(nn.Module):
             h = h + self.wpe(torch.arange(pos, pos + T, device=tokens.device))
         states = [None] * len(self.blocks) if cache is None else cache.states
         if self.final_read is None:
-            for blk, st in zip(self.blocks, states):
+            for blk, st in zip(self.layers(), states):
                 h = h + blk.mixer(blk.norm1(h), st, pos)
                 h = h + blk.ffn(blk.norm2(h))
         else:
             depth = AttnResBlocks(h)
-            for i, (blk, st) in enumerate(zip(self.blocks, states)):
+            for i, (blk, st) in enumerate(zip(self.layers(), states)):
                 x = depth.completed[0] if blk.read_mixer is None else depth.read(blk.read_mixer)
                 depth.add(blk.mixer(blk.norm1(x), st, pos))
                 depth.add(blk.ffn(blk.norm2(depth.read(blk.read_ffn))))
@@ -169,13 +174,17 @@ class LM(nn.Module):
         return self.head(self.norm(h))
 
     # -- training hooks ---------------------------------------------------------------------------------------
+    def layers(self) -> list[Block]:
+        """The blocks, typed (an nn.ModuleList iterates as plain Modules)."""
+        return cast("list[Block]", list(self.blocks))
+
     def moe_layers(self) -> list[MoE]:
-        return [b.ffn for b in self.blocks if isinstance(b.ffn, MoE)]
+        return [b.ffn for b in self.layers() if isinstance(b.ffn, MoE)]
 
     def aux_loss(self) -> torch.Tensor | None:
         """Sum of the MoE auxiliary losses of the last forward (None when no layer has one)."""
         losses = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
-        return sum(losses) if losses else None
+        return functools.reduce(operator.add, losses) if losses else None
 
     def after_step(self) -> None:
         """Called by the training loop after each optimizer step: MoE selection-bias balancing."""
@@ -197,11 +206,12 @@ class LM(nn.Module):
         p = next(self.parameters())
         device = p.device if device is None else device
         dtype = p.dtype if dtype is None else dtype
-        return HybridCache([b.mixer.new_state(batch_size, max_len, device, dtype) for b in self.blocks], batch_size, max_len)
+        return HybridCache([b.mixer.new_state(batch_size, max_len, device, dtype) for b in self.layers()], batch_size,
+                           max_len)
 
     def state_size(self, context_len: int) -> int:
         """Numbers of memory held per sequence at this context length (KV, latents, recurrent states)."""
-        return sum(b.mixer.state_size(context_len) for b in self.blocks)
+        return sum(b.mixer.state_size(context_len) for b in self.layers())
 
     def generate(self, prompt: torch.Tensor, **kw) -> torch.Tensor:
         from evict.generate import generate

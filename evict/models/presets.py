@@ -8,10 +8,11 @@ Released shapes (`gpt2_124m`, `kimi_linear_48b`, `kimi_k3`) are for the accounta
 from __future__ import annotations
 
 from dataclasses import fields, replace
+from typing import Any
 
 from .config import ModelConfig, MoEConfig
 
-SIZES = {  # shared width settings per size; tiny trains on a laptop CPU
+SIZES: dict[str, dict[str, Any]] = {  # shared width settings per size; tiny trains on a laptop CPU
     "tiny": dict(d_model=128, n_heads=2, head_dim=64, n_layers=4, d_ff=256, kv_lora_rank=64, qk_nope_dim=32,
                  qk_rope_dim=16, v_head_dim=32),
     "small": dict(d_model=512, n_heads=4, head_dim=128, n_layers=8, d_ff=1408, kv_lora_rank=256, qk_nope_dim=64,
@@ -25,7 +26,7 @@ def _moe(size: str, **kw) -> MoEConfig:
 
 
 def _family(name: str, size: str) -> ModelConfig:
-    s = dict(SIZES[size])
+    s: dict[str, Any] = dict(SIZES[size])
     single = {"attention": "A", "linear": "L", "deltanet": "D", "gated_deltanet": "G", "kda": "K", "gla": "C", "mla": "M"}
     if name == "gpt2":
         return ModelConfig(pattern="A", pos="learned", bias=True, norm="layernorm", norm_eps=1e-5, ffn="gelu",

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .tokenizers import KINDS, BPETokenizer, ByteTokenizer, CharTokenizer, load_tokenizer, token_dtype
+from .tokenizers import KINDS, BPETokenizer, ByteTokenizer, CharTokenizer, Tokenizer, load_tokenizer, token_dtype
 
 _CHUNK_CHARS = 1 << 20
 
@@ -122,7 +122,7 @@ def build_tokenizer(kind: str, files: list, bpe_vocab_size: int):
     return BPETokenizer.train(iter_chunks(files), bpe_vocab_size)
 
 
-def load_tokens(files: list, kind: str, bpe_vocab_size: int, cache_dir: Path) -> tuple[object, np.ndarray]:
+def load_tokens(files: list, kind: str, bpe_vocab_size: int, cache_dir: Path) -> tuple[Tokenizer, np.ndarray]:
     """(tokenizer, tokens [N]) for the whole corpus, from the cache or built and cached. `kind` is char, byte, bpe or
     the path of a pretrained tokenizer.json (read as it is; its ids are cached under the file's sha256)."""
     digest = corpus_hash(files)

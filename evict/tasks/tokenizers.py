@@ -239,7 +239,10 @@ def _from_hf_json(data: dict, path: Path) -> CharTokenizer | ByteTokenizer | Non
     return None
 
 
-def load_tokenizer(path: str | Path) -> CharTokenizer | ByteTokenizer | BPETokenizer:
+Tokenizer = CharTokenizer | ByteTokenizer | BPETokenizer
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
     """Read back what any tokenizer's `save` wrote, or any HF tokenizer.json (as BPETokenizer: HF's ids).
 
     A missing, unreadable or malformed file is a one-line ValueError naming it."""
