@@ -5,6 +5,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from evict.cli import main  # noqa: E402
 from evict.hf import EvictConfig, EvictForCausalLM, to_hf  # noqa: E402
 from evict.models import LM, presets  # noqa: E402
 
@@ -87,3 +88,13 @@ def test_bad_input_is_one_clear_error():
         EvictConfig(evict={"no_such_field": 1})
     with pytest.raises(ValueError, match="lm: expected an evict LM"):
         to_hf(torch.nn.Linear(2, 2))
+
+
+def test_cli_convert_hf(tmp_path):
+    lm = _model("kda", seed=4)
+    lm.save(tmp_path / "model")
+    assert main(["convert", "hf", str(tmp_path / "model"), "--out", str(tmp_path / "hf")]) == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    x = torch.randint(0, 61, (1, 10))
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, lm(x))
