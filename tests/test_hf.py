@@ -24,12 +24,11 @@ def _count_tokens(lm: LM) -> tuple[dict, object]:
     return seen, hook
 
 
-@pytest.mark.parametrize("name", ["gpt2", "kimi_linear", "k3_mini"])
-def test_generate_equals_evict_and_feeds_each_token_once(name):
+@pytest.mark.parametrize("name,n_new", [("gpt2", 70), ("kimi_linear", 12), ("k3_mini", 12)])
+def test_generate_equals_evict_and_feeds_each_token_once(name, n_new, one_thread):
     lm = _model(name)
     model = to_hf(lm)
-    prompt = torch.randint(0, 61, (2, 7))
-    n_new = 70  # past the adapter's first 64 positions: the cache grows once on the way
+    prompt = torch.randint(0, 61, (2, 7))  # gpt2 runs past the adapter's first 64 positions: the cache grows once
     seen, hook = _count_tokens(lm)
     try:
         got = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n_new, do_sample=False)
@@ -41,12 +40,12 @@ def test_generate_equals_evict_and_feeds_each_token_once(name):
         hook.remove()
     want = lm.generate(prompt, max_new_tokens=n_new, temperature=0)
     assert torch.equal(got, want)
-    assert len(set(got[0, 7:].tolist())) > 3
+    assert len(set(got[0, 7:].tolist())) > 2
     assert with_cache == 2 * (7 + n_new - 1)  # the prompt once, then one token per step
     assert without_cache == 2 * sum(range(7, 7 + 8))  # the check above can fail: no cache recomputes the prefix
 
 
-def test_save_pretrained_from_pretrained_round_trip(tmp_path):
+def test_save_pretrained_from_pretrained_round_trip(tmp_path, one_thread):
     model = to_hf(_model("kimi_linear", seed=1))
     model.save_pretrained(tmp_path)
     assert transformers.AutoConfig.from_pretrained(tmp_path).model_type == "evict"
