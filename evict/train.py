@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from typing import Any
 import json
 import math
 import os
@@ -462,7 +463,7 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
         """Every rank calls this (collectives under torch.distributed); rank 0 writes checkpoint.pt, then run.json."""
         session["steps"][1] = step
         rng = _rng_state(device)
-        rngs = [None] * world
+        rngs: list[Any] = [None] * world
         if world > 1:
             dist.all_gather_object(rngs, rng)
         else:

@@ -59,7 +59,7 @@ def model_configs(kinds=KINDS, size: str = "tiny", width: dict | None = None) ->
             cfg = presets.get("k3_mini", size=size, **width)
             if "d_model" in width:  # the preset derives these from d_model
                 half = width["d_model"] // 2
-                cfg = replace(cfg, q_lora_rank=half, moe=replace(cfg.moe, latent_dim=half))
+                cfg = replace(cfg, q_lora_rank=half, moe=None if cfg.moe is None else replace(cfg.moe, latent_dim=half))
         else:
             cfg = presets.get(kind, size=size, **width)
         cfgs[kind] = cfg

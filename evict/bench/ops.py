@@ -107,7 +107,7 @@ def kernel_profile(fn, steps: int = 5) -> list[tuple[str, float]]:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    per = {}
+    per: dict[str, float] = {}
     for e in prof.key_averages():  # kernels carry self device time; the ops around them carry none
         t = getattr(e, "self_device_time_total", None)
         t = e.self_cuda_time_total if t is None else t

@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from typing import Any
 
 from evict.bench.common import card, markdown_table, write_json
 
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "before": dict(amp="none", graphs=False, select_labels=False, prefetch=0),
     "bf16": dict(amp="bf16", graphs=False, select_labels=False, prefetch=0),
     "labels": dict(amp="bf16", graphs=False, select_labels=True, prefetch=2),
     "graphs": dict(amp="bf16", graphs=True, select_labels=True, prefetch=2),
 }
 
-_barrier = None
+_barrier: Any = None  # the multiprocessing Barrier each worker gets from _init
 
 
 def _init(barrier) -> None:

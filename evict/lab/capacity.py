@@ -36,6 +36,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -133,7 +134,8 @@ def _batch_to(batch: CapacityBatch, device: torch.device) -> CapacityBatch:
 def run_one(job: dict) -> dict:
     """Train one (rule, overwrite, S, seed) model with Adam; module-level so worker processes can run it."""
     logging.getLogger("evict").setLevel(logging.WARNING)
-    sweep = CapacitySweep(**{k: tuple(v) if isinstance(v, list) else v for k, v in job["sweep"].items()})
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in job["sweep"].items()}
+    sweep = CapacitySweep(**fields)
     S, seed, overwrite = job["S"], job["seed"], job["overwrite"]
     device = resolve_device(sweep.device)
     torch.manual_seed(seed)

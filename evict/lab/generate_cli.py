@@ -90,7 +90,8 @@ def run_generate(args) -> dict:
         raise SystemExit(f"--prompt: {e}") from None
     if len(prompt_ids) == 0:
         raise SystemExit("--prompt: expected a non-empty prompt")
-    stop_tokens, stop_text = (), None
+    stop_tokens: tuple[int, ...] = ()
+    stop_text = None
     if args.stop:
         try:
             stop_ids = tok.encode(args.stop)
@@ -114,8 +115,9 @@ def run_generate(args) -> dict:
         raise SystemExit(f"generate: {e}") from None
     t_end = time.perf_counter()
     n = len(stream.ids)
-    prefill_s = stream.first_token_time - t0
-    decode_s = t_end - stream.first_token_time
+    first = stream.first_token_time if stream.first_token_time is not None else t_end  # None: no token came
+    prefill_s = first - t0
+    decode_s = t_end - first
     stats = {"prompt_tokens": prompt.shape[1], "new_tokens": n, "prefill_s": prefill_s, "decode_s": decode_s,
              "prefill_tok_s": prompt.shape[1] / max(prefill_s, 1e-9),
              "decode_tok_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan"),

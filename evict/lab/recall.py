@@ -15,6 +15,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -86,10 +87,11 @@ def model_config(arch: str, d_model: int, sweep: RecallSweep, seq_len: int):
     )
 
 
-def run_one(job: dict) -> dict:
+def run_one(job: dict) -> dict | None:
     """Train one (arch, L, K, d, lr) cell; module-level so worker processes can run it."""
     logging.getLogger("evict").setLevel(logging.WARNING)
-    sweep = RecallSweep(**{k: tuple(v) if isinstance(v, list) else v for k, v in job["sweep"].items()})
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in job["sweep"].items()}
+    sweep = RecallSweep(**fields)
     L, K, d = job["seq_len"], job["pairs"], job["d_model"]
     seed = job["seed"]
     torch.manual_seed(seed)
@@ -140,7 +142,7 @@ def jobs_for(sweep: RecallSweep, root: Path) -> list[dict]:
 
 def best_over_lr(results: list[dict]) -> dict:
     """(arch, L, K, d, seed) -> the result with the highest accuracy over learning rates."""
-    best = {}
+    best: dict[tuple, dict] = {}
     for r in results:
         key = (r["arch"], r["seq_len"], r["pairs"], r["d_model"], r["seed"])
         if key not in best or r["accuracy"] > best[key]["accuracy"]:
@@ -186,7 +188,7 @@ def table(sweep: RecallSweep, cells: dict, d: int) -> str:
     cols = [f"K={K} (L={L})" for L, K in sweep.settings]
     rows = []
     for arch in sweep.archs:
-        row = {"architecture": arch, "state (numbers/seq, largest L)": cells[(arch, *sweep.settings[-1], d)].state_size}
+        row = {"architecture": arch, "state (numbers/seq, largest L)": cells[(arch, sweep.settings[-1][0], sweep.settings[-1][1], d)].state_size}
         for (L, K), c in zip(sweep.settings, cols):
             row[c] = str(cells[(arch, L, K, d)])
         rows.append(row)
@@ -306,12 +308,13 @@ def run_sweep(sweep: RecallSweep, out: str | Path | None = None, minutes: float 
         print(f"stopped after {minutes:g} min: {len(jobs) - left} of {len(jobs)} runs finished, {left} left "
               f"(unfinished ones resume from their checkpoints); run the same command with --out {root} to continue")
         return root
-    results = [{**r, "seed": job["seed"]} for r, job in zip(results, jobs)]  # results of older runs lack the seed
-    write_results(root, results)
-    tables, card = report(sweep, results)
+    finished = [r for r in results if r is not None]  # all of them (none left)
+    rows = [{**r, "seed": job["seed"]} for r, job in zip(finished, jobs)]  # results of older runs lack the seed
+    write_results(root, rows)
+    tables, card = report(sweep, rows)
     (root / "table.md").write_text(tables + "\n")
     (root / "scorecard.md").write_text(card + "\n")
-    pngs = plots(sweep, over_seeds(best_over_lr(results)), root)
+    pngs = plots(sweep, over_seeds(best_over_lr(rows)), root)
     print(f"\nMQAR accuracy (best over lr {list(sweep.lrs)}), {sweep.n_layers} layers, vocab {sweep.vocab_size}\n\n{tables}\n")
     print(f"{card}\n")
     print("wrote " + ", ".join(str(p) for p in [root / "table.md", root / "scorecard.md", *pngs]))

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -107,7 +108,8 @@ def beyond_accuracy(model: LM, task: StateTask, sweep: StateSweep) -> float:
 def run_one(job: dict) -> dict:
     """Train one (task, model, seed) run; module-level so worker processes can run it."""
     logging.getLogger("evict").setLevel(logging.WARNING)
-    sweep = StateSweep(**{k: tuple(v) if isinstance(v, list) else v for k, v in job["sweep"].items()})
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in job["sweep"].items()}
+    sweep = StateSweep(**fields)
     seed = job["seed"]
     task = _task(job["task"], sweep, seed)
     torch.manual_seed(seed)

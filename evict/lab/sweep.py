@@ -8,7 +8,7 @@ import json
 import multiprocessing as mp
 import os
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable, Iterator
 
 from tqdm import tqdm
 
@@ -21,14 +21,15 @@ def _worker(args):
     return i, fn(job)
 
 
-def run_jobs(fn: Callable[[dict], dict], jobs: list[dict], *, workers: int = 1, desc: str = "runs") -> list[dict]:
+def run_jobs(fn: Callable[[dict], dict | None], jobs: list[dict], *, workers: int = 1,
+             desc: str = "runs") -> list[dict | None]:
     """Apply fn to every job (a dict with a "dir" key) not already finished; returns all results in job order.
 
     fn must be a module-level function (it is pickled to worker processes) and write nothing but under job["dir"].
     A finished job's result is read back from <dir>/result.json, so an interrupted sweep resumes where it stopped.
     fn returns None for a job it left unfinished (e.g. out of time): no result.json, None in the returned list.
     """
-    results: dict[int, dict] = {}
+    results: dict[int, dict | None] = {}
     todo = []
     for i, job in enumerate(jobs):
         done = Path(job["dir"]) / "result.json"
@@ -39,6 +40,7 @@ def run_jobs(fn: Callable[[dict], dict], jobs: list[dict], *, workers: int = 1, 
     threads = max(1, (os.cpu_count() or 1) // max(workers, 1))
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc=desc, dynamic_ncols=True)
     payload = [(i, fn, jobs[i], threads) for i in todo]
+    outs: Iterator[tuple[int, dict | None]]
     if workers <= 1:
         outs = (_worker(p) for p in payload)
         pool = None
@@ -106,7 +108,7 @@ def run_grid(kind: str, sweep, out: str | Path | None, *, jobs_for: Callable, ru
     root = sweep_folder(kind, sweep, out)
     jobs = jobs_for(sweep, root)
     print(f"{kind} sweep: {len(jobs)} runs -> {root}")
-    results = run_jobs(run_one, jobs, workers=sweep.workers, desc=kind)
+    results = [r for r in run_jobs(run_one, jobs, workers=sweep.workers, desc=kind) if r is not None]
     write_results(root, results)
     table = report(sweep, results)
     (root / "table.md").write_text(table + "\n")

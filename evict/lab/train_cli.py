@@ -46,6 +46,15 @@ _TRAIN_FLAGS = dict(steps="steps", batch_size="batch_size", lr="lr", warmup_step
 _TASK_FLAGS = ("task", "corpus", "tokenizer", "bpe_vocab", "seq_len", "pairs", "vocab")
 
 
+def tokenizer_arg(text: str) -> str:
+    """--tokenizer: a kind (char, byte, bpe) or an existing tokenizer.json file."""
+    import argparse
+
+    if text in ("char", "byte", "bpe") or Path(text).expanduser().is_file():
+        return text
+    raise argparse.ArgumentTypeError(f"expected char, byte, bpe or a tokenizer.json file, got {text!r} (no such file)")
+
+
 def parse_overrides(items: list[str] | None) -> dict:
     """["n_layers=2", "pattern=KKKM"] -> {"n_layers": 2, "pattern": "KKKM"} (values read as JSON, else as text)."""
     out = {}
@@ -283,7 +292,8 @@ def add_parser(sub, fn) -> None:
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="ModelConfig override, e.g. n_layers=2; repeatable")
     t.add_argument("--task", choices=["text", "mqar"], help="default text")
     t.add_argument("--corpus", help="text: a UTF-8 file or a folder of *.txt (default: Shakespeare)")
-    t.add_argument("--tokenizer", choices=["char", "byte", "bpe"], help="default char")
+    t.add_argument("--tokenizer", type=tokenizer_arg,
+                   help="char, byte, bpe (trained on the corpus) or the path of a pretrained HF tokenizer.json (default char)")
     t.add_argument("--bpe-vocab", type=positive_int, help=f"default {d['bpe_vocab']}")
     t.add_argument("--seq-len", type=positive_int, help="default 256 (text) / 64 (mqar)")
     t.add_argument("--pairs", type=positive_int, help=f"mqar: key-value pairs (default {d['pairs']})")

@@ -55,6 +55,7 @@ class MemoryMixer(nn.Module):
         self.wb = nn.Linear(d, H, bias=False) if self.delta else None
         if self.gate is not None:
             width = H if self.gate == "scalar" else H * D
+            self.f_gate: nn.Module
             if self.gate == "scalar":
                 self.f_gate = nn.Linear(d, H, bias=False)
             else:  # low rank, rank = head dim
@@ -62,6 +63,8 @@ class MemoryMixer(nn.Module):
             self.A_log = nn.Parameter(torch.empty(H))
             self.dt_bias = nn.Parameter(torch.empty(width))
             self.reset_gate()
+        self.o_norm: RMSNorm | None
+        self.f_out: nn.Module | None
         if gated_out:
             self.o_norm = RMSNorm(D, eps=cfg.norm_eps)
             rank = D if cfg.out_gate_rank == 0 else cfg.out_gate_rank
@@ -138,7 +141,7 @@ class MemoryMixer(nn.Module):
                 state.conv = tail
         if self.normalizer:
             o = o[..., :D] / (o[..., D:] + 1e-6)
-        if self.o_norm is not None:
+        if self.o_norm is not None and self.f_out is not None:
             o = self.o_norm(o) * torch.sigmoid(self.f_out(x)).view(B, T, H, D)
         return self.wo(o.reshape(B, T, H * D))
 

@@ -30,7 +30,7 @@ class MLA(nn.Module):
         self.scale = (n + p) ** -0.5
         d = cfg.d_model
         if cfg.q_lora_rank:
-            self.wq = nn.Sequential(nn.Linear(d, cfg.q_lora_rank, bias=False), RMSNorm(cfg.q_lora_rank, cfg.norm_eps),
+            self.wq: nn.Module = nn.Sequential(nn.Linear(d, cfg.q_lora_rank, bias=False), RMSNorm(cfg.q_lora_rank, cfg.norm_eps),
                                     nn.Linear(cfg.q_lora_rank, H * (n + p), bias=False))
         else:
             self.wq = nn.Linear(d, H * (n + p), bias=False)

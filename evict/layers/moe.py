@@ -78,6 +78,7 @@ class MoE(nn.Module):
             self.latent_norm = RMSNorm(latent_dim)
             self.w_up = nn.Linear(latent_dim, d_model, bias=False)
         self.dispatch = "auto"  # evict.ops.moe.experts' dispatch: sort / gather / dense, "auto" picks (graph-safe)
+        self.select_bias: torch.Tensor
         self.register_buffer("select_bias", torch.zeros(n_routed))
         self.last_load: torch.Tensor | None = None
         self.aux_loss: torch.Tensor | None = None
@@ -131,7 +132,7 @@ class MoE(nn.Module):
     def update_bias(self) -> None:
         """Move the selection bias toward balance using the load since the last update (no-op if none). Under
         torch.distributed the load is averaged over the ranks first, so every rank keeps the same bias."""
-        if self._load_n == 0:
+        if self._load_n == 0 or self._load_sum is None:
             return
         load = self._load_sum / self._load_n
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

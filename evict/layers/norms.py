@@ -1,9 +1,15 @@
-"""Normalization: RMSNorm (computed in float32, cast back)."""
+"""Normalization: RMSNorm (computed in float32, cast back) and the residual-stream norm chosen by the config.
+
+    build_norm(kind, dim, eps) -> RMSNorm ("rmsnorm": no bias; Llama, Kimi) or nn.LayerNorm ("layernorm": mean removed,
+                                  weight and bias; GPT-2, eps 1e-5)
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+NORMS = ("rmsnorm", "layernorm")
 
 
 class RMSNorm(nn.Module):
@@ -21,3 +27,12 @@ class RMSNorm(nn.Module):
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.to(y.dtype)).to(x.dtype)
+
+
+def build_norm(kind: str, dim: int, eps: float) -> nn.Module:
+    """The norm of the residual stream: RMSNorm(dim) or LayerNorm(dim) with bias (weight 1, bias 0 at init)."""
+    if kind == "layernorm":
+        return nn.LayerNorm(dim, eps=eps)
+    if kind == "rmsnorm":
+        return RMSNorm(dim, eps)
+    raise ValueError(f"norm: expected one of {NORMS}, got {kind!r}")

@@ -260,7 +260,7 @@ def comparisons(name: str, cfg: ModelConfig, bytes_per_number: int = 2, params: 
                      "note": f"our GPT-2 124M counts {gpt2_total:,}"})
         rows.append({"figure": "active / GPT-2 small", "computed": f"{params['active'] / gpt2_total:,.0f}", "expected": "",
                      "note": f"excl. embeddings: {params['active_excl_embeddings'] / gpt2_total:,.0f}"})
-    if name == "kimi_k3":
+    if name == "kimi_k3" and cfg.moe is not None:
         rows.append({"figure": "routed experts / MoE layer", "computed": f"{cfg.moe.n_routed} (+{cfg.moe.n_shared} shared)",
                      "expected": "898 (seeds)", "note": "896 routed + 2 shared = 898 experts per layer"})
         rows.append({"figure": "layers", "computed": f"{cfg.n_layers}", "expected": "92 (seeds)",

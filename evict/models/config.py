@@ -6,6 +6,8 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 
+from evict.layers.norms import NORMS
+
 MIXERS = {
     "A": "attention",  # softmax attention (MHA / GQA), KV cache
     "L": "linear",  # elu+1 linear attention with normalizer
@@ -59,6 +61,7 @@ class ModelConfig:
     max_seq_len: int = 2048  # learned positions only
     rope_theta: float = 10000.0
     bias: bool = False  # biases in attention / GELU MLP linears (GPT-2: True)
+    norm: str = "rmsnorm"  # residual-stream norms: "rmsnorm" (no bias) | "layernorm" (weight + bias, GPT-2)
     norm_eps: float = 1e-6
     short_conv: bool = False  # also give attention ("A") and linear ("L") the delta family's short causal conv
     # linear / delta family
@@ -156,6 +159,7 @@ class ModelConfig:
             need(self.d_model % self.n_heads == 0, f"n_heads: expected a divisor of d_model={self.d_model}, got {self.n_heads}")
         need(self.head_size > 0, f"head_dim: expected a positive integer, got {self.head_dim!r}")
         need(self.n_heads % self.kv_heads == 0, f"n_kv_heads: expected a divisor of n_heads={self.n_heads}, got {self.n_kv_heads}")
+        need(self.norm in NORMS, f"norm: expected one of {NORMS}, got {self.norm!r}")
         need(self.pos in ("rope", "learned", "none"), f"pos: expected 'rope', 'learned' or 'none', got {self.pos!r}")
         uses_rope = ("A" in self.layer_mixers() and self.pos == "rope") or ("M" in self.layer_mixers() and self.mla_rope)
         need(not uses_rope or (self.head_size % 2 == 0 and self.qk_rope_dim % 2 == 0), "head_dim: expected even head dims for RoPE")

@@ -6,12 +6,15 @@ Residual stream: pre-norm `h += mixer(norm(h)); h += ffn(norm(h))`, or, with Att
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import math
+import operator
 import os
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -26,14 +29,14 @@ from evict.layers.memory_mixer import MemoryMixer
 from evict.layers.mla import MLA
 from evict.layers.mlp import GeluMLP
 from evict.layers.moe import MoE
-from evict.layers.norms import RMSNorm
+from evict.layers.norms import build_norm
 
 from .config import MIXERS, ModelConfig
 
 log = logging.getLogger(__name__)
 
 
-def build_mixer(cfg: ModelConfig, letter: str) -> nn.Module:
+def build_mixer(cfg: ModelConfig, letter: str) -> Attention | MLA | MemoryMixer:
     kind = MIXERS[letter]
     if kind == "attention":
         return Attention(cfg)
@@ -51,6 +54,8 @@ def build_ffn(cfg: ModelConfig, kind: str) -> nn.Module:
     if kind == "situ":
         return SiTU(d, hidden)
     m = cfg.moe
+    if kind != "moe" or m is None:
+        raise ValueError(f"ffn: expected gelu, swiglu, situ, or moe with a MoE config; got {kind!r}")
     return MoE(d, m.n_routed, m.top_k, m.d_expert, n_shared=m.n_shared, latent_dim=m.latent_dim,
                routed_scaling=m.routed_scaling, bias_update_rate=m.bias_update_rate, aux_loss_coef=m.aux_loss_coef,
                expert="situ" if cfg.ffn == "situ" else "swiglu")
@@ -65,13 +70,13 @@ class Block(nn.Module):
         super().__init__()
         self.letter, self.ffn_kind = letter, ffn_kind
         self.init_std, self.out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm1 = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.mixer = build_mixer(cfg, letter)
-        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm2 = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.ffn = build_ffn(cfg, ffn_kind)
         if cfg.attn_res:
             # the first mixer's only source is the embedding: a read over one source is the identity, so none is built
-            self.read_mixer = None if first else AttnResRead(cfg.d_model, cfg.norm_eps)
+            self.read_mixer: AttnResRead | None = None if first else AttnResRead(cfg.d_model, cfg.norm_eps)
             self.read_ffn = AttnResRead(cfg.d_model, cfg.norm_eps)
         self.attn_res = cfg.attn_res
 
@@ -118,7 +123,7 @@ class LM(nn.Module):
             Block(cfg, m, f, first=i == 0) for i, (m, f) in enumerate(zip(cfg.layer_mixers(), cfg.layer_ffns()))
         )
         self.final_read = AttnResRead(cfg.d_model, cfg.norm_eps) if cfg.attn_res else None
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
@@ -131,8 +136,8 @@ class LM(nn.Module):
 
     def init_weights(self) -> None:
         """Initialise every parameter and buffer (also after building on the meta device and `to_empty`):
-        - embeddings (token, learned positions) ~ N(0, init_std); the head ~ N(0, init_std) unless tied; RMSNorm
-          weights 1; the final AttnRes read's query 0 (a uniform mix over depth at start)
+        - embeddings (token, learned positions) ~ N(0, init_std); the head ~ N(0, init_std) unless tied; norm
+          weights 1 (LayerNorm biases 0); the final AttnRes read's query 0 (a uniform mix over depth at start)
         - each block (Block.reset_parameters): nn.Linear weights ~ N(0, init_std), biases 0; the projections that
           write into the residual stream (`wo`, `w2`, each MoE's `output_weights()`) ~ N(0, init_std / sqrt(2 n_layers));
           short-conv kernels U(±k^-1/2); decay A_log = log U(1, 16) and dt_bias (dt log-uniform in [1e-3, 1e-1]);
@@ -200,11 +205,11 @@ class LM(nn.Module):
                 raise ValueError(f"tokens: learned positions cover {self.cfg.max_seq_len} tokens, got up to {pos + T}")
             h = h + self.wpe(at)
         if self.final_read is None:
-            for blk, st in zip(self.blocks, states):
+            for blk, st in zip(self.layers(), states):
                 h = blk(h, st, pos)
         else:
             completed, partial = [h], None  # AttnRes depth sources: closed ones, and the current block's running sum
-            for i, (blk, st) in enumerate(zip(self.blocks, states)):
+            for i, (blk, st) in enumerate(zip(self.layers(), states)):
                 partial = blk(partial, st, pos, completed=completed)
                 if (i + 1) % self.cfg.attn_res_block == 0:
                     completed, partial = completed + [partial], None
@@ -222,13 +227,17 @@ class LM(nn.Module):
         return self.head(self.norm(h))
 
     # -- training hooks ---------------------------------------------------------------------------------------
+    def layers(self) -> list[Block]:
+        """The blocks, typed (an nn.ModuleList iterates as plain Modules)."""
+        return cast("list[Block]", list(self.blocks))
+
     def moe_layers(self) -> list[MoE]:
-        return [b.ffn for b in self.blocks if isinstance(b.ffn, MoE)]
+        return [b.ffn for b in self.layers() if isinstance(b.ffn, MoE)]
 
     def aux_loss(self) -> torch.Tensor | None:
         """Sum of the MoE auxiliary losses of the last forward (None when no layer has one)."""
         losses = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
-        return sum(losses) if losses else None
+        return functools.reduce(operator.add, losses) if losses else None
 
     def after_step(self) -> None:
         """Called by the training loop after each optimizer step: MoE selection-bias balancing."""
@@ -250,7 +259,8 @@ class LM(nn.Module):
         p = next(self.parameters())
         device = p.device if device is None else device
         dtype = p.dtype if dtype is None else dtype
-        return HybridCache([b.mixer.new_state(batch_size, max_len, device, dtype) for b in self.blocks], batch_size, max_len)
+        return HybridCache([b.mixer.new_state(batch_size, max_len, device, dtype) for b in self.layers()], batch_size,
+                           max_len)
 
     def new_pool(self, n_slots: int, n_blocks: int, block_size: int, max_len: int, device=None, dtype=None) -> HybridCache:
         """A slot pool for serving: `n_slots` sequences of up to `max_len` tokens each, their KV / latent positions
@@ -269,7 +279,7 @@ class LM(nn.Module):
 
     def state_size(self, context_len: int) -> int:
         """Numbers of memory held per sequence at this context length (KV, latents, recurrent states)."""
-        return sum(b.mixer.state_size(context_len) for b in self.blocks)
+        return sum(b.mixer.state_size(context_len) for b in self.layers())
 
     def generate(self, prompt: torch.Tensor, **kw) -> torch.Tensor:
         from evict.generate import generate
@@ -316,6 +326,10 @@ class LM(nn.Module):
 
         path = Path(path)
         saved = _read_config(path / "config.json")
+        try:  # fields added since the file was written take their defaults (what that model was built with)
+            saved = json.loads(ModelConfig.from_dict(saved).to_json())
+        except (ValueError, TypeError):
+            pass  # compared as written: the differing fields are named below
         mine = json.loads(self.cfg.to_json())
         diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
         if diff:

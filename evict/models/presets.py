@@ -8,10 +8,11 @@ Released shapes (`gpt2_124m`, `kimi_linear_48b`, `kimi_k3`) are for the accounta
 from __future__ import annotations
 
 from dataclasses import fields, replace
+from typing import Any
 
 from .config import ModelConfig, MoEConfig
 
-SIZES = {  # shared width settings per size; tiny trains on a laptop CPU
+SIZES: dict[str, dict[str, Any]] = {  # shared width settings per size; tiny trains on a laptop CPU
     "tiny": dict(d_model=128, n_heads=2, head_dim=64, n_layers=4, d_ff=256, kv_lora_rank=64, qk_nope_dim=32,
                  qk_rope_dim=16, v_head_dim=32),
     "small": dict(d_model=512, n_heads=4, head_dim=128, n_layers=8, d_ff=1408, kv_lora_rank=256, qk_nope_dim=64,
@@ -25,11 +26,11 @@ def _moe(size: str, **kw) -> MoEConfig:
 
 
 def _family(name: str, size: str) -> ModelConfig:
-    s = dict(SIZES[size])
+    s: dict[str, Any] = dict(SIZES[size])
     single = {"attention": "A", "linear": "L", "deltanet": "D", "gated_deltanet": "G", "kda": "K", "gla": "C", "mla": "M"}
     if name == "gpt2":
-        return ModelConfig(pattern="A", pos="learned", bias=True, ffn="gelu", d_ff=4 * s["d_model"],
-                           **{k: v for k, v in s.items() if k != "d_ff"})
+        return ModelConfig(pattern="A", pos="learned", bias=True, norm="layernorm", norm_eps=1e-5, ffn="gelu",
+                           d_ff=4 * s["d_model"], **{k: v for k, v in s.items() if k != "d_ff"})
     if name in single:
         return ModelConfig(pattern=single[name], **s)
     if name == "kimi_linear":
@@ -43,9 +44,9 @@ def _family(name: str, size: str) -> ModelConfig:
 
 def _released(name: str) -> ModelConfig:
     if name == "gpt2_124m":
-        return ModelConfig(vocab_size=50304, d_model=768, n_layers=12, n_heads=12, pattern="A", pos="learned",
-                           max_seq_len=1024, bias=True, ffn="gelu", d_ff=3072, tie_embeddings=True,
-                           extra={"reported_params": 124e6})
+        return ModelConfig(vocab_size=50257, d_model=768, n_layers=12, n_heads=12, pattern="A", pos="learned",
+                           max_seq_len=1024, bias=True, norm="layernorm", norm_eps=1e-5, ffn="gelu", d_ff=3072,
+                           tie_embeddings=True, extra={"reported_params": 124e6})
     if name == "kimi_linear_48b":
         return ModelConfig(vocab_size=163840, d_model=2304, n_layers=27, pattern="KKKM", final_mixer="M", n_heads=32,
                            head_dim=128, kv_lora_rank=512, q_lora_rank=None, qk_nope_dim=128, qk_rope_dim=64,

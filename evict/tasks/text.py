@@ -20,7 +20,7 @@ Batches (windows of seq_len + 1 tokens; inputs = window[:-1], targets = window[1
 
 Cache (default $XDG_CACHE_HOME/evict or ~/.cache/evict): `text/<corpus sha256[:16]>/<tok>.json` (the
 tokenizer) and `<tok>.npy` (all tokens, uint8/uint16/int32 as the vocabulary needs), <tok> = char, byte
-or bpe<vocab>. Files are read in chunks, one file at a time; chunks are cut at a newline between two
+or bpe<vocab>, or file<sha256[:16]> for a pretrained tokenizer.json (`tokenizer=PATH`, not copied). Files are read in chunks, one file at a time; chunks are cut at a newline between two
 non-space characters, where GPT-2 pre-tokenisation always splits, so chunking does not change BPE tokens.
 """
 
@@ -30,12 +30,13 @@ import hashlib
 import importlib.resources
 import os
 from collections.abc import Iterator
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .tokenizers import KINDS, BPETokenizer, ByteTokenizer, CharTokenizer, load_tokenizer, token_dtype
+from .tokenizers import KINDS, BPETokenizer, ByteTokenizer, CharTokenizer, Tokenizer, load_tokenizer, token_dtype
 
 _CHUNK_CHARS = 1 << 20
 
@@ -121,16 +122,23 @@ def build_tokenizer(kind: str, files: list, bpe_vocab_size: int):
     return BPETokenizer.train(iter_chunks(files), bpe_vocab_size)
 
 
-def load_tokens(files: list, kind: str, bpe_vocab_size: int, cache_dir: Path) -> tuple[object, np.ndarray]:
-    """(tokenizer, tokens [N]) for the whole corpus, from the cache or built and cached."""
+def load_tokens(files: list, kind: str, bpe_vocab_size: int, cache_dir: Path) -> tuple[Tokenizer, np.ndarray]:
+    """(tokenizer, tokens [N]) for the whole corpus, from the cache or built and cached. `kind` is char, byte, bpe or
+    the path of a pretrained tokenizer.json (read as it is; its ids are cached under the file's sha256)."""
     digest = corpus_hash(files)
     if not digest:
         raise ValueError("corpus: the corpus is empty")
     folder = cache_dir / "text" / digest
     folder.mkdir(parents=True, exist_ok=True)
-    key = f"bpe{bpe_vocab_size}" if kind == "bpe" else kind
+    pretrained = kind not in KINDS
+    if pretrained:
+        tok = load_tokenizer(kind)
+        key = "file" + hashlib.sha256(Path(kind).read_bytes()).hexdigest()[:16]
+    else:
+        key = f"bpe{bpe_vocab_size}" if kind == "bpe" else kind
     tok_path, ids_path = folder / f"{key}.json", folder / f"{key}.npy"
-    tok = _cached_tokenizer(tok_path)
+    if not pretrained:
+        tok = _cached_tokenizer(tok_path)
     if tok is None:  # absent, or unreadable (truncated, corrupted): built again and written atomically
         tok = build_tokenizer(kind, files, bpe_vocab_size)
         _atomic(tok_path, tok.save)
@@ -138,7 +146,8 @@ def load_tokens(files: list, kind: str, bpe_vocab_size: int, cache_dir: Path) ->
     ids = _cached_ids(ids_path, tok.vocab_size)
     if ids is None:
         dtype = token_dtype(tok.vocab_size)
-        ids = np.concatenate([tok.encode(c).astype(dtype) for c in iter_chunks(files)])  # [N]
+        chunks = iter_chunks(files)  # encoded 16 chunks (~16 M characters) at a time: bounded memory
+        ids = np.concatenate([tok.encode_many(group).astype(dtype) for group in iter(lambda: list(islice(chunks, 16)), [])])
         _atomic(ids_path, lambda tmp: np.save(tmp, ids))
         ids = np.load(ids_path, mmap_mode="r")
     return tok, ids
@@ -184,8 +193,9 @@ class TextTask:
         seed: int = 0,
         cache_dir: str | Path | None = None,
     ):
-        if tokenizer not in KINDS:
-            raise ValueError(f"tokenizer must be one of {', '.join(KINDS)}; got {tokenizer!r}")
+        if tokenizer not in KINDS and not Path(tokenizer).expanduser().is_file():
+            raise ValueError(f"tokenizer must be one of {', '.join(KINDS)} or a tokenizer.json file; got {tokenizer!r}")
+        tokenizer = tokenizer if tokenizer in KINDS else str(Path(tokenizer).expanduser())
         if tokenizer == "bpe" and bpe_vocab_size <= 256:
             raise ValueError(f"bpe_vocab_size must be > 256 (the byte alphabet), got {bpe_vocab_size}")
         if seq_len < 1:
@@ -199,7 +209,8 @@ class TextTask:
         self.tokenizer, tokens = load_tokens(files, tokenizer, bpe_vocab_size, cache)  # tokens [N]
         self.vocab_size = self.tokenizer.vocab_size
         self.seq_len, self.seed = seq_len, seed
-        self.name = f"text:{corpus_name}:{tokenizer}" + (f"{bpe_vocab_size}" if tokenizer == "bpe" else "")
+        tok_name = tokenizer if tokenizer in KINDS else f"file:{Path(tokenizer).name}"
+        self.name = f"text:{corpus_name}:{tok_name}" + (f"{bpe_vocab_size}" if tokenizer == "bpe" else "")
 
         n_val = int(len(tokens) * val_fraction)
         self.train, self.val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]  # [N_train], [N_val]

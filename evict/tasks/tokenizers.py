@@ -1,13 +1,19 @@
 """Tokenizers for text tasks: characters, bytes, and byte-level BPE (trained locally with HF `tokenizers`).
 
-One interface: `encode(str) -> np.ndarray [N] int64`, `decode(ids) -> str`, `vocab_size`, `save(path)`,
-and `load_tokenizer(path)` to read any of them back. Every tokenizer is a pure function of what `save` wrote.
+One interface: `encode(str) -> np.ndarray [N] int64`, `encode_many(chunks)` (their ids concatenated), `decode(ids)
+-> str`, `vocab_size`, `save(path)`, and `load_tokenizer(path)` to read any of them back. Every tokenizer is a pure
+function of what `save` wrote, and `save` writes a Hugging Face `tokenizer.json` that `PreTrainedTokenizerFast`
+(transformers) and `tokenizers.Tokenizer.from_file` load with the same ids: char = a WordLevel model over single
+characters, byte = byte-level BPE with the 256 bytes and no merges (id = byte value). `load_tokenizer` also reads the
+older {"kind": ...} files, and any other HF tokenizer.json (a pretrained tokenizer, e.g. GPT-2's BPE) as `BPETokenizer`.
 
 - char: vocabulary = the sorted set of characters of the corpus (id = rank of the code point); a character
   outside it is an error, not a silent <unk>.
 - byte: the 256 UTF-8 byte values; decode replaces invalid byte sequences (a window may cut a character).
 - bpe: byte-level BPE (GPT-2 pre-tokenisation, 256-byte base alphabet, no special tokens), so every string
   round-trips. Trained from an iterator of text chunks, so a corpus never has to be in memory at once.
+  `encode_many` on such a tokenizer splits with GPT-2's pattern (the `regex` module) and runs the HF model
+  once per distinct piece, then gathers: the same ids as HF's encode (tested), several times faster on a corpus.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -79,8 +86,16 @@ class CharTokenizer:
     def decode(self, ids) -> str:
         return "".join(self.chars[i] for i in _as_ids(ids, self.vocab_size))
 
+    def encode_many(self, chunks: Iterable[str]) -> np.ndarray:
+        return _concat([self.encode(c) for c in chunks])
+
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps({"kind": "char", "chars": self.chars}))
+        """An HF tokenizer.json: WordLevel over the characters (id = rank), every character its own piece, no unk."""
+        hf = _hf()
+        tok = hf.Tokenizer(hf.models.WordLevel({c: i for i, c in enumerate(self.chars)}, unk_token=None))
+        tok.pre_tokenizer = hf.pre_tokenizers.Split(hf.Regex(r"[\s\S]"), behavior="isolated")
+        tok.decoder = hf.decoders.Fuse()
+        tok.save(str(path))
 
 
 class ByteTokenizer:
@@ -93,8 +108,17 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return _as_ids(ids, 256).astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
+    def encode_many(self, chunks: Iterable[str]) -> np.ndarray:
+        return _concat([self.encode(c) for c in chunks])
+
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps({"kind": "byte"}))
+        """An HF tokenizer.json: byte-level BPE whose vocabulary is the 256 bytes (id = byte value) and no merges."""
+        hf = _hf()
+        vocab = {ch: b for b, ch in enumerate(byte_alphabet())}
+        tok = hf.Tokenizer(hf.models.BPE(vocab, []))
+        tok.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = hf.decoders.ByteLevel()
+        tok.save(str(path))
 
 
 def _hf():
@@ -106,11 +130,14 @@ def _hf():
 
 
 class BPETokenizer:
+    """Byte-level BPE trained here, or any HF tokenizer.json (`load_tokenizer`): ids are what HF's encode gives."""
+
     kind = "bpe"
 
     def __init__(self, hf_tokenizer):
         self._tok = hf_tokenizer
         self.vocab_size = hf_tokenizer.get_vocab_size()
+        self._split, self._guards = _fast_split(json.loads(hf_tokenizer.to_str()))
 
     @classmethod
     def train(cls, chunks: Iterator[str], vocab_size: int) -> BPETokenizer:
@@ -128,17 +155,92 @@ class BPETokenizer:
         return cls(tok)
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._tok.encode(_as_text(text)).ids, dtype=np.int64)
+        return np.asarray(self._tok.encode(_as_text(text), add_special_tokens=False).ids, dtype=np.int64)
+
+    def encode_many(self, chunks: Iterable[str]) -> np.ndarray:
+        """The ids of the chunks, concatenated. For a plain byte-level BPE (no normalizer, GPT-2 pre-tokenisation, no
+        added tokens in the text): split each chunk into pre-tokens with GPT-2's pattern, encode each distinct
+        pre-token once with the HF model, gather. Pre-tokens are encoded independently by HF too, so ids are equal."""
+        texts = [_as_text(c) for c in chunks]
+        if self._split is None or any(g in t for t in texts for g in self._guards):
+            return _concat([np.asarray(e.ids, dtype=np.int64) for e in self._tok.encode_batch_fast(texts,
+                                                                                                     add_special_tokens=False)])
+        pieces = [w for t in texts for w in self._split.findall(t)]
+        index: dict[str, int] = {}
+        order = np.fromiter((index.setdefault(w, len(index)) for w in pieces), dtype=np.int64, count=len(pieces))
+        encoded = self._tok.encode_batch_fast(list(index), add_special_tokens=False)  # one per distinct piece
+        lens = np.fromiter((len(e.ids) for e in encoded), dtype=np.int64, count=len(encoded))  # [U]
+        flat = np.fromiter((i for e in encoded for i in e.ids), dtype=np.int64, count=int(lens.sum()))
+        starts = np.cumsum(lens) - lens  # [U] where each piece's ids begin in flat
+        n = lens[order]  # [P] ids per piece, in text order
+        offsets = np.repeat(starts[order] - (np.cumsum(n) - n), n)  # [N] flat index minus output index
+        return flat[offsets + np.arange(int(n.sum()))]
 
     def decode(self, ids) -> str:
-        return self._tok.decode(_as_ids(ids, self.vocab_size).tolist())
+        return self._tok.decode(_as_ids(ids, self.vocab_size).tolist(), skip_special_tokens=False)
 
     def save(self, path: str | Path) -> None:
         self._tok.save(str(path))
 
 
-def load_tokenizer(path: str | Path) -> CharTokenizer | ByteTokenizer | BPETokenizer:
-    """Read back what any tokenizer's `save` wrote (an HF tokenizer JSON is a BPE tokenizer).
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def _fast_split(spec: dict) -> tuple[Any, list[str]]:
+    """(compiled GPT-2 split pattern, added tokens' texts) when `spec` (a tokenizer.json) is a plain byte-level BPE
+    whose pieces HF encodes independently, else (None, [])."""
+    pre = spec.get("pre_tokenizer") or {}
+    post = spec.get("post_processor")
+    plain = (spec.get("normalizer") is None and (spec.get("model") or {}).get("type") == "BPE"
+             and pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space")
+             and (post is None or post.get("type") == "ByteLevel"))
+    if not plain:
+        return None, []
+    try:
+        import regex
+    except ImportError:
+        return None, []
+    return regex.compile(GPT2_PATTERN), [t["content"] for t in spec.get("added_tokens") or []]
+
+
+def byte_alphabet() -> list[str]:
+    """GPT-2's byte -> printable character map, as a list indexed by byte value: printable Latin-1 bytes stand for
+    themselves, the other 68 take the code points 256, 257, ... in byte order (so no piece holds whitespace)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    out, extra = [""] * 256, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b], extra = chr(256 + extra), extra + 1
+    return out
+
+
+def _concat(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def _from_hf_json(data: dict, path: Path) -> CharTokenizer | ByteTokenizer | None:
+    """The char or byte tokenizer that `save` wrote as this HF JSON, or None for any other tokenizer."""
+    model, pre = data.get("model") or {}, data.get("pre_tokenizer") or {}
+    vocab = model.get("vocab")
+    if model.get("type") == "WordLevel" and pre.get("type") == "Split" and isinstance(vocab, dict) and vocab:
+        chars = sorted(vocab, key=lambda c: vocab[c])
+        if all(isinstance(c, str) and len(c) == 1 for c in chars) and [vocab[c] for c in chars] == list(range(len(chars))):
+            tok = CharTokenizer("".join(chars))
+            if tok.chars == "".join(chars):  # ids are the sorted ranks, as CharTokenizer assigns them
+                return tok
+    if (model.get("type") == "BPE" and not model.get("merges") and pre.get("type") == "ByteLevel"
+            and vocab == {ch: b for b, ch in enumerate(byte_alphabet())}):
+        return ByteTokenizer()
+    return None
+
+
+Tokenizer = CharTokenizer | ByteTokenizer | BPETokenizer
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Read back what any tokenizer's `save` wrote, or any HF tokenizer.json (as BPETokenizer: HF's ids).
 
     A missing, unreadable or malformed file is a one-line ValueError naming it."""
     path = Path(path)
@@ -153,9 +255,10 @@ def load_tokenizer(path: str | Path) -> CharTokenizer | ByteTokenizer | BPEToken
         raise ValueError(f"tokenizer: {path} is neither a char/byte tokenizer nor a HF tokenizer JSON")
     hf = _hf()
     try:
-        return BPETokenizer(hf.Tokenizer.from_file(str(path)))
+        hf_tok = hf.Tokenizer.from_file(str(path))
     except Exception as e:  # the HF loader raises its own exception type for any malformed field
         raise ValueError(f"tokenizer: {path} is not a valid BPE tokenizer ({str(e).splitlines()[0][:200]})") from None
+    return _from_hf_json(data, path) or BPETokenizer(hf_tok)
 
 
 def token_dtype(vocab_size: int) -> type:

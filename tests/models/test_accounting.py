@@ -21,11 +21,11 @@ def k3():
 
 def test_gpt2_small_is_124m():
     r = param_report(presets.get("gpt2_124m"))
-    assert abs(r["total"] - 124e6) <= 1e6
+    assert r["total"] == 124_439_808  # GPT-2 small exactly (vocab 50,257, LayerNorm with bias)
     assert r["active"] == r["total"]  # dense: everything is active
     assert r["embeddings"]["head"] == 0  # tied: the head is the token table, counted once
-    assert r["embeddings"]["token"] == 50304 * 768 and r["embeddings"]["position"] == 1024 * 768
-    assert r["active_excl_embeddings"] == r["total"] - 50304 * 768 - 1024 * 768
+    assert r["embeddings"]["token"] == 50257 * 768 and r["embeddings"]["position"] == 1024 * 768
+    assert r["active_excl_embeddings"] == r["total"] - 50257 * 768 - 1024 * 768
     assert sum(r["by_kind"].values()) == r["total"]
 
 
@@ -96,7 +96,7 @@ def test_cli_size_gpt2_end_to_end(tmp_path, capsys):
     png, js = tmp_path / "gpt2.png", tmp_path / "gpt2.json"
     assert main(["size", "gpt2_124m", "--plot", str(png), "--json", str(js)]) == 0
     out = capsys.readouterr().out
-    assert "36,864 B" in out and "37.7 MB" in out and "124,456,704" in out
+    assert "36,864 B" in out and "37.7 MB" in out and "124,439,808" in out
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads(js.read_text())["reports"][0]
     assert [r["context"] for r in report["memory"]] == [1024, 8192, 131072, 1048576]

@@ -1,0 +1,7 @@
+"""`python -m evict …` is `evict …`."""
+
+import sys
+
+from evict.cli import main
+
+sys.exit(main())

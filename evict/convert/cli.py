@@ -1,0 +1,80 @@
+"""`evict convert`: between evict's model folders and the ecosystem's.
+
+    evict convert gpt2 HF_DIR --out DIR   a transformers GPT-2 folder -> an evict model folder (+ its tokenizer.json)
+    evict convert hf MODEL --out DIR      an evict model folder -> a transformers folder (EvictForCausalLM, evict[hf])
+    evict convert fla MODEL --out DIR     an evict model folder -> an fla folder (model_type kda / gated_deltanet)
+Every output folder is written whole or not at all; a tokenizer.json beside the source model is copied along.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+from evict.cli_args import writable_dir
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def run_convert(args: argparse.Namespace) -> None:
+    import torch
+
+    from evict.models import LM
+
+    from .folder import write_folder
+
+    writable_dir(args.out, "--out")
+    src = Path(args.source).expanduser()
+    if args.kind == "gpt2":
+        from .gpt2 import from_hf_gpt2, load_hf_gpt2
+
+        lm = from_hf_gpt2(load_hf_gpt2(str(src)))
+
+        def write(folder: Path) -> None:
+            lm.float().save(folder)
+            _copy_tokenizer(src, folder)
+
+        out = write_folder(args.out, write)
+    else:
+        folder = _model_dir(src)
+        lm = LM.load(folder)
+        if args.kind == "fla":
+            from .fla import to_fla
+
+            out = to_fla(lm, args.out, dtype=getattr(torch, args.dtype) if args.dtype else None)
+            _copy_tokenizer(folder, out)
+        else:
+            from evict.hf import to_hf
+
+            def write_hf(tmp: Path) -> None:
+                to_hf(lm).save_pretrained(tmp)
+                _copy_tokenizer(folder, tmp)
+
+            out = write_folder(args.out, write_hf)
+    print(f"wrote {out}")
+
+
+def _model_dir(src: Path) -> Path:
+    """An evict model folder (config.json + model.safetensors), or a run folder holding one in model/."""
+    if (src / "model" / "config.json").is_file():
+        src = src / "model"
+    if not (src / "config.json").is_file():
+        raise ValueError(f"source: expected an evict model folder with config.json (or a run folder with model/), got {src}")
+    return src
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    if (src / "tokenizer.json").is_file():
+        shutil.copyfile(src / "tokenizer.json", dst / "tokenizer.json")
+
+
+def add_parser(sub, fn) -> None:
+    """Register `evict convert` (calling fn(args)) on the argparse subparsers object."""
+    c = sub.add_parser("convert", help="convert models: from transformers' GPT-2; to transformers or fla folders")
+    c.add_argument("kind", choices=["gpt2", "hf", "fla"], help="gpt2: from a transformers GPT-2 folder; hf / fla: from an "
+                                                             "evict model folder to that format")
+    c.add_argument("source", help="the folder to convert (for hf / fla: a model folder or a run folder holding model/)")
+    c.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
+    c.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="fla: weight dtype (default the model's)")
+    c.set_defaults(fn=fn)

@@ -1,0 +1,54 @@
+"""The package as a user meets it: metadata, `python -m evict`, `--version`, defaults in every `--help`, py.typed."""
+
+import argparse
+import importlib.metadata
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import evict
+from evict.cli import build_parser, main
+
+
+def test_metadata_license_readme_and_extras():
+    md = importlib.metadata.metadata("evict")
+    assert md["Version"] == evict.__version__
+    assert md["License-Expression"] == "Apache-2.0" and md["Description-Content-Type"] == "text/markdown"
+    assert {"triton", "hf", "serve", "dev"} <= set(md.get_all("Provides-Extra"))
+    assert not any("==" in r.split(";")[0] for r in md.get_all("Requires-Dist"))  # ranges, not exact pins
+    root = Path(evict.__file__).parent
+    assert (root / "py.typed").is_file() and (root.parent / "LICENSE").read_text().lstrip().startswith("Apache License")
+
+
+def test_python_m_evict_and_version():
+    out = subprocess.run([sys.executable, "-m", "evict", "--version"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == f"evict {evict.__version__}"
+
+
+def _subparsers(parser):
+    for action in parser._actions:
+        if action.choices and hasattr(action, "_name_parser_map"):
+            for name, sub in action._name_parser_map.items():
+                yield name, sub
+                yield from ((f"{name} {n}", s) for n, s in _subparsers(sub))
+
+
+def test_every_help_shows_defaults():
+    parser = build_parser()
+    subs = dict(_subparsers(parser))
+    assert {"train", "generate", "bench", "convert", "lab state"} <= set(subs)
+    for name, sub in subs.items():
+        text = sub.format_help()
+        for action in sub._actions:
+            if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+                shown = str(action.default) in " ".join(text.split()) or "default" in (action.help or "").lower()
+                assert shown, f"evict {name} --help: {action.option_strings[0]} hides its default {action.default!r}"
+
+
+def test_train_help_lists_the_default_tokenizer(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0
+    assert "(default: char)" in " ".join(capsys.readouterr().out.split())
