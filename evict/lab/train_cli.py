@@ -293,7 +293,7 @@ def add_parser(sub, fn) -> None:
     t.add_argument("--task", choices=["text", "mqar"], help="default text")
     t.add_argument("--corpus", help="text: a UTF-8 file or a folder of *.txt (default: Shakespeare)")
     t.add_argument("--tokenizer", type=tokenizer_arg,
-                   help="char, byte, bpe (trained on the corpus) or the path of a pretrained HF tokenizer.json (default char)")
+                   help="char, byte, bpe (trained on the corpus) or the path of a pretrained HF tokenizer.json (default: char)")
     t.add_argument("--bpe-vocab", type=positive_int, help=f"default {d['bpe_vocab']}")
     t.add_argument("--seq-len", type=positive_int, help="default 256 (text) / 64 (mqar)")
     t.add_argument("--pairs", type=positive_int, help=f"mqar: key-value pairs (default {d['pairs']})")

@@ -138,6 +138,8 @@ def decode_triton(q, k, v, lengths, *, scale, q2=None, k2=None, block_table=None
             raise ValueError(f"{name}: expected a unit stride in the last dim, got strides {list(t.stride())}")
     dev_index = q.device.index if q.is_cuda and q.device.index is not None else (torch.cuda.current_device() if q.is_cuda else 0)
     BNd, warps, stages, per_sm = WIDE if Dk > 128 else NARROW
+    if q.element_size() > 2:  # float32 tiles are twice as wide: NARROW's 3 stages of 128 keys overflow shared memory
+        BNd, stages = min(BNd, 64), 2
     BN, S, split_len = plan(B, G, L, Dk, tune.get("programs", per_sm * _sms(dev_index)), tune.get("BN", BNd),
                             tune.get("max_splits", 512))
     po = torch.empty(B, H, S, Dv, device=q.device, dtype=torch.float32)

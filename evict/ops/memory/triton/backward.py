@@ -50,7 +50,8 @@ def _dstate_kernel(
         t0 = n * C
         tl.store(dHs + (i_bh.to(tl.int64) * N + n) * K * V + s_off, dS, mask=m_s)
         don = _rows(do_bh, t0, rc, T, H * V, cv, V)
-        du = scale * tl.dot(tl.trans(_lower(Pm + hm * C, t0, C, False)), don, input_precision=PREC)
+        # products with `scale` cast to float32: under torch.compile (Inductor) a Python float argument arrives as fp64
+        du = (scale * tl.dot(tl.trans(_lower(Pm + hm * C, t0, C, False)), don, input_precision=PREC)).to(tl.float32)
         if GATE == 0:
             kn = _rows(k_bh, t0, rc, T, H * K, ck, K)
             qn = _rows(q_bh, t0, rc, T, H * K, ck, K)
@@ -63,7 +64,7 @@ def _dstate_kernel(
             dS = dS * tl.load(Dec + (i_bh.to(tl.int64) * N + n) * K + ck, mask=mk, other=0.0)[:, None]
         if GATE == 1:
             dS = dS * tl.load(Dec + i_bh.to(tl.int64) * N + n)
-        dS += scale * tl.dot(tl.trans(qn), don, input_precision=PREC)
+        dS += (scale * tl.dot(tl.trans(qn), don, input_precision=PREC)).to(tl.float32)
         if DELTA:
             dS -= tl.dot(tl.trans(_hrows(W + hm * K, t0 + rc, ck, K)), du, input_precision=PREC)
     tl.store(ds0 + i_bh.to(tl.int64) * K * V + s_off, dS, mask=m_s)
@@ -105,7 +106,7 @@ def _dvalue_kernel(
             dR = dR * bc[:, None]
         tl.store(dv + (tok + (t0 + rc).to(tl.int64) * H)[:, None] * V + cv[None, :], dR.to(dv.dtype.element_ty),
                  mask=(t0 + rc < T)[:, None] & (cv < V)[None, :])
-    _hstore(dPm + hm * C, t0 + rc, rc, C, tl.where(rc[:, None] >= rc[None, :], scale * dP, 0.0))
+    _hstore(dPm + hm * C, t0 + rc, rc, C, tl.where(rc[:, None] >= rc[None, :], (scale * dP).to(tl.float32), 0.0))
     if DELTA:
         _hstore(dAm + hm * C, t0 + rc, rc, C, dA)
     if HAS_BETA:
@@ -194,7 +195,7 @@ def _dkey_kernel(
         eg = tl.exp(gc)[:, None]
         xq = xq * eg
         xc = xc * tl.exp(tl.load(G_bh + t0 + C - 1) - gc)[:, None]
-    _hstore(XQ_bh, t0 + rc, ck, K, scale * xq)
+    _hstore(XQ_bh, t0 + rc, ck, K, (scale * xq).to(tl.float32))
     _hstore(XC_bh, t0 + rc, ck, K, xc)
     if HAS_BETA:
         bc = tl.load(beta + tok + (t0 + rc).to(tl.int64) * H, mask=t0 + rc < T, other=0.0).to(tl.float32)

@@ -293,7 +293,7 @@ def _out_kernel(
                 mask=mk[:, None] & mv[None, :], other=0.0)
     u = tl.load(U + (hm + t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0)
     on = tl.dot(qn, S, input_precision=PREC) + tl.dot(_lower(Pm + hm * C, t0, C, False), u, input_precision=PREC)
-    tl.store(o + (tok + (t0 + rc).to(tl.int64) * H)[:, None] * V + cv[None, :], (scale * on).to(o.dtype.element_ty),
+    tl.store(o + (tok + (t0 + rc).to(tl.int64) * H)[:, None] * V + cv[None, :], (scale * on).to(tl.float32).to(o.dtype.element_ty),
              mask=(t0 + rc < T)[:, None] & mv[None, :])
 
 

@@ -44,7 +44,7 @@ def _step_kernel(
     if HAS_BETA:
         u = u * tl.load(beta + i_bh).to(tl.float32)
     S = S + kt[:, None] * u[None, :]
-    ot = scale * tl.sum(qt[:, None] * S, axis=0)
+    ot = (scale * tl.sum(qt[:, None] * S, axis=0)).to(tl.float32)
     tl.store(s_out + s_off, S, mask=m_s)
     tl.store(o + i_bh * V + rv, ot.to(o.dtype.element_ty), mask=mv)
 
