@@ -1,1 +1,0 @@
-"""Benchmarks: print a table, write JSON."""

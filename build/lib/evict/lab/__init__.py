@@ -1,1 +1,0 @@
-"""Labs: sweeps of small experiments that produce a table, plots and a scorecard."""

@@ -1,1 +1,0 @@
-"""nn.Modules built on evict.ops: mixers, FFNs, norms, conv."""
