@@ -1,7 +1,46 @@
 """Test setup: fresh allocations are filled with NaN (deterministic mode), so an output a kernel never writes fails."""
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Prepended to every script run under Triton's CPU interpreter (TRITON_INTERPRET must be set before triton compiles).
+INTERPRETER_PRELUDE = r"""
+import os
+assert os.environ["TRITON_INTERPRET"] == "1"
+import torch
+torch.use_deterministic_algorithms(True, warn_only=True)  # as in conftest: fresh allocations are NaN-filled, so
+torch.utils.deterministic.fill_uninitialized_memory = True  # an intermediate a kernel never writes fails the test
+import triton.runtime.interpreter as interp
+
+# triton 3.6's interpreter turns a runtime loop bound into int(array of shape [1]), which numpy >= 2.3 rejects
+_patch = interp._patch_lang_tensor
+def _patch_lang_tensor(tensor, scope):
+    _patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+interp._patch_lang_tensor = _patch_lang_tensor
+"""
+
+
+def run_interpreted(script: str, *args: str, timeout: int = 600) -> dict:
+    """Run `script` (after INTERPRETER_PRELUDE) in a subprocess under Triton's CPU interpreter; it prints one line
+    "RESULT" + JSON, which is returned. Skips when triton is not installed."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", INTERPRETER_PRELUDE + script, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    return json.loads(line[0][len("RESULT"):])
 
 
 def pytest_configure(config):

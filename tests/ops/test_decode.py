@@ -4,23 +4,14 @@ The reference is checked against evict.ops.attention run on each sequence's own 
 run in Triton's CPU interpreter (a subprocess, as for the memory op) and on CUDA (tests marked `gpu`).
 """
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from evict.ops import attention
 from evict.ops.decode import decode_attention, decode_reference
-from tests.conftest import rel
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-ROOT = Path(__file__).resolve().parents[2]
-
+from tests.conftest import rel, run_interpreted
 
 def make(B, H, G, L, Dk, Dv, D2=0, mla=False, dtype=torch.float64, seed=0, device="cpu"):
     """Random decode inputs; lengths include 1 and L. mla: values are the keys (v None) and G = 1."""
@@ -122,15 +113,7 @@ def test_bad_input_one_line(bad, match):
 
 
 INTERP_SCRIPT = r"""
-import json, os, sys
-assert os.environ["TRITON_INTERPRET"] == "1"
-import torch
-import triton.runtime.interpreter as interp
-_patch = interp._patch_lang_tensor  # triton 3.6's interpreter: runtime loop bounds as numpy arrays (numpy >= 2.3)
-def _patch_lang_tensor(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-interp._patch_lang_tensor = _patch_lang_tensor
+import json
 from evict.ops.decode import decode_attention, decode_reference
 from tests.conftest import rel
 from tests.ops.test_decode import CASES, PAGED_CASES, make, paged
@@ -154,13 +137,7 @@ print("RESULT" + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def interpreted():
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", INTERP_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
-    assert proc.returncode == 0 and line, proc.stderr[-3000:]
-    return json.loads(line[0][len("RESULT"):])
+    return run_interpreted(INTERP_SCRIPT, timeout=300)
 
 
 @pytest.mark.parametrize("case", CASES)

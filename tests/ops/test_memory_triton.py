@@ -5,23 +5,16 @@ The same kernels also run in Triton's CPU interpreter at tiny float32 shapes, in
 set before triton compiles a kernel), so CI exercises them; those tests skip when triton is not installed.
 """
 
-import importlib.util
 import itertools
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from evict.ops import memory, memory_step
-from tests.conftest import rel
+from tests.conftest import rel, run_interpreted
 from tests.ops.test_memory import GATES, make_inputs, run
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-ROOT = Path(__file__).resolve().parents[2]
 TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 # -- CPU: the interpreter, one subprocess for every case ----------------------------------------------------------
@@ -51,24 +44,11 @@ GRAD_CASES = [  # (name, gate, delta, beta_max (None: no beta), T, strong: "no" 
 ]
 
 INTERP_SCRIPT = r"""
-import json, os, sys
-assert os.environ["TRITON_INTERPRET"] == "1"
-import torch
-torch.use_deterministic_algorithms(True, warn_only=True)  # as in conftest: fresh allocations are NaN-filled, so
-torch.utils.deterministic.fill_uninitialized_memory = True  # an intermediate a kernel never writes fails the test
-import triton.runtime.interpreter as interp
-
-# triton 3.6's interpreter turns a runtime loop bound into int(array of shape [1]), which numpy >= 2.3 rejects
-_patch = interp._patch_lang_tensor
-def _patch_lang_tensor(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-interp._patch_lang_tensor = _patch_lang_tensor
-
+import json, sys
 from evict.ops import memory
 from evict.ops.memory.triton.step import step_triton
 from evict.ops.memory.reference import rule
-from tests.conftest import rel
+from tests.conftest import rel, run_interpreted
 from tests.ops.test_memory import make_inputs, run
 
 out = {}
@@ -119,14 +99,7 @@ print("RESULT" + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def interpreted():
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", INTERP_SCRIPT, json.dumps(INTERP_CASES), json.dumps(GRAD_CASES)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
-    assert proc.returncode == 0 and line, proc.stderr[-3000:]
-    return json.loads(line[0][len("RESULT"):])
+    return run_interpreted(INTERP_SCRIPT, json.dumps(INTERP_CASES), json.dumps(GRAD_CASES))
 
 
 @pytest.mark.parametrize("case", [c[0] for c in INTERP_CASES])
@@ -159,9 +132,7 @@ def test_interpreter_float16_inputs(interpreted):
 
 
 RESET_SCRIPT = r"""
-import json, sys
-import torch
-exec(sys.argv[1])  # the interpreter patch of INTERP_SCRIPT (its first lines)
+import json
 from evict.ops import memory
 from tests.conftest import rel
 from tests.ops.test_memory import make_inputs, run
@@ -179,15 +150,7 @@ def test_interpreter_hard_resets_are_finite():
     """Hard resets (log alpha at float32's most negative value) through the kernels: clamped at the op's entry, so
     finite; the kernels do not restart their in-chunk prefix sums at a reset (the chunked PyTorch form does), so
     with 30% resets they keep ~4e-5 rather than ~1e-7: held to the kernels' float32 tolerance on the GPU, TOL."""
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    patch = INTERP_SCRIPT[INTERP_SCRIPT.index("import triton.runtime.interpreter"):INTERP_SCRIPT.index("from evict.ops import")]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", RESET_SCRIPT, patch], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
-    assert proc.returncode == 0 and line, proc.stderr[-3000:]
-    for gate, (err_o, err_s, finite) in json.loads(line[0][len("RESULT"):]).items():
+    for gate, (err_o, err_s, finite) in run_interpreted(RESET_SCRIPT, timeout=300).items():
         assert finite and err_o <= TOL[torch.float32] and err_s <= TOL[torch.float32], (gate, err_o, err_s)
 
 
