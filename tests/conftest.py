@@ -35,7 +35,9 @@ def run_interpreted(script: str, *args: str, timeout: int = 600) -> dict:
     "RESULT" + JSON, which is returned. Skips when triton is not installed."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    # one BLAS thread: the interpreter runs tl.dot as numpy matmuls, whose threaded sums vary run to run
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
+               MKL_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", INTERPRETER_PRELUDE + script, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]

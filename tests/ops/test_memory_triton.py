@@ -57,7 +57,9 @@ for name, gate, delta, bmax, T, cs, strong in json.loads(sys.argv[1]):
     o_ref, s_ref = run(x64, delta, impl="reference")
     x = {n: None if t is None else t.float() for n, t in x64.items()}
     o, s = run(x, delta, impl="triton", chunk_size=cs)
-    out[name] = [rel(o, o_ref), rel(s, s_ref), bool(torch.isfinite(o).all() and torch.isfinite(s).all())]
+    la = x64["log_alpha"]  # the largest within-chunk cumulative log decay (0 without a gate)
+    G = 0.0 if la is None else max(float(la[:, c:c + cs].sum(1).abs().max()) for c in range(0, T, cs))
+    out[name] = [rel(o, o_ref), rel(s, s_ref), bool(torch.isfinite(o).all() and torch.isfinite(s).all()), G]
 for gate in ("none", "scalar", "channel"):
     for delta in (False, True):
         x64 = make_inputs(2, 1, 3, 12, 20, gate=gate, beta_max=2.0, init=True)
@@ -104,8 +106,13 @@ def interpreted():
 
 @pytest.mark.parametrize("case", [c[0] for c in INTERP_CASES])
 def test_interpreter_forward_matches_reference(interpreted, case):
-    err_o, err_s, finite = interpreted[case]
-    assert finite and err_o <= 1e-5 and err_s <= 1e-5, (err_o, err_s)
+    """float32 kernels vs float64: 1e-5, plus float32's own error in the decays. The kernels form decay ratios
+    e^(G_i - G_j) from within-chunk cumulative sums G of log alpha, which float32 holds to ~2^-24 |G| absolute, so
+    the ratios carry up to ~2 * 2^-24 * max |G| relative error whatever the algorithm (strong decay, chunk 16:
+    |G| ~ 160, ~2e-5; observed 6e-7 ... 1.1e-5 over fresh random inputs). Small decays keep the bound at ~1e-5."""
+    err_o, err_s, finite, G = interpreted[case]
+    tol = 1e-5 + 2 * 2**-24 * G
+    assert finite and err_o <= tol and err_s <= tol, (err_o, err_s, tol)
 
 
 @pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
