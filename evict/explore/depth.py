@@ -87,8 +87,8 @@ def lens(attn_res_model, plain_model, tokens: torch.Tensor) -> dict:
 
 def load() -> dict:
     """The committed lens; a missing or malformed file is one ValueError naming it."""
-    path = resources.files("evict.explore").joinpath(DATA)
-    data = read_json_object(path, "depth lens")
+    with resources.as_file(resources.files("evict.explore").joinpath(DATA)) as path:
+        data = read_json_object(path, "depth lens")
     for key in ("command", "text", "attn_res", "plain", "training"):
         if key not in data:
             raise ValueError(f"depth lens: {path} lacks {key!r} (rerun python dev/depth_lens.py)")
