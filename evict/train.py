@@ -324,7 +324,7 @@ def label_positions(y: torch.Tensor, n: int) -> torch.Tensor:
 
 
 # one training step's mean loss, mean aux loss (None without MoE), last micro-batch's logits and targets, grad norm
-_StepOut = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tensor, torch.Tensor]
+_StepOut = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, per_row: int | None):
@@ -446,7 +446,7 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
         metrics_path.unlink()
     done = stopped_early or step >= cfg.steps
     session: dict[str, Any] = {"steps": [step, step], "world_size": world, "per_rank_batch": cfg.batch_size // world,
-               "micro_batch": cfg.batch_size // world // cfg.grad_accum, "train": dataclasses.asdict(cfg)}
+                               "micro_batch": cfg.batch_size // world // cfg.grad_accum, "train": dataclasses.asdict(cfg)}
     segments.append(session)
     writer = None
     if cfg.tensorboard and lead and not done:
@@ -473,9 +473,9 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
             dist.all_gather_object(rngs, rng)
         else:
             rngs = [rng]
-        state: dict[str, Any] = {"step": step, "rng": rngs, "history": history, "best_val_accuracy": best, "done": done,
-                 "stopped_early": stopped_early, "config": dataclasses.asdict(cfg), "segments": segments,
-                 "record": record}
+        state: dict[str, Any] = {"step": step, "rng": rngs, "history": history, "best_val_accuracy": best,
+                                 "done": done, "stopped_early": stopped_early, "config": dataclasses.asdict(cfg),
+                                 "segments": segments, "record": record}
         if distributed.active():  # each rank its shards, into a folder named by the step; checkpoint.pt points at it
             state["sharded"] = f"checkpoint-{step}.dcp"
             distributed.save_sharded(out / state["sharded"], model, opt)
@@ -509,11 +509,11 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             if aux is not None:
                 aux_sum = aux.detach() if aux_sum is None else aux_sum + aux.detach()
+        if loss_sum is None:
+            raise ValueError(f"xs: expected at least one micro-batch, got shape {tuple(xs.shape)}")
         # always measured (logged); max_norm inf scales by exactly 1
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf, foreach=device.type == "cuda" or None)
         opt.step()
-        if loss_sum is None:
-            raise ValueError(f"xs: expected at least one micro-batch, got shape {tuple(xs.shape)}")
         return loss_sum / A, None if aux_sum is None else aux_sum / A, logits.detach(), y, norm.detach()
 
     def batch(s: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,7 +45,8 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     on_token: Callable[[Request, int], None] | None = None  # fn(request, token id), called from the engine thread
-    on_finish: Callable[[Request], None] | None = None  # fn(request), called once, from the engine thread, after the last on_token
+    # fn(request), called once, from the engine thread, after the last on_token
+    on_finish: Callable[[Request], None] | None = None
     id: int = 0
     out: list[int] = field(default_factory=list)
     finish_reason: str | None = None
