@@ -20,7 +20,7 @@ import threading
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TypedDict
+from typing import TypedDict, cast
 
 import torch
 
@@ -164,10 +164,10 @@ class Measurer:
 
 def gpu_numbers() -> dict | None:
     """The committed GPU timings, checked; None while none have been measured."""
-    with resources.as_file(resources.files("evict.explore").joinpath(GPU_DATA)) as path:
-        if not path.is_file():
-            return None
-        data = read_json_object(path, "chunk dial GPU numbers")
+    path = resources.files("evict.explore").joinpath(GPU_DATA)
+    if not path.is_file():
+        return None
+    data = read_json_object(cast(Path, path), "chunk dial GPU numbers")  # the package is installed as files
     sizes, seconds = data.get("sizes"), data.get("seconds")
     if not (isinstance(sizes, list) and isinstance(seconds, list) and len(sizes) == len(seconds) and sizes
             and isinstance(data.get("card"), dict) and isinstance(data.get("shape"), dict)):
