@@ -87,6 +87,8 @@ class HybridCache:
     # -- slot pool ----------------------------------------------------------------------------------------------
     def set_blocks(self, slot: int, blocks: list[int]) -> None:
         """The blocks that hold slot's positions, in order (block i holds positions [i bs, (i + 1) bs))."""
+        if self.table is None:
+            raise ValueError("cache: set_blocks needs a slot pool (LM.new_pool), not a batch cache")
         if blocks:
             self.table[slot, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
 
@@ -94,7 +96,7 @@ class HybridCache:
         """The next forward runs T new tokens for each slot of `rows`, the slot's first new token at `starts[i]`.
 
         Every slot must own blocks up to position start + T - 1 (`set_blocks`); its earlier positions hold its past."""
-        if self.block_size is None:
+        if self.block_size is None or self.table is None:
             raise ValueError("cache: select needs a slot pool (LM.new_pool), not a batch cache")
         dev = self.table.device
         bs = self.block_size
@@ -107,15 +109,20 @@ class HybridCache:
         mask = torch.arange(L, device=dev) <= positions[:, :, None]  # [B, T, L]
         self.batch = SlotBatch(rows_t, positions, where, gather, mask, blocks, positions[:, -1] + 1)
 
+    def _selected(self) -> SlotBatch:
+        if self.batch is None:
+            raise ValueError("cache: no rows selected: call select(rows, starts, T) before the forward")
+        return self.batch
+
     def slot_states(self) -> list:
         """Per-layer states of the selected rows: recurrent states and conv tails gathered, KV / latent arenas shared."""
-        rows = self.batch.rows
+        rows = self._selected().rows
         return [replace(st, **{f.name: getattr(st, f.name)[rows] for f in fields(st) if f.name in ("S", "conv")
                                and getattr(st, f.name) is not None}) for st in self.states]
 
     def write_back(self, states: list) -> None:
         """Copy the selected rows' new recurrent states and conv tails into the pool; the selection is used up."""
-        rows = self.batch.rows
+        rows = self._selected().rows
         for st, new in zip(self.states, states):
             for name in ("S", "conv"):
                 if getattr(st, name, None) is not None:

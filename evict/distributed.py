@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,8 +96,9 @@ def grad_sync(model: nn.Module, sync: bool):
 
     if isinstance(model, DistributedDataParallel):
         return contextlib.nullcontext() if sync else model.no_sync()
-    if callable(getattr(model, "set_requires_gradient_sync", None)):  # an FSDP2 module
-        model.set_requires_gradient_sync(sync)
+    set_sync = getattr(model, "set_requires_gradient_sync", None)
+    if callable(set_sync):  # an FSDP2 module
+        set_sync(sync)
     return contextlib.nullcontext()
 
 
@@ -130,7 +132,7 @@ def load_sharded(path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     ms, os_ = get_state_dict(unwrap(model), opt)
-    state = {"model": ms, "optim": os_}
+    state: dict[str, Any] = {"model": ms, "optim": os_}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(unwrap(model), opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 

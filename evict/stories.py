@@ -89,7 +89,8 @@ def _tell(gates: list[list[float]], *, scalar: bool) -> dict:
     S = torch.zeros(B, 1, D, D, dtype=f64)
     decay_only = torch.eye(D, dtype=f64).expand(1, 1, D, D)  # the identity, decayed and never written
     zero = torch.zeros(1, 1, D, dtype=f64)
-    boards, reads, per_channel = [], {n: [] for n in names}, []
+    boards, per_channel = [], []
+    reads: dict[str, list[list[float]]] = {n: [] for n in names}
     for t in range(TOKENS):
         written = [n for n in names if FACTS[n][0] == t]
         k = torch.tensor(FACTS[written[0]][1] if written else (0.0,) * D, dtype=f64).expand(B, 1, D)
@@ -126,12 +127,13 @@ def fade_curve(slam: float = 0.2, *, baseline: float = 0.99, gates=None) -> dict
         baseline = _fraction("baseline", baseline, zero_ok=False)
         gates = [baseline] * TOKENS
         gates[SWITCH] = slam * baseline
+        given: dict[str, float | None] = {"slam": slam, "baseline": baseline}
     else:
-        slam = baseline = None
+        given = {"slam": None, "baseline": None}
     rows = _gate_rows("gates", gates)
     if any(len(set(r)) > 1 for r in rows):
         raise ValueError("gates: expected one number per token (the fade curve's gate is scalar)")
-    return {"slam": slam, "baseline": baseline, **_tell(rows, scalar=True)}
+    return {**given, **_tell(rows, scalar=True)}
 
 
 def twin_boards(*, keep: float = 0.95, clear: float = 0.1, baseline: float = 1.0) -> dict:

@@ -323,6 +323,10 @@ def label_positions(y: torch.Tensor, n: int) -> torch.Tensor:
     return torch.argsort((y == -100).to(torch.int8), dim=1, stable=True)[:, :n]
 
 
+# one training step's mean loss, mean aux loss (None without MoE), last micro-batch's logits and targets, grad norm
+_StepOut = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 def _forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, per_row: int | None):
     """Logits and their targets: [B, T, V] and y, or with `per_row` labels per row only at those, [B, P, V], [B, P]."""
     if per_row is None:
@@ -435,19 +439,20 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
         segments = ck.get("segments", [])
         # a run that reached its target stays stopped unless the target changed; one that ran out of steps goes on
         stopped_early = ck["stopped_early"] and cfg.target_accuracy is not None and best >= cfg.target_accuracy
-        if lead:
+        if lead and metrics_path is not None:  # a checkpoint was read, so there is an out_dir
             _trim_metrics(metrics_path, step)
         del ck
     elif metrics_path is not None and lead and metrics_path.exists():
         metrics_path.unlink()
     done = stopped_early or step >= cfg.steps
-    session = {"steps": [step, step], "world_size": world, "per_rank_batch": cfg.batch_size // world,
-               "micro_batch": cfg.batch_size // world // cfg.grad_accum, "train": dataclasses.asdict(cfg)}
+    session: dict[str, Any] = {"steps": [step, step], "world_size": world, "per_rank_batch": cfg.batch_size // world,
+                               "micro_batch": cfg.batch_size // world // cfg.grad_accum, "train": dataclasses.asdict(cfg)}
     segments.append(session)
     writer = None
     if cfg.tensorboard and lead and not done:
         from torch.utils.tensorboard import SummaryWriter
 
+        assert out is not None  # TrainConfig.validate: tensorboard needs out_dir
         writer = SummaryWriter(str(out / "tensorboard"))
 
     def log(row: dict) -> None:
@@ -459,7 +464,7 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
                     if k not in ("split", "step") and isinstance(v, (int, float)):
                         writer.add_scalar(f"{row['split']}/{k}", v, row["step"])
 
-    def checkpoint() -> None:
+    def checkpoint(out: Path, ckpt_path: Path) -> None:
         """Every rank calls this (collectives under torch.distributed); rank 0 writes checkpoint.pt, then run.json."""
         session["steps"][1] = step
         rng = _rng_state(device)
@@ -468,9 +473,9 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
             dist.all_gather_object(rngs, rng)
         else:
             rngs = [rng]
-        state = {"step": step, "rng": rngs, "history": history, "best_val_accuracy": best, "done": done,
-                 "stopped_early": stopped_early, "config": dataclasses.asdict(cfg), "segments": segments,
-                 "record": record}
+        state: dict[str, Any] = {"step": step, "rng": rngs, "history": history, "best_val_accuracy": best,
+                                 "done": done, "stopped_early": stopped_early, "config": dataclasses.asdict(cfg),
+                                 "segments": segments, "record": record}
         if distributed.active():  # each rank its shards, into a folder named by the step; checkpoint.pt points at it
             state["sharded"] = f"checkpoint-{step}.dcp"
             distributed.save_sharded(out / state["sharded"], model, opt)
@@ -489,7 +494,7 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
         if distributed.active():
             dist.barrier()
 
-    def train_step(xs: torch.Tensor, ys: torch.Tensor):
+    def train_step(xs: torch.Tensor, ys: torch.Tensor) -> _StepOut:
         """Forward and backward of each micro-batch, clip, AdamW (gradients must be None on entry); no host sync.
         Returns the mean loss and aux loss over the micro-batches, the last one's logits and targets, the grad norm."""
         A = xs.shape[0]
@@ -504,6 +509,8 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             if aux is not None:
                 aux_sum = aux.detach() if aux_sum is None else aux_sum + aux.detach()
+        if loss_sum is None:
+            raise ValueError(f"xs: expected at least one micro-batch, got shape {tuple(xs.shape)}")
         # always measured (logged); max_norm inf scales by exactly 1
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf, foreach=device.type == "cuda" or None)
         opt.step()
@@ -516,7 +523,8 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
     prefetch = None
     if device.type == "cuda" and cfg.prefetch > 0 and not done:
         prefetch = _Prefetch(lambda s: _rows(task, "train", s, cfg), step, cfg.prefetch)
-    graph = static = None
+    graph: torch.cuda.CUDAGraph | None = None
+    static: tuple[torch.Tensor, torch.Tensor, _StepOut] | None = None  # the captured step's inputs and outputs
     side = torch.cuda.Stream(device) if cfg.graphs else None
     warmup_until = step + 3  # eager steps (on a side stream) before capture
 
@@ -529,19 +537,19 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
             lr = cfg.lr * schedule(step)
             _set_lr(opt, lr)
             x, y = batch(step)
-            if graph is not None:
+            if graph is not None and static is not None:
                 static[0].copy_(x)
                 static[1].copy_(y)
                 graph.replay()
                 loss, aux, logits, y_used, norm = static[2]
-            elif cfg.graphs and step >= warmup_until:
-                static = [x.clone(), y.clone(), None]
+            elif side is not None and step >= warmup_until:  # side: cfg.graphs
+                xs_in, ys_in = x.clone(), y.clone()
                 opt.zero_grad(set_to_none=True)
                 side.wait_stream(torch.cuda.current_stream(device))
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: the prefetch thread's pinned allocations are not part of (and must not abort) the capture
                 with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
-                    static[2] = train_step(static[0], static[1])
+                    static = (xs_in, ys_in, train_step(xs_in, ys_in))
                 torch.cuda.current_stream(device).wait_stream(side)
                 graph.replay()
                 loss, aux, logits, y_used, norm = static[2]
@@ -599,8 +607,9 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
                 flag = torch.tensor([float(interrupted)], device=device)
                 dist.broadcast(flag, 0)
                 interrupted = bool(flag.item())
-            if ckpt_path is not None and (done or interrupted or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
-                checkpoint()
+            if out is not None and ckpt_path is not None and (
+                    done or interrupted or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+                checkpoint(out, ckpt_path)
             if interrupted:
                 break
     finally:

@@ -37,6 +37,9 @@ import torch
 from tqdm.auto import tqdm
 
 from evict.bench.common import card, markdown_table, write_json
+from evict.layers.attention import Attention
+from evict.layers.mla import MLA
+from evict.layers.moe import MoE
 from evict.models import LM, presets
 
 KINDS = ("attention", "mla", "kda", "hybrid", "k3_mini")
@@ -106,9 +109,9 @@ VARIANTS = ("graph", "before", "compiled", "eager")
 def set_fast_path(model: LM, on: bool) -> None:
     """Switch the decode kernels of attention / MLA layers and the MoE dispatch between the fast and the previous path."""
     for m in model.modules():
-        if hasattr(m, "decode_kernel"):
+        if isinstance(m, (Attention, MLA)):
             m.decode_kernel = on
-        if hasattr(m, "dispatch"):
+        if isinstance(m, MoE):
             m.dispatch = "auto" if on else "sort"
 
 

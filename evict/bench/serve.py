@@ -75,6 +75,7 @@ def started_server(args):
         return
     port = free_port()
     proc = subprocess.Popen(server_argv(args, port), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None  # stderr=PIPE
     url = f"http://127.0.0.1:{port}"
     try:
         t0 = time.time()

@@ -53,7 +53,8 @@ def whiteboard(writes: list[str], read: str) -> dict:
         raise ValueError(f"writes: expected up to {MAX_WRITES} of {sorted(FACTS)}, got {writes!r}")
     if read not in FACTS:
         raise ValueError(f"read: expected one of {sorted(FACTS)}, got {read!r}")
-    S, steps = _empty(), [{"label": "empty board", "S": _cells(_empty())}]
+    S = _empty()
+    steps: list[dict[str, object]] = [{"label": "empty board", "S": _cells(_empty())}]
     for w in writes:
         S = _write(S, KEYS[w], VALUES[FACTS[w]])
         steps.append({"label": f"write {w} → {FACTS[w]}", "key": KEYS[w], "value": VALUES[FACTS[w]], "S": _cells(S)})

@@ -12,6 +12,8 @@ layer grows with depth. RMS = sqrt(mean over the width of h²), averaged over th
 from __future__ import annotations
 
 from importlib import resources
+from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -88,7 +90,7 @@ def lens(attn_res_model, plain_model, tokens: torch.Tensor) -> dict:
 def load() -> dict:
     """The committed lens; a missing or malformed file is one ValueError naming it."""
     path = resources.files("evict.explore").joinpath(DATA)
-    data = read_json_object(path, "depth lens")
+    data = read_json_object(cast(Path, path), "depth lens")  # the package is installed as files
     for key in ("command", "text", "attn_res", "plain", "training"):
         if key not in data:
             raise ValueError(f"depth lens: {path} lacks {key!r} (rerun python dev/depth_lens.py)")

@@ -20,6 +20,7 @@ import threading
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TypedDict, cast
 
 import torch
 
@@ -97,6 +98,12 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "evict" / "explore"
 
 
+class _Progress(TypedDict):
+    done: int  # sizes measured so far
+    total: int
+    error: str | None  # what stopped the measurement, for the page
+
+
 class Measurer:
     """One measurement per (shape, machine): `start()` runs it on a thread (once); `state()` reports progress;
     `result()` is the cached JSON (or None)."""
@@ -106,7 +113,7 @@ class Measurer:
         self.path = Path(cache_dir or default_cache_dir()) / f"chunk_dial_{_cache_key(dial)}.json"
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._progress = {"done": 0, "total": len(dial.sizes()), "error": None}
+        self._progress: _Progress = {"done": 0, "total": len(dial.sizes()), "error": None}
 
     def result(self) -> dict | None:
         if not self.path.is_file():
@@ -160,7 +167,7 @@ def gpu_numbers() -> dict | None:
     path = resources.files("evict.explore").joinpath(GPU_DATA)
     if not path.is_file():
         return None
-    data = read_json_object(path, "chunk dial GPU numbers")
+    data = read_json_object(cast(Path, path), "chunk dial GPU numbers")  # the package is installed as files
     sizes, seconds = data.get("sizes"), data.get("seconds")
     if not (isinstance(sizes, list) and isinstance(seconds, list) and len(sizes) == len(seconds) and sizes
             and isinstance(data.get("card"), dict) and isinstance(data.get("shape"), dict)):

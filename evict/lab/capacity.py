@@ -36,14 +36,13 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import check_at_least_one, check_names, run_grid
+from evict.lab.sweep import check_at_least_one, check_names, from_json, run_grid
 from evict.ops.memory import memory
 from evict.tasks.capacity import CapacityBatch, make_batch
 from evict.train import resolve_device
@@ -134,8 +133,7 @@ def _batch_to(batch: CapacityBatch, device: torch.device) -> CapacityBatch:
 def run_one(job: dict) -> dict:
     """Train one (rule, overwrite, S, seed) model with Adam; module-level so worker processes can run it."""
     logging.getLogger("evict").setLevel(logging.WARNING)
-    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in job["sweep"].items()}
-    sweep = CapacitySweep(**fields)
+    sweep = from_json(CapacitySweep, job["sweep"])
     S, seed, overwrite = job["S"], job["seed"], job["overwrite"]
     device = resolve_device(sweep.device)
     torch.manual_seed(seed)

@@ -35,7 +35,7 @@ import torch
 
 from evict.bench.common import markdown_table
 from evict.lab import recall
-from evict.lab.sweep import run_grid
+from evict.lab.sweep import from_json, run_grid
 from evict.models import LM, ModelConfig, accounting
 from evict.tasks.mqar import MQARConfig, MQARTask
 from evict.tasks.text import TextTask, corpus_files
@@ -168,7 +168,9 @@ def variants(sweep: HybridSweep) -> list[Variant]:
 
 
 def _config(sweep: HybridSweep, pattern: str, d_ff: int, vocab_size: int):
-    base = recall.model_config("kda", sweep.d_model, sweep, max(sweep.seq_len, sweep.text_seq_len))
+    shape = recall.RecallSweep(head_dim=sweep.head_dim, n_layers=sweep.n_layers, vocab_size=sweep.vocab_size,
+                               chunk_size=sweep.chunk_size)  # the recall lab's model at these sizes, heads of head_dim
+    base = recall.model_config("kda", sweep.d_model, shape, max(sweep.seq_len, sweep.text_seq_len))
     return replace(base, pattern=pattern, d_ff=d_ff, vocab_size=vocab_size)
 
 
@@ -226,8 +228,8 @@ def make_task(sweep: HybridSweep, task: str, seed: int):
 def run_one(job: dict) -> dict:
     """Train one (variant, task, seed) run; module-level so worker processes can run it."""
     logging.getLogger("evict").setLevel(logging.WARNING)
-    sweep = HybridSweep(**{k: tuple(v) if isinstance(v, list) else v for k, v in job["sweep"].items()})
-    v = Variant(**{k: tuple(x) if isinstance(x, list) else x for k, x in job["variant"].items()})
+    sweep = from_json(HybridSweep, job["sweep"])
+    v = from_json(Variant, job["variant"])
     seed = job["seed"]
     task = make_task(sweep, job["task"], seed)
     torch.manual_seed(seed)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from evict.bench.common import markdown_table
 from evict.lab import recall
-from evict.lab.sweep import check_at_least_one, check_names, run_grid
+from evict.lab.sweep import check_at_least_one, check_names, from_json, run_grid
 from evict.tasks.mqar import MQARConfig
 
 RULES = {"linear": "linear attention", "deltanet": "DeltaNet", "gated_deltanet": "Gated DeltaNet", "kda": "KDA",
@@ -84,6 +84,8 @@ def _rung(job: dict, rsweep: dict, K: int, lr: float, L: int) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     res = recall.run_one({"arch": job["rule"], "seq_len": L, "pairs": K, "d_model": rsweep["d_models"][0], "lr": lr,
                           "seed": job["seed"], "dir": str(folder), "sweep": rsweep})
+    if res is None:  # recall.run_one leaves a cell unfinished only past its stop_at, and this job sets none
+        raise RuntimeError(f"pairs: the run in {folder} stopped before it finished")
     done.write_text(json.dumps(res, indent=2))
     return res
 
@@ -91,7 +93,7 @@ def _rung(job: dict, rsweep: dict, K: int, lr: float, L: int) -> dict:
 def run_one(job: dict) -> dict:
     """Climb one (rule, d, seed) ladder; module-level so worker processes can run it."""
     logging.getLogger("evict").setLevel(logging.WARNING)
-    sweep = PairsSweep(**{k: tuple(v) if isinstance(v, list) else v for k, v in job["sweep"].items()})
+    sweep = from_json(PairsSweep, job["sweep"])
     rsweep = dataclasses.asdict(recall_sweep(sweep, job["d"]))
     rungs, best_k, seconds = [], 0, 0.0
     for K in sorted(sweep.pairs):

@@ -15,12 +15,11 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import run_jobs, sweep_folder, write_results
+from evict.lab.sweep import from_json, run_jobs, sweep_folder, write_results
 from evict.models import LM, presets
 from evict.tasks.mqar import MQARConfig, MQARTask
 from evict.train import TrainConfig, resolve_device, train
@@ -90,8 +89,7 @@ def model_config(arch: str, d_model: int, sweep: RecallSweep, seq_len: int):
 def run_one(job: dict) -> dict | None:
     """Train one (arch, L, K, d, lr) cell; module-level so worker processes can run it."""
     logging.getLogger("evict").setLevel(logging.WARNING)
-    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in job["sweep"].items()}
-    sweep = RecallSweep(**fields)
+    sweep = from_json(RecallSweep, job["sweep"])
     L, K, d = job["seq_len"], job["pairs"], job["d_model"]
     seed = job["seed"]
     torch.manual_seed(seed)

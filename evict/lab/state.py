@@ -16,12 +16,11 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import run_grid
+from evict.lab.sweep import from_json, run_grid
 from evict.models import LM, presets
 from evict.tasks.state import TASKS, StateConfig, StateTask, scaled_accuracy
 from evict.train import TrainConfig, resolve_device, train
@@ -108,8 +107,7 @@ def beyond_accuracy(model: LM, task: StateTask, sweep: StateSweep) -> float:
 def run_one(job: dict) -> dict:
     """Train one (task, model, seed) run; module-level so worker processes can run it."""
     logging.getLogger("evict").setLevel(logging.WARNING)
-    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in job["sweep"].items()}
-    sweep = StateSweep(**fields)
+    sweep = from_json(StateSweep, job["sweep"])
     seed = job["seed"]
     task = _task(job["task"], sweep, seed)
     torch.manual_seed(seed)

@@ -9,8 +9,18 @@ import multiprocessing as mp
 import os
 from pathlib import Path
 from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from tqdm import tqdm
+
+
+T = TypeVar("T")
+
+
+def from_json(kind: Callable[..., T], d: dict) -> T:
+    """A sweep (or other dataclass of tuples) from its JSON dict, where the tuples came back as lists."""
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+    return kind(**fields)
 
 
 def _worker(args):

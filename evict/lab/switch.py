@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import check_at_least_one, check_names, run_grid
+from evict.lab.sweep import check_at_least_one, check_names, from_json, run_grid
 from evict.layers import memory_mixer
 from evict.models import LM, presets
 from evict.stories import fade_curve, twin_boards
@@ -129,14 +129,17 @@ def read_memory(model: LM, task: SwitchTask, sweep: StoriesSweep) -> dict:
                 def survive(p: int) -> torch.Tensor:  # a pair written at p: key share left at Q - 1, [B, H]
                     return (k[:, p] ** 2 * (cum[:, Q - 1] - cum[:, p]).exp()).sum(-1)
 
+                def survive_all(ps: range) -> torch.Tensor:  # summed over pairs written at ps, [B, H] (zeros if none)
+                    return sum((survive(p) for p in ps), cum.new_zeros(cum.shape[0], cum.shape[2]))
+
                 sums = {
                     "alpha_switch": la[:, s].exp().sum(0),  # [H, D]
                     "alpha_distractor": la[:, 2 * F:s].exp().mean(1).sum(0),
                     "alpha_new": la[:, s + 1:Q].exp().mean(1).sum(0),
                     "across_switch": (cum[:, 2 * F - 1:] - cum[:, 2 * F - 1:2 * F]).exp().sum(0),  # [T', H, D]
-                    "fact": sum(survive(2 * j + 1) for j in range(F)).sum(0) / F,  # [H]
-                    "distractor": sum(survive(2 * (F + j) + 1) for j in range(J)).sum(0) / max(J, 1),
-                    "new": sum(survive(s + 2 + 2 * j) for j in range(N)).sum(0) / N,
+                    "fact": survive_all(range(1, 2 * F, 2)).sum(0) / F,  # [H]
+                    "distractor": survive_all(range(2 * F + 1, 2 * (F + J), 2)).sum(0) / max(J, 1),
+                    "new": survive_all(range(s + 2, s + 2 + 2 * N, 2)).sum(0) / N,
                 }
                 if li == len(layers):
                     layers.append({key: torch.zeros_like(v) for key, v in sums.items()})
@@ -153,7 +156,7 @@ def read_memory(model: LM, task: SwitchTask, sweep: StoriesSweep) -> dict:
 def run_one(job: dict) -> dict:
     """Train one (model, seed) run and read its memory; module-level so worker processes can run it."""
     logging.getLogger("evict").setLevel(logging.WARNING)
-    sweep = StoriesSweep(**{k: tuple(v) if isinstance(v, list) else v for k, v in job["sweep"].items()})
+    sweep = from_json(StoriesSweep, job["sweep"])
     seed = job["seed"]
     task = SwitchTask(task_config(sweep, seed))
     torch.manual_seed(seed)

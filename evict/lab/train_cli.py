@@ -21,6 +21,7 @@ import shutil
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -111,7 +112,7 @@ def resolve(args) -> SimpleNamespace:
     """Every flag's value: the command line's, else (--config run.json) the recorded run's, else DEFAULTS.
     A --config that is a ModelConfig JSON gives only the model."""
     given = {k: v for k, v in vars(args).items() if v is not None}
-    o = dict(DEFAULTS, model=None, config=None, set=None)
+    o: dict[str, Any] = dict(DEFAULTS, model=None, config=None, set=None)
     if args.config:
         d = _read_config_file(args.config)
         if {"model", "task", "train"} <= set(d):  # a run.json

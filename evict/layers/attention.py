@@ -40,13 +40,14 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
         q = q.view(B, T, self.n_heads, self.hd)  # [B, T, H, D]
         k, v = k.view(B, T, self.n_kv, self.hd), v.view(B, T, self.n_kv, self.hd)  # [B, T, Hkv, D]
-        slots = isinstance(pos, SlotBatch)
         if self.rope:
-            positions = pos.positions if slots else torch.arange(pos, pos + T, device=x.device)
+            positions = pos.positions if isinstance(pos, SlotBatch) else torch.arange(pos, pos + T, device=x.device)
             q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
         mask, o = None, None
         kernel = T == 1 and state is not None and self.decode_kernel and kernel_runs_on(q)
-        if slots:
+        if isinstance(pos, SlotBatch):
+            if state is None:
+                raise ValueError("state: a slot pool's rows need this layer's KVState, got None")
             pos.write(state.k, k)
             pos.write(state.v, v)
             if kernel and state.k.dtype == q.dtype:  # the paged decode op reads each row's blocks in place

@@ -9,7 +9,8 @@ def reset_children(module: nn.Module) -> None:
     """Call `reset_parameters()` on each child that has one (it owns its subtree); descend into containers that have
     none (nn.Sequential, nn.ModuleList). Parameters registered on `module` itself are the caller's to reset."""
     for child in module.children():
-        if callable(getattr(child, "reset_parameters", None)):
-            child.reset_parameters()
+        reset = getattr(child, "reset_parameters", None)
+        if callable(reset):
+            reset()
         else:
             reset_children(child)

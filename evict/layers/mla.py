@@ -67,15 +67,16 @@ class MLA(nn.Module):
         q_nope, q_rope = q.view(B, T, H, n + p).split([n, p], dim=-1)  # [B, T, H, n], [B, T, H, p]
         c, k_rope = ckv.split([self.r, p], dim=-1)
         c = self.kv_norm(c)  # [B, T, r]
-        slots = isinstance(pos, SlotBatch)
         if self.use_rope:
-            positions = pos.positions if slots else torch.arange(pos, pos + T, device=x.device)
+            positions = pos.positions if isinstance(pos, SlotBatch) else torch.arange(pos, pos + T, device=x.device)
             q_rope = rope(q_rope, positions, self.theta)
             k_rope = rope(k_rope[:, :, None], positions, self.theta)[:, :, 0]
         if absorb is None:
             absorb = state is not None and T == 1
         mask, paged = None, None
-        if slots:
+        if isinstance(pos, SlotBatch):
+            if state is None:
+                raise ValueError("state: a slot pool's rows need this layer's LatentState, got None")
             pos.write(state.c, c)
             pos.write(state.k_rope, k_rope)
             if absorb and T == 1 and self.decode_kernel and kernel_runs_on(state.c):  # the paged decode op, in place

@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
         return (y * self.weight.to(y.dtype)).to(x.dtype)
 
 
-def build_norm(kind: str, dim: int, eps: float) -> nn.Module:
+def build_norm(kind: str, dim: int, eps: float) -> nn.LayerNorm | RMSNorm:
     """The norm of the residual stream: RMSNorm(dim) or LayerNorm(dim) with bias (weight 1, bias 0 at init)."""
     if kind == "layernorm":
         return nn.LayerNorm(dim, eps=eps)

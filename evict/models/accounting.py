@@ -127,7 +127,7 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
     if cfg.tie_embeddings:  # the tied head is a matmul too
         matmul += r["embeddings"]["token"]
     H, D = cfg.n_heads, cfg.head_size
-    mixing = 0
+    mixing: float = 0
     for letter in cfg.layer_mixers():
         kind = MIXERS[letter]
         if kind == "mla":

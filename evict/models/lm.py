@@ -19,7 +19,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from evict.cache import HybridCache
+from evict.cache import HybridCache, SlotBatch
 from evict.jsonfile import read_json_object
 from evict.layers.attention import Attention
 from evict.layers.attn_res import AttnResRead
@@ -94,7 +94,7 @@ class Block(nn.Module):
             for w in self.ffn.output_weights():
                 nn.init.normal_(w, std=self.out_std)
 
-    def forward(self, h: torch.Tensor | None, state=None, pos: int = 0,
+    def forward(self, h: torch.Tensor | None, state=None, pos: int | SlotBatch = 0,
                 completed: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Pre-norm: h [B, T, D] is the residual stream; returns h + mixer(norm(h)), then + ffn(norm(.)).
 
@@ -102,8 +102,12 @@ class Block(nn.Module):
         the running sum of the current block's sublayer outputs (None right after a block closes); returns that sum
         with this block's two outputs added. `state` is this layer's cache state (decode), `pos` its position."""
         if not self.attn_res:
+            if h is None:
+                raise ValueError("h: a block without AttnRes needs the residual stream, got None")
             h = h + self.mixer(self.norm1(h), state, pos)
             return h + self.ffn(self.norm2(h))
+        if completed is None:
+            raise ValueError("completed: an AttnRes block needs the closed depth sources, got None")
         sources = completed if h is None else completed + [h]
         x = completed[0] if self.read_mixer is None else self.read_mixer(sources)
         out = self.mixer(self.norm1(x), state, pos)
@@ -149,7 +153,7 @@ class LM(nn.Module):
         nn.init.normal_(self.embed.weight, std=std)
         if self.wpe is not None:
             nn.init.normal_(self.wpe.weight, std=std)
-        for blk in self.blocks:
+        for blk in self.layers():
             blk.reset_parameters()
         if self.final_read is not None:
             self.final_read.reset_parameters()
@@ -181,8 +185,8 @@ class LM(nn.Module):
             lo, hi = int(tokens.min()), int(tokens.max())
             if lo < 0 or hi >= self.cfg.vocab_size:
                 raise ValueError(f"tokens: expected ids in [0, vocab_size={self.cfg.vocab_size}), got range [{lo}, {hi}]")
-        pos = 0
-        states = [None] * len(self.blocks)
+        pos: int | SlotBatch = 0
+        states: list = [None] * len(self.blocks)
         slots = False
         if cache is not None:
             if not isinstance(cache, HybridCache) or len(cache) != len(self.blocks):
@@ -190,7 +194,7 @@ class LM(nn.Module):
             slots = cache.block_size is not None  # a slot pool: rows at their own positions
             if slots:
                 if cache.batch is None or tuple(cache.batch.positions.shape) != (B, T):
-                    got = "none" if cache.batch is None else list(cache.batch.positions.shape)
+                    got = "none" if cache.batch is None else str(list(cache.batch.positions.shape))
                     raise ValueError(f"cache: a slot pool needs select(rows, starts, T) for these [B, T] = [{B}, {T}] tokens, got {got}")
                 pos, states = cache.batch, cache.slot_states()
             else:
@@ -200,8 +204,8 @@ class LM(nn.Module):
                 pos, states = cache.pos, cache.states
         h = self.embed(tokens)  # [B, T, D]
         if self.wpe is not None:
-            at = pos.positions if slots else torch.arange(pos, pos + T, device=tokens.device)  # [B, T] or [T]
-            if not slots and pos + T > self.cfg.max_seq_len:  # a pool checks its max_len against the config once
+            at = pos.positions if isinstance(pos, SlotBatch) else torch.arange(pos, pos + T, device=tokens.device)  # [B, T] or [T]
+            if isinstance(pos, int) and pos + T > self.cfg.max_seq_len:  # a pool checks its max_len against the config once
                 raise ValueError(f"tokens: learned positions cover {self.cfg.max_seq_len} tokens, got up to {pos + T}")
             h = h + self.wpe(at)
         if self.final_read is None:
@@ -214,10 +218,11 @@ class LM(nn.Module):
                 if (i + 1) % self.cfg.attn_res_block == 0:
                     completed, partial = completed + [partial], None
             h = self.final_read(completed if partial is None else completed + [partial])
-        if slots:
-            cache.write_back(states)  # the caller advances each slot's length
-        elif cache is not None:
-            cache.advance(T)
+        if cache is not None:
+            if slots:
+                cache.write_back(states)  # the caller advances each slot's length
+            else:
+                cache.advance(T)
         if positions is not None:
             if not (isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[0] == B
                     and positions.dtype == torch.int64):
@@ -273,7 +278,7 @@ class LM(nn.Module):
         p = next(self.parameters())
         device = p.device if device is None else torch.device(device)
         dtype = p.dtype if dtype is None else dtype
-        states = [b.mixer.new_state(n_slots, block_size, device, dtype, blocks=n_blocks) for b in self.blocks]
+        states = [b.mixer.new_state(n_slots, block_size, device, dtype, blocks=n_blocks) for b in self.layers()]
         table = torch.zeros(n_slots, -(-max_len // block_size), dtype=torch.int64, device=device)
         return HybridCache(states, n_slots, max_len, block_size=block_size, table=table)
 

@@ -64,18 +64,18 @@ def attention_reference(q, k, v, *, causal=True, scale, mask=None):
 
 def attention_sdpa(q, k, v, *, causal=True, scale, mask=None):
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, T, D)
-    gqa = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}  # SDPA reads each kv head once (torch >= 2.5)
+    gqa = q.shape[2] != k.shape[2]  # SDPA reads each kv head once (torch >= 2.5)
     tq, tk = q.shape[1], k.shape[1]
     if mask is not None:
         if causal:
             mask = mask & _causal_mask(tq, tk, q.device)
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask[:, None], scale=scale, **gqa)
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask[:, None], scale=scale, enable_gqa=gqa)
     elif not causal or tq == 1:
-        o = F.scaled_dot_product_attention(qt, kt, vt, scale=scale, **gqa)
+        o = F.scaled_dot_product_attention(qt, kt, vt, scale=scale, enable_gqa=gqa)
     elif tq == tk:
-        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, **gqa)
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=_causal_mask(tq, tk, q.device), scale=scale, **gqa)
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=_causal_mask(tq, tk, q.device), scale=scale, enable_gqa=gqa)
     return o.transpose(1, 2)
 
 

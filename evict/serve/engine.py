@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -43,8 +44,9 @@ class SamplingParams:
 class Request:
     prompt: list[int]
     params: SamplingParams
-    on_token: object = None  # fn(request, token id), called from the engine thread
-    on_finish: object = None  # fn(request), called once, from the engine thread, after the last on_token
+    on_token: Callable[[Request, int], None] | None = None  # fn(request, token id), called from the engine thread
+    # fn(request), called once, from the engine thread, after the last on_token
+    on_finish: Callable[[Request], None] | None = None
     id: int = 0
     out: list[int] = field(default_factory=list)
     finish_reason: str | None = None

@@ -108,7 +108,8 @@ def build_app(engine: Engine, tokenizer, model_name: str):
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise BadRequest("body", "expected a JSON object") from None
             ids, params, opts = parse_request(body, tokenizer, model_name)
-            loop, events = asyncio.get_running_loop(), asyncio.Queue()
+            loop = asyncio.get_running_loop()
+            events: asyncio.Queue[tuple] = asyncio.Queue()
             put = lambda *ev: loop.call_soon_threadsafe(events.put_nowait, ev)  # noqa: E731 (engine thread -> loop)
             req = engine.submit(ids, params, on_token=lambda r, t: put("token", t), on_finish=lambda r: put("finish", r.finish_reason))
         except BadRequest as e:
