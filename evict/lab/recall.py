@@ -80,7 +80,7 @@ def model_config(arch: str, d_model: int, sweep: RecallSweep, seq_len: int):
     hd = min(sweep.head_dim, d_model)
     return presets.get(
         arch, size="tiny", vocab_size=sweep.vocab_size, d_model=d_model, n_layers=sweep.n_layers,
-        n_heads=getattr(sweep, "n_heads", None) or d_model // hd, head_dim=hd, d_ff=2 * d_model, moe=None, attn_res=False,
+        n_heads=sweep.n_heads or d_model // hd, head_dim=hd, d_ff=2 * d_model, moe=None, attn_res=False,
         short_conv=True, kv_lora_rank=max(16, d_model // 2), qk_nope_dim=hd, qk_rope_dim=max(2, hd // 2), v_head_dim=hd,
         chunk_size=sweep.chunk_size, max_seq_len=max(seq_len, 64),
     )
