@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import check_at_least_one, check_names, from_json, run_grid
+from evict.lab.sweep import check_at_least_one, check_distinct, check_names, from_json, run_grid
 from evict.ops.memory import memory
 from evict.tasks.capacity import CapacityBatch, make_batch
 from evict.train import resolve_device
@@ -242,8 +242,7 @@ def plot(sweep: CapacitySweep, results: list[dict], path: Path) -> Path:
 
 def validate(sweep: CapacitySweep) -> None:
     check_names("rules", sweep.rules, RULES)
-    if not sweep.sizes or min(sweep.sizes) < 2 or len(set(sweep.sizes)) != len(sweep.sizes):
-        raise ValueError(f"sizes: expected distinct S >= 2, got {list(sweep.sizes)}")
+    check_distinct("sizes", sweep.sizes, 2, "S")
     if not sweep.overwrite or any(not isinstance(o, bool) for o in sweep.overwrite):
         raise ValueError(f"overwrite: expected False and/or True, got {list(sweep.overwrite)}")
     check_at_least_one(sweep, ("d_key", "steps", "batch_size", "eval_batches", "seeds", "workers"))

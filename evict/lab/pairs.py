@@ -23,7 +23,7 @@ from pathlib import Path
 
 from evict.bench.common import markdown_table
 from evict.lab import recall
-from evict.lab.sweep import check_at_least_one, check_names, from_json, run_grid
+from evict.lab.sweep import check_at_least_one, check_distinct, check_names, from_json, run_grid
 from evict.tasks.mqar import MQARConfig
 
 RULES = {"linear": "linear attention", "deltanet": "DeltaNet", "gated_deltanet": "Gated DeltaNet", "kda": "KDA",
@@ -225,12 +225,10 @@ def plot(sweep: PairsSweep, results: list[dict], path: Path) -> Path:
 
 def validate(sweep: PairsSweep) -> None:
     check_names("rules", sweep.rules, RULES)
-    if not sweep.dims or min(sweep.dims) < 1 or len(set(sweep.dims)) != len(sweep.dims):
-        raise ValueError(f"dims: expected distinct head dims >= 1, got {list(sweep.dims)}")
+    check_distinct("dims", sweep.dims, 1, "head dims")
     if max(sweep.dims) > sweep.d_model:
         raise ValueError(f"dims: expected head dims <= d_model = {sweep.d_model}, got {max(sweep.dims)}")
-    if not sweep.pairs or min(sweep.pairs) < 1 or len(set(sweep.pairs)) != len(sweep.pairs):
-        raise ValueError(f"pairs: expected distinct K >= 1, got {list(sweep.pairs)}")
+    check_distinct("pairs", sweep.pairs, 1, "K")
     if not 0 < sweep.threshold <= 1:
         raise ValueError(f"threshold: expected a number in (0, 1], got {sweep.threshold}")
     if sweep.len_per_pair < 4:

@@ -103,6 +103,12 @@ def check_names(field: str, got, allowed) -> None:
         raise ValueError(f"{field}: expected names from {list(allowed)}, got {list(got)}")
 
 
+def check_distinct(field: str, got, low: int, what: str) -> None:
+    """A sweep's list of sizes: non-empty, distinct, each >= low; else a ValueError naming the field."""
+    if not got or min(got) < low or len(set(got)) != len(got):
+        raise ValueError(f"{field}: expected distinct {what} >= {low}, got {list(got)}")
+
+
 def check_at_least_one(sweep, fields: tuple) -> None:
     """Each of a sweep's integer `fields` is >= 1; else a ValueError naming the first that is not."""
     for name in fields:
