@@ -8,16 +8,7 @@ import pytest
 import torch
 
 from evict.cli import main
-
-TINY = ["--set", "n_layers=1", "--set", "d_model=32", "--set", "n_heads=2", "--set", "head_dim=16", "--set", "d_ff=64"]
-
-
-@pytest.fixture
-def corpus(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    path = tmp_path / "tiny.txt"
-    path.write_text("ROMEO: what light through yonder window breaks?\nJULIET: ay me!\n" * 40)
-    return path
+from tests.test_cli_train import TINY, corpus  # noqa: F401  (the tiny model flags and the corpus fixture)
 
 
 def _argv(corpus, out, *extra, steps=2):
