@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from evict.cli_args import (Parser, UserError, add_sweep_flags, device, positive_float, positive_int, writable_dir,
+from evict.cli_args import (Parser, UserError, add_sweep_flags, batch_by_length, device, positive_float, positive_int, writable_dir,
                             writable_file)
 
 
@@ -24,7 +24,7 @@ def _bench(args) -> None:
         from evict.bench.ops import bench_cpu, bench_cuda
 
         if args.device == "cuda":
-            bench_cuda(out=args.out, fla_backward=not args.no_fla_backward)
+            bench_cuda(shapes=tuple(args.shapes), out=args.out, fla_backward=not args.no_fla_backward)
         elif args.device == "cpu":
             bench_cpu(lengths=tuple(args.lengths), out=args.out)
         else:
@@ -147,6 +147,8 @@ def build_parser() -> Parser:
     b.add_argument("--device", type=device, default="cpu", help="cpu, cuda, cuda:N or auto (ops: cpu or cuda)")
     b.add_argument("--lengths", type=positive_int, nargs="+", default=[256, 1024, 2048, 4096])
     b.add_argument("--no-fla-backward", action="store_true", help="ops --device cuda: skip fla's fwd+bwd (it autotunes for minutes)")
+    b.add_argument("--shapes", type=batch_by_length, nargs="+", default=[(4, 8192), (1, 32768)], metavar="BxT",
+                   help="ops --device cuda: (batch, tokens) shapes at H16 D128 (default 4x8192 1x32768); the first is profiled")
     b.add_argument("--out", default=None, help="JSON output path")
     from evict.bench.decode import add_arguments as add_decode_arguments
 

@@ -93,6 +93,18 @@ def unit_interval(text: str) -> float:
     return _number(text, float, "a number in (0, 1]", lambda v: 0 < v <= 1)
 
 
+def batch_by_length(text: str) -> tuple[int, int]:
+    """`4x8192` -> (4, 8192): a batch size and a sequence length, both positive."""
+    b, sep, t = text.partition("x")
+    try:
+        shape = (int(b), int(t))
+    except ValueError:
+        shape = (0, 0)
+    if not sep or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected BxT with positive integers (e.g. 4x8192), got {text!r}")
+    return shape
+
+
 def device(text: str) -> str:
     """'auto', 'cpu', 'cuda' or 'cuda:N'; a CUDA device must exist on this machine."""
     import torch

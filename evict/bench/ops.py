@@ -151,10 +151,13 @@ def bench_cuda(shapes=CUDA_SHAPES, *, H=16, D=128, out=None, fla_backward=True, 
             flops_t, nbytes_t = _memory_cost(B, T, H, D, train=True)
             rows.append(_row(f"evict {rule} fwd+bwd", shape, bench(fb, rep=500), flops_t, nbytes_t, ceil))
             if profile and (B, T) == shapes[0]:
-                profiles[rule] = kernel_profile(fb)
+                profiles[f"evict {rule} fwd"] = kernel_profile(fwd)
+                profiles[f"evict {rule} fwd+bwd"] = kernel_profile(fb)
             if rule not in fla:
                 continue
             f = fla[rule]
+            if profile and (B, T) == shapes[0]:
+                profiles[f"fla {rule} fwd"] = kernel_profile(lambda: f(*args))
             with torch.no_grad():
                 agree = f"out vs evict {rel_err(f(*args)[0], fwd()):.1e}"
             rows.append(_row(f"fla {rule} fwd", shape, bench(lambda: f(*args)), flops, nbytes, ceil, agree))
@@ -166,6 +169,8 @@ def bench_cuda(shapes=CUDA_SHAPES, *, H=16, D=128, out=None, fla_backward=True, 
                     g_fla, g_ev = fb_fla(), fb()
                     agree = "grads vs evict " + " ".join(f"{n}:{rel_err(a, b):.0e}" for n, a, b in zip("qkvab", g_fla, g_ev))
                     rows.append(_row(f"fla {rule} fwd+bwd", shape, bench(fb_fla, rep=500), flops_t, nbytes_t, ceil, agree))
+                    if profile and (B, T) == shapes[0]:
+                        profiles[f"fla {rule} fwd+bwd"] = kernel_profile(fb_fla)
                 except Exception as e:  # fla's own guard refuses gated bwd on Triton 3.6 + Hopper
                     rows.append({"op": f"fla {rule} fwd+bwd", "shape": shape, "note": f"refused: {str(e)[:70]}"})
         qs, ks, vs = (torch.randn(B, H, T, D, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
@@ -176,15 +181,31 @@ def bench_cuda(shapes=CUDA_SHAPES, *, H=16, D=128, out=None, fla_backward=True, 
             rows.append(_row("sdpa flash causal fwd", shape, bench(sdpa), fl, nb, ceil))
             rows.append(_row("sdpa flash causal fwd+bwd", shape, bench(lambda: sdpa().sum().backward(), rep=500), 3.5 * fl, 2 * nb, ceil))
     print(markdown_table(rows, ["op", "shape", "ms", "roofline_ms", "of_roofline", "note"]))
-    for rule, per in profiles.items():
-        print(f"\nCUDA time per kernel, evict {rule} fwd+bwd, {shapes[0]}:")
-        print(markdown_table([{"kernel": k[:60], "ms": round(v, 4)} for k, v in per[:12]], ["kernel", "ms"]))
+    print(stage_table(profiles, f"B{shapes[0][0]} T{shapes[0][1]} H{H} D{D}"))
     info = card()
     info["ceilings"] = {k: round(v, 1) for k, v in ceil.items()}
     print(f"\n{info}")
     if out:
         print(f"wrote {write_json(out, {'card': info, 'rows': rows, 'profiles': profiles})}")
     return rows
+
+
+def stage_table(profiles: dict, shape: str) -> str:
+    """CUDA time per kernel (ms per call) of each profiled run, evict's beside fla's for the same rule and pass."""
+    out = []
+    for key, per in profiles.items():
+        if not key.startswith("evict "):
+            continue
+        other = profiles.get("fla " + key[len("evict "):], [])
+        n = max(len(per), len(other))
+        pad = lambda xs: [(k[:48], f"{v:.4f}") for k, v in xs] + [("", "")] * (n - len(xs))
+        rows = [{"evict kernel": a, "evict ms": am, "fla kernel": b, "fla ms": bm}
+                for (a, am), (b, bm) in zip(pad(per[:14]), pad(other[:14]))]
+        rows.append({"evict kernel": "TOTAL", "evict ms": f"{sum(v for _, v in per):.4f}", "fla kernel": "TOTAL" if other else "",
+                     "fla ms": f"{sum(v for _, v in other):.4f}" if other else ""})
+        out.append(f"\nCUDA time per kernel, {key}, {shape}:\n"
+                   + markdown_table(rows, ["evict kernel", "evict ms", "fla kernel", "fla ms"]))
+    return "\n".join(out)
 
 
 def rel_err(a, b) -> float:

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One device call for session 5's GPU work: wheels the GPU box lacks (no package index; carried in ./.whl), then
+#   verify   the distributed / fast-training GPU tests (compile of the step, CUDA-graph statics)
+#   optests  the memory op's GPU tests (Triton kernels vs the float64 reference)
+#   ops      `evict bench ops` against fla and SDPA flash, with the per-kernel stage table
+#   tune     dev/triton_tune.py (per-kernel time of the knob variants)
+#   bash dev/gpu_session5.sh verify ops        (any subset, in order; T / TO override the timeouts)
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.tcache PYTHONPATH=$PWD
+mkdir -p .tcache "${OUT:=/tmp/out}"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import fastapi, uvicorn, httpx" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl/serve fastapi uvicorn httpx
+python3 -c "import fla" 2>/dev/null || python3 -m pip install -q --no-index --no-deps .whl/fla/*.whl
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+for what in "$@"; do
+  case $what in
+    verify) timeout ${T:-300} python3 -m pytest tests/test_distributed_gpu.py tests/test_train_fast.py -m gpu -n 4 -q -rf -p no:cacheprovider 2>&1 \
+              | tee $OUT/verify.log | grep -v "Warning\|warn\|^  \|^$" | tail -25 ;;
+    optests) timeout ${T:-240} python3 -m pytest tests/ops/test_memory_triton.py -m gpu -n 8 -q -rf -p no:cacheprovider 2>&1 \
+              | tee $OUT/optests.log | grep -v "Warning\|warn\|^  \|^$" | tail -25 ;;
+    ops) timeout ${TO:-300} python3 -m evict.cli bench ops --device cuda --shapes ${SHAPES:-4x8192 1x32768} --out $OUT/bench_ops.json 2>&1 \
+              | grep -v "^{'op'" | tee $OUT/bench_ops.log ;;
+    tune) timeout ${TO:-200} python3 dev/triton_tune.py ${TUNE:-} 2>&1 | tee $OUT/tune.log ;;
+  esac
+done
