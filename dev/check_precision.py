@@ -1,5 +1,6 @@
 """bf16 inputs: error of every gradient against float64 autograd through the reference, per tl.dot precision of the
-Triton backward (GPU). Shows what TF32 rounding does to log alpha's gradient under strong decay."""
+Triton backward (GPU). Shows what TF32 rounding does to log alpha's gradient under strong decay; the 4-part names
+set it per kernel (recompute / dstate / dvalue / dkey; x3 = tf32x3, t = tf32)."""
 
 import torch
 
@@ -17,8 +18,10 @@ for gate in ("scalar", "channel"):
         g = torch.Generator(device="cuda").manual_seed(1)
         do, ds = (torch.randn(t.shape, generator=g, device="cuda", dtype=torch.float64) for t in (o, s))
         ref = dict(zip(leaves, torch.autograd.grad((o * do).sum() + (s * ds).sum(), list(leaves.values()))))
-        for prec in ("tf32", "tf32x3", "ieee"):
+        x3, t = "tf32x3", "tf32"
+        for prec in ("tf32", "tf32x3", "ieee", (t, t, t, x3), (x3, t, t, x3), (t, x3, x3, x3), (x3, x3, t, x3), (x3, x3, x3, t)):
             got = backward_triton(xd["q"], xd["k"], xd["v"], xd["log_alpha"], xd["beta"], xd["initial_state"],
                                   do.to(torch.bfloat16), ds.float(), delta=True, scale=128 ** -0.5, precision=prec)
             errs = {n: rel(gg, ref[n]) for n, gg in zip(("q", "k", "v", "log_alpha", "beta", "initial_state"), got)}
-            print(gate, "strong" if strong else "normal", prec, " ".join(f"{n}:{e:.1e}" for n, e in errs.items()), flush=True)
+            name = prec if isinstance(prec, str) else "/".join("x3" if p == x3 else "t" for p in prec)
+            print(gate, "strong" if strong else "normal", name, " ".join(f"{n}:{e:.1e}" for n, e in errs.items()), flush=True)

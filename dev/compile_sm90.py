@@ -47,6 +47,7 @@ def main():
     ap.add_argument("--warps", default="", help="name=warps,... overrides, e.g. intra=8,dkey=16")
     ap.add_argument("--gates", default="2,1,0")
     ap.add_argument("--decode", action="store_true", help="the split-K decode attention kernels instead")
+    ap.add_argument("--lowp", action="store_true", help="the forward's 16-bit intermediates (forward_triton's lowp)")
     ap.add_argument("--no-div16", action="store_true", help="integer arguments (T, N) not divisible by 16 (odd T)")
     a = ap.parse_args()
     dt, D, DV = a.dtype, a.D, a.V or a.D
@@ -54,17 +55,20 @@ def main():
         return decode_kernels(a.dtype)
     BK, BV = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV))
     p, f = "*" + dt, "*fp32"
+    m = p if a.lowp else f  # the forward's stored intermediates
     common = dict(H=16, K=D, V=DV, C=64)
     over = {kv.split('=')[0]: int(kv.split('=')[1]) for kv in a.warps.split(',') if kv}
     for gate in map(int, a.gates.split(',')):
         for delta in (True, False):
             tag = f"gate{gate} delta{int(delta)}"
             jobs = {
-                "intra": (fw._intra_kernel, dict(q=p, k=p, v=p, la=p, beta=p, G=f, Ub=f, W=f, Tm=f, Am=f, Pm=f, Kd=f, Dec=f, Qg=f, T="i32", N="i32"),
-                          dict(common, SC=16, BK=BK, BV=BV, SPREAD=40.0, GATE=gate, DELTA=delta, HAS_BETA=True, PREC="tf32", QG=True, ABLATE=int(os.environ.get("ABLATE", 0))), 4, 1),
-                "state": (fw._state_kernel, dict(k=p, Kd=f, Dec=f, Ub=f, W=f, U=f, Hs=f, s0=f, sT=f, T="i32", N="i32"),
-                          dict(common, BK=BK, BV=32, GATE=gate, DELTA=delta, HAS_S0=True, PREC="tf32"), 4, 2),
-                "out": (fw._out_kernel, dict(q=p, G=f, U=f, Pm=f, Hs=f, o=p, scale="fp32", T="i32", N="i32"),
+                "intra": (fw._intra_kernel, dict(q=p, k=p, v=p, la=p, beta=p, G=f, Ub=m, W=m, Tm=f, Am=f, Pm=m, Kd=m, Dec=f, Qg=f, T="i32", N="i32"),
+                          dict(common, SC=16, BK=BK, BV=BV, SPREAD=40.0, GATE=gate, DELTA=delta, HAS_BETA=True, PREC="tf32", QG=not a.lowp,
+                               KD=gate == 2 or not a.lowp, ABLATE=int(os.environ.get("ABLATE", 0))), int(over.get("intra", 4)), 1),
+                "state": (fw._state_kernel, dict(k=p, G=f, Kd=m, Dec=f, Ub=m, W=m, U=m, Hs=m, s0=f, sT=f, T="i32", N="i32"),
+                          dict(common, BK=BK, BV=int(os.environ.get("STATE_BV", 32)), GATE=gate, DELTA=delta, HAS_S0=True, PREC="tf32",
+                               KD=gate == 2 or not a.lowp), 4, 2),
+                "out": (fw._out_kernel, dict(q=p, G=f, U=m, Pm=m, Hs=m, o=p, scale="fp32", T="i32", N="i32"),
                         dict(common, BK=BK, BV=64, GATE=gate, PREC="tf32"), 4, 2),
                 "dstate": (bw._dstate_kernel, dict(q=p, k=p, do=p, Kd=f, Dec=f, Qg=f, W=f, Pm=f, dU=f, dHs=f, dsT=f, ds0=f, scale="fp32", T="i32", N="i32"),
                            dict(common, BK=BK, BV=32, GATE=gate, DELTA=delta, HAS_DST=True, PREC="tf32"), 4, int(os.environ.get("DSTAGES", 2))),

@@ -3,7 +3,8 @@
 #   verify   the distributed / fast-training GPU tests (compile of the step, CUDA-graph statics)
 #   optests  the memory op's GPU tests (Triton kernels vs the float64 reference)
 #   ops      `evict bench ops` against fla and SDPA flash, with the per-kernel stage table
-#   tune     dev/triton_tune.py (per-kernel time of the knob variants)
+#   tune     dev/triton_tune.py (per-kernel time of the knob variants); tunefwd / tunebwd: session 5's variant sets
+#   precision  dev/check_precision.py;  opsfwd  the ops bench without fla's (slowly autotuned) backward
 #   bash dev/gpu_session5.sh verify ops        (any subset, in order; T / TO override the timeouts)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.tcache PYTHONPATH=$PWD
@@ -21,5 +22,11 @@ for what in "$@"; do
     ops) timeout ${TO:-300} python3 -m evict.cli bench ops --device cuda --shapes ${SHAPES:-4x8192 1x32768} --out $OUT/bench_ops.json 2>&1 \
               | grep -v "^{'op'" | tee $OUT/bench_ops.log ;;
     tune) timeout ${TO:-200} python3 dev/triton_tune.py ${TUNE:-} 2>&1 | tee $OUT/tune.log ;;
+    tunefwd) timeout 150 python3 dev/triton_tune.py --fwd-only --shapes 4x8192,1x32768 --variants v0,f32,iw8,bv64,sw8,sw8bv64,ow8 2>&1 \
+              | grep -v "Warn\|warn" | tee $OUT/tunefwd.log ;;
+    tunebwd) timeout 120 python3 dev/triton_tune.py --variants v0,t32,pk3,pr3 2>&1 | grep -v "Warn\|warn" | tee $OUT/tunebwd.log ;;
+    precision) timeout 90 python3 dev/check_precision.py 2>&1 | tee $OUT/precision.log ;;
+    opsfwd) timeout ${TO:-200} python3 -m evict.cli bench ops --device cuda --no-fla-backward --shapes ${SHAPES:-4x8192 1x32768} \
+              --out $OUT/bench_ops.json 2>&1 | tee $OUT/bench_ops.log ;;
   esac
 done

@@ -20,6 +20,16 @@ VARIANTS = {  # name -> (forward knobs, backward knobs); a* = ablations (timing 
     "a2": (dict(), dict(precision="tf32", ablate=(2, 2))),
     "a4": (dict(), dict(precision="tf32", ablate=(4, 0))),
     "a7": (dict(), dict(precision="tf32", ablate=(7, 3))),
+    # session 5: the forward's 16-bit intermediates (lowp, the default) against float32 ones, launch shapes, and the
+    # backward's tl.dot precision per kernel (recompute, dstate, dvalue, dkey)
+    "f32": (dict(lowp=False), dict()),
+    "iw8": (dict(warps=(8, 4, 4)), dict()),
+    "bv64": (dict(block_v=64), dict()),
+    "sw8": (dict(warps=(4, 8, 4)), dict()),
+    "sw8bv64": (dict(warps=(4, 8, 4), block_v=64), dict()),
+    "ow8": (dict(warps=(4, 4, 8), out_block_v=128), dict()),
+    "pk3": (dict(), dict(precision=("tf32", "tf32", "tf32", "tf32x3"))),
+    "pr3": (dict(), dict(precision=("tf32x3", "tf32", "tf32", "tf32x3"))),
 }
 
 
@@ -27,6 +37,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="4x8192")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--fwd-only", action="store_true", help="time the forward alone")
     a = ap.parse_args()
     for shape in a.shapes.split(","):
         B, T = map(int, shape.split("x"))
@@ -40,7 +51,8 @@ def main():
 
                 def run():
                     forward_triton(q, k, v, log_alpha=la, beta=beta, delta=True, scale=128 ** -0.5, **fk)
-                    backward_triton(q, k, v, la, beta, None, do, None, delta=True, scale=128 ** -0.5, **bk)
+                    if not a.fwd_only:
+                        backward_triton(q, k, v, la, beta, None, do, None, delta=True, scale=128 ** -0.5, **bk)
                     torch.cuda.synchronize()
                 try:
                     times = dict(kernel_profile(run))

@@ -321,7 +321,8 @@ def _revcumsum_kernel(x, last, out, T, H: tl.constexpr, K: tl.constexpr, C: tl.c
 def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, scale, block_v=None, warps=(4, 8, 8),
                     value_block=64, key_block=32, stages=2, fwd_warps=(4, 4), precision=None, ablate=(0, 0)):
     """Gradients (dq, dk, dv, dlog_alpha, dbeta, dinitial_state) of the chunked forward, given dO (or None) and the
-    final state's gradient (or None). Recomputes the forward's per-chunk factors and start states."""
+    final state's gradient (or None). Recomputes the forward's per-chunk factors and start states. `precision`: tl.dot's
+    input precision, one for every kernel or a tuple (recompute, dstate, dvalue, dkey); default "tf32x3" everywhere."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev, f32 = q.device, torch.float32
@@ -329,9 +330,10 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     log_alpha = log_alpha.contiguous() if log_alpha is not None else None
     beta = beta.contiguous() if beta is not None else None
     delta = bool(delta)
-    prec = precision or "tf32x3"  # the gate's gradient is a long sum of cancelling terms: tf32 rounding shows (LOG)
-    x = intra(q, k, v, log_alpha, beta, delta, warps=fwd_warps[0], precision=prec, qg=True, ablate=ablate[0])
-    U, Hs, sT = carry(k, x, initial_state, delta, V=V, block_v=block_v, warps=fwd_warps[1], stages=stages, precision=prec)
+    # the gate's gradient is a long sum of cancelling terms: tf32 rounding shows (dev/LOG.md)
+    precs = tuple(precision) if isinstance(precision, (tuple, list)) else (precision or "tf32x3",) * 4
+    x = intra(q, k, v, log_alpha, beta, delta, warps=fwd_warps[0], precision=precs[0], qg=True, ablate=ablate[0])
+    U, Hs, sT = carry(k, x, initial_state, delta, V=V, block_v=block_v, warps=fwd_warps[1], stages=stages, precision=precs[0])
     N, gate = x["N"], x["gate"]
     BK, BVf = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
     do = torch.zeros(B, T, H, V, dtype=q.dtype, device=dev) if do is None else do.contiguous()
@@ -341,7 +343,7 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     BVs = min(BVf, block_v or state_block_v(B, H, V, dev))
     _dstate_kernel[(triton.cdiv(V, BVs), B * H)](
         q, k, do, x["Kd"], x["Dec"], x["Qg"], x["W"], x["Pm"], dU, dHs, dsT.contiguous() if dsT is not None else ds0, ds0, float(scale),
-        T, H=H, K=K, V=V, N=N, C=C, BK=BK, BV=BVs, GATE=gate, DELTA=delta, HAS_DST=dsT is not None, PREC=prec,
+        T, H=H, K=K, V=V, N=N, C=C, BK=BK, BV=BVs, GATE=gate, DELTA=delta, HAS_DST=dsT is not None, PREC=precs[1],
         num_warps=warps[0], num_stages=1,  # 2 stages of its three [C, K] float32 tiles exceed shared memory
     )
     dPm = torch.empty(B * H * N * C * C, dtype=f32, device=dev)
@@ -351,7 +353,7 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     BV2 = min(BVf, value_block)
     _dvalue_kernel[(N, B * H)](
         v, beta if beta is not None else v, do, x["Ub"], U, dU, x["Tm"], dPm, dAm, dB, dv, float(scale),
-        T, H=H, V=V, N=N, C=C, BV=BV2, DELTA=delta, HAS_BETA=beta is not None, PREC=prec, num_warps=warps[1], num_stages=1,
+        T, H=H, V=V, N=N, C=C, BV=BV2, DELTA=delta, HAS_BETA=beta is not None, PREC=precs[2], num_warps=warps[1], num_stages=1,
     )
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty(B, T, H, *((K,) if gate == 2 else ()), dtype=f32, device=dev) if gate else dB
@@ -362,7 +364,7 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
         q, k, beta if beta is not None else q, U, dU, x["W"], x["Tm"], x["Am"], dPm, dAm, x["G"], Hs, dHs, dB, do,
         dq, dk, dg, dbeta, XQ, XW, XC, float(scale),
         T, H=H, K=K, V=V, N=N, C=C, SC=SC, BK=BK, BV=BV3, SPREAD=SPREAD,
-        GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=prec, ABLATE=ablate[1], num_warps=warps[2], num_stages=1,
+        GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=precs[3], ABLATE=ablate[1], num_warps=warps[2], num_stages=1,
     )
     dla = None
     if gate:  # dlog alpha_t = sum_{s >= t} dG_s, plus the final state's own factor e^{G_T}: rowsum(S_T dS_T)

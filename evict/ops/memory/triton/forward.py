@@ -41,7 +41,7 @@ def _rows(ptr, t0, rows, T, stride, cols, ncols):
 @triton.jit
 def _hrows(ptr, t, cols, ncols):
     """Rows t (all valid) of a head-major float32 [Tp, ncols] buffer, columns cols < ncols (0 past them)."""
-    return tl.load(ptr + t[:, None] * ncols + cols[None, :], mask=(cols < ncols)[None, :], other=0.0)
+    return tl.load(ptr + t[:, None] * ncols + cols[None, :], mask=(cols < ncols)[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -64,13 +64,14 @@ def _store_block(ptr, r0, c0, x, SC: tl.constexpr, C: tl.constexpr):
 
 @triton.jit
 def _lower(ptr, t0, C: tl.constexpr, STRICT: tl.constexpr):
-    """The chunk's [C, C] lower-triangular matrix from a head-major [Tp, C] buffer (blocks above were never written)."""
+    """The chunk's [C, C] lower-triangular matrix from a head-major [Tp, C] buffer, as float32. Every such buffer is
+    written whole (zeros above the diagonal), so the load is unmasked (vectorised) and the triangle is selected after."""
     rc = tl.arange(0, C)
     if STRICT:
         m = rc[:, None] > rc[None, :]
     else:
         m = rc[:, None] >= rc[None, :]
-    return tl.load(ptr + (t0 + rc)[:, None] * C + rc[None, :], mask=m, other=0.0)
+    return tl.where(m, tl.load(ptr + (t0 + rc)[:, None] * C + rc[None, :]).to(tl.float32), 0.0)
 
 
 @triton.jit
@@ -109,7 +110,7 @@ def _intra_kernel(
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
     C: tl.constexpr, SC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPREAD: tl.constexpr,
     GATE: tl.constexpr, DELTA: tl.constexpr, HAS_BETA: tl.constexpr, PREC: tl.constexpr, QG: tl.constexpr = False,
-    ABLATE: tl.constexpr = 0,
+    KD: tl.constexpr = True, ABLATE: tl.constexpr = 0,
 ):
     # ABLATE (timing only, wrong results): bit 1 skips the Gram strips, 2 the diagonal inverses, 4 the Neumann / W / U dots
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
@@ -137,7 +138,8 @@ def _intra_kernel(
         gc = tl.cumsum(tl.load(la + tok + (t0 + rc).to(tl.int64) * H, mask=t0 + rc < T, other=0.0).to(tl.float32), axis=0)
         tl.store(G_bh + t0 + rc, gc)
         g_end = tl.sum(tl.where(rc == C - 1, gc, 0.0), axis=0)
-        _hstore(Kd + hm * K, t0 + rc, ck, K, kc * tl.exp(g_end - gc)[:, None])
+        if KD:  # else the state kernel forms K e^{g_C - g} itself: one exp per row costs less than the stores
+            _hstore(Kd + hm * K, t0 + rc, ck, K, kc * tl.exp(g_end - gc)[:, None])
         tl.store(Dec + i_bh.to(tl.int64) * N + i_n, tl.exp(g_end))
         if QG:
             _hstore(Qg + hm * K, t0 + rc, ck, K, _rows(q_bh, t0, rc, T, H * K, ck, K) * tl.exp(gc)[:, None])
@@ -237,10 +239,10 @@ def _state_tile(ptr, i_bh, ck, cv, K: tl.constexpr, V: tl.constexpr, LOAD: tl.co
 
 @triton.jit
 def _state_kernel(
-    k, Kd, Dec, Ub, W, U, Hs, s0, sT,
+    k, G, Kd, Dec, Ub, W, U, Hs, s0, sT,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, DELTA: tl.constexpr, HAS_S0: tl.constexpr, PREC: tl.constexpr,
+    GATE: tl.constexpr, DELTA: tl.constexpr, HAS_S0: tl.constexpr, PREC: tl.constexpr, KD: tl.constexpr = True,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -254,14 +256,17 @@ def _state_kernel(
     for n in range(N):
         t0 = n * C
         tl.store(Hs + (i_bh.to(tl.int64) * N + n) * K * V + s_off, S, mask=m_s)
-        u = tl.load(Ub_bh + (t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0)
+        u = tl.load(Ub_bh + (t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0).to(tl.float32)
         if DELTA:
             u -= tl.dot(_hrows(W_bh, t0 + rc, ck, K), S, input_precision=PREC)
         tl.store(U_bh + (t0 + rc)[:, None] * V + cv[None, :], u, mask=mv[None, :])
         if GATE == 0:
             kn = _rows(k_bh, t0, rc, T, H * K, ck, K)
-        else:
+        elif KD:
             kn = _hrows(Kd + hm * K, t0 + rc, ck, K)  # K * e^{g_C - g}
+        else:  # scalar gate: e^{g_C - g} from the chunk's prefix sums (G ends at g_C)
+            gn = tl.load(G + hm + t0 + rc)
+            kn = _rows(k_bh, t0, rc, T, H * K, ck, K) * tl.exp(tl.sum(tl.where(rc == C - 1, gn, 0.0), axis=0) - gn)[:, None]
         if GATE == 2:
             S = S * tl.load(Dec + (i_bh.to(tl.int64) * N + n) * K + ck, mask=mk, other=0.0)[:, None]
         if GATE == 1:
@@ -290,8 +295,8 @@ def _out_kernel(
     if GATE == 1:
         qn = qn * tl.exp(tl.load(G + hm + t0 + rc))[:, None]
     S = tl.load(Hs + (i_bh.to(tl.int64) * N + i_n) * K * V + ck[:, None] * V + cv[None, :],
-                mask=mk[:, None] & mv[None, :], other=0.0)
-    u = tl.load(U + (hm + t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0)
+                mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
+    u = tl.load(U + (hm + t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0).to(tl.float32)
     on = tl.dot(qn, S, input_precision=PREC) + tl.dot(_lower(Pm + hm * C, t0, C, False), u, input_precision=PREC)
     tl.store(o + (tok + (t0 + rc).to(tl.int64) * H)[:, None] * V + cv[None, :], (scale * on).to(tl.float32).to(o.dtype.element_ty),
              mask=(t0 + rc < T)[:, None] & mv[None, :])
@@ -315,20 +320,24 @@ def state_block_v(B, H, V, dev) -> int:
     return 16 if B * H * triton.cdiv(V, 32) < _sms(dev) else 32
 
 
-def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, qg=False, ablate=0):
+def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, qg=False, ablate=0, store=None, kd=True):
     """Kernel 1: G, U_bar, W, T, A~, P, K e^{g_C - g} (Kd), e^{g_C} (Dec) and, with `qg`, Q e^g (Qg) on head-major
-    buffers (W / T / A~ empty without the delta rule; Kd / Dec / Qg without a gate)."""
+    buffers (W / T / A~ empty without the delta rule; Kd / Dec / Qg without a gate; Kd also empty for a scalar gate
+    unless `kd`). `store`: the dtype of U_bar, W, P and Kd (default float32; the forward alone stores them in its
+    16-bit input dtype, halving the bytes the memory-bound kernels move; the backward's recompute keeps float32)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = max(1, triton.cdiv(T, C))
     dev, f32 = q.device, torch.float32
+    st = store or f32
     gate = _gate(log_alpha)
+    kd = bool(kd) or gate == 2
     G = torch.empty(B * H * N * C * (K if gate == 2 else 1) if gate else 1, dtype=f32, device=dev)
-    Ub = torch.empty(B * H * N * C * V, dtype=f32, device=dev)
-    W = torch.empty(B * H * N * C * K if delta else 1, dtype=f32, device=dev)
+    Ub = torch.empty(B * H * N * C * V, dtype=st, device=dev)
+    W = torch.empty(B * H * N * C * K if delta else 1, dtype=st, device=dev)
     Tm, Am = (torch.empty(B * H * N * C * C if delta else 1, dtype=f32, device=dev) for _ in range(2))
-    Pm = torch.empty(B * H * N * C * C, dtype=f32, device=dev)
-    Kd = torch.empty(B * H * N * C * K if gate else 1, dtype=f32, device=dev)
+    Pm = torch.empty(B * H * N * C * C, dtype=st, device=dev)
+    Kd = torch.empty(B * H * N * C * K if gate and kd else 1, dtype=st, device=dev)
     Dec = torch.empty(B * H * N * (K if gate == 2 else 1) if gate else 1, dtype=f32, device=dev)
     Qg = torch.empty(B * H * N * C * K if gate and qg else 1, dtype=f32, device=dev)
     BK, BV = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
@@ -336,43 +345,48 @@ def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, qg=
         q, k, v, log_alpha if gate else q, beta if beta is not None else q, G, Ub, W, Tm, Am, Pm, Kd, Dec, Qg,
         T, H=H, K=K, V=V, N=N, C=C, SC=SC, BK=BK, BV=BV, SPREAD=SPREAD,
         GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=precision or precision_for(q.dtype), QG=bool(qg and gate),
-        ABLATE=ablate,
+        KD=kd, ABLATE=ablate,
         num_warps=warps, num_stages=1,
     )
-    return dict(G=G, Ub=Ub, W=W, Tm=Tm, Am=Am, Pm=Pm, Kd=Kd, Dec=Dec, Qg=Qg, N=N, gate=gate)
+    return dict(G=G, Ub=Ub, W=W, Tm=Tm, Am=Am, Pm=Pm, Kd=Kd, Dec=Dec, Qg=Qg, N=N, gate=gate, kd=kd, store=st)
 
 
 def carry(k, x, initial_state, delta: bool, *, V: int, block_v=None, warps=4, stages=2, precision=None):
-    """Kernel 2: per-chunk start states Hs [B H N K V] float32, U (head-major), and the final state [B, H, K, V]."""
+    """Kernel 2: per-chunk start states Hs [B H N K V], U (head-major), both in intra's store dtype, and the final
+    state [B, H, K, V] float32 (carried in float32 whatever is stored)."""
     B, T, H, K = k.shape
     N, gate, dev = x["N"], x["gate"], k.device
     f32 = torch.float32
-    U = torch.empty(B * H * N * C * V, dtype=f32, device=dev)
-    Hs = torch.empty(B * H * N * K * V, dtype=f32, device=dev)
+    U = torch.empty(B * H * N * C * V, dtype=x["store"], device=dev)
+    Hs = torch.empty(B * H * N * K * V, dtype=x["store"], device=dev)
     sT = torch.empty(B, H, K, V, dtype=f32, device=dev)
     BK = max(16, triton.next_power_of_2(K))
     BV = min(max(16, triton.next_power_of_2(V)), block_v or state_block_v(B, H, V, dev))
     s0 = initial_state.contiguous().to(f32) if initial_state is not None else sT
     _state_kernel[(triton.cdiv(V, BV), B * H)](
-        k, x["Kd"], x["Dec"], x["Ub"], x["W"], U, Hs, s0, sT, T, H=H, K=K, V=V, N=N, C=C, BK=BK, BV=BV,
-        GATE=gate, DELTA=delta, HAS_S0=initial_state is not None, PREC=precision or precision_for(k.dtype),
+        k, x["G"], x["Kd"], x["Dec"], x["Ub"], x["W"], U, Hs, s0, sT, T, H=H, K=K, V=V, N=N, C=C, BK=BK, BV=BV,
+        GATE=gate, DELTA=delta, HAS_S0=initial_state is not None, PREC=precision or precision_for(k.dtype), KD=x["kd"],
         num_warps=warps, num_stages=stages,
     )
     return U, Hs, sT
 
 
 def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None,
-                   block_v=None, warps=(4, 4, 4), stages=2, out_block_v=64, precision=None, keep=False):
+                   block_v=None, warps=(4, 4, 4), stages=2, out_block_v=64, precision=None, keep=False, lowp=True):
     """Chunked forward on [B, T, H, D] tensors. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32),
     plus the intermediates when `keep`. Tuning knobs: `warps` per kernel (intra, carry, out), `block_v` / `stages`
-    of the carry kernel (V columns per program, software pipelining), `out_block_v` of the output kernel."""
+    of the carry kernel (V columns per program, software pipelining), `out_block_v` of the output kernel. `lowp`
+    (16-bit inputs only): intermediates stored in the input dtype, states carried and every product summed in float32;
+    scalar gates form K e^{g_C - g} in the carry kernel instead of storing it."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     log_alpha = log_alpha.contiguous() if log_alpha is not None else None
     beta = beta.contiguous() if beta is not None else None
     prec = precision or precision_for(q.dtype)
-    x = intra(q, k, v, log_alpha, beta, bool(delta), warps=warps[0], precision=prec)
+    low = lowp and q.dtype in (torch.bfloat16, torch.float16)
+    x = intra(q, k, v, log_alpha, beta, bool(delta), warps=warps[0], precision=prec, store=q.dtype if low else None,
+              kd=not low)
     U, Hs, sT = carry(k, x, initial_state, bool(delta), V=V, block_v=block_v, warps=warps[1], stages=stages, precision=prec)
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
     BK = max(16, triton.next_power_of_2(K))
