@@ -62,11 +62,11 @@ def main():
             jobs = {
                 "intra": (fw._intra_kernel, dict(q=p, k=p, v=p, la=p, beta=p, G=f, Ub=f, W=f, Tm=f, Am=f, Pm=f, Kd=f, Dec=f, Qg=f, T="i32", N="i32"),
                           dict(common, SC=16, BK=BK, BV=BV, SPREAD=40.0, GATE=gate, DELTA=delta, HAS_BETA=True, PREC="tf32", QG=True, ABLATE=int(os.environ.get("ABLATE", 0))), 4, 1),
-                "state": (fw._state_kernel, dict(k=p, Kd=f, Dec=f, Ub=f, W=f, U=f, Hs=f, s0=f, sT=f, T="i32", N="i32"),
+                "state": (fw._state_kernel, dict(k=p, Kd=f, Dec=f, Ub=f, W=f, U=f, Hs=f, s0=f, sT=f, cu="*i32", T="i32", N="i32"),
                           dict(common, BK=BK, BV=32, GATE=gate, DELTA=delta, HAS_S0=True, PREC="tf32"), 4, 2),
                 "out": (fw._out_kernel, dict(q=p, G=f, U=f, Pm=f, Hs=f, o=p, scale="fp32", T="i32", N="i32"),
                         dict(common, BK=BK, BV=64, GATE=gate, PREC="tf32"), 4, 2),
-                "dstate": (bw._dstate_kernel, dict(q=p, k=p, do=p, Kd=f, Dec=f, Qg=f, W=f, Pm=f, dU=f, dHs=f, dsT=f, ds0=f, scale="fp32", T="i32", N="i32"),
+                "dstate": (bw._dstate_kernel, dict(q=p, k=p, do=p, Kd=f, Dec=f, Qg=f, W=f, Pm=f, dU=f, dHs=f, dsT=f, ds0=f, cu="*i32", scale="fp32", T="i32", N="i32"),
                            dict(common, BK=BK, BV=32, GATE=gate, DELTA=delta, HAS_DST=True, PREC="tf32"), 4, int(os.environ.get("DSTAGES", 2))),
                 "dvalue": (bw._dvalue_kernel, dict(v=p, beta=p, do=p, Ub=f, U=f, dU=f, Tm=f, dPm=f, dAm=f, dB=f, dv=p, scale="fp32", T="i32", N="i32"),
                            dict(H=16, V=DV, C=64, BV=64, DELTA=delta, HAS_BETA=True, PREC="tf32"), 4, 2),
