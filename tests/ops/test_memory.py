@@ -227,16 +227,16 @@ def per_sequence(x, offsets, delta, **kw):
     return torch.cat(outs, 1), torch.cat(states, 0)
 
 
-def packed_grads(x, offsets, delta, *, packed: bool, **kw):
+def packed_grads(x, offsets, delta, *, packed: bool, cu_device="cpu", **kw):
     """Gradients of every input of a fixed random loss on o and the final states, packed (cu_seqlens) or per sequence."""
     leaves = {n: t.clone().requires_grad_(True) for n, t in x.items() if t is not None}
     if packed:
-        o, s = run(leaves, delta, cu_seqlens=torch.tensor(offsets), **kw)
+        o, s = run(leaves, delta, cu_seqlens=torch.tensor(offsets, device=cu_device), **kw)
     else:
         o, s = per_sequence(leaves, offsets, delta, **kw)
     g = torch.Generator().manual_seed(1)
-    loss = (o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64)).sum()
-    loss = loss + (s.double() * torch.randn(s.shape, generator=g, dtype=torch.float64)).sum()
+    w = lambda t: torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.device)  # noqa: E731
+    loss = (o.double() * w(o)).sum() + (s.double() * w(s)).sum()
     got = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)  # unused: every sequence empty
     return {n: torch.zeros_like(t) if d is None else d for (n, t), d in zip(leaves.items(), got)}
 
