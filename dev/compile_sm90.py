@@ -49,6 +49,7 @@ def main():
     ap.add_argument("--decode", action="store_true", help="the split-K decode attention kernels instead")
     ap.add_argument("--lowp", action="store_true", help="the forward's 16-bit intermediates (forward_triton's lowp)")
     ap.add_argument("--no-div16", action="store_true", help="integer arguments (T, N) not divisible by 16 (odd T)")
+    ap.add_argument("--varlen", action="store_true", help="the sequential kernels' packed-sequence form (a chunk table)")
     a = ap.parse_args()
     dt, D, DV = a.dtype, a.D, a.V or a.D
     if a.decode:
@@ -65,13 +66,14 @@ def main():
                 "intra": (fw._intra_kernel, dict(q=p, k=p, v=p, la=p, beta=p, G=f, Ub=m, W=m, Tm=f, Am=f, Pm=m, Kd=m, Dec=f, Qg=f, T="i32", N="i32"),
                           dict(common, SC=16, BK=BK, BV=BV, SPREAD=40.0, GATE=gate, DELTA=delta, HAS_BETA=True, PREC="tf32", QG=not a.lowp,
                                KD=gate == 2 or not a.lowp, ABLATE=int(os.environ.get("ABLATE", 0))), int(over.get("intra", 4)), 1),
-                "state": (fw._state_kernel, dict(k=p, G=f, Kd=m, Dec=f, Ub=m, W=m, U=m, Hs=m, s0=f, sT=f, T="i32", N="i32"),
+                "state": (fw._state_kernel, dict(k=p, G=f, Kd=m, Dec=f, Ub=m, W=m, U=m, Hs=m, s0=f, sT=f, cu="*i32", T="i32", N="i32"),
                           dict(common, BK=BK, BV=int(os.environ.get("STATE_BV", 32)), GATE=gate, DELTA=delta, HAS_S0=True, PREC="tf32",
-                               KD=gate == 2 or not a.lowp), 4, 2),
+                               KD=gate == 2 or not a.lowp, VARLEN=a.varlen), 4, 2),
                 "out": (fw._out_kernel, dict(q=p, G=f, U=m, Pm=m, Hs=m, o=p, scale="fp32", T="i32", N="i32"),
                         dict(common, BK=BK, BV=64, GATE=gate, PREC="tf32"), 4, 2),
-                "dstate": (bw._dstate_kernel, dict(q=p, k=p, do=p, Kd=f, Dec=f, Qg=f, W=f, Pm=f, dU=f, dHs=f, dsT=f, ds0=f, scale="fp32", T="i32", N="i32"),
-                           dict(common, BK=BK, BV=32, GATE=gate, DELTA=delta, HAS_DST=True, PREC="tf32"), 4, int(os.environ.get("DSTAGES", 2))),
+                "dstate": (bw._dstate_kernel, dict(q=p, k=p, do=p, Kd=f, Dec=f, Qg=f, W=f, Pm=f, dU=f, dHs=f, dsT=f, ds0=f, cu="*i32", scale="fp32", T="i32", N="i32"),
+                           dict(common, BK=BK, BV=32, GATE=gate, DELTA=delta, HAS_DST=True, PREC="tf32", VARLEN=a.varlen), 4,
+                           int(os.environ.get("DSTAGES", 2))),
                 "dvalue": (bw._dvalue_kernel, dict(v=p, beta=p, do=p, Ub=f, U=f, dU=f, Tm=f, dPm=f, dAm=f, dB=f, dv=p, scale="fp32", T="i32", N="i32"),
                            dict(H=16, V=DV, C=64, BV=64, DELTA=delta, HAS_BETA=True, PREC="tf32"), 4, 2),
                 "dkey": (bw._dkey_kernel, dict(q=p, k=p, beta=p, U=f, dU=f, W=f, Tm=f, Am=f, dPm=f, dAm=f, G=f, Hs=f, dHs=f, dB=f, do=p,

@@ -80,6 +80,38 @@ def test_op_is_finite_and_equals_the_reference(B, T, H, K, V, gate, delta, has_b
     assert rel(o, o_ref) <= tol and rel(S, s_ref) <= tol, ("step", rel(o, o_ref), rel(S, s_ref))
 
 
+@settings(FAST, max_examples=40)
+@given(lengths=st.lists(st.integers(0, 40), min_size=1, max_size=4), H=st.integers(1, 2), K=st.integers(2, 8),
+       V=st.integers(1, 8), gate=st.sampled_from(["none", "scalar", "channel"]), delta=st.booleans(),
+       init=st.booleans(), chunk=st.sampled_from([8, 16]),
+       palette=st.lists(st.sampled_from(GATE_VALUES), min_size=1, max_size=3), seed=st.integers(0, 2**16))
+def test_packed_sequences_equal_each_sequence_alone(lengths, H, K, V, gate, delta, init, chunk, palette, seed):
+    """cu_seqlens: random lengths (empty ones too) packed in a batch of one give, sequence by sequence, the float64
+    token loop run on that sequence alone from its own initial state (outputs and final states, both forms)."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    T, N = offsets[-1], len(lengths)
+    q, k, v = r(1, T, H, K), F.normalize(r(1, T, H, K), dim=-1), r(1, T, H, V)
+    la = None
+    if gate != "none":
+        shape = (1, T, H) if gate == "scalar" else (1, T, H, K)
+        la = torch.tensor(palette, dtype=torch.float64)[torch.randint(0, len(palette), shape, generator=g)]
+    beta = torch.rand(1, T, H, generator=g, dtype=torch.float64)
+    S0 = r(N, H, K, V) if init else None
+    for impl in ("reference", "chunked"):
+        o, s = memory(q, k, v, log_alpha=la, beta=beta, delta=delta, initial_state=S0, output_final_state=True,
+                      cu_seqlens=torch.tensor(offsets), impl=impl, chunk_size=chunk)
+        assert o.shape == (1, T, H, V) and s.shape == (N, H, K, V)
+        for n, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
+            cut = lambda x: None if x is None else x[:, a:b]  # noqa: E731
+            o_ref, s_ref = memory_reference(cut(q), cut(k), cut(v), log_alpha=cut(la), beta=cut(beta), delta=delta,
+                                            scale=K ** -0.5, initial_state=None if S0 is None else S0[n:n + 1])
+            assert rel(o[:, a:b], o_ref) <= 1e-10 and rel(s[n:n + 1], s_ref) <= 1e-10, (impl, n)
+
+
 # -- configs ---------------------------------------------------------------------------------------------------
 
 @st.composite

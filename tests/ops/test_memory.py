@@ -203,6 +203,115 @@ def test_constant_minus_20_decay_forgets_everything():
     assert rel(s, last) <= 1e-6
 
 
+# -- packed variable-length sequences (cu_seqlens) --------------------------------------------------------------
+
+OFFSETS = [0, 1, 66, 70, 200]  # odd lengths 1, 65, 4, 130: sequences shorter than, equal to and longer than a chunk
+
+
+def make_packed(offsets, H, K, V, *, gate, beta_max=1.0, seed=0, strong=False, reset=0.0, init=True):
+    """make_inputs for sequences packed along T (batch of one), with one initial state per sequence."""
+    x = make_inputs(1, offsets[-1], H, K, V, gate=gate, beta_max=beta_max, seed=seed, strong=strong, reset=reset)
+    g = torch.Generator().manual_seed(seed + 1)
+    x["initial_state"] = torch.randn(len(offsets) - 1, H, K, V, generator=g, dtype=torch.float64) if init else None
+    return x
+
+
+def per_sequence(x, offsets, delta, **kw):
+    """The obviously-correct packed run: `memory` on each sequence alone, outputs concatenated, final states stacked."""
+    outs, states = [], []
+    for n, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
+        one = {name: None if t is None else (t[n:n + 1] if name == "initial_state" else t[:, a:b]) for name, t in x.items()}
+        o, s = run(one, delta, **kw)
+        outs.append(o)
+        states.append(s)
+    return torch.cat(outs, 1), torch.cat(states, 0)
+
+
+def packed_grads(x, offsets, delta, *, packed: bool, cu_device="cpu", **kw):
+    """Gradients of every input of a fixed random loss on o and the final states, packed (cu_seqlens) or per sequence."""
+    leaves = {n: t.clone().requires_grad_(True) for n, t in x.items() if t is not None}
+    if packed:
+        o, s = run(leaves, delta, cu_seqlens=torch.tensor(offsets, device=cu_device), **kw)
+    else:
+        o, s = per_sequence(leaves, offsets, delta, **kw)
+    g = torch.Generator().manual_seed(1)
+    w = lambda t: torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.device)  # noqa: E731
+    loss = (o.double() * w(o)).sum() + (s.double() * w(s)).sum()
+    got = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)  # unused: every sequence empty
+    return {n: torch.zeros_like(t) if d is None else d for (n, t), d in zip(leaves.items(), got)}
+
+
+@pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
+@pytest.mark.parametrize("impl,cs", [("reference", 64), ("chunked", 16), ("chunked", 64)])
+def test_packed_sequences_equal_each_sequence_alone(gate, delta, impl, cs):
+    """cu_seqlens: outputs, final states and every input's gradient (initial states too) equal the reference run on
+    each sequence alone, float64; and an empty sequence passes its initial state through."""
+    for offsets in (OFFSETS, [0, 0, 37, 37, 40]):
+        x = make_packed(offsets, 2, 10, 6, gate=gate, beta_max=1.5, seed=len(offsets) + offsets[2])
+        o_ref, s_ref = per_sequence(x, offsets, delta, impl="reference")
+        o, s = run(x, delta, cu_seqlens=torch.tensor(offsets), impl=impl, chunk_size=cs)
+        assert o.shape == o_ref.shape and s.shape == s_ref.shape == (len(offsets) - 1, 2, 10, 6)
+        assert rel(o, o_ref) <= 1e-10 and rel(s, s_ref) <= 1e-10, (offsets, rel(o, o_ref), rel(s, s_ref))
+        g_ref = packed_grads(x, offsets, delta, packed=False, impl="reference")
+        g = packed_grads(x, offsets, delta, packed=True, impl=impl, chunk_size=cs)
+        for name in g_ref:
+            assert rel(g[name], g_ref[name]) <= 1e-10, (offsets, name)
+    empty = [n for n, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])) if a == b]
+    assert empty and torch.equal(s[empty], x["initial_state"][empty])
+
+
+@pytest.mark.parametrize("gate", ["scalar", "channel"])
+@pytest.mark.parametrize("kind", ["strong", "reset"])
+def test_packed_sequences_strong_decay_and_hard_resets(gate, kind):
+    """log alpha ~ U(-20, 0), or 20% hard resets, packed: float32 chunked equals the float64 reference per sequence."""
+    x64 = make_packed(OFFSETS, 2, 8, 5, gate=gate, seed=5, strong=kind == "strong", reset=0.2 if kind == "reset" else 0.0)
+    o_ref, s_ref = per_sequence(x64, OFFSETS, True, impl="reference")
+    x32 = {n: None if t is None else t.float() for n, t in x64.items()}
+    o, s = run(x32, True, cu_seqlens=torch.tensor(OFFSETS, dtype=torch.int32), impl="chunked", chunk_size=32)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert rel(o, o_ref) <= 1e-5 and rel(s, s_ref) <= 1e-5, (rel(o, o_ref), rel(s, s_ref))
+    g_ref = packed_grads(x64, OFFSETS, True, packed=False, impl="reference")
+    g = packed_grads(x64, OFFSETS, True, packed=True, impl="chunked", chunk_size=16)
+    for name in g_ref:
+        assert torch.isfinite(g[name]).all() and rel(g[name], g_ref[name]) <= 1e-10, name
+
+
+def test_packed_equal_lengths_equal_the_batch():
+    """Offsets [0, T, 2T, 3T] over the batch laid end to end give the batched op's outputs and states."""
+    x = make_inputs(3, 50, 2, 8, 4, gate="channel", beta_max=1.0, init=True, seed=2)
+    o_b, s_b = run(x, True, impl="chunked", chunk_size=16)
+    packed = {n: None if t is None else (t if n == "initial_state" else t.reshape(1, 150, *t.shape[2:])) for n, t in x.items()}
+    o, s = run(packed, True, cu_seqlens=torch.tensor([0, 50, 100, 150]), impl="chunked", chunk_size=16)
+    assert rel(o, o_b.reshape(1, 150, 2, 4)) <= 1e-12 and rel(s, s_b) <= 1e-12
+
+
+@pytest.mark.parametrize("cu,kw,match", [
+    (torch.tensor([0, 2, 5]).float(), {}, r"^cu_seqlens: expected dtype int64 \(or int32\), got torch.float32$"),
+    ([0, 2, 5], {}, r"^cu_seqlens: expected a 1-D tensor of offsets \[N \+ 1\]"),
+    (torch.tensor([[0, 2, 5]]), {}, r"^cu_seqlens: expected a 1-D tensor of offsets \[N \+ 1\] \(N >= 1 sequences\), got \[1, 3\]$"),
+    (torch.tensor([0]), {}, r"^cu_seqlens: expected a 1-D tensor of offsets"),
+    (torch.tensor([1, 2, 5]), {}, r"^cu_seqlens: expected the first offset 0, got 1$"),
+    (torch.tensor([0, 2, 4]), {}, r"^cu_seqlens: expected the last offset T = 5 \(q's length\), got 4$"),
+    (torch.tensor([0, 3, 2, 5]), {}, r"^cu_seqlens: expected non-decreasing offsets, got 2 after 3 at index 2$"),
+    (torch.tensor([0, 2, 5]), {"batch": 2}, r"^cu_seqlens: expected q, k, v with batch size 1 \(sequences packed along T\), got q \[2, 5, 3, 4\]$"),
+    (torch.tensor([0, 2, 5]), {"initial_state": torch.zeros(1, 3, 4, 6)},
+     r"^initial_state: expected shape \[2, 3, 4, 6\] \(\[N, H, Dk, Dv\]: one per sequence of cu_seqlens\), got \[1, 3, 4, 6\]$"),
+    (torch.tensor([0, 2, 5]), {"check": False, "initial_state": torch.zeros(2, 3, 4, 6)}, None),
+    (torch.tensor([0, 6, 5]), {"check": False}, r"^cu_seqlens: expected non-decreasing offsets"),
+])
+def test_cu_seqlens_bad_inputs_raise_clear_errors(cu, kw, match):
+    """One-line errors naming the argument; offsets are checked even with check=False (an offset out of range would
+    index outside the tensors). The None row is the valid call, so the cases above differ from it in one thing."""
+    kw = dict(kw)
+    q, k, v = _ok(B=kw.pop("batch", 1))
+    if match is None:
+        o, s = memory(q, k, v, cu_seqlens=cu, output_final_state=True, **kw)
+        assert o.shape == (1, 5, 3, 6) and s.shape == (2, 3, 4, 6)
+        return
+    with pytest.raises(ValueError, match=match):
+        memory(q, k, v, cu_seqlens=cu, **kw)
+
+
 # -- the worked examples of MEMORY.md (d = 4, scale = 1) -------------------------------------------------------
 
 def seq(*rows):

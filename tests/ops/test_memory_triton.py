@@ -13,7 +13,7 @@ import torch
 
 from evict.ops import memory, memory_step
 from tests.conftest import rel, run_interpreted
-from tests.ops.test_memory import GATES, make_inputs, run
+from tests.ops.test_memory import GATES, OFFSETS, make_inputs, make_packed, packed_grads, per_sequence, run
 
 TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
@@ -167,6 +167,60 @@ def test_interpreter_hard_resets_are_finite():
         assert finite and err_o <= TOL[torch.float32] and err_s <= TOL[torch.float32], (gate, err_o, err_s)
 
 
+VARLEN_CASES = [  # (name, gate, delta, beta_max (None: no beta), offsets, K, gates: "small" | "strong" | "reset")
+    ("none_add", "none", False, 1.0, OFFSETS, 32, "small"),
+    ("scalar_delta", "scalar", True, 1.5, OFFSETS, 32, "small"),
+    ("channel_delta", "channel", True, 2.0, OFFSETS, 32, "small"),
+    ("channel_add_K12_empty", "channel", False, 1.0, [0, 0, 40, 41, 41, 130], 12, "small"),  # MIN_K padding
+    ("channel_delta_strong", "channel", True, 1.0, [0, 70, 133], 32, "strong"),
+    ("scalar_delta_N1_no_beta", "scalar", True, None, [0, 77], 32, "small"),
+    ("channel_delta_reset", "channel", True, 1.5, OFFSETS, 32, "reset"),
+    ("scalar_delta_all_empty", "scalar", True, 1.0, [0, 0, 0], 32, "small"),
+]
+
+VARLEN_SCRIPT = r"""
+import json, sys
+from tests.conftest import rel
+from tests.ops.test_memory import make_packed, packed_grads, per_sequence, run
+out = {}
+for name, gate, delta, bmax, offsets, K, gates in json.loads(sys.argv[1]):
+    x64 = make_packed(offsets, 2, K, 16, gate=gate, beta_max=bmax, seed=len(name), strong=gates == "strong",
+                      reset=0.3 if gates == "reset" else 0.0)
+    x = {n: None if t is None else t.float() for n, t in x64.items()}
+    o_ref, s_ref = per_sequence(x64, offsets, delta, impl="reference")
+    o, s = run(x, delta, cu_seqlens=torch.tensor(offsets), impl="triton")
+    la = x64["log_alpha"]  # the largest within-chunk cumulative log decay, chunks from each sequence's start
+    G = 0.0 if la is None else max([float(la[:, c:min(c + 64, b)].sum(1).abs().max())
+                                    for a, b in zip(offsets[:-1], offsets[1:]) for c in range(a, b, 64)] + [0.0])
+    g_ref = packed_grads(x64, offsets, delta, packed=False, impl="reference")
+    g = packed_grads(x, offsets, delta, packed=True, impl="triton")
+    out[name] = {"o": rel(o, o_ref), "S": rel(s, s_ref), "G": G, "shapes": [list(o.shape), list(s.shape)],
+                 "finite": bool(torch.isfinite(o).all() and torch.isfinite(s).all()),
+                 "grads": {n: rel(g[n], g_ref[n]) if g_ref[n].norm() > 0 else float(g[n].norm()) for n in g_ref}}
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted_varlen():
+    return run_interpreted(VARLEN_SCRIPT, json.dumps(VARLEN_CASES))
+
+
+@pytest.mark.parametrize("case", [c[0] for c in VARLEN_CASES])
+def test_interpreter_packed_sequences_match_reference(interpreted_varlen, case):
+    """cu_seqlens through the kernels (float32, chunk-aligned packing) against the float64 reference run on each
+    sequence alone: outputs, final states and every input's gradient, at the tolerances of the tests above (the
+    forward's float32 decay bound; 1e-5 for gradients, 1e-4 for log alpha's under strong decay; hard resets: TOL)."""
+    name, gate, delta, bmax, offsets, K, gates = [c for c in VARLEN_CASES if c[0] == case][0]
+    r = interpreted_varlen[case]
+    assert r["finite"] and r["shapes"] == [[1, offsets[-1], 2, 16], [len(offsets) - 1, 2, K, 16]], r
+    tol = TOL[torch.float32] if gates == "reset" else 1e-5 + 2 * 2**-24 * r["G"]
+    assert r["o"] <= tol and r["S"] <= tol, (r["o"], r["S"], tol)
+    for n, err in r["grads"].items():
+        bound = TOL[torch.float32] if gates == "reset" else (1e-4 if gates == "strong" and n == "log_alpha" else 1e-5)
+        assert err <= bound, (n, err)
+
+
 # -- GPU -------------------------------------------------------------------------------------------------------
 
 def _cuda(x, dtype):
@@ -245,6 +299,32 @@ def test_gpu_gradients_match_reference(dtype, gate, delta):
         for name in g_ref:
             err = rel(g[name], g_ref[name])
             assert torch.isfinite(g[name]).all() and err <= TOL[dtype], (T, strong, name, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
+def test_gpu_packed_sequences_match_each_sequence_alone(dtype, gate, delta):
+    """cu_seqlens through the kernels equals the kernels run on each sequence alone, and the float64 reference per
+    sequence, outputs, final states and every input's gradient: odd lengths, empty sequences, 40 short sequences,
+    K = 16 (zero-padded to MIN_K), strong decay; offsets on the GPU and on the CPU."""
+    for offsets, H, K, V, strong, dev in ((OFFSETS, 3, 128, 96, False, "cuda"),
+                                          ([0, 0, 333, 1000, 1001, 1064, 1300], 2, 64, 64, True, "cpu"),
+                                          (list(range(0, 41 * 37, 37)), 2, 16, 16, False, "cuda")):
+        xd, x64 = _cuda(make_packed(offsets, H, K, V, gate=gate, beta_max=1.5, strong=strong, seed=K), dtype)
+        cu = torch.tensor(offsets, device=dev)
+        o, s = run(xd, delta, cu_seqlens=cu, impl="triton")
+        assert o.dtype == dtype and s.dtype == torch.float32 and s.shape == (len(offsets) - 1, H, K, V)
+        assert torch.isfinite(o).all() and torch.isfinite(s).all(), offsets
+        for impl, xs in (("triton", xd), ("reference", x64)):
+            o_seq, s_seq = per_sequence(xs, offsets, delta, impl=impl)
+            assert rel(o, o_seq) <= TOL[dtype] and rel(s, s_seq) <= TOL[dtype], (impl, K, rel(o, o_seq), rel(s, s_seq))
+        g = packed_grads(xd, offsets, delta, packed=True, cu_device=dev, impl="triton")
+        for impl, xs in (("triton", xd), ("reference", x64)):
+            g_seq = packed_grads(xs, offsets, delta, packed=False, impl=impl)
+            for name in g_seq:
+                err = rel(g[name], g_seq[name])
+                assert torch.isfinite(g[name]).all() and err <= TOL[dtype], (impl, K, name, err)
 
 
 @pytest.mark.gpu

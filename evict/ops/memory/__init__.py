@@ -1,6 +1,7 @@
 """The memory op: one update rule (decay -> delta erase -> write -> read) in every form, behind one entry point.
 
     o, S = memory(q, k, v, log_alpha=..., beta=..., delta=True)      # sequences [B, T, H, D]
+    o, S = memory(q, k, v, ..., cu_seqlens=offsets)                   # N sequences packed along T, B = 1
     o, S = memory_step(q, k, v, S, log_alpha=..., beta=..., delta=True)  # one token [B, H, D]
 
 Forms: "reference" (token loop, float64-capable), "chunked" (WY/UT chunks), "triton" (CUDA kernels; triton is optional).
@@ -14,7 +15,7 @@ import warnings
 
 import torch
 
-from ._check import check_flag, check_inputs, check_scale, state_dtype
+from ._check import check_flag, check_inputs, check_scale, seq_offsets, state_dtype
 from .chunked import memory_chunked
 from .reference import memory_reference
 from .step import memory_step
@@ -41,7 +42,7 @@ def _warn_once(message: str) -> None:
 def memory(
     q, k, v, *,
     log_alpha=None, beta=None, delta=False, scale=None,
-    initial_state=None, output_final_state=False,
+    initial_state=None, output_final_state=False, cu_seqlens=None,
     impl="auto", chunk_size=64, check=True,
 ):
     """The generalized associative-memory update over a sequence.
@@ -51,13 +52,17 @@ def memory(
     None = 1; delta: erase against the faded state before writing; scale: a finite number, default K ** -0.5;
     initial_state: [B, H, K, V] float32 (float64 for float64 inputs), on q's device.
     Returns (o [B, T, H, V] in q's dtype, final state or None unless output_final_state).
+    cu_seqlens: N variable-length sequences packed along T in a batch of one: int64 (or int32) offsets [N + 1], 0 first,
+    T last, non-decreasing (an empty sequence passes its initial state through); on the CPU (no sync) or q's device
+    (one sync: every form lays its work out from the offsets, which are always checked). Each sequence runs alone
+    from its own initial_state [N, H, K, V]; the final state is [N, H, K, V].
     `check=True` validates values too (finite, log_alpha <= 0, beta in [0, 2]); it costs a host sync.
     Autocast does not reach inside: the op computes at its own precision (float32 state and decays, or float64)
     whatever autocast is active, so a caller casts q, k, v to one dtype and gets o back in it.
     `chunk_size` (a power of two, 1 … 1024; 16–128 are fast) is the chunked PyTorch form's; the Triton kernels always use chunks of 64 and take key
     dims up to 128, value dims up to 256 ("auto" falls back to "chunked" beyond that, with a warning).
     """
-    check_inputs(q, k, v, log_alpha, beta, initial_state, step=False, check_values=check)
+    check_inputs(q, k, v, log_alpha, beta, initial_state, step=False, check_values=check, cu_seqlens=cu_seqlens)
     check_flag("delta", delta)
     check_flag("output_final_state", output_final_state)
     if impl not in IMPLS:
@@ -65,13 +70,26 @@ def memory(
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size!r}")
     scale = check_scale(scale, q.shape[-1])
+    offsets = None if cu_seqlens is None else seq_offsets(cu_seqlens, q.shape[1])
     if log_alpha is not None:
         log_alpha = log_alpha.clamp(min=LOG_ALPHA_FLOOR[state_dtype(q.dtype)])
     with torch.autocast(q.device.type, enabled=False):
-        return _dispatch(q, k, v, log_alpha, beta, delta, scale, initial_state, output_final_state, impl, chunk_size)
+        return _dispatch(q, k, v, log_alpha, beta, delta, scale, initial_state, output_final_state, impl, chunk_size, offsets)
 
 
-def _dispatch(q, k, v, log_alpha, beta, delta, scale, initial_state, output_final_state, impl, chunk_size):
+def _per_sequence(form, offsets, q, k, v, *, log_alpha, beta, initial_state, **kw):
+    """Run `form` on each packed sequence alone: o [1, T, H, V] and the final states [N, H, K, V]."""
+    cut = lambda x, a, b: None if x is None else x[:, a:b]  # noqa: E731
+    outs, states = [], []
+    for n, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
+        o, S = form(cut(q, a, b), cut(k, a, b), cut(v, a, b), log_alpha=cut(log_alpha, a, b), beta=cut(beta, a, b),
+                    initial_state=None if initial_state is None else initial_state[n:n + 1], **kw)
+        outs.append(o)
+        states.append(S)
+    return torch.cat(outs, dim=1), torch.cat(states, dim=0)
+
+
+def _dispatch(q, k, v, log_alpha, beta, delta, scale, initial_state, output_final_state, impl, chunk_size, offsets):
     K, V = q.shape[-1], v.shape[-1]
     if impl == "auto":
         impl = "triton" if q.is_cuda and triton_runs_on(q) else "chunked"
@@ -87,8 +105,12 @@ def _dispatch(q, k, v, log_alpha, beta, delta, scale, initial_state, output_fina
 
         o, S = memory_triton(
             q, k, v, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale,
-            initial_state=initial_state, chunk_size=chunk_size,
+            initial_state=initial_state, chunk_size=chunk_size, offsets=offsets,
         )
+    elif offsets is not None:  # the PyTorch forms: one sequence at a time
+        form = memory_reference if impl == "reference" else functools.partial(memory_chunked, chunk_size=chunk_size)
+        o, S = _per_sequence(form, offsets, q, k, v, log_alpha=log_alpha, beta=beta, initial_state=initial_state,
+                             delta=delta, scale=scale)
     elif impl == "reference":
         o, S = memory_reference(q, k, v, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale, initial_state=initial_state)
     else:

@@ -19,8 +19,10 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def check_inputs(q, k, v, log_alpha, beta, initial_state, *, step: bool, check_values: bool) -> None:
-    """Validate the op's tensors. `step` selects the decode layout ([B, H, D]) over the sequence one ([B, T, H, D])."""
+def check_inputs(q, k, v, log_alpha, beta, initial_state, *, step: bool, check_values: bool, cu_seqlens=None) -> None:
+    """Validate the op's tensors. `step` selects the decode layout ([B, H, D]) over the sequence one ([B, T, H, D]).
+    With `cu_seqlens` (packed sequences) its type, shape and device, and one initial state per sequence; its values
+    are checked by `seq_offsets`."""
     lead = "[B, H, D]" if step else "[B, T, H, D]"
     rank = 3 if step else 4
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -58,12 +60,16 @@ def check_inputs(q, k, v, log_alpha, beta, initial_state, *, step: bool, check_v
             raise ValueError(f"beta: expected shape {lead_dims}, got {got}")
         if not beta.is_floating_point():
             raise ValueError(f"beta: expected a floating dtype, got {beta.dtype}")
+    if cu_seqlens is not None:
+        _check_cu_seqlens(cu_seqlens, q)
     if initial_state is not None:
-        want = [q.shape[0], q.shape[-2], dk, dv]
+        rows = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        want = [rows, q.shape[-2], dk, dv]
         if not isinstance(initial_state, torch.Tensor) or list(initial_state.shape) != want:
             got = _shape(initial_state) if isinstance(initial_state, torch.Tensor) else type(initial_state).__name__
             name = "state" if step else "initial_state"
-            raise ValueError(f"{name}: expected shape {want} ([B, H, Dk, Dv]), got {got}")
+            layout = "[B, H, Dk, Dv]" if cu_seqlens is None else "[N, H, Dk, Dv]: one per sequence of cu_seqlens"
+            raise ValueError(f"{name}: expected shape {want} ({layout}), got {got}")
         if initial_state.dtype not in (torch.float32, torch.float64):
             name = "state" if step else "initial_state"
             raise ValueError(f"{name}: expected float32 (or float64), got {initial_state.dtype}")
@@ -78,6 +84,34 @@ def check_inputs(q, k, v, log_alpha, beta, initial_state, *, step: bool, check_v
             raise ValueError(f"log_alpha: expected values <= 0 (log of a decay in (0, 1]), got max {log_alpha.max().item():.4g}")
         if beta is not None and bool(((beta < 0) | (beta > 2)).any()):
             raise ValueError(f"beta: expected values in [0, 2], got range [{beta.min().item():.4g}, {beta.max().item():.4g}]")
+
+
+def _check_cu_seqlens(cu_seqlens, q: torch.Tensor) -> None:
+    """Packed sequences: a batch of one, and offsets a 1-D int64 / int32 tensor [N + 1] on the CPU or q's device."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        got = _shape(cu_seqlens) if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__
+        raise ValueError(f"cu_seqlens: expected a 1-D tensor of offsets [N + 1] (N >= 1 sequences), got {got}")
+    if cu_seqlens.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"cu_seqlens: expected dtype int64 (or int32), got {cu_seqlens.dtype}")
+    if cu_seqlens.device.type != "cpu" and cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens: expected device cpu or {q.device} (as q), got {cu_seqlens.device}")
+    if q.shape[0] != 1:
+        raise ValueError(f"cu_seqlens: expected q, k, v with batch size 1 (sequences packed along T), got q {_shape(q)}")
+
+
+def seq_offsets(cu_seqlens: torch.Tensor, T: int) -> list[int]:
+    """The offsets of packed sequences as host ints, checked: 0 first, T last, non-decreasing (empty sequences are
+    allowed). Every form lays its work out from these values, so they are read (one sync for device offsets) and
+    checked whatever `check` says: an offset out of range would index outside the tensors."""
+    offsets = [int(x) for x in cu_seqlens.tolist()]
+    if offsets[0] != 0:
+        raise ValueError(f"cu_seqlens: expected the first offset 0, got {offsets[0]}")
+    if offsets[-1] != T:
+        raise ValueError(f"cu_seqlens: expected the last offset T = {T} (q's length), got {offsets[-1]}")
+    for i in range(1, len(offsets)):
+        if offsets[i] < offsets[i - 1]:
+            raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {offsets[i]} after {offsets[i - 1]} at index {i}")
+    return offsets
 
 
 def check_flag(name: str, value) -> None:

@@ -2,6 +2,11 @@
 
 The forward keeps only its inputs; the backward recomputes the per-chunk factors and chunk start states (two of the
 forward's three kernels) and runs the three backward kernels (backward.py). Chunks are 64 tokens on this path.
+
+Packed sequences (`offsets`) run chunk-aligned: each sequence is copied to a multiple of C rows of one padded row
+[1, T', H, D], the rest neutral tokens (q = k = v = 0, log alpha = 0, beta = 0: they read, write, erase and decay
+nothing), so no chunk straddles two sequences and the per-chunk kernels run unchanged; the sequential kernels take a
+table of each sequence's chunks.
 """
 
 from __future__ import annotations
@@ -10,32 +15,53 @@ import torch
 import torch.nn.functional as F
 
 from .backward import backward_triton
-from .forward import forward_triton
+from .forward import C, forward_triton
 
 
 class _MemoryTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, log_alpha, beta, initial_state, delta, scale):
+    def forward(ctx, q, k, v, log_alpha, beta, initial_state, delta, scale, chunks):
         o, S = forward_triton(q, k, v, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale,
-                              initial_state=initial_state)
+                              initial_state=initial_state, chunks=chunks)
         ctx.save_for_backward(q, k, v, log_alpha, beta, initial_state)
-        ctx.delta, ctx.scale = delta, scale
+        ctx.delta, ctx.scale, ctx.chunks = delta, scale, chunks
         return o, S
 
     @staticmethod
     def backward(ctx, do, dS):
         q, k, v, la, beta, s0 = ctx.saved_tensors
-        dq, dk, dv, dla, dbeta, ds0 = backward_triton(q, k, v, la, beta, s0, do, dS, delta=ctx.delta, scale=ctx.scale)
+        dq, dk, dv, dla, dbeta, ds0 = backward_triton(q, k, v, la, beta, s0, do, dS, delta=ctx.delta, scale=ctx.scale,
+                                                      chunks=ctx.chunks)
         need = ctx.needs_input_grad
         grads = (dq, dk, dv, dla, dbeta, ds0)
-        return (*(g if need[i] else None for i, g in enumerate(grads)), None, None)
+        return (*(g if need[i] else None for i, g in enumerate(grads)), None, None, None)
 
 
 MIN_K = 32  # key dims below this are zero-padded: the delta backward faults at K = 16 on an H200 (dev/LOG.md)
 
 
-def memory_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunk_size=64):
+def _packing(offsets: list[int], device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The chunk-aligned layout of packed sequences: each token's row in the padded row (int64 [T]), each sequence's
+    chunks (int32 [N + 1]: sequence n owns chunks [chunks[n], chunks[n + 1])) and the padded length T'."""
+    starts = torch.tensor(offsets[:-1], dtype=torch.int64)
+    lens = torch.tensor(offsets[1:], dtype=torch.int64) - starts
+    counts = (lens + C - 1) // C
+    if int(counts.sum()) == 0:  # every sequence empty: one neutral chunk (for the last one) gives the kernels a grid
+        counts[-1] = 1
+    chunks = F.pad(counts.cumsum(0), (1, 0))
+    rows = torch.arange(offsets[-1], dtype=torch.int64) + (C * chunks[:-1] - starts).repeat_interleave(lens)
+    return rows.to(device), chunks.to(device=device, dtype=torch.int32), C * int(chunks[-1])
+
+
+def _pad_rows(x, rows, length):
+    """[1, T, H, *] -> [1, length, H, *]: token t at row rows[t], zeros elsewhere (differentiable)."""
+    return None if x is None else x.new_zeros(1, length, *x.shape[2:]).index_copy(1, rows, x)
+
+
+def memory_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunk_size=64,
+                  offsets=None):
     """o [B, T, H, V] in q's dtype and the final state [B, H, K, V] float32, differentiable.
+    With `offsets` (host ints [N + 1], validated: packed sequences, B = 1) the states are [N, H, K, V].
 
     Key dims below MIN_K run zero-padded, which is exact: a zero key channel writes nothing into its row of S, a zero
     query channel reads nothing from it, and a zero log-decay there touches only that (zero) row; the padded rows of
@@ -49,5 +75,11 @@ def memory_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, ini
             log_alpha = F.pad(log_alpha, (0, pad))
         if initial_state is not None:
             initial_state = F.pad(initial_state, (0, 0, 0, pad))
-    o, S = _MemoryTriton.apply(q, k, v, log_alpha, beta, initial_state, bool(delta), float(scale))
+    chunks = None
+    if offsets is not None:
+        rows, chunks, length = _packing(offsets, q.device)
+        q, k, v, log_alpha, beta = (_pad_rows(x, rows, length) for x in (q, k, v, log_alpha, beta))
+    o, S = _MemoryTriton.apply(q, k, v, log_alpha, beta, initial_state, bool(delta), float(scale), chunks)
+    if offsets is not None:
+        o = o.index_select(1, rows)
     return o, (S[:, :, :K] if pad else S)

@@ -16,7 +16,8 @@ Legend as in forward.py. Per chunk, with S its start state, S' its end state and
    dk = dk_row + dk_col, and the gate: every use of token t's decay is a factor e^{G_t} on q_t or on k_t as a reader,
    or e^{-G_t} on k_t as a writer (G the prefix sum of log alpha over the whole sequence; the final state also carries
    e^{G_T}), so dL/dG_t = q_t dq_t + k_t (dk_row_t - dk_col_t) and dlog alpha_t = sum_{s >= t} dL/dG_s
-   + rowsum(S_T dS_T): a reverse cumulative sum, done in PyTorch.
+   + rowsum(S_T dS_T): a reverse cumulative sum (`_revcumsum_kernel`).
+Packed sequences (a chunk table, see autograd.py): the dstate carry and the reverse sum run per sequence.
 """
 
 from __future__ import annotations
@@ -25,28 +26,30 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import (SC, SPREAD, C, _block, _hrows, _hstore, _lower, _rows, _spread, _state_tile, _strip_decay, carry, intra,
-                      precision_for, state_block_v)
+from .forward import (SC, SPREAD, C, _block, _hrows, _hstore, _lower, _rows, _segment, _spread, _state_tile, _strip_decay, carry,
+                      intra, precision_for, state_block_v)
 
 
 @triton.jit
 def _dstate_kernel(
-    q, k, do, Kd, Dec, Qg, W, Pm, dU, dHs, dsT, ds0, scale,
+    q, k, do, Kd, Dec, Qg, W, Pm, dU, dHs, dsT, ds0, cu, scale,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, DELTA: tl.constexpr, HAS_DST: tl.constexpr, PREC: tl.constexpr,
+    GATE: tl.constexpr, DELTA: tl.constexpr, HAS_DST: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr = False,
 ):
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_v, i_sh = tl.program_id(0), tl.program_id(1)  # as in _state_kernel: (sequence, head)
+    i_s, i_h = i_sh // H, i_sh % H
+    n0, n1, i_b = _segment(cu, i_s, N, VARLEN)
+    i_bh = i_b * H + i_h
     ck, rc = tl.arange(0, BK), tl.arange(0, C)
     cv = i_v * BV + tl.arange(0, BV)
     mk, mv = ck < K, cv < V
     tok = i_b.to(tl.int64) * T * H + i_h
     q_bh, k_bh, do_bh = q + tok * K, k + tok * K, do + tok * V
     hm = i_bh.to(tl.int64) * N * C
-    s_off, m_s, dS = _state_tile(dsT, i_bh, ck, cv, K, V, HAS_DST)
-    for i in range(N):
-        n = N - 1 - i
+    s_off, m_s, dS = _state_tile(dsT, i_sh, ck, cv, K, V, HAS_DST)
+    for i in range(n1 - n0):
+        n = n1 - 1 - i
         t0 = n * C
         tl.store(dHs + (i_bh.to(tl.int64) * N + n) * K * V + s_off, dS, mask=m_s)
         don = _rows(do_bh, t0, rc, T, H * V, cv, V)
@@ -67,7 +70,7 @@ def _dstate_kernel(
         dS += (scale * tl.dot(tl.trans(qn), don, input_precision=PREC)).to(tl.float32)
         if DELTA:
             dS -= tl.dot(tl.trans(_hrows(W + hm * K, t0 + rc, ck, K)), du, input_precision=PREC)
-    tl.store(ds0 + i_bh.to(tl.int64) * K * V + s_off, dS, mask=m_s)
+    tl.store(ds0 + i_sh.to(tl.int64) * K * V + s_off, dS, mask=m_s)
 
 
 @triton.jit
@@ -295,21 +298,22 @@ def _dkey_kernel(
 
 
 @triton.jit
-def _revcumsum_kernel(x, last, out, T, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                      HAS_LAST: tl.constexpr):
-    """out[b, t, h, :] = sum_{s >= t} x[b, s, h, :] (+ last[b, h, :]) on token-major [B, T, H, K] float32 x."""
-    i_k, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
+def _revcumsum_kernel(x, last, out, cu, T, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                      HAS_LAST: tl.constexpr, VARLEN: tl.constexpr = False):
+    """out[b, t, h, :] = sum_{s >= t} x[b, s, h, :] (+ last[b, h, :]) on token-major [B, T, H, K] float32 x;
+    packed sequences (VARLEN): the sum runs over each sequence's chunks only, with last[sequence, h, :]."""
+    i_k, i_sh = tl.program_id(0), tl.program_id(1)
+    i_s, i_h = i_sh // H, i_sh % H
+    n0, n1, i_b = _segment(cu, i_s, tl.cdiv(T, C), VARLEN)
     ck = i_k * BK + tl.arange(0, BK)
     rc = tl.arange(0, C)
     tok = i_b.to(tl.int64) * T * H + i_h
     if HAS_LAST:
-        carry = tl.load(last + i_bh.to(tl.int64) * K + ck, mask=ck < K, other=0.0)
+        carry = tl.load(last + i_sh.to(tl.int64) * K + ck, mask=ck < K, other=0.0)
     else:
         carry = tl.zeros([BK], tl.float32)
-    nt = tl.cdiv(T, C)
-    for i in range(nt):
-        t0 = (nt - 1 - i) * C
+    for i in range(n1 - n0):
+        t0 = (n1 - 1 - i) * C
         xn = _rows(x + tok * K, t0, rc, T, H * K, ck, K)
         tot = tl.sum(xn, axis=0)
         sfx = tot[None, :] - tl.cumsum(xn, axis=0) + xn + carry[None, :]
@@ -318,11 +322,12 @@ def _revcumsum_kernel(x, last, out, T, H: tl.constexpr, K: tl.constexpr, C: tl.c
         carry += tot
 
 
-def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, scale, block_v=None, warps=(4, 8, 8),
-                    value_block=64, key_block=32, stages=2, fwd_warps=(4, 4), precision=None, ablate=(0, 0)):
+def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, scale, chunks=None, block_v=None,
+                    warps=(4, 8, 8), value_block=64, key_block=32, stages=2, fwd_warps=(4, 4), precision=None, ablate=(0, 0)):
     """Gradients (dq, dk, dv, dlog_alpha, dbeta, dinitial_state) of the chunked forward, given dO (or None) and the
-    final state's gradient (or None). Recomputes the forward's per-chunk factors and start states. `precision`: tl.dot's
-    input precision, one for every kernel or a tuple (recompute, dstate, dvalue, dkey); default "tf32x3" everywhere."""
+    final state's gradient (or None). Recomputes the forward's per-chunk factors and start states. `chunks`: packed
+    sequences' chunk table, as forward_triton's. `precision`: tl.dot's input precision, one for every kernel or a tuple
+    (recompute, dstate, dvalue, dkey); default tf32x3 for the recompute and dkey, tf32 for dstate and dvalue."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev, f32 = q.device, torch.float32
@@ -330,20 +335,25 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     log_alpha = log_alpha.contiguous() if log_alpha is not None else None
     beta = beta.contiguous() if beta is not None else None
     delta = bool(delta)
-    # the gate's gradient is a long sum of cancelling terms: tf32 rounding shows (dev/LOG.md)
-    precs = tuple(precision) if isinstance(precision, (tuple, list)) else (precision or "tf32x3",) * 4
+    # the gate's gradient is a long sum of cancelling terms: tf32 rounding in the recompute or the key kernel shows in it
+    # (log alpha's gradient 1.2e-1 vs 2.8e-3 under strong decay); the dstate and dvalue kernels' tf32 does not (LOG)
+    precs = tuple(precision) if isinstance(precision, (tuple, list)) else (
+        (precision,) * 4 if precision else ("tf32x3", "tf32", "tf32", "tf32x3"))
     x = intra(q, k, v, log_alpha, beta, delta, warps=fwd_warps[0], precision=precs[0], qg=True, ablate=ablate[0])
-    U, Hs, sT = carry(k, x, initial_state, delta, V=V, block_v=block_v, warps=fwd_warps[1], stages=stages, precision=precs[0])
+    U, Hs, sT = carry(k, x, initial_state, delta, V=V, chunks=chunks, block_v=block_v, warps=fwd_warps[1], stages=stages,
+                      precision=precs[0])
     N, gate = x["N"], x["gate"]
+    seqs, varlen = sT.shape[0], chunks is not None
     BK, BVf = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
     do = torch.zeros(B, T, H, V, dtype=q.dtype, device=dev) if do is None else do.contiguous()
     dU = torch.empty(B * H * N * C * V, dtype=f32, device=dev)
     dHs = torch.empty_like(Hs)
-    ds0 = torch.empty(B, H, K, V, dtype=f32, device=dev)
-    BVs = min(BVf, block_v or state_block_v(B, H, V, dev))
-    _dstate_kernel[(triton.cdiv(V, BVs), B * H)](
-        q, k, do, x["Kd"], x["Dec"], x["Qg"], x["W"], x["Pm"], dU, dHs, dsT.contiguous() if dsT is not None else ds0, ds0, float(scale),
-        T, H=H, K=K, V=V, N=N, C=C, BK=BK, BV=BVs, GATE=gate, DELTA=delta, HAS_DST=dsT is not None, PREC=precs[1],
+    ds0 = torch.empty(seqs, H, K, V, dtype=f32, device=dev)
+    BVs = min(BVf, block_v or state_block_v(seqs, H, V, dev))
+    _dstate_kernel[(triton.cdiv(V, BVs), seqs * H)](
+        q, k, do, x["Kd"], x["Dec"], x["Qg"], x["W"], x["Pm"], dU, dHs, dsT.contiguous() if dsT is not None else ds0, ds0,
+        chunks if varlen else ds0, float(scale),
+        T, H=H, K=K, V=V, N=N, C=C, BK=BK, BV=BVs, GATE=gate, DELTA=delta, HAS_DST=dsT is not None, PREC=precs[1], VARLEN=varlen,
         num_warps=warps[0], num_stages=1,  # 2 stages of its three [C, K] float32 tiles exceed shared memory
     )
     dPm = torch.empty(B * H * N * C * C, dtype=f32, device=dev)
@@ -375,6 +385,7 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
             last = (last if gate == 2 else last.sum(-1)).contiguous()
         dla = torch.empty_like(log_alpha)
         BKr = min(32, max(16, triton.next_power_of_2(GK)))
-        _revcumsum_kernel[(triton.cdiv(GK, BKr), B * H)](
-            dg, last if last is not None else dg, dla, T, H=H, K=GK, C=C, BK=BKr, HAS_LAST=last is not None, num_stages=3)
+        _revcumsum_kernel[(triton.cdiv(GK, BKr), seqs * H)](
+            dg, last if last is not None else dg, dla, chunks if varlen else dg, T, H=H, K=GK, C=C, BK=BKr,
+            HAS_LAST=last is not None, VARLEN=varlen, num_stages=3)
     return dq, dk, dv, dla, dbeta if beta is not None else None, ds0

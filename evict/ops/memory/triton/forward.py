@@ -15,6 +15,7 @@ Derivation: README.md beside this folder. Per chunk, with g the prefix sums of l
    (backward only) Q * e^g.
 2. `_state_kernel`, grid (V / BV, B H): S [BK, BV] float32 carried across chunks; stores S at each chunk's start (Hs)
    and U = U_bar - W S;  S <- e^{g_C} * S + (K * e^{g_C - g})^T U  (no gate loads or exps in the loop).
+   Packed sequences (B = 1, a chunk table): grid (V / BV, N_seq H), each program carrying one sequence's chunks.
 3. `_out_kernel`, grid (V / BV, N, B H): O = scale ((Q * e^g) S + P U).
 Every exponent is a difference of prefix sums that is <= 0 (or bounded by SPREAD), so log alpha = -20 stays finite.
 """
@@ -238,22 +239,36 @@ def _state_tile(ptr, i_bh, ck, cv, K: tl.constexpr, V: tl.constexpr, LOAD: tl.co
 
 
 @triton.jit
+def _segment(cu, i_s, N, VARLEN: tl.constexpr):
+    """Sequence i_s of a sequential kernel: its chunks [n0, n1) and batch row b. Packed sequences (VARLEN): chunks
+    cu[i_s] .. cu[i_s + 1] of the one row b = 0; otherwise all N chunks of row b = i_s."""
+    if VARLEN:
+        n0, n1, i_b = tl.load(cu + i_s), tl.load(cu + i_s + 1), i_s * 0
+    else:
+        n0, n1, i_b = i_s * 0, i_s * 0 + N, i_s
+    return n0, n1, i_b
+
+
+@triton.jit
 def _state_kernel(
-    k, G, Kd, Dec, Ub, W, U, Hs, s0, sT,
+    k, G, Kd, Dec, Ub, W, U, Hs, s0, sT, cu,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, DELTA: tl.constexpr, HAS_S0: tl.constexpr, PREC: tl.constexpr, KD: tl.constexpr = True,
+    VARLEN: tl.constexpr = False,
 ):
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_v, i_sh = tl.program_id(0), tl.program_id(1)  # i_sh: (sequence, head); states are [sequences H, K, V]
+    i_s, i_h = i_sh // H, i_sh % H
+    n0, n1, i_b = _segment(cu, i_s, N, VARLEN)
+    i_bh = i_b * H + i_h
     ck, rc = tl.arange(0, BK), tl.arange(0, C)
     cv = i_v * BV + tl.arange(0, BV)
     mk, mv = ck < K, cv < V
     k_bh = k + (i_b.to(tl.int64) * T * H + i_h) * K
     hm = i_bh.to(tl.int64) * N * C
     W_bh, Ub_bh, U_bh = W + hm * K, Ub + hm * V, U + hm * V
-    s_off, m_s, S = _state_tile(s0, i_bh, ck, cv, K, V, HAS_S0)
-    for n in range(N):
+    s_off, m_s, S = _state_tile(s0, i_sh, ck, cv, K, V, HAS_S0)
+    for n in range(n0, n1):
         t0 = n * C
         tl.store(Hs + (i_bh.to(tl.int64) * N + n) * K * V + s_off, S, mask=m_s)
         u = tl.load(Ub_bh + (t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0).to(tl.float32)
@@ -272,7 +287,7 @@ def _state_kernel(
         if GATE == 1:
             S = S * tl.load(Dec + i_bh.to(tl.int64) * N + n)
         S += tl.dot(tl.trans(kn), u, input_precision=PREC)
-    tl.store(sT + i_bh.to(tl.int64) * K * V + s_off, S, mask=m_s)
+    tl.store(sT + i_sh.to(tl.int64) * K * V + s_off, S, mask=m_s)
 
 
 @triton.jit
@@ -351,33 +366,38 @@ def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, qg=
     return dict(G=G, Ub=Ub, W=W, Tm=Tm, Am=Am, Pm=Pm, Kd=Kd, Dec=Dec, Qg=Qg, N=N, gate=gate, kd=kd, store=st)
 
 
-def carry(k, x, initial_state, delta: bool, *, V: int, block_v=None, warps=4, stages=2, precision=None):
+def carry(k, x, initial_state, delta: bool, *, V: int, chunks=None, block_v=None, warps=4, stages=2, precision=None):
     """Kernel 2: per-chunk start states Hs [B H N K V], U (head-major), both in intra's store dtype, and the final
-    state [B, H, K, V] float32 (carried in float32 whatever is stored)."""
+    state [B, H, K, V] float32 (carried in float32 whatever is stored; with `chunks`, the int32 chunk table
+    [N_seq + 1] of packed sequences in a batch of one: [N_seq, H, K, V])."""
     B, T, H, K = k.shape
     N, gate, dev = x["N"], x["gate"], k.device
+    seqs = B if chunks is None else chunks.numel() - 1
     f32 = torch.float32
     U = torch.empty(B * H * N * C * V, dtype=x["store"], device=dev)
     Hs = torch.empty(B * H * N * K * V, dtype=x["store"], device=dev)
-    sT = torch.empty(B, H, K, V, dtype=f32, device=dev)
+    sT = torch.empty(seqs, H, K, V, dtype=f32, device=dev)
     BK = max(16, triton.next_power_of_2(K))
-    BV = min(max(16, triton.next_power_of_2(V)), block_v or state_block_v(B, H, V, dev))
+    BV = min(max(16, triton.next_power_of_2(V)), block_v or state_block_v(seqs, H, V, dev))
     s0 = initial_state.contiguous().to(f32) if initial_state is not None else sT
-    _state_kernel[(triton.cdiv(V, BV), B * H)](
-        k, x["G"], x["Kd"], x["Dec"], x["Ub"], x["W"], U, Hs, s0, sT, T, H=H, K=K, V=V, N=N, C=C, BK=BK, BV=BV,
+    _state_kernel[(triton.cdiv(V, BV), seqs * H)](
+        k, x["G"], x["Kd"], x["Dec"], x["Ub"], x["W"], U, Hs, s0, sT, chunks if chunks is not None else sT,
+        T, H=H, K=K, V=V, N=N, C=C, BK=BK, BV=BV,
         GATE=gate, DELTA=delta, HAS_S0=initial_state is not None, PREC=precision or precision_for(k.dtype), KD=x["kd"],
-        num_warps=warps, num_stages=stages,
+        VARLEN=chunks is not None, num_warps=warps, num_stages=stages,
     )
     return U, Hs, sT
 
 
-def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None,
+def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunks=None,
                    block_v=None, warps=(4, 4, 4), stages=2, out_block_v=64, precision=None, keep=False, lowp=True):
     """Chunked forward on [B, T, H, D] tensors. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32),
-    plus the intermediates when `keep`. Tuning knobs: `warps` per kernel (intra, carry, out), `block_v` / `stages`
-    of the carry kernel (V columns per program, software pipelining), `out_block_v` of the output kernel. `lowp`
-    (16-bit inputs only): intermediates stored in the input dtype, states carried and every product summed in float32;
-    scalar gates form K e^{g_C - g} in the carry kernel instead of storing it."""
+    plus the intermediates when `keep`. `chunks`: packed sequences laid out chunk-aligned in a batch of one (see
+    autograd.py), the int32 table of each sequence's chunks [N_seq + 1]; states are then [N_seq, H, K, V]. Tuning
+    knobs: `warps` per kernel (intra, carry, out), `block_v` / `stages` of the carry kernel (V columns per program,
+    software pipelining), `out_block_v` of the output kernel. `lowp` (16-bit inputs only): intermediates stored in the
+    input dtype, states carried and every product summed in float32; scalar gates form K e^{g_C - g} in the carry
+    kernel instead of storing it."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -387,7 +407,8 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     low = lowp and q.dtype in (torch.bfloat16, torch.float16)
     x = intra(q, k, v, log_alpha, beta, bool(delta), warps=warps[0], precision=prec, store=q.dtype if low else None,
               kd=not low)
-    U, Hs, sT = carry(k, x, initial_state, bool(delta), V=V, block_v=block_v, warps=warps[1], stages=stages, precision=prec)
+    U, Hs, sT = carry(k, x, initial_state, bool(delta), V=V, chunks=chunks, block_v=block_v, warps=warps[1], stages=stages,
+                      precision=prec)
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
     BK = max(16, triton.next_power_of_2(K))
     BV = min(max(16, triton.next_power_of_2(V)), out_block_v)
