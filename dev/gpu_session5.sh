@@ -4,6 +4,7 @@
 #   optests  the memory op's GPU tests (Triton kernels vs the float64 reference)
 #   ops      `evict bench ops` against fla and SDPA flash, with the per-kernel stage table
 #   tune     dev/triton_tune.py (per-kernel time of the knob variants); tunefwd / tunebwd: session 5's variant sets
+#   dist     dev/dist_bench.sh on two GPUs (kind nvidia-h200-x2);  varlen  the memory op's GPU tests again
 #   precision  dev/check_precision.py;  opsfwd  the ops bench without fla's (slowly autotuned) backward
 #   bash dev/gpu_session5.sh verify ops        (any subset, in order; T / TO override the timeouts)
 set -uo pipefail
@@ -26,6 +27,12 @@ for what in "$@"; do
               | grep -v "Warn\|warn" | tee $OUT/tunefwd.log ;;
     tunebwd) timeout 120 python3 dev/triton_tune.py --variants v0,t32,pk3,pr3 2>&1 | grep -v "Warn\|warn" | tee $OUT/tunebwd.log ;;
     precision) timeout 90 python3 dev/check_precision.py 2>&1 | tee $OUT/precision.log ;;
+    dist) (OUT=/tmp/dist STEPS=${STEPS:-30} PY=python3 timeout ${TD:-330} bash dev/dist_bench.sh 2>&1 | grep -v "Warn\|warn" | tail -40) \
+              | tee $OUT/dist.log
+          mkdir -p $OUT/dist && cp /tmp/dist/dist_bench.json $OUT/dist/ 2>/dev/null
+          for r in /tmp/dist/gpu*; do mkdir -p $OUT/dist/${r##*/}; cp $r/run.json $r/metrics.jsonl $OUT/dist/${r##*/}/ 2>/dev/null; done ;;
+    varlen) timeout ${T:-200} python3 -m pytest tests/ops/test_memory_triton.py -m gpu -n 8 -q -rf -p no:cacheprovider 2>&1 \
+              | tee $OUT/optests.log | grep -v "Warning\|warn\|^  \|^$" | tail -15 ;;
     opsfwd) timeout ${TO:-200} python3 -m evict.cli bench ops --device cuda --no-fla-backward --shapes ${SHAPES:-4x8192 1x32768} \
               --out $OUT/bench_ops.json 2>&1 | tee $OUT/bench_ops.log ;;
   esac
