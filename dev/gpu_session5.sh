@@ -4,6 +4,7 @@
 #   optests  the memory op's GPU tests (Triton kernels vs the float64 reference)
 #   ops      `evict bench ops` against fla and SDPA flash, with the per-kernel stage table
 #   tune     dev/triton_tune.py (per-kernel time of the knob variants); tunefwd / tunebwd: session 5's variant sets
+#   split    the three-kernel first stage (intra(split=True)) against the one kernel, fwd and fwd+bwd
 #   dist     dev/dist_bench.sh on two GPUs (kind nvidia-h200-x2);  varlen  the memory op's GPU tests again
 #   precision  dev/check_precision.py;  opsfwd  the ops bench without fla's (slowly autotuned) backward
 #   bash dev/gpu_session5.sh verify ops        (any subset, in order; T / TO override the timeouts)
@@ -25,6 +26,9 @@ for what in "$@"; do
     tune) timeout ${TO:-200} python3 dev/triton_tune.py ${TUNE:-} 2>&1 | tee $OUT/tune.log ;;
     tunefwd) timeout 150 python3 dev/triton_tune.py --fwd-only --shapes 4x8192,1x32768 --variants v0,f32,iw8,bv64,sw8,sw8bv64,ow8 2>&1 \
               | grep -v "Warn\|warn" | tee $OUT/tunefwd.log ;;
+    split) timeout 200 python3 dev/triton_tune.py --fwd-only --shapes 4x8192,1x32768 --variants v0,split,split8 2>&1 \
+              | grep -v "Warn\|warn" | tee $OUT/split_fwd.log
+           timeout 150 python3 dev/triton_tune.py --variants v0,split,split8 2>&1 | grep -v "Warn\|warn" | tee $OUT/split.log ;;
     tunebwd) timeout 120 python3 dev/triton_tune.py --variants v0,t32,pk3,pr3 2>&1 | grep -v "Warn\|warn" | tee $OUT/tunebwd.log ;;
     precision) timeout 90 python3 dev/check_precision.py 2>&1 | tee $OUT/precision.log ;;
     dist) (OUT=/tmp/dist STEPS=${STEPS:-30} PY=python3 timeout ${TD:-330} bash dev/dist_bench.sh 2>&1 | grep -v "Warn\|warn" | tail -40) \

@@ -30,6 +30,9 @@ VARIANTS = {  # name -> (forward knobs, backward knobs); a* = ablations (timing 
     "ow8": (dict(warps=(4, 4, 8), out_block_v=128), dict()),
     "pk3": (dict(), dict(precision=("tf32", "tf32", "tf32", "tf32x3"))),
     "pr3": (dict(), dict(precision=("tf32x3", "tf32", "tf32", "tf32x3"))),
+    # session 5, not yet run: the first stage as three kernels with small tiles (gates / Gram blocks / inverse + W, U)
+    "split": (dict(split=True), dict(split=True)),
+    "split8": (dict(split=True, warps=(8, 4, 4)), dict(split=True, fwd_warps=(8, 4))),
 }
 
 
@@ -63,7 +66,8 @@ def main():
                 for kname, ms in times.items():
                     table.setdefault(kname[:40], {})[name] = round(ms, 4)
             rows = [{"kernel": kn, **t} for kn, t in sorted(table.items(), key=lambda kv: -max(kv[1].values()))]
-            print(f"\n{rule} B{B} T{T} H16 D128 bf16 (ms per call; forward kernels appear twice: fwd + bwd recompute)")
+            what = "forward alone" if a.fwd_only else "forward kernels appear twice: fwd + bwd recompute"
+            print(f"\n{rule} B{B} T{T} H16 D128 bf16 (ms per call; {what})")
             print(markdown_table(rows, ["kernel", *a.variants.split(",")]), flush=True)
 
 

@@ -144,6 +144,62 @@ def test_interpreter_float16_inputs(interpreted, gate):
             assert err <= TOL[torch.float16], (name, err)
 
 
+SPLIT_SCRIPT = r"""
+import json, sys
+import torch
+from evict.ops.memory.triton.forward import forward_triton
+from evict.ops.memory.triton.backward import backward_triton
+from tests.conftest import rel
+from tests.ops.test_memory import make_inputs, run
+out = {}
+for name, gate, delta, T, K, V, strong in json.loads(sys.argv[1]):
+    x64 = make_inputs(1, T, 2, K, V, gate=gate, beta_max=1.5, init=True)
+    if strong:
+        x64["log_alpha"][:, :24] *= 40  # strong decay in the first sub-chunks only: exact and factored blocks in one run
+    leaves = {n: t.clone().requires_grad_(True) for n, t in x64.items() if t is not None}
+    o_ref, s_ref = run(leaves, delta, impl="reference")
+    g = torch.Generator().manual_seed(1)
+    do, ds = torch.randn(o_ref.shape, generator=g, dtype=torch.float64), torch.randn(s_ref.shape, generator=g, dtype=torch.float64)
+    ref = torch.autograd.grad((o_ref * do).sum() + (s_ref * ds).sum(), list(leaves.values()))
+    x = {n: None if t is None else t.float() for n, t in x64.items()}
+    args = (x["q"], x["k"], x["v"])
+    kw = dict(log_alpha=x["log_alpha"], beta=x["beta"], delta=delta, scale=K ** -0.5, initial_state=x["initial_state"])
+    res = {}
+    for split in (False, True):
+        o, s = forward_triton(*args, **kw, split=split)
+        gr = backward_triton(*args, x["log_alpha"], x["beta"], x["initial_state"], do.float(), ds.float(), delta=delta,
+                             scale=K ** -0.5, split=split)
+        res[split] = [o, s, *[t for t in gr if t is not None]]
+    out[name] = {"vs_reference": [rel(res[True][0], o_ref), rel(res[True][1], s_ref),
+                                  *[rel(a, b) for a, b in zip(res[True][2:], ref)]],
+                 "vs_one_kernel": [rel(a, b) for a, b in zip(res[True], res[False])]}
+print("RESULT" + json.dumps(out))
+"""
+SPLIT_CASES = [  # (name, gate, delta, T, K, V, strong): odd lengths, key dims across two 64-column blocks, strong decay
+    ("kda_k96_strong", "channel", True, 70, 96, 16, True), ("kda_strong", "channel", True, 130, 32, 20, True),
+    ("kda_k32_v80", "channel", True, 100, 32, 80, False),
+    ("gdn", "scalar", True, 70, 32, 16, False), ("delta_nogate", None, True, 65, 32, 16, False),
+    ("gla", "channel", False, 70, 32, 16, False), ("linear", None, False, 64, 32, 16, False),
+]
+
+
+@pytest.fixture(scope="module")
+def interpreted_split():
+    return run_interpreted(SPLIT_SCRIPT, json.dumps(SPLIT_CASES))
+
+
+@pytest.mark.parametrize("case", [c[0] for c in SPLIT_CASES])
+def test_interpreter_split_first_stage_matches_reference(interpreted_split, case):
+    """`intra(split=True)` (gates, one Gram block per program, inverse + W / U) against float64 (as the one-kernel form
+    is: 1e-5, log alpha's gradient under strong decay 1e-4) and against the one-kernel form itself (float32 sums over
+    key columns in another order: 1e-6)."""
+    r = interpreted_split[case]
+    strong = [c for c in SPLIT_CASES if c[0] == case][0][6]
+    for i, err in enumerate(r["vs_reference"]):
+        assert err <= (1e-4 if strong else 1e-5), (i, err)
+    assert max(r["vs_one_kernel"]) <= 1e-6, r["vs_one_kernel"]
+
+
 RESET_SCRIPT = r"""
 import json
 from evict.ops import memory
