@@ -190,8 +190,9 @@ def interpreted_split():
 
 @pytest.mark.parametrize("case", [c[0] for c in SPLIT_CASES])
 def test_interpreter_split_first_stage_matches_reference(interpreted_split, case):
-    """`intra(split=True)` (gates, one Gram block per program, inverse + W / U) against float64 (as the one-kernel form
-    is: 1e-5, log alpha's gradient under strong decay 1e-4) and against the one-kernel form itself (float32 sums over
+    """`split=True`: the first stage as three kernels (gates, one Gram block per program, inverse + W / U) and the key
+    kernel as two (`_dkey_state_kernel`, `_dkey_strip_kernel`), forward and backward, against float64 (as the one-kernel
+    forms are: 1e-5, log alpha's gradient under strong decay 1e-4) and against the one-kernel forms (float32 sums over
     key columns in another order: 1e-6)."""
     r = interpreted_split[case]
     strong = [c for c in SPLIT_CASES if c[0] == case][0][6]

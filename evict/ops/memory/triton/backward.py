@@ -297,6 +297,186 @@ def _dkey_kernel(
                      mask=r0 + rs < T)
 
 
+# -- the key kernel split in two with [C, BKS]-column tiles (`backward_triton(..., split=True)`) ------------------
+# `_dkey_kernel` holds three [C, K] float32 accumulators (phase 1) and [C, K] key / query / gate tiles per strip
+# (phase 3) at once. Split: (a) per chunk, phases 1-2 by blocks of key columns (dA~ summed over the blocks);
+# (b) one program per sub-chunk strip, phase 3 by blocks of key columns. Same values.
+
+
+@triton.jit
+def _dkey_state_kernel(
+    k, beta, U, dU, W, Tm, Am, dAm, G, Hs, dHs, dB, do, XQ, XW, XC, scale,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, DELTA: tl.constexpr, HAS_BETA: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid (N, B H): the V contractions with S and dS' and the whole-chunk terms of `_dkey_kernel`, BK key columns at
+    a time: XQ, XC, XW (dk_row from W), dB and dA~ (from dvalue's dA)."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    t0 = i_n * C
+    rc = tl.arange(0, C)
+    tok = i_b.to(tl.int64) * T * H + i_h
+    hm = i_bh.to(tl.int64) * N * C
+    G_bh = G + hm * (K if GATE == 2 else 1)
+    dA_bh = dAm + hm * C
+    h_off = (i_bh.to(tl.int64) * N + i_n) * K * V
+    if HAS_BETA:
+        bc = tl.load(beta + tok + (t0 + rc).to(tl.int64) * H, mask=t0 + rc < T, other=0.0).to(tl.float32)
+    if DELTA:
+        Tt = tl.trans(_lower(Tm + hm * C, t0, C, False))
+        dA = tl.load(dA_bh + (t0 + rc)[:, None] * C + rc[None, :], mask=rc[:, None] > rc[None, :], other=0.0)
+        dbk = tl.zeros([C], tl.float32)
+    for k0 in range(0, K, BK):
+        ck = k0 + tl.arange(0, BK)
+        mk = ck < K
+        xq = tl.zeros([C, BK], tl.float32)
+        xw = tl.zeros([C, BK], tl.float32)
+        xc = tl.zeros([C, BK], tl.float32)
+        for v0 in range(0, V, BV):
+            cv = v0 + tl.arange(0, BV)
+            mv = cv < V
+            s_off = h_off + ck[None, :] * V + cv[:, None]  # [BV, BK]: S^T
+            St = tl.load(Hs + s_off, mask=mv[:, None] & mk[None, :], other=0.0)
+            dSt = tl.load(dHs + s_off, mask=mv[:, None] & mk[None, :], other=0.0)
+            don = _rows(do + tok * V, t0, rc, T, H * V, cv, V)
+            un = tl.load(U + (hm + t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0)
+            xq += tl.dot(don, St, input_precision=PREC)
+            xc += tl.dot(un, dSt, input_precision=PREC)
+            if DELTA:
+                dun = tl.load(dU + (hm + t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0)
+                xw -= tl.dot(dun, St, input_precision=PREC)
+        if GATE == 2:
+            gc = _hrows(G_bh, t0 + rc, ck, K)
+            g_end = tl.load(G_bh + (t0 + C - 1) * K + ck, mask=mk, other=0.0)
+            eg = tl.exp(gc)
+            xq = xq * eg
+            xc = xc * tl.exp(g_end[None, :] - gc)
+        if GATE == 1:
+            gc = tl.load(G_bh + t0 + rc)
+            eg = tl.exp(gc)[:, None]
+            xq = xq * eg
+            xc = xc * tl.exp(tl.load(G_bh + t0 + C - 1) - gc)[:, None]
+        _hstore(XQ + hm * K, t0 + rc, ck, K, (scale * xq).to(tl.float32))
+        _hstore(XC + hm * K, t0 + rc, ck, K, xc)
+        if DELTA:
+            dR = tl.dot(Tt, xw, input_precision=PREC)  # dR_w
+            dA -= tl.dot(dR, tl.trans(_hrows(W + hm * K, t0 + rc, ck, K)), input_precision=PREC)
+            if GATE != 0:
+                dR = dR * eg
+            if HAS_BETA:
+                dbk += tl.sum(dR * _rows(k + tok * K, t0, rc, T, H * K, ck, K), axis=1)
+                dR = dR * bc[:, None]
+            _hstore(XW + hm * K, t0 + rc, ck, K, dR)  # dk_row from W
+    if DELTA:
+        dA = tl.where(rc[:, None] > rc[None, :], dA, 0.0)
+        if HAS_BETA:
+            tl.store(dB + hm + t0 + rc, tl.load(dB + hm + t0 + rc) + dbk
+                     + tl.sum(dA * _lower(Am + hm * C, t0, C, True), axis=1))
+            dA = dA * bc[:, None]
+        _hstore(dA_bh, t0 + rc, rc, C, dA)  # now dA~
+
+
+@triton.jit
+def _dkey_strip_kernel(
+    q, k, XQ, XW, XC, dPm, dAm, G, dB, dq, dk, dg, db_out,
+    T, H: tl.constexpr, K: tl.constexpr, N,
+    C: tl.constexpr, SC: tl.constexpr, BK: tl.constexpr, BKF: tl.constexpr, SPREAD: tl.constexpr,
+    GATE: tl.constexpr, DELTA: tl.constexpr, HAS_BETA: tl.constexpr, PREC: tl.constexpr,
+):
+    """Grid (N C / SC, B H): phase 3 of `_dkey_kernel` for one strip (sub-chunk I), BK key columns at a time; the
+    sub-chunk's decay spread over all key columns (BKF wide) decides factored vs exact diagonal blocks."""
+    NB: tl.constexpr = C // SC
+    i_p, i_bh = tl.program_id(0), tl.program_id(1)
+    i_n, I = i_p // NB, i_p % NB
+    i_b, i_h = i_bh // H, i_bh % H
+    t0 = i_n * C
+    r0 = t0 + I * SC
+    rc, rs = tl.arange(0, C), tl.arange(0, SC)
+    ri = I * SC + rs
+    tok = i_b.to(tl.int64) * T * H + i_h
+    q_bh, k_bh = q + tok * K, k + tok * K
+    hm = i_bh.to(tl.int64) * N * C
+    G_bh = G + hm * (K if GATE == 2 else 1)
+    dP_bh, dA_bh = dPm + hm * C, dAm + hm * C
+    dPr = tl.load(dP_bh + (r0 + rs)[:, None] * C + rc[None, :])  # [SC, C]
+    dPc = tl.load(dP_bh + (t0 + rc)[:, None] * C + ri[None, :])  # [C, SC]
+    if DELTA:
+        dAr = tl.load(dA_bh + (r0 + rs)[:, None] * C + rc[None, :])
+        dAc = tl.load(dA_bh + (t0 + rc)[:, None] * C + ri[None, :])
+    if GATE == 1:
+        gcs = tl.load(G_bh + t0 + rc)
+        gIs = tl.load(G_bh + r0 + rs)
+        rr = tl.exp(tl.where(ri[:, None] >= rc[None, :], gIs[:, None] - gcs[None, :], float("-inf")))  # [SC, C]
+        rcl = tl.exp(tl.where(rc[:, None] >= ri[None, :], gcs[:, None] - gIs[None, :], float("-inf")))  # [C, SC]
+        dPr, dPc = dPr * rr, dPc * rcl
+        if DELTA:
+            dAr, dAc = dAr * rr, dAc * rcl
+        dgs = tl.zeros([SC], tl.float32)
+    if GATE == 2:
+        cf = tl.arange(0, BKF)
+        spread = _spread(tl.load(G_bh + r0 * K + cf, mask=cf < K, other=0.0), _hrows(G_bh, r0 + rs, cf, K))
+        start = tl.where(spread <= SPREAD, I * SC, (I + 1) * SC)
+    for k0 in range(0, K, BK):
+        ck = k0 + tl.arange(0, BK)
+        mk = ck < K
+        qI = _rows(q_bh, r0, rs, T, H * K, ck, K)
+        kI = _rows(k_bh, r0, rs, T, H * K, ck, K)
+        kc = _rows(k_bh, t0, rc, T, H * K, ck, K)
+        qc = _rows(q_bh, t0, rc, T, H * K, ck, K)
+        if GATE == 2:
+            gc = _hrows(G_bh, t0 + rc, ck, K)
+            gI = _hrows(G_bh, r0 + rs, ck, K)
+            g_r = tl.load(G_bh + r0 * K + ck, mask=mk, other=0.0)
+            g_s = tl.load(G_bh + (r0 + SC - 1) * K + ck, mask=mk, other=0.0)
+            ky = kc * _strip_decay(gc, g_r, rc, (I + 1) * SC, spread, SPREAD, SC)
+            xf = tl.exp(gI - g_r[None, :])
+            dqI = tl.dot(dPr, ky, input_precision=PREC) * xf
+            xs = tl.exp(tl.where((rc >= start)[:, None], gc - g_s[None, :], float("-inf")))
+            col = tl.dot(tl.trans(dPc), qc * xs, input_precision=PREC)
+            if DELTA:
+                dkr = tl.dot(dAr, ky, input_precision=PREC) * xf
+                col += tl.dot(tl.trans(dAc), kc * xs, input_precision=PREC)
+            else:
+                dkr = tl.zeros([SC, BK], tl.float32)
+            dkc = col * tl.exp(g_s[None, :] - gI)
+            if spread > SPREAD:  # strong decay inside the sub-chunk: its diagonal block with exact ratios
+                dPb = _block(dP_bh, r0, I * SC, SC, C)
+                if DELTA:
+                    dAb = _block(dA_bh, r0, I * SC, SC, C)
+                else:
+                    dAb = tl.zeros([SC, SC], tl.float32)
+                dqd, dkrd = _diag_rows_exact(dPb, dAb, k_bh, G_bh, r0, gI, T, H * K, ck, K, SC, BK)
+                dqI += dqd
+                dkr += dkrd
+                dkc += _diag_cols_exact(dPb, qI, dAb, kI, G_bh, r0, gI, ck, K, SC, BK)
+        else:
+            dqI = tl.dot(dPr, kc, input_precision=PREC)
+            dkc = tl.dot(tl.trans(dPc), qc, input_precision=PREC)
+            if DELTA:
+                dkr = tl.dot(dAr, kc, input_precision=PREC)
+                dkc += tl.dot(tl.trans(dAc), kc, input_precision=PREC)
+            else:
+                dkr = tl.zeros([SC, BK], tl.float32)
+        dqI += _hrows(XQ + hm * K, r0 + rs, ck, K)
+        dkc += _hrows(XC + hm * K, r0 + rs, ck, K)
+        if DELTA:
+            dkr += _hrows(XW + hm * K, r0 + rs, ck, K)
+        m_out = (r0 + rs < T)[:, None] & mk[None, :]
+        o_off = (tok + (r0 + rs).to(tl.int64) * H)[:, None] * K + ck[None, :]
+        tl.store(dq + o_off, dqI.to(dq.dtype.element_ty), mask=m_out)
+        tl.store(dk + o_off, (dkr + dkc).to(dk.dtype.element_ty), mask=m_out)
+        if GATE == 2:
+            tl.store(dg + o_off, qI * dqI + kI * (dkr - dkc), mask=m_out)
+        if GATE == 1:
+            dgs += tl.sum(qI * dqI + kI * (dkr - dkc), axis=1)
+    if GATE == 1:
+        tl.store(dg + tok + (r0 + rs).to(tl.int64) * H, dgs, mask=r0 + rs < T)
+    if HAS_BETA:
+        tl.store(db_out + tok + (r0 + rs).to(tl.int64) * H, tl.load(dB + hm + r0 + rs).to(db_out.dtype.element_ty),
+                 mask=r0 + rs < T)
+
+
 @triton.jit
 def _revcumsum_kernel(x, last, out, cu, T, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
                       HAS_LAST: tl.constexpr, VARLEN: tl.constexpr = False):
@@ -328,7 +508,8 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     """Gradients (dq, dk, dv, dlog_alpha, dbeta, dinitial_state) of the chunked forward, given dO (or None) and the
     final state's gradient (or None). Recomputes the forward's per-chunk factors and start states. `chunks`: packed
     sequences' chunk table, as forward_triton's. `precision`: tl.dot's input precision, one for every kernel or a tuple
-    (recompute, dstate, dvalue, dkey); default "tf32x3" everywhere. `split`: the recompute's three-kernel first stage."""
+    (recompute, dstate, dvalue, dkey); default "tf32x3" everywhere. `split`: the recompute's three-kernel first stage, and the key kernel in two
+    (`_dkey_state_kernel`, `_dkey_strip_kernel`) with [C, 64]-column tiles."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev, f32 = q.device, torch.float32
@@ -372,12 +553,26 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     dbeta = torch.empty_like(beta) if beta is not None else dB
     XQ, XW, XC = (torch.empty(B * H * N * C * K, dtype=f32, device=dev) for _ in range(3))
     BV3 = min(BVf, key_block)
-    _dkey_kernel[(N, B * H)](
-        q, k, beta if beta is not None else q, U, dU, x["W"], x["Tm"], x["Am"], dPm, dAm, x["G"], Hs, dHs, dB, do,
-        dq, dk, dg, dbeta, XQ, XW, XC, float(scale),
-        T, H=H, K=K, V=V, N=N, C=C, SC=SC, BK=BK, BV=BV3, SPREAD=SPREAD,
-        GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=precs[3], ABLATE=ablate[1], num_warps=warps[2], num_stages=1,
-    )
+    if split:
+        BKS = min(64, BK)
+        _dkey_state_kernel[(N, B * H)](
+            k, beta if beta is not None else q, U, dU, x["W"], x["Tm"], x["Am"], dAm, x["G"], Hs, dHs, dB, do, XQ, XW, XC,
+            float(scale), T, H=H, K=K, V=V, N=N, C=C, BK=BKS, BV=BV3,
+            GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=precs[3], num_warps=warps[2], num_stages=1,
+        )
+        _dkey_strip_kernel[(N * (C // SC), B * H)](
+            q, k, XQ, XW, XC, dPm, dAm, x["G"], dB, dq, dk, dg, dbeta,
+            T, H=H, K=K, N=N, C=C, SC=SC, BK=BKS, BKF=BK, SPREAD=SPREAD,
+            GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=precs[3], num_warps=warps[2], num_stages=1,
+        )
+    else:
+        _dkey_kernel[(N, B * H)](
+            q, k, beta if beta is not None else q, U, dU, x["W"], x["Tm"], x["Am"], dPm, dAm, x["G"], Hs, dHs, dB, do,
+            dq, dk, dg, dbeta, XQ, XW, XC, float(scale),
+            T, H=H, K=K, V=V, N=N, C=C, SC=SC, BK=BK, BV=BV3, SPREAD=SPREAD,
+            GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=precs[3], ABLATE=ablate[1], num_warps=warps[2],
+            num_stages=1,
+        )
     dla = None
     if gate:  # dlog alpha_t = sum_{s >= t} dG_s, plus the final state's own factor e^{G_T}: rowsum(S_T dS_T)
         GK = K if gate == 2 else 1
