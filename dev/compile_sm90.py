@@ -90,16 +90,15 @@ def main():
                            dict(H=16, V=DV, C=64, BV=64, DELTA=delta, HAS_BETA=True, PREC="tf32"), 4, 2),
                 "dkey": (bw._dkey_kernel, dict(q=p, k=p, beta=p, U=f, dU=f, W=f, Tm=f, Am=f, dPm=f, dAm=f, G=f, Hs=f, dHs=f, dB=f, do=p,
                                                 dq=p, dk=p, dg=f, db_out=p, XQ=f, XW=f, XC=f, scale="fp32", T="i32", N="i32"),
-                         dict(common, SC=16, BK=BK, BV=32, SPREAD=40.0, GATE=gate, DELTA=delta, HAS_BETA=True, PREC="tf32", ABLATE=0), 8, 2),
-                # the key kernel's split form (`backward_triton(..., split=True)`)
-                "dkstate": (bw._dkey_state_kernel, dict(k=p, beta=p, U=f, dU=f, W=f, Tm=f, Am=f, dAm=f, G=f, Hs=f, dHs=f, dB=f, do=p,
-                                                        XQ=f, XW=f, XC=f, scale="fp32", T="i32", N="i32"),
-                            dict(common, BK=min(64, BK), BV=32, GATE=gate, DELTA=delta, HAS_BETA=True, PREC="tf32"),
-                            int(over.get("dkstate", 8)), 1),
-                "dkstrip": (bw._dkey_strip_kernel, dict(q=p, k=p, XQ=f, XW=f, XC=f, dPm=f, dAm=f, G=f, dB=f, dq=p, dk=p, dg=f,
-                                                        db_out=p, T="i32", N="i32"),
-                            dict(H=16, K=D, C=64, SC=16, BK=min(64, BK), BKF=BK, SPREAD=40.0, GATE=gate, DELTA=delta,
-                                 HAS_BETA=True, PREC="tf32"), int(over.get("dkstrip", 8)), 1),
+                         dict(common, SC=16, BK=BK, BKF=BK, BV=32, SPREAD=40.0, GATE=gate, DELTA=delta, HAS_BETA=True, PREC="tf32",
+                              ABLATE=0, SPLIT=0), int(over.get("dkey", 8)), 1),
+                # the key kernel's split form (`backward_triton(..., split=True)`): phases 1-2, then phase 3 per strip
+                **{f"dkey{sp}": (bw._dkey_kernel, dict(q=p, k=p, beta=p, U=f, dU=f, W=f, Tm=f, Am=f, dPm=f, dAm=f, G=f, Hs=f, dHs=f,
+                                                      dB=f, do=p, dq=p, dk=p, dg=f, db_out=p, XQ=f, XW=f, XC=f, scale="fp32",
+                                                      T="i32", N="i32"),
+                                 dict(common, SC=16, BK=min(64, BK), BKF=BK, BV=32, SPREAD=40.0, GATE=gate, DELTA=delta,
+                                      HAS_BETA=True, PREC="tf32", ABLATE=0, SPLIT=sp), int(over.get(f"dkey{sp}", 8)), 1)
+                   for sp in (1, 2)},
             }
             for name, (fn, sig, consts, warps, stages) in jobs.items():
                 if a.only and name not in a.only.split(","):

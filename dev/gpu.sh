@@ -1,20 +1,59 @@
 #!/usr/bin/env bash
-# One device-machine call: `bash dev/gpu.sh tests tune bench` (any subset, in that order).
-# Installs the fla wheels from .whl when present (carry .whl).
+# One device-machine call (`run` tool; carry .whl): `bash dev/gpu.sh MODE [MODE …]`, modes run in order. The GPU box
+# has no package index: fastapi / uvicorn / httpx and fla (the optional oracle) install from the carried ./.whl.
+# Timeouts: T (tests), TO (benches); every mode writes its log under $OUT. Modes:
+#   tests:   optests (memory op), alltests (every `gpu` test), verify (distributed + fast training), mptests
+#            (mixed precision), traintests, decodetests
+#   kernels: opsfwd (bench ops without fla's slowly autotuned backward), ops (all of it), tune (TUNE=args),
+#            tunefwd / tunebwd (session 5's variant sets), split (the split first stage and key kernel vs one kernel),
+#            precision (dev/check_precision.py)
+#   decode:  decode, decode1m, decodebench, decodecompile, decodeprofile, sdpa, dial (the chunk dial's GPU numbers)
+#   train:   bench (cells per second, issue 10), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.tcache PYTHONPATH=$PWD
 mkdir -p .tcache "${OUT:=/tmp/out}"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PWD:/tmp/site
-fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import fastapi, uvicorn, httpx" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl/serve fastapi uvicorn httpx
+python3 -c "import fla" 2>/dev/null || python3 -m pip install -q --no-index --no-deps .whl/fla/*.whl
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+quiet() { grep -v "Warning\|warn\|^  \|^$"; }
+pyt() { local log=$1 t=$2; shift 2; timeout $t python3 -m pytest "$@" -m gpu -q -rf -p no:cacheprovider 2>&1 | tee $OUT/$log | quiet | tail -30; }
 for what in "$@"; do
   case $what in
-    tests) timeout 210 python3 -m pytest tests/ops/test_memory_triton.py -m gpu -n 8 -q 2>&1 | tee $OUT/gpu_tests.log | tail -25 ;;
-    tune) python3 dev/triton_tune.py 2>&1 | tee $OUT/tune.log ;;
-    precision) python3 dev/check_precision.py 2>&1 | tee $OUT/precision.log ;;
-    bench) python3 -m evict.cli bench ops --device cuda --out $OUT/bench_ops_cuda.json 2>&1 | tee $OUT/bench.log ;;
-    quickbench) timeout 240 python3 -m evict.cli bench ops --device cuda --no-fla-backward --out $OUT/bench_ops_cuda.json 2>&1 | tee $OUT/bench.log ;;
+    optests) pyt optests.log ${T:-300} tests/ops/test_memory_triton.py -n 8 ;;
+    alltests) pyt alltests.log ${T:-420} tests -n 8 --durations=15 ;;
+    verify) pyt verify.log ${T:-300} tests/test_distributed_gpu.py tests/test_train_fast.py -n 4 ;;
+    mptests) pyt mptests.log ${T:-200} tests/models/test_mixed_precision.py -n 4 ;;
+    traintests) pyt traintests.log ${T:-200} tests/test_train_fast.py -n 4 ;;
+    decodetests) pyt decodetests.log ${T:-300} tests/ops/test_decode.py tests/layers tests/models \
+                   tests/ops/test_memory_triton.py::test_gpu_hard_resets_forward_and_gradients tests/test_train_fast.py::test_mqar_learns_on_cuda -n 8 ;;
+    opsfwd) timeout ${TO:-200} python3 -m evict.cli bench ops --device cuda --no-fla-backward --shapes ${SHAPES:-4x8192 1x32768} \
+              --out $OUT/bench_ops.json 2>&1 | tee $OUT/bench_ops.log ;;
+    ops) timeout ${TO:-420} python3 -m evict.cli bench ops --device cuda --shapes ${SHAPES:-4x8192 1x32768} --out $OUT/bench_ops.json 2>&1 \
+           | tee $OUT/bench_ops.log ;;
+    tune) timeout ${TO:-200} python3 dev/triton_tune.py ${TUNE:-} 2>&1 | quiet | tee $OUT/tune.log ;;
+    tunefwd) timeout ${TO:-150} python3 dev/triton_tune.py --fwd-only --shapes 4x8192,1x32768 --variants v0,f32,iw8,bv64,sw8,sw8bv64,ow8 2>&1 \
+               | quiet | tee $OUT/tunefwd.log ;;
+    tunebwd) timeout ${TO:-120} python3 dev/triton_tune.py --variants v0,t32,pk3,pr3 2>&1 | quiet | tee $OUT/tunebwd.log ;;
+    split) timeout ${TO:-200} python3 dev/triton_tune.py --fwd-only --shapes 4x8192,1x32768 --variants v0,split,split8 2>&1 | quiet | tee $OUT/split_fwd.log
+           timeout ${TO:-200} python3 dev/triton_tune.py --variants v0,split,split8 2>&1 | quiet | tee $OUT/split.log ;;
+    precision) timeout ${TO:-150} python3 dev/check_precision.py 2>&1 | tee $OUT/precision.log ;;
+    decode) timeout ${TO:-240} python3 -m evict.cli bench decode --device cuda --paths before graph compiled --batch1-only \
+              --contexts 8192 131072 --steps 8 --out $OUT/decode.json 2>&1 | grep "^|\|copy" | tee $OUT/decode.log ;;
+    decode1m) timeout ${TO:-150} python3 -m evict.cli bench decode --device cuda --paths before graph compiled --batch1-only \
+                --models attention mla hybrid --contexts 1048576 --steps 5 --out $OUT/decode_1m.json 2>&1 | grep "^|\|copy" | tee $OUT/decode_1m.log ;;
+    decodebench) timeout ${TO:-240} python3 -m evict.cli bench decode --device cuda --paths before graph --contexts 8192 32768 131072 \
+                   --steps 10 --out $OUT/decode_paths.json 2>&1 | quiet | tee $OUT/decode_paths.log | tail -40 ;;
+    decodecompile) timeout ${TO:-200} python3 -m evict.cli bench decode --device cuda --paths graph compiled --models kda hybrid \
+                     --batch1-only --contexts 8192 131072 --steps 10 --out $OUT/decode_compiled.json 2>&1 | quiet | tee $OUT/decode_compiled.log ;;
+    decodeprofile) timeout 120 python3 dev/profile_decode.py 2>&1 | tee $OUT/decode_profile.log | grep -v "^-" | head -80 ;;
+    sdpa) timeout 60 python3 dev/sdpa_check.py 2>&1 | grep -v "^$" | tail -12 ;;
+    dial) timeout 90 python3 dev/chunk_dial_gpu.py --out $OUT/chunk_dial_gpu.json 2>&1 | tail -5 ;;
+    bench) timeout 150 python3 -m evict.cli bench train --arch kda --procs 4 --train-steps 100 --variants before graphs \
+             --out $OUT/bench_train_p4.json 2>&1 | quiet | tee $OUT/bench_train.log ;;
+    dist) (OUT=/tmp/dist STEPS=${STEPS:-30} PY=python3 timeout ${TO:-330} bash dev/dist_bench.sh 2>&1 | quiet | tail -40) | tee $OUT/dist.log
+          mkdir -p $OUT/dist && cp /tmp/dist/dist_bench.json $OUT/dist/ 2>/dev/null
+          for r in /tmp/dist/gpu*; do mkdir -p $OUT/dist/${r##*/}; cp $r/run.json $r/metrics.jsonl $OUT/dist/${r##*/}/ 2>/dev/null; done ;;
+    *) echo "dev/gpu.sh: unknown mode $what"; exit 2 ;;
   esac
 done

@@ -147,32 +147,17 @@ def _diag_cols_exact(M1, x1, M2, x2, G_bh, r0, gI, ck, K: tl.constexpr, SC: tl.c
 
 
 @triton.jit
-def _dkey_kernel(
-    q, k, beta, U, dU, W, Tm, Am, dPm, dAm, G, Hs, dHs, dB, do,
-    dq, dk, dg, db_out, XQ, XW, XC, scale,
-    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
-    C: tl.constexpr, SC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPREAD: tl.constexpr,
-    GATE: tl.constexpr, DELTA: tl.constexpr, HAS_BETA: tl.constexpr, PREC: tl.constexpr, ABLATE: tl.constexpr = 0,
-):
-    # ABLATE (timing only, wrong results): bit 1 skips the V contractions, 2 the Gram strips' products
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    t0 = i_n * C
-    rc, rs, ck = tl.arange(0, C), tl.arange(0, SC), tl.arange(0, BK)
+def _v_contractions(Hs, dHs, do, U, dU, tok, hm, h_off, t0, ck, nv, T, H: tl.constexpr, K: tl.constexpr,
+                    V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DELTA: tl.constexpr,
+                    PREC: tl.constexpr):
+    """Phase 1 of the key gradients for key columns ck, over the first nv value columns: dO S^T, -dU S^T (with the
+    delta rule) and U dS'^T, each [C, BK] float32."""
+    rc = tl.arange(0, C)
     mk = ck < K
-    tok = i_b.to(tl.int64) * T * H + i_h
-    q_bh, k_bh = q + tok * K, k + tok * K
-    hm = i_bh.to(tl.int64) * N * C
-    G_bh = G + hm * (K if GATE == 2 else 1)
-    XQ_bh, XW_bh, XC_bh = XQ + hm * K, XW + hm * K, XC + hm * K
-    dP_bh, dA_bh = dPm + hm * C, dAm + hm * C
-    h_off = (i_bh.to(tl.int64) * N + i_n) * K * V
-
-    # 1. contractions over V with the chunk's start state S and end-state gradient dS'
     xq = tl.zeros([C, BK], tl.float32)
     xw = tl.zeros([C, BK], tl.float32)
     xc = tl.zeros([C, BK], tl.float32)
-    for v0 in range(0, 0 if ABLATE & 1 else V, BV):
+    for v0 in range(0, nv, BV):
         cv = v0 + tl.arange(0, BV)
         mv = cv < V
         s_off = h_off + ck[None, :] * V + cv[:, None]  # [BV, BK]: S^T
@@ -185,11 +170,18 @@ def _dkey_kernel(
         if DELTA:
             dun = tl.load(dU + (hm + t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0)
             xw -= tl.dot(dun, St, input_precision=PREC)
+    return xq, xw, xc
 
-    # 2. whole-chunk terms: state reads / writes and the WY factors
+
+@triton.jit
+def _state_side(xq, xc, G_bh, t0, ck, K: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr):
+    """Phase 2's decays for key columns ck: Q reads S through e^g, K writes dS' through e^{g_C - g}. Returns the decayed
+    xq, xc and e^g ([C, BK] per channel, [C, 1] for a scalar gate, ones without a gate)."""
+    rc = tl.arange(0, C)
+    eg = tl.full([C, 1], 1.0, tl.float32)
     if GATE == 2:
         gc = _hrows(G_bh, t0 + rc, ck, K)
-        g_end = tl.load(G_bh + (t0 + C - 1) * K + ck, mask=mk, other=0.0)
+        g_end = tl.load(G_bh + (t0 + C - 1) * K + ck, mask=ck < K, other=0.0)
         eg = tl.exp(gc)
         xq = xq * eg
         xc = xc * tl.exp(g_end[None, :] - gc)
@@ -198,283 +190,191 @@ def _dkey_kernel(
         eg = tl.exp(gc)[:, None]
         xq = xq * eg
         xc = xc * tl.exp(tl.load(G_bh + t0 + C - 1) - gc)[:, None]
-    _hstore(XQ_bh, t0 + rc, ck, K, (scale * xq).to(tl.float32))
-    _hstore(XC_bh, t0 + rc, ck, K, xc)
-    if HAS_BETA:
-        bc = tl.load(beta + tok + (t0 + rc).to(tl.int64) * H, mask=t0 + rc < T, other=0.0).to(tl.float32)
-    if DELTA:
-        dR = tl.dot(tl.trans(_lower(Tm + hm * C, t0, C, False)), xw, input_precision=PREC)  # dR_w
-        dA = tl.load(dA_bh + (t0 + rc)[:, None] * C + rc[None, :], mask=rc[:, None] > rc[None, :], other=0.0)
-        dA -= tl.dot(dR, tl.trans(_hrows(W + hm * K, t0 + rc, ck, K)), input_precision=PREC)
-        dA = tl.where(rc[:, None] > rc[None, :], dA, 0.0)
-        kc = _rows(k_bh, t0, rc, T, H * K, ck, K)
-        if GATE != 0:
-            dR = dR * eg
-        if HAS_BETA:
-            db = tl.load(dB + hm + t0 + rc) + tl.sum(dR * kc, axis=1) + tl.sum(dA * _lower(Am + hm * C, t0, C, True), axis=1)
-            dR = dR * bc[:, None]
-            dA = dA * bc[:, None]
-            tl.store(dB + hm + t0 + rc, db)
-        _hstore(XW_bh, t0 + rc, ck, K, dR)  # dk_row from W
-        _hstore(dA_bh, t0 + rc, rc, C, dA)  # now dA~
-    tl.debug_barrier()
-
-    # 3. sub-chunk strips: the Gram matrices' transposed products. Row side of sub-chunk I (rows I, all columns):
-    # reference r = its first row; column side (all rows, columns I): reference s = its last row.
-    for I in range(C // SC):
-        r0 = t0 + I * SC
-        ri = I * SC + rs
-        qI = _rows(q_bh, r0, rs, T, H * K, ck, K)
-        kI = _rows(k_bh, r0, rs, T, H * K, ck, K)
-        if ABLATE & 2:
-            kc = tl.zeros([C, BK], tl.float32)
-        else:
-            kc = _rows(k_bh, t0, rc, T, H * K, ck, K)
-        qc = _rows(q_bh, t0, rc, T, H * K, ck, K)
-        dPr = tl.load(dP_bh + (r0 + rs)[:, None] * C + rc[None, :])  # [SC, C]
-        dPc = tl.load(dP_bh + (t0 + rc)[:, None] * C + ri[None, :])  # [C, SC]
-        if DELTA:
-            dAr = tl.load(dA_bh + (r0 + rs)[:, None] * C + rc[None, :])
-            dAc = tl.load(dA_bh + (t0 + rc)[:, None] * C + ri[None, :])
-        if GATE == 2:
-            gc = _hrows(G_bh, t0 + rc, ck, K)
-            gI = _hrows(G_bh, r0 + rs, ck, K)
-            g_r = tl.load(G_bh + r0 * K + ck, mask=mk, other=0.0)
-            g_s = tl.load(G_bh + (r0 + SC - 1) * K + ck, mask=mk, other=0.0)
-            spread = _spread(g_r, gI)
-            ky = kc * _strip_decay(gc, g_r, rc, (I + 1) * SC, spread, SPREAD, SC)
-            xf = tl.exp(gI - g_r[None, :])
-            dqI = tl.dot(dPr, ky, input_precision=PREC) * xf
-            start = tl.where(spread <= SPREAD, I * SC, (I + 1) * SC)
-            xs = tl.exp(tl.where((rc >= start)[:, None], gc - g_s[None, :], float("-inf")))
-            col = tl.dot(tl.trans(dPc), qc * xs, input_precision=PREC)
-            if DELTA:
-                dkr = tl.dot(dAr, ky, input_precision=PREC) * xf
-                col += tl.dot(tl.trans(dAc), kc * xs, input_precision=PREC)
-            else:
-                dkr = tl.zeros([SC, BK], tl.float32)
-            dkc = col * tl.exp(g_s[None, :] - gI)
-            if spread > SPREAD:  # strong decay inside the sub-chunk: its diagonal block with exact ratios
-                dPb = _block(dP_bh, r0, I * SC, SC, C)
-                if DELTA:
-                    dAb = _block(dA_bh, r0, I * SC, SC, C)
-                else:
-                    dAb = tl.zeros([SC, SC], tl.float32)
-                dqd, dkrd = _diag_rows_exact(dPb, dAb, k_bh, G_bh, r0, gI, T, H * K, ck, K, SC, BK)
-                dqI += dqd
-                dkr += dkrd
-                dkc += _diag_cols_exact(dPb, qI, dAb, kI, G_bh, r0, gI, ck, K, SC, BK)
-        else:
-            if GATE == 1:
-                gc = tl.load(G_bh + t0 + rc)
-                gI = tl.load(G_bh + r0 + rs)
-                rr = tl.exp(tl.where(ri[:, None] >= rc[None, :], gI[:, None] - gc[None, :], float("-inf")))  # [SC, C]
-                rcl = tl.exp(tl.where(rc[:, None] >= ri[None, :], gc[:, None] - gI[None, :], float("-inf")))  # [C, SC]
-                dPr, dPc = dPr * rr, dPc * rcl
-                if DELTA:
-                    dAr, dAc = dAr * rr, dAc * rcl
-            dqI = tl.dot(dPr, kc, input_precision=PREC)
-            dkc = tl.dot(tl.trans(dPc), qc, input_precision=PREC)
-            if DELTA:
-                dkr = tl.dot(dAr, kc, input_precision=PREC)
-                dkc += tl.dot(tl.trans(dAc), kc, input_precision=PREC)
-            else:
-                dkr = tl.zeros([SC, BK], tl.float32)
-        dqI += _hrows(XQ_bh, r0 + rs, ck, K)
-        dkc += _hrows(XC_bh, r0 + rs, ck, K)
-        if DELTA:
-            dkr += _hrows(XW_bh, r0 + rs, ck, K)
-        m_out = (r0 + rs < T)[:, None] & mk[None, :]
-        o_off = (tok + (r0 + rs).to(tl.int64) * H)[:, None] * K + ck[None, :]
-        tl.store(dq + o_off, dqI.to(dq.dtype.element_ty), mask=m_out)
-        tl.store(dk + o_off, (dkr + dkc).to(dk.dtype.element_ty), mask=m_out)
-        if GATE == 2:
-            tl.store(dg + o_off, qI * dqI + kI * (dkr - dkc), mask=m_out)
-        if GATE == 1:
-            tl.store(dg + tok + (r0 + rs).to(tl.int64) * H, tl.sum(qI * dqI + kI * (dkr - dkc), axis=1), mask=r0 + rs < T)
-        if HAS_BETA:
-            tl.store(db_out + tok + (r0 + rs).to(tl.int64) * H, tl.load(dB + hm + r0 + rs).to(db_out.dtype.element_ty),
-                     mask=r0 + rs < T)
-
-
-# -- the key kernel split in two with [C, BKS]-column tiles (`backward_triton(..., split=True)`) ------------------
-# `_dkey_kernel` holds three [C, K] float32 accumulators (phase 1) and [C, K] key / query / gate tiles per strip
-# (phase 3) at once. Split: (a) per chunk, phases 1-2 by blocks of key columns (dA~ summed over the blocks);
-# (b) one program per sub-chunk strip, phase 3 by blocks of key columns. Same values.
+    return xq, xc, eg
 
 
 @triton.jit
-def _dkey_state_kernel(
-    k, beta, U, dU, W, Tm, Am, dAm, G, Hs, dHs, dB, do, XQ, XW, XC, scale,
-    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
-    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, DELTA: tl.constexpr, HAS_BETA: tl.constexpr, PREC: tl.constexpr,
-):
-    """Grid (N, B H): the V contractions with S and dS' and the whole-chunk terms of `_dkey_kernel`, BK key columns at
-    a time: XQ, XC, XW (dk_row from W), dB and dA~ (from dvalue's dA)."""
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    t0 = i_n * C
+def _chunk_terms(xw, eg, dA, dbk, k_bh, W_bh, Tt, bc, t0, ck, T, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+                 GATE: tl.constexpr, HAS_BETA: tl.constexpr, PREC: tl.constexpr):
+    """Phase 2's WY terms for key columns ck: dR_w = T^T xw, dA -= dR_w W^T and dbeta's rowsum(dR_w K e^g) share;
+    returns (dk_row from W for these columns, dA, dbk)."""
     rc = tl.arange(0, C)
-    tok = i_b.to(tl.int64) * T * H + i_h
-    hm = i_bh.to(tl.int64) * N * C
-    G_bh = G + hm * (K if GATE == 2 else 1)
-    dA_bh = dAm + hm * C
-    h_off = (i_bh.to(tl.int64) * N + i_n) * K * V
+    dR = tl.dot(Tt, xw, input_precision=PREC)
+    dA -= tl.dot(dR, tl.trans(_hrows(W_bh, t0 + rc, ck, K)), input_precision=PREC)
+    if GATE != 0:
+        dR = dR * eg
     if HAS_BETA:
-        bc = tl.load(beta + tok + (t0 + rc).to(tl.int64) * H, mask=t0 + rc < T, other=0.0).to(tl.float32)
-    if DELTA:
-        Tt = tl.trans(_lower(Tm + hm * C, t0, C, False))
-        dA = tl.load(dA_bh + (t0 + rc)[:, None] * C + rc[None, :], mask=rc[:, None] > rc[None, :], other=0.0)
-        dbk = tl.zeros([C], tl.float32)
-    for k0 in range(0, K, BK):
-        ck = k0 + tl.arange(0, BK)
-        mk = ck < K
-        xq = tl.zeros([C, BK], tl.float32)
-        xw = tl.zeros([C, BK], tl.float32)
-        xc = tl.zeros([C, BK], tl.float32)
-        for v0 in range(0, V, BV):
-            cv = v0 + tl.arange(0, BV)
-            mv = cv < V
-            s_off = h_off + ck[None, :] * V + cv[:, None]  # [BV, BK]: S^T
-            St = tl.load(Hs + s_off, mask=mv[:, None] & mk[None, :], other=0.0)
-            dSt = tl.load(dHs + s_off, mask=mv[:, None] & mk[None, :], other=0.0)
-            don = _rows(do + tok * V, t0, rc, T, H * V, cv, V)
-            un = tl.load(U + (hm + t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0)
-            xq += tl.dot(don, St, input_precision=PREC)
-            xc += tl.dot(un, dSt, input_precision=PREC)
-            if DELTA:
-                dun = tl.load(dU + (hm + t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0)
-                xw -= tl.dot(dun, St, input_precision=PREC)
-        if GATE == 2:
-            gc = _hrows(G_bh, t0 + rc, ck, K)
-            g_end = tl.load(G_bh + (t0 + C - 1) * K + ck, mask=mk, other=0.0)
-            eg = tl.exp(gc)
-            xq = xq * eg
-            xc = xc * tl.exp(g_end[None, :] - gc)
-        if GATE == 1:
-            gc = tl.load(G_bh + t0 + rc)
-            eg = tl.exp(gc)[:, None]
-            xq = xq * eg
-            xc = xc * tl.exp(tl.load(G_bh + t0 + C - 1) - gc)[:, None]
-        _hstore(XQ + hm * K, t0 + rc, ck, K, (scale * xq).to(tl.float32))
-        _hstore(XC + hm * K, t0 + rc, ck, K, xc)
-        if DELTA:
-            dR = tl.dot(Tt, xw, input_precision=PREC)  # dR_w
-            dA -= tl.dot(dR, tl.trans(_hrows(W + hm * K, t0 + rc, ck, K)), input_precision=PREC)
-            if GATE != 0:
-                dR = dR * eg
-            if HAS_BETA:
-                dbk += tl.sum(dR * _rows(k + tok * K, t0, rc, T, H * K, ck, K), axis=1)
-                dR = dR * bc[:, None]
-            _hstore(XW + hm * K, t0 + rc, ck, K, dR)  # dk_row from W
-    if DELTA:
-        dA = tl.where(rc[:, None] > rc[None, :], dA, 0.0)
-        if HAS_BETA:
-            tl.store(dB + hm + t0 + rc, tl.load(dB + hm + t0 + rc) + dbk
-                     + tl.sum(dA * _lower(Am + hm * C, t0, C, True), axis=1))
-            dA = dA * bc[:, None]
-        _hstore(dA_bh, t0 + rc, rc, C, dA)  # now dA~
+        dbk += tl.sum(dR * _rows(k_bh, t0, rc, T, H * K, ck, K), axis=1)
+        dR = dR * bc[:, None]
+    return dR, dA, dbk
 
 
 @triton.jit
-def _dkey_strip_kernel(
-    q, k, XQ, XW, XC, dPm, dAm, G, dB, dq, dk, dg, db_out,
-    T, H: tl.constexpr, K: tl.constexpr, N,
-    C: tl.constexpr, SC: tl.constexpr, BK: tl.constexpr, BKF: tl.constexpr, SPREAD: tl.constexpr,
-    GATE: tl.constexpr, DELTA: tl.constexpr, HAS_BETA: tl.constexpr, PREC: tl.constexpr,
-):
-    """Grid (N C / SC, B H): phase 3 of `_dkey_kernel` for one strip (sub-chunk I), BK key columns at a time; the
-    sub-chunk's decay spread over all key columns (BKF wide) decides factored vs exact diagonal blocks."""
-    NB: tl.constexpr = C // SC
-    i_p, i_bh = tl.program_id(0), tl.program_id(1)
-    i_n, I = i_p // NB, i_p % NB
-    i_b, i_h = i_bh // H, i_bh % H
-    t0 = i_n * C
-    r0 = t0 + I * SC
+def _strip_mats(dP_bh, dA_bh, G_bh, t0, I, C: tl.constexpr, SC: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr):
+    """Phase 3's rows (I, all columns) and columns (all rows, I) of dP and dA~ for sub-chunk I, a scalar gate's decay
+    ratios applied (they do not depend on the key column)."""
     rc, rs = tl.arange(0, C), tl.arange(0, SC)
-    ri = I * SC + rs
-    tok = i_b.to(tl.int64) * T * H + i_h
-    q_bh, k_bh = q + tok * K, k + tok * K
-    hm = i_bh.to(tl.int64) * N * C
-    G_bh = G + hm * (K if GATE == 2 else 1)
-    dP_bh, dA_bh = dPm + hm * C, dAm + hm * C
+    r0, ri = t0 + I * SC, I * SC + rs
     dPr = tl.load(dP_bh + (r0 + rs)[:, None] * C + rc[None, :])  # [SC, C]
     dPc = tl.load(dP_bh + (t0 + rc)[:, None] * C + ri[None, :])  # [C, SC]
+    dAr = tl.zeros([SC, C], tl.float32)
+    dAc = tl.zeros([C, SC], tl.float32)
     if DELTA:
         dAr = tl.load(dA_bh + (r0 + rs)[:, None] * C + rc[None, :])
         dAc = tl.load(dA_bh + (t0 + rc)[:, None] * C + ri[None, :])
     if GATE == 1:
-        gcs = tl.load(G_bh + t0 + rc)
-        gIs = tl.load(G_bh + r0 + rs)
-        rr = tl.exp(tl.where(ri[:, None] >= rc[None, :], gIs[:, None] - gcs[None, :], float("-inf")))  # [SC, C]
-        rcl = tl.exp(tl.where(rc[:, None] >= ri[None, :], gcs[:, None] - gIs[None, :], float("-inf")))  # [C, SC]
-        dPr, dPc = dPr * rr, dPc * rcl
-        if DELTA:
-            dAr, dAc = dAr * rr, dAc * rcl
-        dgs = tl.zeros([SC], tl.float32)
+        gc = tl.load(G_bh + t0 + rc)
+        gI = tl.load(G_bh + r0 + rs)
+        rr = tl.exp(tl.where(ri[:, None] >= rc[None, :], gI[:, None] - gc[None, :], float("-inf")))  # [SC, C]
+        rcl = tl.exp(tl.where(rc[:, None] >= ri[None, :], gc[:, None] - gI[None, :], float("-inf")))  # [C, SC]
+        dPr, dPc, dAr, dAc = dPr * rr, dPc * rcl, dAr * rr, dAc * rcl
+    return dPr, dPc, dAr, dAc
+
+
+@triton.jit
+def _strip_grads(q_bh, k_bh, G_bh, dP_bh, dA_bh, XQ_bh, XW_bh, XC_bh, dq, dk, dg, tok, t0, I, ck, spread,
+                 dPr, dPc, dAr, dAc, T, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, SC: tl.constexpr,
+                 BK: tl.constexpr, SPREAD: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
+    """Phase 3 for sub-chunk I and key columns ck: the Gram matrices' transposed products plus phases 1-2's terms (XQ,
+    XW, XC), stored as dq, dk and (per channel) the gate's dG; returns this block's share of a scalar gate's dG [SC].
+    Row side (rows I): reference r = I's first row; column side (columns I): reference s = its last row; `spread` is
+    I's decay spread over every key column (per-channel gates)."""
+    rc, rs = tl.arange(0, C), tl.arange(0, SC)
+    r0 = t0 + I * SC
+    mk = ck < K
+    qI = _rows(q_bh, r0, rs, T, H * K, ck, K)
+    kI = _rows(k_bh, r0, rs, T, H * K, ck, K)
+    kc = _rows(k_bh, t0, rc, T, H * K, ck, K)
+    qc = _rows(q_bh, t0, rc, T, H * K, ck, K)
     if GATE == 2:
-        cf = tl.arange(0, BKF)
-        spread = _spread(tl.load(G_bh + r0 * K + cf, mask=cf < K, other=0.0), _hrows(G_bh, r0 + rs, cf, K))
+        gc = _hrows(G_bh, t0 + rc, ck, K)
+        gI = _hrows(G_bh, r0 + rs, ck, K)
+        g_r = tl.load(G_bh + r0 * K + ck, mask=mk, other=0.0)
+        g_s = tl.load(G_bh + (r0 + SC - 1) * K + ck, mask=mk, other=0.0)
+        ky = kc * _strip_decay(gc, g_r, rc, (I + 1) * SC, spread, SPREAD, SC)
+        xf = tl.exp(gI - g_r[None, :])
+        dqI = tl.dot(dPr, ky, input_precision=PREC) * xf
         start = tl.where(spread <= SPREAD, I * SC, (I + 1) * SC)
-    for k0 in range(0, K, BK):
-        ck = k0 + tl.arange(0, BK)
-        mk = ck < K
-        qI = _rows(q_bh, r0, rs, T, H * K, ck, K)
-        kI = _rows(k_bh, r0, rs, T, H * K, ck, K)
-        kc = _rows(k_bh, t0, rc, T, H * K, ck, K)
-        qc = _rows(q_bh, t0, rc, T, H * K, ck, K)
-        if GATE == 2:
-            gc = _hrows(G_bh, t0 + rc, ck, K)
-            gI = _hrows(G_bh, r0 + rs, ck, K)
-            g_r = tl.load(G_bh + r0 * K + ck, mask=mk, other=0.0)
-            g_s = tl.load(G_bh + (r0 + SC - 1) * K + ck, mask=mk, other=0.0)
-            ky = kc * _strip_decay(gc, g_r, rc, (I + 1) * SC, spread, SPREAD, SC)
-            xf = tl.exp(gI - g_r[None, :])
-            dqI = tl.dot(dPr, ky, input_precision=PREC) * xf
-            xs = tl.exp(tl.where((rc >= start)[:, None], gc - g_s[None, :], float("-inf")))
-            col = tl.dot(tl.trans(dPc), qc * xs, input_precision=PREC)
-            if DELTA:
-                dkr = tl.dot(dAr, ky, input_precision=PREC) * xf
-                col += tl.dot(tl.trans(dAc), kc * xs, input_precision=PREC)
-            else:
-                dkr = tl.zeros([SC, BK], tl.float32)
-            dkc = col * tl.exp(g_s[None, :] - gI)
-            if spread > SPREAD:  # strong decay inside the sub-chunk: its diagonal block with exact ratios
-                dPb = _block(dP_bh, r0, I * SC, SC, C)
-                if DELTA:
-                    dAb = _block(dA_bh, r0, I * SC, SC, C)
-                else:
-                    dAb = tl.zeros([SC, SC], tl.float32)
-                dqd, dkrd = _diag_rows_exact(dPb, dAb, k_bh, G_bh, r0, gI, T, H * K, ck, K, SC, BK)
-                dqI += dqd
-                dkr += dkrd
-                dkc += _diag_cols_exact(dPb, qI, dAb, kI, G_bh, r0, gI, ck, K, SC, BK)
-        else:
-            dqI = tl.dot(dPr, kc, input_precision=PREC)
-            dkc = tl.dot(tl.trans(dPc), qc, input_precision=PREC)
-            if DELTA:
-                dkr = tl.dot(dAr, kc, input_precision=PREC)
-                dkc += tl.dot(tl.trans(dAc), kc, input_precision=PREC)
-            else:
-                dkr = tl.zeros([SC, BK], tl.float32)
-        dqI += _hrows(XQ + hm * K, r0 + rs, ck, K)
-        dkc += _hrows(XC + hm * K, r0 + rs, ck, K)
+        xs = tl.exp(tl.where((rc >= start)[:, None], gc - g_s[None, :], float("-inf")))
+        col = tl.dot(tl.trans(dPc), qc * xs, input_precision=PREC)
         if DELTA:
-            dkr += _hrows(XW + hm * K, r0 + rs, ck, K)
-        m_out = (r0 + rs < T)[:, None] & mk[None, :]
-        o_off = (tok + (r0 + rs).to(tl.int64) * H)[:, None] * K + ck[None, :]
-        tl.store(dq + o_off, dqI.to(dq.dtype.element_ty), mask=m_out)
-        tl.store(dk + o_off, (dkr + dkc).to(dk.dtype.element_ty), mask=m_out)
-        if GATE == 2:
-            tl.store(dg + o_off, qI * dqI + kI * (dkr - dkc), mask=m_out)
-        if GATE == 1:
-            dgs += tl.sum(qI * dqI + kI * (dkr - dkc), axis=1)
-    if GATE == 1:
-        tl.store(dg + tok + (r0 + rs).to(tl.int64) * H, dgs, mask=r0 + rs < T)
-    if HAS_BETA:
-        tl.store(db_out + tok + (r0 + rs).to(tl.int64) * H, tl.load(dB + hm + r0 + rs).to(db_out.dtype.element_ty),
-                 mask=r0 + rs < T)
+            dkr = tl.dot(dAr, ky, input_precision=PREC) * xf
+            col += tl.dot(tl.trans(dAc), kc * xs, input_precision=PREC)
+        else:
+            dkr = tl.zeros([SC, BK], tl.float32)
+        dkc = col * tl.exp(g_s[None, :] - gI)
+        if spread > SPREAD:  # strong decay inside the sub-chunk: its diagonal block with exact ratios
+            dPb = _block(dP_bh, r0, I * SC, SC, C)
+            if DELTA:
+                dAb = _block(dA_bh, r0, I * SC, SC, C)
+            else:
+                dAb = tl.zeros([SC, SC], tl.float32)
+            dqd, dkrd = _diag_rows_exact(dPb, dAb, k_bh, G_bh, r0, gI, T, H * K, ck, K, SC, BK)
+            dqI += dqd
+            dkr += dkrd
+            dkc += _diag_cols_exact(dPb, qI, dAb, kI, G_bh, r0, gI, ck, K, SC, BK)
+    else:
+        dqI = tl.dot(dPr, kc, input_precision=PREC)
+        dkc = tl.dot(tl.trans(dPc), qc, input_precision=PREC)
+        if DELTA:
+            dkr = tl.dot(dAr, kc, input_precision=PREC)
+            dkc += tl.dot(tl.trans(dAc), kc, input_precision=PREC)
+        else:
+            dkr = tl.zeros([SC, BK], tl.float32)
+    dqI += _hrows(XQ_bh, r0 + rs, ck, K)
+    dkc += _hrows(XC_bh, r0 + rs, ck, K)
+    if DELTA:
+        dkr += _hrows(XW_bh, r0 + rs, ck, K)
+    m_out = (r0 + rs < T)[:, None] & mk[None, :]
+    o_off = (tok + (r0 + rs).to(tl.int64) * H)[:, None] * K + ck[None, :]
+    tl.store(dq + o_off, dqI.to(dq.dtype.element_ty), mask=m_out)
+    tl.store(dk + o_off, (dkr + dkc).to(dk.dtype.element_ty), mask=m_out)
+    if GATE == 2:
+        tl.store(dg + o_off, qI * dqI + kI * (dkr - dkc), mask=m_out)
+    return tl.sum(qI * dqI + kI * (dkr - dkc), axis=1)
+
+
+@triton.jit
+def _dkey_kernel(
+    q, k, beta, U, dU, W, Tm, Am, dPm, dAm, G, Hs, dHs, dB, do,
+    dq, dk, dg, db_out, XQ, XW, XC, scale,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
+    C: tl.constexpr, SC: tl.constexpr, BK: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr, SPREAD: tl.constexpr,
+    GATE: tl.constexpr, DELTA: tl.constexpr, HAS_BETA: tl.constexpr, PREC: tl.constexpr, ABLATE: tl.constexpr = 0,
+    SPLIT: tl.constexpr = 0,
+):
+    """The key side of the backward (dq, dk, the gate's dG, dbeta), BK key columns at a time (BKF: all of them,
+    padded). SPLIT = 0: grid (N, B H), every phase in one program per chunk. SPLIT = 1: phases 1-2 only, grid (N, B H);
+    SPLIT = 2: phase 3 only, one program per sub-chunk strip, grid (N C / SC, B H) — smaller tiles, more programs."""
+    # ABLATE (timing only, wrong results): bit 1 skips the V contractions
+    NB: tl.constexpr = C // SC
+    i_p, i_bh = tl.program_id(0), tl.program_id(1)
+    if SPLIT == 2:
+        i_n, I0, I1 = i_p // NB, i_p % NB, i_p % NB + 1
+    else:
+        i_n, I0, I1 = i_p, 0, NB
+    i_b, i_h = i_bh // H, i_bh % H
+    t0 = i_n * C
+    rc = tl.arange(0, C)
+    tok = i_b.to(tl.int64) * T * H + i_h
+    q_bh, k_bh = q + tok * K, k + tok * K
+    hm = i_bh.to(tl.int64) * N * C
+    G_bh = G + hm * (K if GATE == 2 else 1)
+    XQ_bh, XW_bh, XC_bh = XQ + hm * K, XW + hm * K, XC + hm * K
+    dP_bh, dA_bh = dPm + hm * C, dAm + hm * C
+    if SPLIT != 2:
+        # phases 1-2: contractions over V with the chunk's start state S and end-state gradient dS', then the whole-chunk
+        # terms (state reads / writes, the WY factors)
+        h_off = (i_bh.to(tl.int64) * N + i_n) * K * V
+        bc = tl.zeros([C], tl.float32)
+        if HAS_BETA:
+            bc = tl.load(beta + tok + (t0 + rc).to(tl.int64) * H, mask=t0 + rc < T, other=0.0).to(tl.float32)
+        Tt = tl.zeros([C, C], tl.float32)
+        dA = tl.zeros([C, C], tl.float32)
+        if DELTA:
+            Tt = tl.trans(_lower(Tm + hm * C, t0, C, False))
+            dA = tl.load(dA_bh + (t0 + rc)[:, None] * C + rc[None, :], mask=rc[:, None] > rc[None, :], other=0.0)
+        dbk = tl.zeros([C], tl.float32)
+        for k0 in range(0, K, BK):
+            ck = k0 + tl.arange(0, BK)
+            xq, xw, xc = _v_contractions(Hs, dHs, do, U, dU, tok, hm, h_off, t0, ck, 0 if ABLATE & 1 else V,
+                                         T, H, K, V, C, BK, BV, DELTA, PREC)
+            xq, xc, eg = _state_side(xq, xc, G_bh, t0, ck, K, C, GATE)
+            _hstore(XQ_bh, t0 + rc, ck, K, (scale * xq).to(tl.float32))
+            _hstore(XC_bh, t0 + rc, ck, K, xc)
+            if DELTA:
+                dR, dA, dbk = _chunk_terms(xw, eg, dA, dbk, k_bh, W + hm * K, Tt, bc, t0, ck, T, H, K, C, GATE, HAS_BETA,
+                                           PREC)
+                _hstore(XW_bh, t0 + rc, ck, K, dR)  # dk_row from W
+        if DELTA:  # dbeta += rowsum(dR_w K e^g) + rowsum(dA A~); dA~ = Diag(beta) dA, stored over dA
+            dA = tl.where(rc[:, None] > rc[None, :], dA, 0.0)
+            if HAS_BETA:
+                tl.store(dB + hm + t0 + rc, tl.load(dB + hm + t0 + rc) + dbk
+                         + tl.sum(dA * _lower(Am + hm * C, t0, C, True), axis=1))
+                dA = dA * bc[:, None]
+            _hstore(dA_bh, t0 + rc, rc, C, dA)
+    if SPLIT == 0:
+        tl.debug_barrier()
+    if SPLIT != 1:
+        # phase 3: sub-chunk strips, the Gram matrices' transposed products
+        rs = tl.arange(0, SC)
+        cf = tl.arange(0, BKF)
+        for I in range(I0, I1):
+            r0 = t0 + I * SC
+            dPr, dPc, dAr, dAc = _strip_mats(dP_bh, dA_bh, G_bh, t0, I, C, SC, GATE, DELTA)
+            spread = tl.zeros([], tl.float32)
+            if GATE == 2:
+                spread = _spread(tl.load(G_bh + r0 * K + cf, mask=cf < K, other=0.0), _hrows(G_bh, r0 + rs, cf, K))
+            dgs = tl.zeros([SC], tl.float32)
+            for k0 in range(0, K, BK):
+                dgs += _strip_grads(q_bh, k_bh, G_bh, dP_bh, dA_bh, XQ_bh, XW_bh, XC_bh, dq, dk, dg, tok, t0, I,
+                                    k0 + tl.arange(0, BK), spread, dPr, dPc, dAr, dAc,
+                                    T, H, K, C, SC, BK, SPREAD, GATE, DELTA, PREC)
+            if GATE == 1:
+                tl.store(dg + tok + (r0 + rs).to(tl.int64) * H, dgs, mask=r0 + rs < T)
+            if HAS_BETA:
+                tl.store(db_out + tok + (r0 + rs).to(tl.int64) * H,
+                         tl.load(dB + hm + r0 + rs).to(db_out.dtype.element_ty), mask=r0 + rs < T)
 
 
 @triton.jit
@@ -509,7 +409,7 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     final state's gradient (or None). Recomputes the forward's per-chunk factors and start states. `chunks`: packed
     sequences' chunk table, as forward_triton's. `precision`: tl.dot's input precision, one for every kernel or a tuple
     (recompute, dstate, dvalue, dkey); default "tf32x3" everywhere. `split`: the recompute's three-kernel first stage, and the key kernel in two
-    (`_dkey_state_kernel`, `_dkey_strip_kernel`) with [C, 64]-column tiles."""
+    (phases 1-2 per chunk, then phase 3 per sub-chunk strip) with [C, 64]-column tiles."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev, f32 = q.device, torch.float32
@@ -553,26 +453,15 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     dbeta = torch.empty_like(beta) if beta is not None else dB
     XQ, XW, XC = (torch.empty(B * H * N * C * K, dtype=f32, device=dev) for _ in range(3))
     BV3 = min(BVf, key_block)
-    if split:
-        BKS = min(64, BK)
-        _dkey_state_kernel[(N, B * H)](
-            k, beta if beta is not None else q, U, dU, x["W"], x["Tm"], x["Am"], dAm, x["G"], Hs, dHs, dB, do, XQ, XW, XC,
-            float(scale), T, H=H, K=K, V=V, N=N, C=C, BK=BKS, BV=BV3,
-            GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=precs[3], num_warps=warps[2], num_stages=1,
-        )
-        _dkey_strip_kernel[(N * (C // SC), B * H)](
-            q, k, XQ, XW, XC, dPm, dAm, x["G"], dB, dq, dk, dg, dbeta,
-            T, H=H, K=K, N=N, C=C, SC=SC, BK=BKS, BKF=BK, SPREAD=SPREAD,
-            GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=precs[3], num_warps=warps[2], num_stages=1,
-        )
+    common = (q, k, beta if beta is not None else q, U, dU, x["W"], x["Tm"], x["Am"], dPm, dAm, x["G"], Hs, dHs, dB, do,
+              dq, dk, dg, dbeta, XQ, XW, XC, float(scale))
+    meta = dict(T=T, H=H, K=K, V=V, N=N, C=C, SC=SC, BKF=BK, BV=BV3, SPREAD=SPREAD, GATE=gate, DELTA=delta,
+                HAS_BETA=beta is not None, PREC=precs[3], ABLATE=ablate[1], num_warps=warps[2], num_stages=1)
+    if split:  # phases 1-2 per chunk, then phase 3 per strip, 64 key columns at a time
+        _dkey_kernel[(N, B * H)](*common, BK=min(64, BK), SPLIT=1, **meta)
+        _dkey_kernel[(N * (C // SC), B * H)](*common, BK=min(64, BK), SPLIT=2, **meta)
     else:
-        _dkey_kernel[(N, B * H)](
-            q, k, beta if beta is not None else q, U, dU, x["W"], x["Tm"], x["Am"], dPm, dAm, x["G"], Hs, dHs, dB, do,
-            dq, dk, dg, dbeta, XQ, XW, XC, float(scale),
-            T, H=H, K=K, V=V, N=N, C=C, SC=SC, BK=BK, BV=BV3, SPREAD=SPREAD,
-            GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=precs[3], ABLATE=ablate[1], num_warps=warps[2],
-            num_stages=1,
-        )
+        _dkey_kernel[(N, B * H)](*common, BK=BK, SPLIT=0, **meta)
     dla = None
     if gate:  # dlog alpha_t = sum_{s >= t} dG_s, plus the final state's own factor e^{G_T}: rowsum(S_T dS_T)
         GK = K if gate == 2 else 1
