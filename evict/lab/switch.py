@@ -10,9 +10,17 @@ every call of the memory op are recorded (log α, k), and from them, per layer, 
     gate at the switch      α_switch[c] = exp(log α[switch, c])            mean over rows
     survival across it      Π_{u = 2F .. t} α[u, c], t from the last fact onwards (the facts' channels' fate)
     a pair's survival       Σ_c k[p, c]² · Π_{u = p+1 .. Q} α[u, c]: the share of the pair's key (unit length)
-                            that is left when the questions start (Q); p = the pair's value token, where the short
-                            conv sees key and value together — our choice of where a pair is written
+                            that is left when the questions start (Q), by decay alone; p = the pair's value token,
+                            where the short conv sees key and value together — our choice of where a pair is written
+    a pair's read share     what a question actually reads of it: the pair's written key k_p carried to the question
+                            t through every later decay and erase (x ← α_u ⊙ x, then x ← x − β_u k_u (k_u · x) with
+                            the delta rule; the state's own recurrence on that column), matched by the question's
+                            query, |q_t · x_p|, as a share of Σ_j |q_t · x_j| over every pair written before t —
+                            for the asked pair, and (on fact questions) for the distractor's pairs together
     accuracy                on the fact questions and on the new-topic questions separately
+
+The read share is the measure that follows accuracy: a fact can keep a tiny share of its key by decay alone and still
+be read cleanly when the channels it kept are the ones everything else was cleared from.
 
 Gated DeltaNet's one gate per head is the same α on every channel. Outputs under runs/stories/<timestamp>/:
 config.json, results.jsonl, table.md, stories.png (survival per channel across the switch), lesson.json and
@@ -90,18 +98,54 @@ def model_config(model: str, sweep: StoriesSweep, vocab_size: int, seq_len: int)
 
 @contextlib.contextmanager
 def recording():
-    """Inside: every call of the memory op by a memory layer appends its (k, log_alpha) to the yielded list."""
+    """Inside: every call of the memory op by a memory layer appends its (q, k, log_alpha, beta, delta) to the yielded
+    list (q, k float32 [B, T, H, D]; log_alpha and beta float32 or None)."""
     calls, real = [], memory_mixer.memory
 
-    def record(q, k, v, *, log_alpha=None, **kw):
-        calls.append((k.detach().float(), None if log_alpha is None else log_alpha.detach().float()))
-        return real(q, k, v, log_alpha=log_alpha, **kw)
+    def record(q, k, v, *, log_alpha=None, beta=None, delta=False, **kw):
+        f = lambda t: None if t is None else t.detach().float()
+        calls.append((f(q), f(k), f(log_alpha), f(beta), bool(delta)))
+        return real(q, k, v, log_alpha=log_alpha, beta=beta, delta=delta, **kw)
 
     memory_mixer.memory = record
     try:
         yield calls
     finally:
         memory_mixer.memory = real
+
+
+def carried_keys(k, la, beta, delta: bool, writes: list[int], times) -> dict:
+    """Each pair's written key carried forward by the state's own recurrence on a column: x_p = k_p at its write p,
+    then per later token x ← α_u ⊙ x and, with the delta rule, x ← x − β_u k_u (k_u · x). With every token a write and no
+    initial state the state after token t is exactly Σ_p x_p(t) (β_p v_p)^T (each erase (I − β k k^T) acts on the earlier
+    pairs' keys), which is what makes q_t · x_p(t) the key-match of pair p in the read at t. k, la [B, T, H, D], beta [B, T, H] or None;
+    returns {t: [B, H, P, D]} for t in `times`."""
+    B, T, H, D = k.shape
+    X = k.new_zeros(B, H, len(writes), D)
+    at, want, out = {p: j for j, p in enumerate(writes)}, set(times), {}
+    for t in range(T):
+        X = X * la[:, t].exp()[:, :, None, :]
+        if delta:
+            b = beta[:, t] if beta is not None else k.new_ones(B, H)
+            X = X - b[:, :, None, None] * k[:, t, :, None, :] * torch.einsum("bhpd,bhd->bhp", X, k[:, t])[..., None]
+        if t in at:
+            X = X.clone()
+            X[:, :, at[t]] = k[:, t]
+        if t in want:
+            out[t] = X
+    return out
+
+
+def read_shares(q, k, la, beta, delta: bool, writes: list[int], start: int, asked: torch.Tensor) -> dict:
+    """Read shares (module docstring) at every question t >= start: |q_t · x_p(t)| / Σ_j |q_t · x_j(t)|. q, k, la
+    [B, T, H, D] (la expanded per channel), beta [B, T, H] or None; asked [B, n] the pair each question asks for.
+    Returns {"asked": [B, n, H], "by_pair": [B, n, H, P]} (pairs not yet written: 0)."""
+    B, T, H, D = k.shape
+    X = carried_keys(k, la, beta, delta, writes, range(start, T))
+    m = torch.stack([torch.einsum("bhpd,bhd->bhp", X[t], q[:, t]).abs() for t in range(start, T)], dim=1)
+    by_pair = m / m.sum(-1, keepdim=True).clamp_min(1e-30)  # [B, n, H, P]
+    return {"asked": by_pair.gather(3, asked[:, :, None, None].expand(B, asked.shape[1], H, 1))[..., 0],
+            "by_pair": by_pair}
 
 
 def read_memory(model: LM, task: SwitchTask, sweep: StoriesSweep) -> dict:
@@ -120,10 +164,17 @@ def read_memory(model: LM, task: SwitchTask, sweep: StoriesSweep) -> dict:
             right = (pred == y[:, Q:]).double()
             for sec in (0, 1):
                 hits[sec] += torch.stack([(right * (asks == sec)).sum(), (asks == sec).sum().double()])
-            for li, (k, la) in enumerate(calls):
-                k = k.cpu()  # [B, T, H, D]
+            # each pair's write (its value token) and the pair each question asks for (keys are distinct in a row)
+            writes = [2 * j + 1 for j in range(F + J)] + [s + 2 + 2 * j for j in range(N)]
+            keys = x[:, [p - 1 for p in writes]]  # [B, P]
+            asked = (x[:, Q:, None] == keys[:, None, :]).long().argmax(-1)  # [B, F + N]
+            fact_q, new_q = (asks == 0).double(), (asks == 1).double()  # [B, F + N]
+            for li, (q, k, la, beta, delta) in enumerate(calls):
+                q, k = q.cpu(), k.cpu()  # [B, T, H, D]
                 la = torch.zeros_like(k) if la is None else la.cpu()
                 la = la[..., None].expand_as(k) if la.dim() == 3 else la  # scalar gate: one α for every channel
+                rs = read_shares(q, k, la, None if beta is None else beta.cpu(), delta, writes, Q, asked)
+                junk = rs["by_pair"][..., F:F + J].sum(-1)  # [B, F + N, H]: the distractor's share of each read
                 cum = la.cumsum(1)  # [B, T, H, D]: log of Π_{u <= t} α[u]
 
                 def survive(p: int) -> torch.Tensor:  # a pair written at p: key share left at Q - 1, [B, H]
@@ -140,6 +191,10 @@ def read_memory(model: LM, task: SwitchTask, sweep: StoriesSweep) -> dict:
                     "fact": survive_all(range(1, 2 * F, 2)).sum(0) / F,  # [H]
                     "distractor": survive_all(range(2 * F + 1, 2 * (F + J), 2)).sum(0) / max(J, 1),
                     "new": survive_all(range(s + 2, s + 2 + 2 * N, 2)).sum(0) / N,
+                    # read shares, averaged over the questions of each section in each row: [H]
+                    "fact_read": (rs["asked"] * fact_q[..., None]).sum(1).sum(0) / F,
+                    "distractor_read": (junk * fact_q[..., None]).sum(1).sum(0) / F,
+                    "new_read": (rs["asked"] * new_q[..., None]).sum(1).sum(0) / N,
                 }
                 if li == len(layers):
                     layers.append({key: torch.zeros_like(v) for key, v in sums.items()})
@@ -219,14 +274,19 @@ def report(sweep: StoriesSweep, results: list[dict]) -> str:
                 "fact survives": " / ".join(f"{x:.2f}" for x in layer["fact"]),
                 "distractor survives": " / ".join(f"{x:.2f}" for x in layer["distractor"]),
                 "new survives": " / ".join(f"{x:.2f}" for x in layer["new"]),
+                "fact read share": " / ".join(f"{x:.2f}" for x in layer["fact_read"]),
+                "distractor share of fact reads": " / ".join(f"{x:.2f}" for x in layer["distractor_read"]),
+                "new read share": " / ".join(f"{x:.2f}" for x in layer["new_read"]),
             })
     cols = list(rows[0]) if rows else ["model"]
     head = (f"Trained on the context-switch task: {sweep.facts} facts, {sweep.distractor} distractor pairs, switch, "
             f"{sweep.new} new pairs, then {sweep.facts + sweep.new} questions; {sweep.n_layers} layer(s), d_model "
             f"{sweep.d_model}, {sweep.n_heads} head(s) of dim {sweep.head_dim}, {sweep.steps} steps of batch "
             f"{sweep.batch_size}, lr {sweep.lr:g}. Accuracies and survivals on {sweep.eval_batches} held-out batches. "
-            "Survives: the share of a pair's key (unit length, at its value token) left when the questions start, "
-            "per head (a / b); α elsewhere: the median channel's mean gate outside the switch.")
+            "Survives: the share of a pair's key (unit length, at its value token) left when the questions start "
+            "by decay alone, per head (a / b); read share: of what a question's query matches among the pairs' keys "
+            "as the state carries them (decays and delta erasures), the share of the asked pair (and, on fact "
+            "questions, of the distractor's pairs); α elsewhere: the median channel's mean gate outside the switch.")
     return (f"The lesson at d = 4 (evict.stories, the op in float64)\n\n{lesson_table()}\n\n{head}\n\n"
             f"{markdown_table(rows, cols)}")
 

@@ -31,8 +31,9 @@ def test_recording_sees_the_ops_inputs_and_changes_nothing():
         with recording() as calls:
             again = model(x)
     assert torch.equal(plain, again) and len(calls) == 2
-    k, la = calls[0]
-    assert k.shape == la.shape == (3, task.seq_len, 1, 4)  # per channel: [B, T, H, D]
+    q, k, la, beta, delta = calls[0]
+    assert q.shape == k.shape == la.shape == (3, task.seq_len, 1, 4)  # per channel: [B, T, H, D]
+    assert beta.shape == (3, task.seq_len, 1) and delta is True
     assert torch.allclose(k.norm(dim=-1), torch.ones(3, task.seq_len, 1))  # unit keys: a share sums to 1
     from evict.layers import memory_mixer
     from evict.ops import memory
@@ -64,6 +65,33 @@ def test_read_memory_by_hand_for_a_scalar_gate(monkeypatch):
     assert layer["fact"][0] == pytest.approx(fact, rel=1e-5)
     assert layer["new"][0] == pytest.approx(sum(new) / 2, rel=1e-5)
     assert 0 <= out["fact_accuracy"] <= 1 and 0 <= out["new_accuracy"] <= 1
+
+
+@pytest.mark.parametrize("delta", [False, True])
+@pytest.mark.parametrize("gate", ["scalar", "channel"])
+def test_carried_keys_rebuild_the_state(gate, delta):
+    """With every token a write and no initial state, the reference op's state after token t is Σ_p x_p(t) (β_p v_p)^T:
+    the carried keys are the state's columns, each later erase (I - β k k^T) acting on the earlier pairs' keys."""
+    from evict.ops import memory
+    from tests.ops.test_memory import make_inputs
+
+    B, T, H, D, V = 2, 11, 2, 4, 3
+    x = make_inputs(B, T, H, D, V, gate=gate, beta_max=1.5, seed=4)
+    la = x["log_alpha"][..., None].expand(B, T, H, D) if gate == "scalar" else x["log_alpha"]
+    X = switch.carried_keys(x["k"], la, x["beta"], delta, list(range(T)), range(T))
+    S = torch.zeros(B, H, D, V, dtype=torch.float64)
+    for t in range(T):  # u_t from the token loop itself
+        S_faded = S * la[:, t].exp()[..., None]
+        u = x["v"][:, t] - (torch.einsum("bhd,bhdv->bhv", x["k"][:, t], S_faded) if delta else 0)
+        S = S_faded + x["k"][:, t, :, :, None] * (x["beta"][:, t, :, None] * u)[:, :, None, :]
+        _, S_op = memory(x["q"][:, :t + 1], x["k"][:, :t + 1], x["v"][:, :t + 1], log_alpha=x["log_alpha"][:, :t + 1],
+                         beta=x["beta"][:, :t + 1], delta=delta, impl="reference", output_final_state=True)
+        assert torch.allclose(S, S_op, atol=1e-12)
+        if t == 0:
+            us = []
+        us.append(x["beta"][:, t, :, None] * x["v"][:, t])
+        rebuilt = torch.einsum("bhpd,pbhv->bhdv", X[t][:, :, :t + 1], torch.stack(us))
+        assert torch.allclose(rebuilt, S_op, atol=1e-12), t
 
 
 def test_sweep_runs_resumes_and_writes_outputs(tmp_path):
