@@ -12,15 +12,17 @@ every call of the memory op are recorded (log α, k), and from them, per layer, 
     a pair's survival       Σ_c k[p, c]² · Π_{u = p+1 .. Q} α[u, c]: the share of the pair's key (unit length)
                             that is left when the questions start (Q), by decay alone; p = the pair's value token,
                             where the short conv sees key and value together — our choice of where a pair is written
-    a pair's read share     what a question actually reads of it: the pair's written key k_p carried to the question
-                            t through every later decay and erase (x ← α_u ⊙ x, then x ← x − β_u k_u (k_u · x) with
-                            the delta rule; the state's own recurrence on that column), matched by the question's
-                            query, |q_t · x_p|, as a share of Σ_j |q_t · x_j| over every pair written before t —
-                            for the asked pair, and (on fact questions) for the distractor's pairs together
+    a pair's read share     what a question actually reads of it: every token u writes along its key k_u; that key is
+                            carried to the question t through every later decay and erase (x ← α ⊙ x, then
+                            x ← x − β k (k · x) with the delta rule: the state's own recurrence on a column) and
+                            matched by the question's query, |q_t · x_u(t)|; a pair's share is that of its value
+                            token and the token after it (where trained models write the association: the key, value
+                            and next token are in the short conv's window there; the value token alone reads ~0),
+                            out of all tokens — for the asked pair, and (fact questions) the distractor's pairs
     accuracy                on the fact questions and on the new-topic questions separately
 
-The read share is the measure that follows accuracy: a fact can keep a tiny share of its key by decay alone and still
-be read cleanly when the channels it kept are the ones everything else was cleared from.
+The decay-only survival ignores the erases and what else the read matches; the read share counts both (dev/LOG.md
+has how the two compare with per-question accuracy on the quick runs).
 
 Gated DeltaNet's one gate per head is the same α on every channel. Outputs under runs/stories/<timestamp>/:
 config.json, results.jsonl, table.md, stories.png (survival per channel across the switch), lesson.json and
@@ -136,14 +138,15 @@ def carried_keys(k, la, beta, delta: bool, writes: list[int], times) -> dict:
     return out
 
 
-def read_shares(q, k, la, beta, delta: bool, writes: list[int], start: int, asked: torch.Tensor) -> dict:
-    """Read shares (module docstring) at every question t >= start: |q_t · x_p(t)| / Σ_j |q_t · x_j(t)|. q, k, la
-    [B, T, H, D] (la expanded per channel), beta [B, T, H] or None; asked [B, n] the pair each question asks for.
-    Returns {"asked": [B, n, H], "by_pair": [B, n, H, P]} (pairs not yet written: 0)."""
+def read_shares(q, k, la, beta, delta: bool, groups: list[tuple[int, ...]], start: int, asked: torch.Tensor) -> dict:
+    """Read shares (module docstring) at every question t >= start: every token is a write; a pair's share is
+    Σ_{p in its group} |q_t · x_p(t)| / Σ_{all tokens u <= t} |q_t · x_u(t)|. q, k, la [B, T, H, D] (la expanded per
+    channel), beta [B, T, H] or None; groups: each pair's positions; asked [B, n] the pair each question asks for.
+    Returns {"asked": [B, n, H], "by_pair": [B, n, H, P]}."""
     B, T, H, D = k.shape
-    X = carried_keys(k, la, beta, delta, writes, range(start, T))
-    m = torch.stack([torch.einsum("bhpd,bhd->bhp", X[t], q[:, t]).abs() for t in range(start, T)], dim=1)
-    by_pair = m / m.sum(-1, keepdim=True).clamp_min(1e-30)  # [B, n, H, P]
+    X = carried_keys(k, la, beta, delta, list(range(T)), range(start, T))
+    m = torch.stack([torch.einsum("bhpd,bhd->bhp", X[t], q[:, t]).abs() for t in range(start, T)], dim=1)  # [B, n, H, T]
+    by_pair = torch.stack([m[..., list(g)].sum(-1) for g in groups], dim=-1) / m.sum(-1, keepdim=True).clamp_min(1e-30)
     return {"asked": by_pair.gather(3, asked[:, :, None, None].expand(B, asked.shape[1], H, 1))[..., 0],
             "by_pair": by_pair}
 
@@ -164,16 +167,16 @@ def read_memory(model: LM, task: SwitchTask, sweep: StoriesSweep) -> dict:
             right = (pred == y[:, Q:]).double()
             for sec in (0, 1):
                 hits[sec] += torch.stack([(right * (asks == sec)).sum(), (asks == sec).sum().double()])
-            # each pair's write (its value token) and the pair each question asks for (keys are distinct in a row)
-            writes = [2 * j + 1 for j in range(F + J)] + [s + 2 + 2 * j for j in range(N)]
-            keys = x[:, [p - 1 for p in writes]]  # [B, P]
+            # each pair's value token and the pair each question asks for (keys are distinct in a row)
+            vals = [2 * j + 1 for j in range(F + J)] + [s + 2 + 2 * j for j in range(N)]
+            keys = x[:, [p - 1 for p in vals]]  # [B, P]
             asked = (x[:, Q:, None] == keys[:, None, :]).long().argmax(-1)  # [B, F + N]
             fact_q, new_q = (asks == 0).double(), (asks == 1).double()  # [B, F + N]
             for li, (q, k, la, beta, delta) in enumerate(calls):
                 q, k = q.cpu(), k.cpu()  # [B, T, H, D]
                 la = torch.zeros_like(k) if la is None else la.cpu()
                 la = la[..., None].expand_as(k) if la.dim() == 3 else la  # scalar gate: one α for every channel
-                rs = read_shares(q, k, la, None if beta is None else beta.cpu(), delta, writes, Q, asked)
+                rs = read_shares(q, k, la, None if beta is None else beta.cpu(), delta, [(p, p + 1) for p in vals], Q, asked)
                 junk = rs["by_pair"][..., F:F + J].sum(-1)  # [B, F + N, H]: the distractor's share of each read
                 cum = la.cumsum(1)  # [B, T, H, D]: log of Π_{u <= t} α[u]
 
