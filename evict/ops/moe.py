@@ -104,7 +104,8 @@ def grouped_mm_support(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: 
 
 def grouped_mm_fast(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether torch._grouped_mm runs as one fused kernel per matmul with no host sync: CUDA compute capability 9 or
-    10, bfloat16. Other cards and float32 get its fallback, a loop over the groups that reads the offsets on the host."""
+    10, bfloat16. Other cards and float32 get its fallback, which loops over the groups after reading the offsets
+    on the host."""
     return (x.is_cuda and _compute_dtype(x) == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0]
             in (9, 10) and grouped_mm_support(x, w1, w3, w2) is None)
 
