@@ -28,21 +28,26 @@ def _fast() -> bool:
     return ops.grouped_mm_fast(x, w, w, w.mT.contiguous())
 
 
-def _case(dtype, seed=0):
+def _case(dtype, seed=0, unused=0):
+    """N tokens routed at random, except that the first `unused` experts get none."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(N, D, generator=g)
     w1, w3 = (torch.randn(E, H, D, generator=g) * D**-0.5 for _ in range(2))
     w2 = torch.randn(E, D, H, generator=g) * H**-0.5
-    weights, index, _ = ops.route(torch.randn(N, E, generator=g), None, K)
+    logits = torch.randn(N, E, generator=g)
+    logits[:, :unused] = -100.0
+    weights, index, _ = ops.route(logits, None, K)
     dy = torch.randn(N, D, generator=g)
     leaves = [t.cuda().to(dtype).requires_grad_(True) for t in (x, weights, w1, w3, w2)]
     return leaves, index.cuda(), dy.cuda().to(dtype)
 
 
+@pytest.mark.parametrize("unused", [0, 3])
 @pytest.mark.parametrize("dispatch", ["sort", "padded", "grouped", "dense", "auto"])
-def test_cuda_bf16_dispatches_agree(dispatch):
-    """Output and gradients of each form in bfloat16 against the float64 padded form (tested = experts_reference)."""
-    ins, index, dy = _case(torch.bfloat16)
+def test_cuda_bf16_dispatches_agree(dispatch, unused):
+    """Output and gradients of each form in bfloat16 against the float64 padded form (tested = experts_reference),
+    also with experts that get no token (their weight gradients must be exactly zero)."""
+    ins, index, dy = _case(torch.bfloat16, unused=unused)
     if dispatch == "grouped" and ops.grouped_mm_support(ins[0], *ins[2:]) is not None:
         pytest.skip(f"grouped needs {ops.grouped_mm_support(ins[0], *ins[2:])}")
     exact = [t.detach().double().requires_grad_(True) for t in ins]
@@ -52,6 +57,8 @@ def test_cuda_bf16_dispatches_agree(dispatch):
     for name, a, b in zip(("x", "weights", "w1", "w3", "w2"), torch.autograd.grad(y, ins, dy),
                           torch.autograd.grad(want, exact, dy.double())):
         assert rel(a, b) < 2e-2, name
+        if name in ("w1", "w3", "w2"):
+            assert torch.equal(a[:unused], torch.zeros_like(a[:unused])), name
 
 
 def test_cuda_autocast_grouped_matches_float32():
