@@ -165,7 +165,7 @@ def experts(x, weights, index, w1, w3, w2, act: Callable, dispatch: str = "auto"
     flat = index.reshape(-1)  # [N k]
     order = torch.argsort(flat, stable=True)  # [N k] assignment ids sorted by expert
     counts = expert_counts(flat, E)  # [E]
-    xs = x[order // k]  # [N k, D] the token of each sorted assignment
+    xs = x.index_select(0, order // k)  # [N k, D] the token of each sorted assignment (backward: index_add_)
     y_sorted = _SORTED[dispatch](xs, flat[order], counts, w1, w3, w2, act)  # [N k, D]
     y = torch.empty_like(y_sorted).index_copy(0, order, y_sorted)  # [N k, D] back in (token, slot) order
     return torch.einsum("nk,nkd->nd", weights.to(y.dtype), y.view(N, k, -1))  # [N, D]
@@ -187,7 +187,7 @@ def _sorted_padded(xs, e, counts, w1, w3, w2, act):
     row = e * cap + torch.arange(e.shape[0], device=e.device) - starts[e]  # [N k] row in the [E cap] buffer
     buf = xs.new_zeros(E * cap, xs.shape[1]).index_copy(0, row, xs).view(E, cap, -1)  # [E, cap, D], zero padding
     h = act(torch.bmm(buf, w1.mT), torch.bmm(buf, w3.mT))  # [E, cap, H]
-    return torch.bmm(h, w2.mT).reshape(E * cap, -1)[row]  # [N k, D]
+    return torch.bmm(h, w2.mT).reshape(E * cap, -1).index_select(0, row)  # [N k, D]
 
 
 def _sorted_grouped(xs, e, counts, w1, w3, w2, act):
