@@ -77,7 +77,7 @@ class MoE(nn.Module):
             self.w_down = nn.Linear(d_model, latent_dim, bias=False)
             self.latent_norm = RMSNorm(latent_dim)
             self.w_up = nn.Linear(latent_dim, d_model, bias=False)
-        self.dispatch = "auto"  # evict.ops.moe.experts' dispatch: sort / gather / dense, "auto" picks (graph-safe)
+        self.dispatch = "auto"  # evict.ops.moe.experts' dispatch (sort, padded, grouped, gather, dense); "auto" picks
         self.select_bias: torch.Tensor
         self.register_buffer("select_bias", torch.zeros(n_routed))
         self.last_load: torch.Tensor | None = None

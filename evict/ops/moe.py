@@ -45,8 +45,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, routed_sc
 
 def expert_load(index: torch.Tensor, n_experts: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Fraction of the N*k routed assignments that went to each expert: [E] in dtype, sums to 1."""
-    counts = torch.bincount(index.reshape(-1), minlength=n_experts)  # [E]
-    return counts.to(dtype) / max(index.numel(), 1)
+    return expert_counts(index, n_experts).to(dtype) / max(index.numel(), 1)
 
 
 def switch_aux_loss(scores: torch.Tensor, index: torch.Tensor, n_experts: int, top_k: int) -> torch.Tensor:
@@ -69,30 +68,90 @@ def balance_bias_update(bias: torch.Tensor, load: torch.Tensor, rate: float) -> 
     return bias
 
 
-DISPATCH = ("auto", "sort", "gather", "dense")
+DISPATCH = ("auto", "sort", "padded", "grouped", "gather", "dense")
+
+
+def expert_counts(index: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Assignments per expert, [E] int64 on index's device, with no host sync (torch.bincount reads its input's
+    maximum on the host on CUDA)."""
+    flat = index.reshape(-1)  # [N k]
+    return torch.zeros(n_experts, dtype=torch.int64, device=index.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the expert matmuls run in: autocast's when it is on for x's device, else x's."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def grouped_mm_support(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> str | None:
+    """None when torch._grouped_mm can run these experts, else why not. It needs torch >= 2.9 (the op, and its CPU
+    kernel), bfloat16 or float32 operands (the compute dtype), rows of D and H in whole 16-byte units, and weights
+    that start on a 16-byte boundary (a cast to the compute dtype makes fresh, aligned copies)."""
+    cd = _compute_dtype(x)
+    H, D = w1.shape[1:]
+    if not hasattr(torch, "_grouped_mm") or tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 9):
+        return f"torch >= 2.9 (this is torch {torch.__version__})"
+    if cd not in (torch.bfloat16, torch.float32):
+        return f"bfloat16 or float32 inputs (got {cd})"
+    unit = 16 // cd.itemsize
+    if D % unit or H % unit:
+        return f"D and H multiples of {unit} for {cd} (got D={D}, H={H})"
+    if not torch.compiler.is_compiling() and any(w.dtype == cd and w.data_ptr() % 16 for w in (w1, w3, w2)):
+        return "w1, w3, w2 starting on 16-byte boundaries"
+    return None
+
+
+def grouped_mm_fast(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm runs as one fused kernel per matmul with no host sync: CUDA compute capability 9 or
+    10, bfloat16. Other cards and float32 get its fallback, which loops over the groups after reading the offsets
+    on the host."""
+    return (x.is_cuda and _compute_dtype(x) == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0]
+            in (9, 10) and grouped_mm_support(x, w1, w3, w2) is None)
+
+
+def auto_dispatch(x, weights, index, w1, w3, w2) -> str:
+    """The dispatch "auto" stands for with these inputs, here (grad mode, autocast, graph capture, device)."""
+    recording = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, w1, w3, w2))
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not recording and index.numel() <= w1.shape[0]:
+        return "gather"
+    if grouped_mm_fast(x, w1, w3, w2):
+        return "grouped"
+    if x.is_cuda:
+        return "dense" if capturing else "padded"
+    return "grouped" if grouped_mm_support(x, w1, w3, w2) is None else "sort"
 
 
 def experts(x, weights, index, w1, w3, w2, act: Callable, dispatch: str = "auto") -> torch.Tensor:
     """sum_j weights[n, j] * E_index[n, j](x_n) for every token. x [N, D]; weights, index [N, k]; returns [N, D].
 
-    E_e(x) = w2[e] act(w1[e] x, w3[e] x). Three equal dispatches:
-        sort    assignments sorted by expert, each expert runs once on its contiguous slice of gathered tokens (the
-                slice sizes are read on the host: one sync). Training and long prefills.
-        gather  each assignment multiplies its own expert's weights (gathered, [N k, H, D]): reads only the chosen
-                experts, no sync. Decode, when N k <= E.
-        dense   every expert on every token, mixed by a [N, E] matrix that is zero off the chosen experts: no sync,
-                fixed shapes. Small batches under CUDA-graph capture, when N k > E.
-    "auto": sort when gradients are being recorded; else gather when N k <= E; else dense while a CUDA graph is being
-    captured; else sort.
+    E_e(x) = w2[e] act(w1[e] x, w3[e] x). Equal dispatches:
+        sort     assignments sorted by expert; a Python loop runs each expert on its contiguous slice of the sorted
+                 tokens (slice sizes read on the host: one sync; ~5 kernels per expert forward, more backward).
+        padded   the sorted tokens scattered into an [E, cap, D] buffer (cap = the largest expert batch, read on the
+                 host: one sync), three batched matmuls, gathered back: a fixed number of kernels, whatever E;
+                 the padding costs (E cap / N k - 1) of the work, i.e. grows with the load imbalance.
+        grouped  the sorted tokens through torch._grouped_mm (offsets stay on the device: no sync, a fixed number of
+                 kernels, no padding); see `grouped_mm_support`, `grouped_mm_fast`.
+        gather   each assignment multiplies its own expert's weights (gathered, [N k, H, D]): reads only the chosen
+                 experts, no sync. Decode, when N k <= E.
+        dense    every expert on every token, mixed by a [N, E] matrix that is zero off the chosen experts: no sync,
+                 fixed shapes. Small batches under CUDA-graph capture, when N k > E.
+    "auto" (`auto_dispatch`): gather when N k <= E and no gradient is recorded; else grouped where it is one fused
+    kernel (CUDA sm90 / sm100 in bfloat16 or bf16 autocast); else on CUDA dense while a CUDA graph is captured (the
+    only other sync-free form) and padded otherwise (launches, not arithmetic, bound these sizes there); on a CPU
+    grouped where torch can run it (its C++ loop over the groups: as fast as sort or faster, never padded's waste
+    when the load is skewed) and sort otherwise (float64, unaligned widths). Measured in dev/LOG.md (issue 16).
     """
     if dispatch not in DISPATCH:
         raise ValueError(f"dispatch: expected one of {DISPATCH}, got {dispatch!r}")
     N, k = index.shape
     E = w1.shape[0]
     if dispatch == "auto":
-        recording = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, w1, w3, w2))
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        dispatch = "sort" if recording else "gather" if N * k <= E else "dense" if capturing else "sort"
+        dispatch = auto_dispatch(x, weights, index, w1, w3, w2)
+    if dispatch == "grouped" and (why := grouped_mm_support(x, w1, w3, w2)) is not None:
+        raise ValueError(f"dispatch: 'grouped' needs {why}")
     if dispatch == "gather":
         flat = index.reshape(-1)  # [N k]
         xs = x[:, None].expand(N, k, x.shape[1]).reshape(N * k, -1, 1)  # [N k, D, 1]
@@ -105,15 +164,41 @@ def experts(x, weights, index, w1, w3, w2, act: Callable, dispatch: str = "auto"
         return torch.einsum("ne,ned->nd", mix, torch.einsum("neh,edh->ned", h, w2))
     flat = index.reshape(-1)  # [N k]
     order = torch.argsort(flat, stable=True)  # [N k] assignment ids sorted by expert
-    counts = torch.bincount(flat, minlength=E).tolist()  # E ints
-    xs = x[order // k]  # [N k, D] the token of each sorted assignment
-    ys = []
-    for e, part in zip(range(E), xs.split(counts)):
-        if part.shape[0]:
-            ys.append(act(part @ w1[e].T, part @ w3[e].T) @ w2[e].T)  # [n_e, D]
-    y_sorted = torch.cat(ys) if ys else x.new_zeros(0, w2.shape[1])  # [N k, D]
+    counts = expert_counts(flat, E)  # [E]
+    xs = x.index_select(0, order // k)  # [N k, D] the token of each sorted assignment (backward: index_add_)
+    y_sorted = _SORTED[dispatch](xs, flat[order], counts, w1, w3, w2, act)  # [N k, D]
     y = torch.empty_like(y_sorted).index_copy(0, order, y_sorted)  # [N k, D] back in (token, slot) order
-    return torch.einsum("nk,nkd->nd", weights.to(x.dtype), y.view(N, k, -1))  # [N, D]
+    return torch.einsum("nk,nkd->nd", weights.to(y.dtype), y.view(N, k, -1))  # [N, D]
+
+
+# The sorted forms: xs [N k, D] sorted by expert, e [N k] its experts (ascending), counts [E] -> y [N k, D].
+
+def _sorted_loop(xs, e, counts, w1, w3, w2, act):
+    ys = []
+    for i, part in enumerate(xs.split(counts.tolist())):  # one host sync
+        if part.shape[0]:
+            ys.append(act(part @ w1[i].T, part @ w3[i].T) @ w2[i].T)  # [n_i, D]
+    return torch.cat(ys) if ys else xs.new_zeros(0, w2.shape[1])
+
+
+def _sorted_padded(xs, e, counts, w1, w3, w2, act):
+    E, cap = w1.shape[0], int(counts.max())  # one host sync: the largest expert batch
+    starts = torch.cumsum(counts, 0) - counts  # [E] first sorted row of each expert
+    row = e * cap + torch.arange(e.shape[0], device=e.device) - starts[e]  # [N k] row in the [E cap] buffer
+    buf = xs.new_zeros(E * cap, xs.shape[1]).index_copy(0, row, xs).view(E, cap, -1)  # [E, cap, D], zero padding
+    h = act(torch.bmm(buf, w1.mT), torch.bmm(buf, w3.mT))  # [E, cap, H]
+    return torch.bmm(h, w2.mT).reshape(E * cap, -1).index_select(0, row)  # [N k, D]
+
+
+def _sorted_grouped(xs, e, counts, w1, w3, w2, act):
+    offs = torch.cumsum(counts, 0).to(torch.int32)  # [E] end row of each expert's group
+    cd = _compute_dtype(xs)
+    xs, w1, w3, w2 = (t.to(cd) for t in (xs, w1, w3, w2))
+    h = act(torch._grouped_mm(xs, w1.mT, offs), torch._grouped_mm(xs, w3.mT, offs))  # [N k, H]
+    return torch._grouped_mm(h, w2.mT, offs)  # [N k, D]
+
+
+_SORTED = {"sort": _sorted_loop, "padded": _sorted_padded, "grouped": _sorted_grouped}
 
 
 def experts_reference(x, weights, index, w1, w3, w2, act: Callable) -> torch.Tensor:

@@ -1,8 +1,11 @@
-"""MoE: routing, load and balance (ops), sort-based dispatch against per-token loops, the layer end to end."""
+"""MoE: routing, load and balance (ops), every expert dispatch against per-token loops, the layer end to end."""
+
+import contextlib
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from evict.layers.ffn import situ, swiglu
 from evict.layers.moe import MoE
@@ -89,45 +92,150 @@ def test_route_validation(kw, name):
         ops.route(**kw)
 
 
-@pytest.mark.parametrize("dispatch", ops.DISPATCH)
-@pytest.mark.parametrize("act", [swiglu, situ], ids=["swiglu", "situ"])
-@pytest.mark.parametrize("N,E,k", [(37, 5, 2), (3, 8, 2), (16, 4, 4), (1, 3, 1)])
-def test_dispatch_matches_per_token_loop(act, N, E, k, dispatch):
-    g = torch.Generator().manual_seed(N * 100 + E * 10 + k)
-    D, H = 13, 7
-    x = torch.randn(N, D, generator=g, dtype=torch.float64, requires_grad=True)
-    w1, w3 = (torch.randn(E, H, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    w2 = torch.randn(E, D, H, generator=g, dtype=torch.float64, requires_grad=True)
+def _experts_case(N, E, k, D, H, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, D, generator=g, dtype=torch.float64)
+    w1, w3 = (torch.randn(E, H, D, generator=g, dtype=torch.float64) for _ in range(2))
+    w2 = torch.randn(E, D, H, generator=g, dtype=torch.float64)
     weights, index = _rand_routing(N, E, k, g)
-    weights.requires_grad_(True)
-    y = ops.experts(x, weights, index, w1, w3, w2, act, dispatch=dispatch)
-    ref = ops.experts_reference(x, weights, index, w1, w3, w2, act)
-    assert rel(y, ref) < 1e-10
     dy = torch.randn(N, D, generator=g, dtype=torch.float64)
-    inputs = (x, weights, w1, w3, w2)
-    ga = torch.autograd.grad(y, inputs, dy)
-    gb = torch.autograd.grad(ref, inputs, dy)
-    for a, b in zip(ga, gb):
-        assert rel(a, b) < 1e-10
+    inputs = [t.to(dtype).requires_grad_(True) for t in (x, weights, w1, w3, w2)]
+    return inputs, index, dy.to(dtype)
+
+
+def _check_against_reference(dispatch, act, N, E, k, D, H, dtype, tol, seed):
+    """experts(dispatch) in `dtype` against experts_reference in float64 on the same values: output and gradients
+    of x, weights, w1, w3, w2."""
+    inputs, index, dy = _experts_case(N, E, k, D, H, dtype, seed)
+    exact = [t.detach().double().requires_grad_(True) for t in inputs]
+    y = ops.experts(inputs[0], inputs[1], index, *inputs[2:], act, dispatch=dispatch)
+    ref = ops.experts_reference(exact[0], exact[1], index, *exact[2:], act)
+    assert y.dtype == dtype and rel(y, ref) < tol
+    for name, a, b in zip(("x", "weights", "w1", "w3", "w2"), torch.autograd.grad(y, inputs, dy),
+                          torch.autograd.grad(ref, exact, dy.double())):
+        assert rel(a, b) < tol, name
+
+
+# (3, 8, 2): 6 assignments for 8 experts, so some experts get no token; (1, 3, 1): a single token
+CASES = [(37, 5, 2), (3, 8, 2), (16, 4, 4), (1, 3, 1)]
+
+
+@pytest.mark.parametrize("dispatch", [d for d in ops.DISPATCH if d != "grouped"])
+@pytest.mark.parametrize("act", [swiglu, situ], ids=["swiglu", "situ"])
+@pytest.mark.parametrize("N,E,k", CASES)
+def test_dispatch_matches_per_token_loop(act, N, E, k, dispatch):
+    _check_against_reference(dispatch, act, N, E, k, 13, 7, torch.float64, 1e-10, N * 100 + E * 10 + k)
+
+
+@pytest.mark.skipif(ops.grouped_mm_support(torch.zeros(1, 4), *[torch.zeros(1, 4, 4)] * 3) is not None,
+                    reason="torch._grouped_mm needs torch >= 2.9")
+@pytest.mark.parametrize("act", [swiglu, situ], ids=["swiglu", "situ"])
+@pytest.mark.parametrize("N,E,k", CASES)
+def test_grouped_dispatch_matches_per_token_loop(act, N, E, k):
+    """torch._grouped_mm runs bfloat16 / float32 only: float32 against the float64 reference."""
+    _check_against_reference("grouped", act, N, E, k, 12, 8, torch.float32, 1e-5, N * 100 + E * 10 + k)
+
+
+def test_grouped_dispatch_refuses_what_grouped_mm_cannot_run():
+    (x, weights, w1, w3, w2), index, _ = _experts_case(5, 4, 2, 12, 8, torch.float64, 0)
+    with pytest.raises(ValueError, match="dispatch: 'grouped' needs bfloat16 or float32"):
+        ops.experts(x, weights, index, w1, w3, w2, swiglu, dispatch="grouped")
+    (x, weights, w1, w3, w2), index, _ = _experts_case(5, 4, 2, 13, 8, torch.float32, 0)
+    with pytest.raises(ValueError, match="dispatch: 'grouped' needs .*multiples of 4"):
+        ops.experts(x, weights, index, w1, w3, w2, swiglu, dispatch="grouped")
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the aten ops run below autograd (forward and backward): on CUDA about one kernel launch each."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_per_step(dispatch, E):
+    inputs, index, dy = _experts_case(64, E, 2, 16, 8, torch.float32, E)
+    with _CountOps() as c:
+        y = ops.experts(inputs[0], inputs[1], index, *inputs[2:], swiglu, dispatch=dispatch)
+        torch.autograd.grad(y, inputs, dy)
+    return c.n
+
+
+@pytest.mark.parametrize("dispatch", ["padded", "grouped"])
+def test_batched_dispatch_runs_a_fixed_number_of_ops_whatever_E(dispatch):
+    """The issue-16 cost: the loop form runs ops per expert (forward and backward); padded and grouped do not."""
+    if dispatch == "grouped" and ops.grouped_mm_support(torch.zeros(1, 16), *[torch.zeros(4, 8, 16)] * 3):
+        pytest.skip("torch._grouped_mm needs torch >= 2.9")
+    assert _ops_per_step(dispatch, 4) == _ops_per_step(dispatch, 32)
+    assert _ops_per_step("sort", 32) > _ops_per_step("sort", 4) + 5 * 28  # ~5 forward ops per expert alone
+
+
+@contextlib.contextmanager
+def _host_reads_fail():
+    """Tensor -> Python conversions (a device -> host sync on CUDA) raise inside the block."""
+    names = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def fail(self, *args):
+        raise AssertionError("host sync")
+
+    try:
+        for n in names:
+            setattr(torch.Tensor, n, fail)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
 
 
 def test_auto_dispatch_needs_no_host_sync_in_inference():
-    """Without gradients and with N k <= E, `auto` never reads a device value on the host (gather): checked by
-    running it with tensor -> Python conversions made to fail."""
+    """Without gradients and with N k <= E, `auto` never reads a device value on the host (gather)."""
     g = torch.Generator().manual_seed(0)
     x, w1, w3, w2 = torch.randn(2, 5), torch.randn(8, 3, 5), torch.randn(8, 3, 5), torch.randn(8, 5, 3)
     weights, index = _rand_routing(2, 8, 2, g)
     want = ops.experts(x, weights, index, w1, w3, w2, swiglu, dispatch="sort")
-    orig = torch.Tensor.tolist
-    try:
-        torch.Tensor.tolist = lambda self: (_ for _ in ()).throw(AssertionError("host sync"))
-        with torch.no_grad():
-            got = ops.experts(x, weights, index, w1, w3, w2, swiglu)
-    finally:
-        torch.Tensor.tolist = orig
+    with _host_reads_fail(), torch.no_grad():
+        got = ops.experts(x, weights, index, w1, w3, w2, swiglu)
     torch.testing.assert_close(got, want)
     with pytest.raises(ValueError, match="dispatch"):
         ops.experts(x, weights, index, w1, w3, w2, swiglu, dispatch="fast")
+
+
+@pytest.mark.parametrize("dispatch", ["grouped", "padded", "sort"])
+def test_only_grouped_trains_without_host_reads(dispatch):
+    """grouped keeps the expert offsets on the device (forward and backward, routing and load included); padded
+    reads its capacity and sort its slice sizes."""
+    inputs, index, dy = _experts_case(40, 8, 2, 16, 8, torch.float32, 1)
+    if ops.grouped_mm_support(inputs[0], *inputs[2:]) is not None:
+        pytest.skip("torch._grouped_mm needs torch >= 2.9")
+    with contextlib.ExitStack() as stack:
+        if dispatch != "grouped":
+            stack.enter_context(pytest.raises(AssertionError, match="host sync"))
+        stack.enter_context(_host_reads_fail())
+        weights, index, scores = ops.route(inputs[0] @ inputs[2][:, 0].T, torch.zeros(8), 2)
+        ops.expert_load(index, 8)
+        loss = ops.switch_aux_loss(scores, index, 8, 2)
+        y = ops.experts(inputs[0], weights, index, *inputs[2:], swiglu, dispatch=dispatch)
+        torch.autograd.grad((y * dy).sum() + loss, [inputs[0], *inputs[2:]])
+
+
+def test_auto_dispatch_choice_on_cpu():
+    """CPU: gather for small no-grad batches; else grouped where torch._grouped_mm runs, else sort."""
+    grouped = ops.grouped_mm_support(torch.zeros(1, 16), *[torch.zeros(4, 8, 16)] * 3) is None
+    for dtype, D, want in ((torch.float32, 16, "grouped" if grouped else "sort"), (torch.float32, 13, "sort"),
+                           (torch.float64, 16, "sort")):
+        (x, weights, w1, w3, w2), index, _ = _experts_case(40, 8, 2, D, 8, dtype, 2)
+        assert ops.auto_dispatch(x, weights, index, w1, w3, w2) == want
+        with torch.no_grad():
+            assert ops.auto_dispatch(x, weights, index, w1, w3, w2) == want
+            assert ops.auto_dispatch(x[:4], weights[:4], index[:4], w1, w3, w2) == "gather"
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the compute dtype is autocast's
+        (x, weights, w1, w3, w2), index, _ = _experts_case(40, 8, 2, 16, 8, torch.float64, 2)
+        assert ops.auto_dispatch(x, weights, index, w1, w3, w2) == ("grouped" if grouped else "sort")
 
 
 # ---- layer --------------------------------------------------------------------------------------------
