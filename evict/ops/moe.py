@@ -116,10 +116,8 @@ def auto_dispatch(x, weights, index, w1, w3, w2) -> str:
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     if not recording and index.numel() <= w1.shape[0]:
         return "gather"
-    if grouped_mm_fast(x, w1, w3, w2):
-        return "grouped"
-    if x.is_cuda:
-        return "dense" if capturing else "padded"
+    if x.is_cuda:  # grouped / padded stay opt-in on CUDA until their GPU tests have run (dev/LOG.md, session 5)
+        return "sort" if recording else "dense" if capturing else "sort"
     return "grouped" if grouped_mm_support(x, w1, w3, w2) is None else "sort"
 
 
@@ -138,11 +136,11 @@ def experts(x, weights, index, w1, w3, w2, act: Callable, dispatch: str = "auto"
                  experts, no sync. Decode, when N k <= E.
         dense    every expert on every token, mixed by a [N, E] matrix that is zero off the chosen experts: no sync,
                  fixed shapes. Small batches under CUDA-graph capture, when N k > E.
-    "auto" (`auto_dispatch`): gather when N k <= E and no gradient is recorded; else grouped where it is one fused
-    kernel (CUDA sm90 / sm100 in bfloat16 or bf16 autocast); else on CUDA dense while a CUDA graph is captured (the
-    only other sync-free form) and padded otherwise (launches, not arithmetic, bound these sizes there); on a CPU
-    grouped where torch can run it (its C++ loop over the groups: as fast as sort or faster, never padded's waste
-    when the load is skewed) and sort otherwise (float64, unaligned widths). Measured in dev/LOG.md (issue 16).
+    "auto" (`auto_dispatch`): gather when N k <= E and no gradient is recorded; on CUDA, as before the grouped and
+    padded forms were written, sort (and dense while a CUDA graph is captured without gradients) — grouped is meant
+    to take over where it is one fused kernel (sm90 / sm100, bfloat16; `grouped_mm_fast`) once its GPU tests have run;
+    on a CPU grouped where torch can run it (its C++ loop over the groups: as fast as sort or faster, never padded's
+    waste when the load is skewed) and sort otherwise (float64, unaligned widths). Measured in dev/LOG.md (issue 16).
     """
     if dispatch not in DISPATCH:
         raise ValueError(f"dispatch: expected one of {DISPATCH}, got {dispatch!r}")

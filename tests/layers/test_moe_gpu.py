@@ -75,25 +75,22 @@ def test_cuda_autocast_grouped_matches_float32():
 
 
 def test_cuda_auto_dispatch_choice():
-    """grad / no grad / autocast / graph capture: grouped wherever it is the fused kernel, else padded (or dense while
-    capturing); gather for small no-grad batches."""
-    fast = _fast()
+    """On CUDA "auto" keeps the previous rule until grouped / padded have run here: sort under grad, gather for small
+    no-grad batches, dense while capturing without gradients, sort otherwise."""
     (x, wt, w1, w3, w2), index, _ = _case(torch.bfloat16)
     (xf, wtf, w1f, w3f, w2f), _, _ = _case(torch.float32)
-    assert ops.auto_dispatch(x, wt, index, w1, w3, w2) == ("grouped" if fast else "padded")
-    assert ops.auto_dispatch(xf, wtf, index, w1f, w3f, w2f) == "padded"  # float32: grouped_mm's looping fallback
+    assert ops.auto_dispatch(x, wt, index, w1, w3, w2) == "sort"
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        assert ops.auto_dispatch(xf, wtf, index, w1f, w3f, w2f) == ("grouped" if fast else "padded")
+        assert ops.auto_dispatch(xf, wtf, index, w1f, w3f, w2f) == "sort"
     with torch.no_grad():
-        assert ops.auto_dispatch(x, wt, index, w1, w3, w2) == ("grouped" if fast else "padded")
+        assert ops.auto_dispatch(x, wt, index, w1, w3, w2) == "sort"
         assert ops.auto_dispatch(x[:8], wt[:8], index[:8], w1, w3, w2) == "gather"
-    picked = []
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        picked.append(ops.auto_dispatch(xf, wtf, index, w1f, w3f, w2f))
-        picked.append(ops.auto_dispatch(x, wt, index, w1, w3, w2))
-        xf.detach() * 2  # a graph needs at least one kernel
-    assert picked == ["dense", "grouped" if fast else "dense"]
+        picked = []
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            picked.append(ops.auto_dispatch(x, wt, index, w1, w3, w2))
+            x.detach() * 2  # a graph needs at least one kernel
+    assert picked == ["dense"]
 
 
 def _layer_step(m, x):
@@ -110,6 +107,7 @@ def test_cuda_grouped_moe_training_step_has_no_host_sync():
         pytest.skip("the fused torch._grouped_mm kernel needs CUDA sm90 / sm100 and torch >= 2.9")
     torch.manual_seed(0)
     m = MoE(D, E, K, H, aux_loss_coef=0.01).cuda()
+    m.dispatch = "grouped"  # opt-in on CUDA until measured
     x = torch.randn(2, N // 2, D, device="cuda")
     _layer_step(m, x)  # first-call setup (cuBLAS handles, workspaces) may sync; the steps after it may not
     torch.cuda.synchronize()
@@ -127,6 +125,7 @@ def test_cuda_graph_captures_grouped_moe_training_step():
         pytest.skip("the fused torch._grouped_mm kernel needs CUDA sm90 / sm100 and torch >= 2.9")
     torch.manual_seed(0)
     m = MoE(D, E, K, H, aux_loss_coef=0.01).cuda()
+    m.dispatch = "grouped"  # opt-in on CUDA until measured
     x_static = torch.randn(2, N // 2, D, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
