@@ -100,14 +100,20 @@ def _layer_step(m, x):
     return torch.autograd.grad(loss, list(m.parameters()))
 
 
-def test_cuda_grouped_moe_training_step_has_no_host_sync():
-    """The MoE layer's training forward (routing, load, aux loss, grouped experts) and backward never wait for the
-    GPU: torch's sync debug mode turns any device -> host sync into an error."""
+def _grouped_layer():
+    """A CUDA MoE layer dispatching through grouped (opt-in on CUDA until measured); skips where it is not fused."""
     if not _fast():
         pytest.skip("the fused torch._grouped_mm kernel needs CUDA sm90 / sm100 and torch >= 2.9")
     torch.manual_seed(0)
     m = MoE(D, E, K, H, aux_loss_coef=0.01).cuda()
-    m.dispatch = "grouped"  # opt-in on CUDA until measured
+    m.dispatch = "grouped"
+    return m
+
+
+def test_cuda_grouped_moe_training_step_has_no_host_sync():
+    """The MoE layer's training forward (routing, load, aux loss, grouped experts) and backward never wait for the
+    GPU: torch's sync debug mode turns any device -> host sync into an error."""
+    m = _grouped_layer()
     x = torch.randn(2, N // 2, D, device="cuda")
     _layer_step(m, x)  # first-call setup (cuBLAS handles, workspaces) may sync; the steps after it may not
     torch.cuda.synchronize()
@@ -121,11 +127,7 @@ def test_cuda_grouped_moe_training_step_has_no_host_sync():
 def test_cuda_graph_captures_grouped_moe_training_step():
     """With no host sync the MoE layer's whole training step captures in a CUDA graph (`evict train --graphs`);
     replayed on new input it gives the eager step's gradients."""
-    if not _fast():
-        pytest.skip("the fused torch._grouped_mm kernel needs CUDA sm90 / sm100 and torch >= 2.9")
-    torch.manual_seed(0)
-    m = MoE(D, E, K, H, aux_loss_coef=0.01).cuda()
-    m.dispatch = "grouped"  # opt-in on CUDA until measured
+    m = _grouped_layer()
     x_static = torch.randn(2, N // 2, D, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
