@@ -72,6 +72,7 @@ def test_every_figure_in_chromium(tmp_path):
 
         # 2 memory wall: the slider, then the 1,024 button
         wall = api("/api/memory-wall", context=1000)
+        wait_text("#wall-context", "1,000")  # the first draw (its grid feeds the slider)
         slide("#wall-slider", 40)
         ctx40 = wall["grid"][40]
         wait_text("#wall-context", f"{ctx40:,}")

@@ -94,9 +94,11 @@ async function conceptMap() {
 
 // 2 · memory wall -------------------------------------------------------------------------------------------------
 const WALL_COLORS = { gpt2_124m: BLUE, llama70b_gqa: GREEN, dense_mha_k3: RED, k3_mla: ORANGE, k3_kda: "#7b4bc4" };
-let wallGrid = null;
+let wallGrid = null, wallSeq = 0;
 async function memoryWall(context) {
+  const seq = ++wallSeq;
   const d = await get(`/api/memory-wall?context=${context}`);
+  if (seq !== wallSeq) return;  // a newer request (the slider moved on) owns the figure: never draw a stale answer
   wallGrid = d.grid;
   $("wall-context").textContent = comma(d.context);
   const svg = $("wall-svg"); clear(svg);
@@ -357,7 +359,7 @@ window.addEventListener("DOMContentLoaded", () => {
   $("toc").innerHTML = [...document.querySelectorAll("section")].map((s) => `<a href="#${s.id}">${s.dataset.title}</a>`).join("");
   guard(conceptMap());
   guard(memoryWall(1000));
-  $("wall-slider").addEventListener("input", (e) => guard(memoryWall(wallGrid[+e.target.value])));
+  $("wall-slider").addEventListener("input", (e) => { if (wallGrid) guard(memoryWall(wallGrid[+e.target.value])); });
   document.querySelectorAll("#fig-memory-wall button").forEach((b) => b.addEventListener("click", () => guard(memoryWall(+b.dataset.context))));
   guard(historyFold(1));
   $("fold-step").addEventListener("input", (e) => guard(historyFold(+e.target.value)));
