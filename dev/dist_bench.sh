@@ -3,7 +3,8 @@
 # MoE 16 experts top-2; ~120M active) trained on the repository's own text (byte tokenizer, no download) for STEPS
 # steps at the same global batch. Reports tokens/s, model FLOPs utilisation (H200 bf16 peak 989 TFLOP/s) and the loss
 # curves; writes $OUT/dist_bench.json. About 5 minutes on two H200s.
-#     OUT=/tmp/out STEPS=40 bash dev/dist_bench.sh          (EXTRA="--compile" adds per-block torch.compile)
+#     OUT=/tmp/out STEPS=40 bash dev/dist_bench.sh          (EXTRA="--compile" adds per-block torch.compile;
+#     EXTRA='--set moe={"dispatch":"grouped"}' runs the routed experts through torch._grouped_mm)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/dist_bench}

@@ -157,6 +157,8 @@ def build_config(args, vocab_size: int) -> ModelConfig:
     overrides = parse_overrides(args.set)
     try:
         if args.model is not None:
+            if isinstance(overrides.get("moe"), dict) and isinstance(args.model.get("moe"), dict):
+                overrides["moe"] = {**args.model["moe"], **overrides["moe"]}  # a partial MoE dict edits the file's
             return ModelConfig.from_dict({**args.model, **overrides, "vocab_size": vocab_size})
         return presets.get(args.preset, size=args.size, **overrides, vocab_size=vocab_size)
     except (ValueError, TypeError) as e:

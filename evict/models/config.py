@@ -43,6 +43,7 @@ class MoEConfig:
     bias_update_rate: float = 1e-3
     aux_loss_coef: float = 0.0
     first_dense: int = 1  # the first layers keep a dense FFN (Kimi Linear, K3)
+    dispatch: str = "auto"  # how the routed experts compute (evict.ops.moe.experts: auto, sort, padded, grouped, ...)
 
 
 @dataclass
@@ -181,6 +182,9 @@ class ModelConfig:
             need(type(m.top_k) is int and 1 <= m.top_k <= m.n_routed, f"moe.top_k: expected 1 <= top_k <= n_routed={m.n_routed}, got {m.top_k!r}")
             need(type(m.first_dense) is int and 0 <= m.first_dense <= self.n_layers,
                  f"moe.first_dense: expected 0..n_layers={self.n_layers}, got {m.first_dense!r}")
+            from evict.ops.moe import DISPATCH
+
+            need(m.dispatch in DISPATCH, f"moe.dispatch: expected one of {DISPATCH}, got {m.dispatch!r}")
 
     # -- serialization ----------------------------------------------------------------------------------------
     def to_dict(self) -> dict:

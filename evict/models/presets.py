@@ -7,7 +7,7 @@ Released shapes (`gpt2_124m`, `kimi_linear_48b`, `kimi_k3`) are for the accounta
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import asdict, fields, replace
 from typing import Any
 
 from .config import ModelConfig, MoEConfig
@@ -85,4 +85,6 @@ def get(name: str, size: str = "tiny", **overrides) -> ModelConfig:
     unknown = sorted(set(overrides) - {f.name for f in fields(ModelConfig)})
     if unknown:
         raise ValueError(f"overrides: unknown ModelConfig field(s) {unknown}")
+    if isinstance(overrides.get("moe"), dict) and cfg.moe is not None:  # a partial MoE dict edits the preset's MoE
+        overrides["moe"] = {**asdict(cfg.moe), **overrides["moe"]}
     return replace(cfg, **overrides) if overrides else cfg

@@ -384,3 +384,23 @@ def test_validation(kw, name):
     args.update(kw)
     with pytest.raises(ValueError, match=name):
         MoE(**args)
+
+
+def test_dispatch_from_the_model_config_and_the_cli(tmp_path):
+    """`moe.dispatch` in the config reaches every MoE layer; a partial `--set moe={...}` edits the preset's MoE (its
+    shape kept); a bad name is one line naming moe.dispatch."""
+    from evict import LM, presets
+    from evict.cli import main
+    from evict.layers.moe import MoE
+
+    base = presets.get("kimi_linear", size="tiny")
+    cfg = presets.get("kimi_linear", size="tiny", moe={"dispatch": "padded"})
+    assert cfg.moe.n_routed == base.moe.n_routed and cfg.moe.d_expert == base.moe.d_expert and cfg.moe.dispatch == "padded"
+    layers = [m for m in LM(cfg).modules() if isinstance(m, MoE)]
+    assert layers and all(m.dispatch == "padded" for m in layers)
+    with pytest.raises(ValueError, match="moe.dispatch: expected one of"):
+        presets.get("kimi_linear", size="tiny", moe={"dispatch": "fast"})
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--preset", "kimi_linear", "--task", "mqar", "--steps", "1", "--set", 'moe={"dispatch": "fast"}',
+              "--out", str(tmp_path / "r")])
+    assert "moe.dispatch: expected one of" in str(e.value) and not (tmp_path / "r").exists()
