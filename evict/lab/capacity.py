@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import check_at_least_one, check_distinct, check_names, from_json, run_grid
+from evict.lab.sweep import check_at_least_one, check_distinct, check_names, from_json, run_grid, seeds_phrase
 from evict.ops.memory import memory
 from evict.tasks.capacity import CapacityBatch, make_batch
 from evict.train import resolve_device
@@ -204,11 +204,9 @@ def report(sweep: CapacitySweep, results: list[dict]) -> str:
             pub = PUBLISHED.get((r, ow), {}).get(S)
             row[name] = text + (f" [published {pub:g}]" if pub is not None else "")
         rows.append(row)
-    seeds = ", ".join(map(str, seeds_of(sweep)))
     head = (f"Held-out loss ½‖y − ŷ‖² per query after {sweep.steps} Adam steps (lr {sweep.lr:g}, batch "
             f"{sweep.batch_size}; {sweep.eval_batches} held-out batches; 0.5 = outputs zero); d_key {sweep.d_key}, "
-            f"one-hot values in R^S; seed{'s' if sweep.seeds > 1 else ''} {seeds}"
-            f"{' (mean, min–max)' if sweep.seeds > 1 else ''}. Published: Schlag et al. 2021 (LAB.md). Rules: "
+            f"one-hot values in R^S; {seeds_phrase(seeds_of(sweep))}. Published: Schlag et al. 2021 (LAB.md). Rules: "
             + "; ".join(f"{r} = {RULES[r]}" for r in sweep.rules) + ".")
     return f"{head}\n\n{markdown_table(rows, ['S', *names])}"
 

@@ -35,7 +35,7 @@ import torch
 
 from evict.bench.common import markdown_table
 from evict.lab import recall
-from evict.lab.sweep import from_json, run_grid
+from evict.lab.sweep import from_json, run_grid, seeds_phrase
 from evict.models import LM, ModelConfig, accounting
 from evict.tasks.mqar import MQARConfig, MQARTask
 from evict.tasks.text import TextTask, corpus_files
@@ -301,10 +301,9 @@ def report(sweep: HybridSweep, results: list[dict]) -> str:
             f" ({r['decode_bytes'][ctx] / ref:.2f}×)" if ref else "")
         row["published ppl"] = f"{PUBLISHED[v.ratio]:.2f}" if v.kind == "mla" and v.placement in ("spread", "—") and v.ratio in PUBLISHED else ""
         rows.append(row)
-    seeds = ", ".join(map(str, seeds_of(sweep)))
     head = (f"{sweep.n_layers} layers, d {sweep.d_model}, heads of {sweep.head_dim}, equal parameters (SwiGLU width solved"
-            f" per model); {sweep.steps} steps, batch {sweep.batch_size}, lr {sweep.lr:g}; seed{'s' if sweep.seeds > 1 else ''} "
-            f"{seeds}{' (mean, min–max)' if sweep.seeds > 1 else ''}. MQAR: L {sweep.seq_len}, K {sweep.pairs}, vocab "
+            f" per model); {sweep.steps} steps, batch {sweep.batch_size}, lr {sweep.lr:g}; "
+            f"{seeds_phrase(seeds_of(sweep))}. MQAR: L {sweep.seq_len}, K {sweep.pairs}, vocab "
             f"{sweep.vocab_size}, best evaluation. val loss: next-character "
             f"{'Shakespeare' if sweep.corpus is None else Path(sweep.corpus).name}, nats/char after the last step, "
             f"T {sweep.text_seq_len}. Cache: {CACHE_BYTES} B per KV/latent number (KDA's S float32, fixed); decode read = "

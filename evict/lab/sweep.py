@@ -97,6 +97,12 @@ def write_results(root: Path, results: list[dict]) -> None:
             f.write(json.dumps(r) + "\n")
 
 
+def seeds_phrase(seeds: list[int]) -> str:
+    """`seed 0` or `seeds 0, 1 (mean, min–max)`: how a report's header names the seeds its cells fold."""
+    many = len(seeds) > 1
+    return f"seed{'s' if many else ''} {', '.join(map(str, seeds))}{' (mean, min–max)' if many else ''}"
+
+
 def check_names(field: str, got, allowed) -> None:
     """A sweep's list of names (rules, models): non-empty, each one of `allowed`; else a ValueError naming the field."""
     if not got or any(x not in allowed for x in got):

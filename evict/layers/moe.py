@@ -44,7 +44,7 @@ class MoE(nn.Module):
 
     def __init__(self, d_model: int, n_routed: int, top_k: int, d_expert: int, n_shared: int = 1,
                  latent_dim: int | None = None, routed_scaling: float = 1.0, bias_update_rate: float = 1e-3,
-                 aux_loss_coef: float = 0.0, expert: str = "swiglu"):
+                 aux_loss_coef: float = 0.0, expert: str = "swiglu", dispatch: str = "auto"):
         super().__init__()
         _int("d_model", d_model, 1)
         _int("n_routed", n_routed, 1)
@@ -60,6 +60,8 @@ class MoE(nn.Module):
         _nonneg("aux_loss_coef", aux_loss_coef)
         if expert not in EXPERTS:
             raise ValueError(f"expert: expected one of {EXPERTS}, got {expert!r}")
+        if dispatch not in ops.DISPATCH:
+            raise ValueError(f"dispatch: expected one of {ops.DISPATCH}, got {dispatch!r}")
         self.d_model, self.n_routed, self.top_k, self.d_expert = d_model, n_routed, top_k, d_expert
         self.n_shared, self.latent_dim, self.expert = n_shared, latent_dim, expert
         self.routed_scaling = float(routed_scaling)
@@ -77,7 +79,7 @@ class MoE(nn.Module):
             self.w_down = nn.Linear(d_model, latent_dim, bias=False)
             self.latent_norm = RMSNorm(latent_dim)
             self.w_up = nn.Linear(latent_dim, d_model, bias=False)
-        self.dispatch = "auto"  # evict.ops.moe.experts' dispatch (sort, padded, grouped, gather, dense); "auto" picks
+        self.dispatch = dispatch  # evict.ops.moe.experts' dispatch (sort, padded, grouped, gather, dense); "auto" picks
         self.select_bias: torch.Tensor
         self.register_buffer("select_bias", torch.zeros(n_routed))
         self.last_load: torch.Tensor | None = None

@@ -56,11 +56,9 @@ def build_ffn(cfg: ModelConfig, kind: str) -> nn.Module:
     m = cfg.moe
     if kind != "moe" or m is None:
         raise ValueError(f"ffn: expected gelu, swiglu, situ, or moe with a MoE config; got {kind!r}")
-    moe = MoE(d, m.n_routed, m.top_k, m.d_expert, n_shared=m.n_shared, latent_dim=m.latent_dim,
-              routed_scaling=m.routed_scaling, bias_update_rate=m.bias_update_rate, aux_loss_coef=m.aux_loss_coef,
-              expert="situ" if cfg.ffn == "situ" else "swiglu")
-    moe.dispatch = m.dispatch
-    return moe
+    return MoE(d, m.n_routed, m.top_k, m.d_expert, n_shared=m.n_shared, latent_dim=m.latent_dim,
+               routed_scaling=m.routed_scaling, bias_update_rate=m.bias_update_rate, aux_loss_coef=m.aux_loss_coef,
+               expert="situ" if cfg.ffn == "situ" else "swiglu", dispatch=m.dispatch)
 
 
 class Block(nn.Module):
