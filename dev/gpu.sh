@@ -17,7 +17,7 @@ python3 -c "import fastapi, uvicorn, httpx" 2>/dev/null || python3 -m pip instal
 python3 -c "import fla" 2>/dev/null || python3 -m pip install -q --no-index --no-deps .whl/fla/*.whl
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 quiet() { grep -v "Warning\|warn\|^  \|^$"; }
-pyt() { local log=$1 t=$2; shift 2; timeout $t python3 -m pytest "$@" -m gpu -q -rf -p no:cacheprovider 2>&1 | tee $OUT/$log | quiet | tail -30; }
+pyt() { local log=$1 t=$2; shift 2; timeout $t python3 -m pytest "$@" -m gpu -rf -p no:cacheprovider 2>&1 | tee $OUT/$log | quiet | tail -30; }
 for what in "$@"; do
   case $what in
     optests) pyt optests.log ${T:-300} tests/ops/test_memory_triton.py -n 8 ;;
