@@ -66,18 +66,6 @@ def main():
                 "intra": (fw._intra_kernel, dict(q=p, k=p, v=p, la=p, beta=p, G=f, Ub=m, W=m, Tm=f, Am=f, Pm=m, Kd=m, Dec=f, Qg=f, T="i32", N="i32"),
                           dict(common, SC=16, BK=BK, BV=BV, SPREAD=40.0, GATE=gate, DELTA=delta, HAS_BETA=True, PREC="tf32", QG=not a.lowp,
                                KD=gate == 2 or not a.lowp, ABLATE=int(os.environ.get("ABLATE", 0))), int(over.get("intra", 4)), 1),
-                # intra's split form (`intra(..., split=True)`): gates, one Gram block per program, inverse + W / U
-                "gates": (fw._gates_kernel, dict(q=p, k=p, la=p, G=f, Kd=m, Dec=f, Qg=f, T="i32", N="i32"),
-                          dict(H=16, K=D, C=64, BK=min(64, BK) if gate == 2 else BK, GATE=gate, QG=not a.lowp,
-                               KD=gate == 2 or not a.lowp), 4, 1),
-                "gram": (fw._gram_kernel, dict(q=p, k=p, G=f, Am=f, Pm=m, T="i32", N="i32"),
-                         dict(H=16, K=D, C=64, SC=16, BK=min(64, BK), BKF=BK, SPREAD=40.0, GATE=gate, DELTA=delta, PREC="tf32"),
-                         int(over.get("gram", 4)), 1),
-                "dfix": (fw._diag_fix_kernel, dict(q=p, k=p, G=f, Am=f, Pm=m, T="i32", N="i32"),
-                         dict(H=16, K=D, C=64, SC=16, BK=BK, SPREAD=40.0, DELTA=delta), 4, 1),
-                "solve": (fw._solve_kernel, dict(k=p, v=p, beta=p, G=f, Ub=m, W=m, Tm=f, Am=f, T="i32", N="i32"),
-                          dict(common, SC=16, BW=min(64, BK, BV), GATE=gate, DELTA=delta, HAS_BETA=True, PREC="tf32"),
-                          int(over.get("solve", 4)), 1),
                 "state": (fw._state_kernel, dict(k=p, G=f, Kd=m, Dec=f, Ub=m, W=m, U=m, Hs=m, s0=f, sT=f, cu="*i32", T="i32", N="i32"),
                           dict(common, BK=BK, BV=int(os.environ.get("STATE_BV", 32)), GATE=gate, DELTA=delta, HAS_S0=True, PREC="tf32",
                                KD=gate == 2 or not a.lowp, VARLEN=a.varlen), 4, 2),
@@ -92,7 +80,7 @@ def main():
                                                 dq=p, dk=p, dg=f, db_out=p, XQ=f, XW=f, XC=f, scale="fp32", T="i32", N="i32"),
                          dict(common, SC=16, BK=BK, BKF=BK, BV=32, SPREAD=40.0, GATE=gate, DELTA=delta, HAS_BETA=True, PREC="tf32",
                               ABLATE=0, SPLIT=0), int(over.get("dkey", 8)), 1),
-                # the key kernel's split form (`backward_triton(..., split=True)`): phases 1-2, then phase 3 per strip
+                # the key kernel's split form (per-channel gates' default): phases 1-2, then phase 3 per strip
                 **{f"dkey{sp}": (bw._dkey_kernel, dict(q=p, k=p, beta=p, U=f, dU=f, W=f, Tm=f, Am=f, dPm=f, dAm=f, G=f, Hs=f, dHs=f,
                                                       dB=f, do=p, dq=p, dk=p, dg=f, db_out=p, XQ=f, XW=f, XC=f, scale="fp32",
                                                       T="i32", N="i32"),

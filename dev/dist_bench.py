@@ -58,11 +58,13 @@ def main(argv=None) -> None:
     p.add_argument("--peak", type=float, default=PEAK_BF16)
     a = p.parse_args(argv)
     res = report(a.out, a.runs, a.skip, a.peak)
-    print("| run | GPUs | dist | params (M) | tokens/s | speedup | MFU | max |loss − 1 GPU| |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| run | GPUs | dist | params (M) | tokens/s | speedup | MFU | max |loss − 1 GPU| | loss by step | val loss |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in res["runs"]:
+        curve = " / ".join(f"{loss:.3f}" for _, loss in r["loss"])
+        val = f"{r['val_loss'][0]:.3f}" if r["val_loss"] else "-"
         print(f"| {r['run']} | {r['gpus']} | {r['dist']} | {r['params_M']} | {r['tokens_per_s']:,} | "
-              f"{r['speedup']:.2f}× | {100 * r['mfu']:.1f} % | {r['max_loss_diff_vs_1gpu']:.4f} |")
+              f"{r['speedup']:.2f}× | {100 * r['mfu']:.1f} % | {r['max_loss_diff_vs_1gpu']:.4f} | {curve} | {val} |")
     path = a.out / "dist_bench.json"
     path.write_text(json.dumps(res, indent=2))
     print(f"json: {path}")

@@ -4,7 +4,8 @@
 # steps at the same global batch. Reports tokens/s, model FLOPs utilisation (H200 bf16 peak 989 TFLOP/s) and the loss
 # curves; writes $OUT/dist_bench.json. About 5 minutes on two H200s.
 #     OUT=/tmp/out STEPS=40 bash dev/dist_bench.sh          (EXTRA="--compile" adds per-block torch.compile;
-#     EXTRA='--set moe={"dispatch":"grouped"}' runs the routed experts through torch._grouped_mm)
+#     EXTRA='--set moe={"dispatch":"sort"}' runs the routed experts as before session 6; RUNS="gpu1 gpu1_accum2 ..."
+#     picks runs: gpu1_accum2 is one GPU in two micro-batches of 16, the per-GPU batch of the two-GPU runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/dist_bench}
@@ -18,7 +19,14 @@ COMMON=("${MODEL[@]}" --corpus "$OUT/corpus.txt" --tokenizer byte --seq-len 2048
         --warmup 10 --lr 1e-3 --eval-every 100000 --eval-batches 1 --ckpt-every 100000 --log-every 5 --amp bf16
         --no-resume ${EXTRA:-})
 export XDG_CACHE_HOME="$OUT/cache" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-CUDA_VISIBLE_DEVICES=0 $PY -m evict.cli train "${COMMON[@]}" --out "$OUT/gpu1"
-$PY -m torch.distributed.run --standalone --nproc_per_node 2 -m evict.cli train "${COMMON[@]}" --dist fsdp --out "$OUT/gpu2_fsdp"
-$PY -m torch.distributed.run --standalone --nproc_per_node 2 -m evict.cli train "${COMMON[@]}" --dist ddp --out "$OUT/gpu2_ddp"
-$PY dev/dist_bench.py "$OUT" gpu1 gpu2_fsdp gpu2_ddp
+RUNS=(${RUNS:-gpu1 gpu2_fsdp gpu2_ddp})
+for run in "${RUNS[@]}"; do
+  case $run in
+    gpu1) CUDA_VISIBLE_DEVICES=0 $PY -m evict.cli train "${COMMON[@]}" --out "$OUT/$run" ;;
+    gpu1_accum2) CUDA_VISIBLE_DEVICES=0 $PY -m evict.cli train "${COMMON[@]}" --grad-accum 2 --out "$OUT/$run" ;;
+    gpu2_fsdp) $PY -m torch.distributed.run --standalone --nproc_per_node 2 -m evict.cli train "${COMMON[@]}" --dist fsdp --out "$OUT/$run" ;;
+    gpu2_ddp) $PY -m torch.distributed.run --standalone --nproc_per_node 2 -m evict.cli train "${COMMON[@]}" --dist ddp --out "$OUT/$run" ;;
+    *) echo "dist_bench.sh: unknown run $run (gpu1 gpu1_accum2 gpu2_fsdp gpu2_ddp)"; exit 2 ;;
+  esac
+done
+$PY dev/dist_bench.py "$OUT" "${RUNS[@]}"

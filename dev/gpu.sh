@@ -5,7 +5,7 @@
 #   tests:   optests (memory op), alltests (every `gpu` test), verify (distributed + fast training), mptests
 #            (mixed precision), traintests, decodetests
 #   kernels: opsfwd (bench ops without fla's slowly autotuned backward), ops (all of it), tune (TUNE=args),
-#            tunefwd / tunebwd (session 5's variant sets), split (the split first stage and key kernel vs one kernel),
+#            tunefwd / tunebwd (session 5's variant sets), split (the key kernel in one launch or two),
 #            precision (dev/check_precision.py)
 #   decode:  decode, decode1m, decodebench, decodecompile, decodeprofile, sdpa, dial (the chunk dial's GPU numbers)
 #   train:   bench (cells per second, issue 10), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
@@ -35,8 +35,7 @@ for what in "$@"; do
     tunefwd) timeout ${TO:-150} python3 dev/triton_tune.py --fwd-only --shapes 4x8192,1x32768 --variants v0,f32,iw8,bv64,sw8,sw8bv64,ow8 2>&1 \
                | quiet | tee $OUT/tunefwd.log ;;
     tunebwd) timeout ${TO:-120} python3 dev/triton_tune.py --variants v0,t32,pk3,pr3 2>&1 | quiet | tee $OUT/tunebwd.log ;;
-    split) timeout ${TO:-200} python3 dev/triton_tune.py --fwd-only --shapes 4x8192,1x32768 --variants v0,split,split8 2>&1 | quiet | tee $OUT/split_fwd.log
-           timeout ${TO:-200} python3 dev/triton_tune.py --variants v0,split,split8 2>&1 | quiet | tee $OUT/split.log ;;
+    split) timeout ${TO:-200} python3 dev/triton_tune.py --variants dk1,dk2 2>&1 | quiet | tee $OUT/split.log ;;
     precision) timeout ${TO:-150} python3 dev/check_precision.py 2>&1 | tee $OUT/precision.log ;;
     decode) timeout ${TO:-240} python3 -m evict.cli bench decode --device cuda --paths before graph compiled --batch1-only \
               --contexts 8192 131072 --steps 8 --out $OUT/decode.json 2>&1 | grep "^|\|copy" | tee $OUT/decode.log ;;
@@ -49,7 +48,7 @@ for what in "$@"; do
     decodeprofile) timeout 120 python3 dev/profile_decode.py 2>&1 | tee $OUT/decode_profile.log | grep -v "^-" | head -80 ;;
     sdpa) timeout 60 python3 dev/sdpa_check.py 2>&1 | grep -v "^$" | tail -12 ;;
     dial) timeout 90 python3 dev/chunk_dial_gpu.py --out $OUT/chunk_dial_gpu.json 2>&1 | tail -5 ;;
-    bench) timeout 150 python3 -m evict.cli bench train --arch kda --procs 4 --train-steps 100 --variants before graphs \
+    bench) timeout ${TO:-240} python3 -m evict.cli bench train --arch kda --procs 4 --train-steps 100 --variants before graphs compiled \
              --out $OUT/bench_train_p4.json 2>&1 | quiet | tee $OUT/bench_train.log ;;
     dist) (OUT=/tmp/dist STEPS=${STEPS:-30} PY=python3 timeout ${TO:-330} bash dev/dist_bench.sh 2>&1 | quiet | tail -40) | tee $OUT/dist.log
           mkdir -p $OUT/dist && cp /tmp/dist/dist_bench.json $OUT/dist/ 2>/dev/null

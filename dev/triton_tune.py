@@ -30,9 +30,9 @@ VARIANTS = {  # name -> (forward knobs, backward knobs); a* = ablations (timing 
     "ow8": (dict(warps=(4, 4, 8), out_block_v=128), dict()),
     "pk3": (dict(), dict(precision=("tf32", "tf32", "tf32", "tf32x3"))),
     "pr3": (dict(), dict(precision=("tf32x3", "tf32", "tf32", "tf32x3"))),
-    # session 5, not yet run: the first stage as three kernels with small tiles (gates / Gram blocks / inverse + W, U)
-    "split": (dict(split=True), dict(split=True)),
-    "split8": (dict(split=True, warps=(8, 4, 4)), dict(split=True, fwd_warps=(8, 4))),
+    # the key kernel in one launch or two (session 6: two is the default for per-channel gates, one for scalar ones)
+    "dk1": (dict(), dict(split=False)),
+    "dk2": (dict(), dict(split=True)),
 }
 
 

@@ -77,10 +77,15 @@ def _worker(rank, port, root):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_gpus_match_one(tmp_path):
+    """FSDP2 and DDP on two GPUs against one GPU at the same global batch, float32: the first four steps within 1e-5
+    (the issue's bar; 2x H200 measured 0, 4.8e-7, 5.7e-6, 1.4e-6), the rest within 1e-3 — float32 rounding (other
+    matmul shapes per rank, the all-reduce's sum order) that training at lr 3e-3 amplifies about tenfold every two
+    steps (measured 8.6e-6, 7.4e-5, 2.3e-4, 8.3e-5 at steps 5-8; every run gave the same numbers)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     train(_model(), _task(), TrainConfig(**BASE, device="cuda", amp="none", out_dir=str(tmp_path / "one")))
     mp.spawn(_worker, args=(_port(), tmp_path), nprocs=2, join=True)
     want = _losses(tmp_path / "one")
     for kind in ("fsdp", "ddp"):
         got = _losses(tmp_path / kind)
-        assert len(got) == 8 and all(abs(a - b) <= 1e-4 for a, b in zip(got, want)), (kind, got, want)
+        diffs = [abs(a - b) for a, b in zip(got, want)]
+        assert len(got) == 8 and max(diffs[:4]) <= 1e-5 and max(diffs) <= 1e-3, (kind, [f"{d:.1e}" for d in diffs])

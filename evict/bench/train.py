@@ -8,6 +8,8 @@ compiles the kernels. Variants switch the training loop's fast paths on one at a
     bf16     + bf16 autocast
     labels   + head and loss at the K labelled positions only, batches made ahead by a thread
     graphs   + the whole step replayed from one CUDA graph (the default of `evict recall --full`)
+    compiled + each block through torch.compile (Inductor fuses the per-layer elementwise chain: norms, conv, SiLU,
+             L2 norms, gates, casts) inside the same graph
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "bf16": dict(amp="bf16", graphs=False, select_labels=False, prefetch=0),
     "labels": dict(amp="bf16", graphs=False, select_labels=True, prefetch=2),
     "graphs": dict(amp="bf16", graphs=True, select_labels=True, prefetch=2),
+    "compiled": dict(amp="bf16", graphs=True, select_labels=True, prefetch=2, compile=True),
 }
 
 _barrier: Any = None  # the multiprocessing Barrier each worker gets from _init

@@ -75,15 +75,18 @@ def test_cuda_autocast_grouped_matches_float32():
 
 
 def test_cuda_auto_dispatch_choice():
-    """On CUDA "auto" keeps the previous rule until grouped / padded have run here: sort under grad, gather for small
-    no-grad batches, dense while capturing without gradients, sort otherwise."""
+    """On CUDA "auto" picks grouped where it is one fused kernel (bf16, or float32 weights under bf16 autocast, on
+    sm90 / sm100) and sort elsewhere (float32), gather for small no-grad batches, dense while capturing without
+    gradients."""
     (x, wt, w1, w3, w2), index, _ = _case(torch.bfloat16)
     (xf, wtf, w1f, w3f, w2f), _, _ = _case(torch.float32)
-    assert ops.auto_dispatch(x, wt, index, w1, w3, w2) == "sort"
+    fused = "grouped" if _fast() else "sort"
+    assert ops.auto_dispatch(x, wt, index, w1, w3, w2) == fused
+    assert ops.auto_dispatch(xf, wtf, index, w1f, w3f, w2f) == "sort"
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        assert ops.auto_dispatch(xf, wtf, index, w1f, w3f, w2f) == "sort"
+        assert ops.auto_dispatch(xf, wtf, index, w1f, w3f, w2f) == fused
     with torch.no_grad():
-        assert ops.auto_dispatch(x, wt, index, w1, w3, w2) == "sort"
+        assert ops.auto_dispatch(x, wt, index, w1, w3, w2) == fused
         assert ops.auto_dispatch(x[:8], wt[:8], index[:8], w1, w3, w2) == "gather"
         picked = []
         graph = torch.cuda.CUDAGraph()

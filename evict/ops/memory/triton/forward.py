@@ -252,136 +252,6 @@ def _intra_kernel(
     _hstore(U_bh, t0 + rc, cv, V, vc)
 
 
-# -- the same first stage split over three kernels with small tiles (`intra(..., split=True)`) --------------------
-# `_intra_kernel` holds the chunk's [C, K] float32 keys and gates in registers through the whole chunk (255 registers
-# and spills at K = 128). Split: (a) gates per chunk; (b) one [SC, SC] Gram block of A~ and P per program, from [SC, K]
-# tiles; (c) the inverse, then W and U_bar by blocks of BW key / value columns. Same buffers, same values.
-
-
-@triton.jit
-def _gates_kernel(q, k, la, G, Kd, Dec, Qg, T, H: tl.constexpr, K: tl.constexpr, N, C: tl.constexpr, BK: tl.constexpr,
-                  GATE: tl.constexpr, QG: tl.constexpr, KD: tl.constexpr):
-    """Grid (N, B H, key blocks of BK): per-channel prefix sums are independent, so key columns split over programs
-    (a scalar gate's values are written by each, equal)."""
-    i_n, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    t0 = i_n * C
-    rc, ck = tl.arange(0, C), i_k * BK + tl.arange(0, BK)
-    tok = i_b.to(tl.int64) * T * H + i_h
-    hm = i_bh.to(tl.int64) * N * C
-    kc = _rows(k + tok * K, t0, rc, T, H * K, ck, K)
-    _chunk_gates(q + tok * K, kc, la, tok, t0, rc, ck, G + hm * (K if GATE == 2 else 1), Kd, Dec, Qg, hm, i_bh, i_n,
-                 T, H, K, N, C, GATE, QG, KD)
-
-
-@triton.jit
-def _gram_kernel(q, k, G, Am, Pm, T, H: tl.constexpr, K: tl.constexpr, N,
-                 C: tl.constexpr, SC: tl.constexpr, BK: tl.constexpr, BKF: tl.constexpr, SPREAD: tl.constexpr,
-                 GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
-    """Grid (N (C / SC)^2, B H): block (I, J) of A~ (strictly lower) and P (lower) of one chunk, zeros above, summed
-    over key columns BK at a time. A diagonal block whose decay spread is above SPREAD is left to `_diag_fix_kernel`."""
-    NB: tl.constexpr = C // SC
-    i_p, i_bh = tl.program_id(0), tl.program_id(1)
-    i_n, I, J = i_p // (NB * NB), (i_p // NB) % NB, i_p % NB
-    i_b, i_h = i_bh // H, i_bh % H
-    t0 = i_n * C
-    r0, c0 = t0 + I * SC, t0 + J * SC
-    rs = tl.arange(0, SC)
-    tok = i_b.to(tl.int64) * T * H + i_h
-    q_bh, k_bh = q + tok * K, k + tok * K
-    hm = i_bh.to(tl.int64) * N * C
-    G_bh = G + hm * (K if GATE == 2 else 1)
-    a = tl.zeros([SC, SC], tl.float32)
-    p = tl.zeros([SC, SC], tl.float32)
-    if J <= I:
-        if GATE == 2:  # the diagonal block's decay spread (0 below the diagonal, where no factor exceeds 1)
-            cf = tl.arange(0, BKF)
-            spread = tl.where(J == I, _spread(tl.load(G_bh + r0 * K + cf, mask=cf < K, other=0.0),
-                                              _hrows(G_bh, r0 + rs, cf, K)), 0.0)
-        for kb in range(0, K, BK):
-            ck = kb + tl.arange(0, BK)
-            kI = _rows(k_bh, r0, rs, T, H * K, ck, K)
-            qI = _rows(q_bh, r0, rs, T, H * K, ck, K)
-            kJ = _rows(k_bh, c0, rs, T, H * K, ck, K)
-            if GATE == 2:  # through r = the first row of I: e^{g_i - g_j} = e^{g_i - g_r} e^{g_r - g_j}, both <= 1
-                g_r = tl.load(G_bh + r0 * K + ck, mask=ck < K, other=0.0)  # below the diagonal; <= e^{spread} on it
-                xf = tl.exp(_hrows(G_bh, r0 + rs, ck, K) - g_r[None, :])
-                ky = kJ * tl.exp(tl.minimum(g_r[None, :] - _hrows(G_bh, c0 + rs, ck, K), SPREAD))  # used when <= SPREAD
-                if spread <= SPREAD:
-                    a += tl.dot(kI * xf, tl.trans(ky), input_precision=PREC)
-                    p += tl.dot(qI * xf, tl.trans(ky), input_precision=PREC)
-            else:
-                a += tl.dot(kI, tl.trans(kJ), input_precision=PREC)
-                p += tl.dot(qI, tl.trans(kJ), input_precision=PREC)
-        if GATE == 1:
-            gI, gJ = tl.load(G_bh + r0 + rs), tl.load(G_bh + c0 + rs)
-            below = (I * SC + rs)[:, None] >= (J * SC + rs)[None, :]
-            ratio = tl.exp(tl.where(below, gI[:, None] - gJ[None, :], float("-inf")))
-            a, p = a * ratio, p * ratio
-    ri, cj = I * SC + rs, J * SC + rs
-    if DELTA:
-        _store_block(Am + hm * C, r0, J * SC, tl.where(ri[:, None] > cj[None, :], a, 0.0), SC, C)
-    _store_block(Pm + hm * C, r0, J * SC, tl.where(ri[:, None] >= cj[None, :], p, 0.0), SC, C)
-
-
-@triton.jit
-def _diag_fix_kernel(q, k, G, Am, Pm, T, H: tl.constexpr, K: tl.constexpr, N,
-                     C: tl.constexpr, SC: tl.constexpr, BK: tl.constexpr, SPREAD: tl.constexpr, DELTA: tl.constexpr):
-    """Grid (N C / SC, B H), per-channel gates only, after `_gram_kernel`: a diagonal block whose decay spread is above
-    SPREAD (strong decay inside the sub-chunk) recomputed with exact ratios, one key column at a time."""
-    i_p, i_bh = tl.program_id(0), tl.program_id(1)
-    i_n, I = i_p // (C // SC), i_p % (C // SC)
-    i_b, i_h = i_bh // H, i_bh % H
-    r0 = i_n * C + I * SC
-    rs, ck = tl.arange(0, SC), tl.arange(0, BK)
-    tok = i_b.to(tl.int64) * T * H + i_h
-    k_bh = k + tok * K
-    hm = i_bh.to(tl.int64) * N * C
-    G_bh = G + hm * K
-    gI = _hrows(G_bh, r0 + rs, ck, K)
-    if _spread(tl.load(G_bh + r0 * K + ck, mask=ck < K, other=0.0), gI) > SPREAD:
-        kI = _rows(k_bh, r0, rs, T, H * K, ck, K)
-        qI = _rows(q + tok * K, r0, rs, T, H * K, ck, K)
-        a_d, p_d = _diag_gram_exact(kI, qI, gI, k_bh, G_bh, r0, T, H * K, ck, K, SC)
-        if DELTA:
-            _store_block(Am + hm * C, r0, I * SC, tl.where(rs[:, None] > rs[None, :], a_d, 0.0), SC, C)
-        _store_block(Pm + hm * C, r0, I * SC, tl.where(rs[:, None] >= rs[None, :], p_d, 0.0), SC, C)
-
-
-@triton.jit
-def _solve_kernel(k, v, beta, G, Ub, W, Tm, Am, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
-                  C: tl.constexpr, SC: tl.constexpr, BW: tl.constexpr,
-                  GATE: tl.constexpr, DELTA: tl.constexpr, HAS_BETA: tl.constexpr, PREC: tl.constexpr):
-    """Grid (N, B H): T = (I + Diag(beta) A~)^-1, then W = T Diag(beta) (K e^g) and U_bar = T Diag(beta) V, BW columns
-    at a time."""
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    t0 = i_n * C
-    rc, cw = tl.arange(0, C), tl.arange(0, BW)
-    tok = i_b.to(tl.int64) * T * H + i_h
-    k_bh, v_bh = k + tok * K, v + tok * V
-    hm = i_bh.to(tl.int64) * N * C
-    G_bh = G + hm * (K if GATE == 2 else 1)
-    bc = _chunk_beta(beta, tok, t0, rc, T, H, HAS_BETA)
-    if DELTA:
-        Tc = _inverse(Am + hm * C, Tm + hm * C, beta, tok, t0, bc, T, H, C, SC, HAS_BETA, PREC, 0)
-        if GATE == 1:
-            eg = tl.exp(tl.load(G_bh + t0 + rc))
-        for c0 in range(0, K, BW):
-            kw = _rows(k_bh, t0, rc, T, H * K, c0 + cw, K) * bc[:, None]
-            if GATE == 2:
-                kw = kw * tl.exp(_hrows(G_bh, t0 + rc, c0 + cw, K))
-            if GATE == 1:
-                kw = kw * eg[:, None]
-            _hstore(W + hm * K, t0 + rc, c0 + cw, K, tl.dot(Tc, kw, input_precision=PREC))
-        for c0 in range(0, V, BW):
-            vb = _rows(v_bh, t0, rc, T, H * V, c0 + cw, V) * bc[:, None]
-            _hstore(Ub + hm * V, t0 + rc, c0 + cw, V, tl.dot(Tc, vb, input_precision=PREC))
-    else:
-        for c0 in range(0, V, BW):
-            _hstore(Ub + hm * V, t0 + rc, c0 + cw, V, _rows(v_bh, t0, rc, T, H * V, c0 + cw, V) * bc[:, None])
-
-
 @triton.jit
 def _state_tile(ptr, i_bh, ck, cv, K: tl.constexpr, V: tl.constexpr, LOAD: tl.constexpr):
     """Offsets and mask of a program's [BK, BV] block of a [B H, K, V] state, and that block (zeros unless LOAD)."""
@@ -491,14 +361,11 @@ def state_block_v(B, H, V, dev) -> int:
     return 16 if B * H * triton.cdiv(V, 32) < _sms(dev) else 32
 
 
-def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, qg=False, ablate=0, store=None, kd=True,
-          split=False):
+def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, qg=False, ablate=0, store=None, kd=True):
     """Kernel 1: G, U_bar, W, T, A~, P, K e^{g_C - g} (Kd), e^{g_C} (Dec) and, with `qg`, Q e^g (Qg) on head-major
     buffers (W / T / A~ empty without the delta rule; Kd / Dec / Qg without a gate; Kd also empty for a scalar gate
     unless `kd`). `store`: the dtype of U_bar, W, P and Kd (default float32; the forward alone stores them in its
-    16-bit input dtype, halving the bytes the memory-bound kernels move; the backward's recompute keeps float32).
-    `split`: the same buffers from three kernels with small tiles (gates; one Gram block per program; inverse + W / U)
-    instead of `_intra_kernel`'s one program per chunk (`warps` then applies to the last two)."""
+    16-bit input dtype, halving the bytes the memory-bound kernels move; the backward's recompute keeps float32)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = max(1, triton.cdiv(T, C))
@@ -517,22 +384,6 @@ def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, qg=
     BK, BV = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
     prec = precision or precision_for(q.dtype)
     out = dict(G=G, Ub=Ub, W=W, Tm=Tm, Am=Am, Pm=Pm, Kd=Kd, Dec=Dec, Qg=Qg, N=N, gate=gate, kd=kd, store=st)
-    if split:
-        la = log_alpha if gate else q
-        BKs = min(64, BK)  # key columns per program / per step: [C, 64] and [SC, 64] float32 tiles at most
-        if gate:
-            _gates_kernel[(N, B * H, triton.cdiv(K, BKs) if gate == 2 else 1)](
-                q, k, la, G, Kd, Dec, Qg, T, H=H, K=K, N=N, C=C, BK=BKs if gate == 2 else BK, GATE=gate,
-                QG=bool(qg and gate), KD=kd, num_warps=4, num_stages=1)
-        _gram_kernel[(N * (C // SC) ** 2, B * H)](q, k, G, Am, Pm, T, H=H, K=K, N=N, C=C, SC=SC, BK=BKs, BKF=BK, SPREAD=SPREAD,
-                                                   GATE=gate, DELTA=delta, PREC=prec, num_warps=warps, num_stages=1)
-        if gate == 2:
-            _diag_fix_kernel[(N * (C // SC), B * H)](q, k, G, Am, Pm, T, H=H, K=K, N=N, C=C, SC=SC, BK=BK, SPREAD=SPREAD,
-                                                      DELTA=delta, num_warps=warps, num_stages=1)
-        _solve_kernel[(N, B * H)](k, v, beta if beta is not None else q, G, Ub, W, Tm, Am, T, H=H, K=K, V=V, N=N, C=C,
-                                  SC=SC, BW=min(64, BK, BV), GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=prec,
-                                  num_warps=warps, num_stages=1)
-        return out
     _intra_kernel[(N, B * H)](
         q, k, v, log_alpha if gate else q, beta if beta is not None else q, G, Ub, W, Tm, Am, Pm, Kd, Dec, Qg,
         T, H=H, K=K, V=V, N=N, C=C, SC=SC, BK=BK, BV=BV, SPREAD=SPREAD,
@@ -567,15 +418,14 @@ def carry(k, x, initial_state, delta: bool, *, V: int, chunks=None, block_v=None
 
 
 def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunks=None,
-                   block_v=None, warps=(4, 4, 4), stages=2, out_block_v=64, precision=None, keep=False, lowp=True,
-                   split=False):
+                   block_v=None, warps=(4, 4, 4), stages=2, out_block_v=64, precision=None, keep=False, lowp=True):
     """Chunked forward on [B, T, H, D] tensors. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32),
     plus the intermediates when `keep`. `chunks`: packed sequences laid out chunk-aligned in a batch of one (see
     autograd.py), the int32 table of each sequence's chunks [N_seq + 1]; states are then [N_seq, H, K, V]. Tuning
     knobs: `warps` per kernel (intra, carry, out), `block_v` / `stages` of the carry kernel (V columns per program,
     software pipelining), `out_block_v` of the output kernel. `lowp` (16-bit inputs only): intermediates stored in the
     input dtype, states carried and every product summed in float32; scalar gates form K e^{g_C - g} in the carry
-    kernel instead of storing it. `split`: intra's three-kernel form."""
+    kernel instead of storing it."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -584,7 +434,7 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     prec = precision or precision_for(q.dtype)
     low = lowp and q.dtype in (torch.bfloat16, torch.float16)
     x = intra(q, k, v, log_alpha, beta, bool(delta), warps=warps[0], precision=prec, store=q.dtype if low else None,
-              kd=not low, split=split)
+              kd=not low)
     U, Hs, sT = carry(k, x, initial_state, bool(delta), V=V, chunks=chunks, block_v=block_v, warps=warps[1], stages=stages,
                       precision=prec)
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
