@@ -36,7 +36,7 @@ for what in "$@"; do
                | quiet | tee $OUT/tunefwd.log ;;
     tunebwd) timeout ${TO:-120} python3 dev/triton_tune.py --variants v0,t32,pk3,pr3 2>&1 | quiet | tee $OUT/tunebwd.log ;;
     split) timeout ${TO:-200} python3 dev/triton_tune.py --variants dk1,dk2 2>&1 | quiet | tee $OUT/split.log ;;
-    precision) timeout ${TO:-150} python3 dev/check_precision.py 2>&1 | tee $OUT/precision.log ;;
+    precision) timeout ${TO:-200} python3 dev/check_precision.py ${GATES:-channel} 2>&1 | tee $OUT/precision.log ;;
     decode) timeout ${TO:-240} python3 -m evict.cli bench decode --device cuda --paths before graph compiled --batch1-only \
               --contexts 8192 131072 --steps 8 --out $OUT/decode.json 2>&1 | grep "^|\|copy" | tee $OUT/decode.log ;;
     decode1m) timeout ${TO:-150} python3 -m evict.cli bench decode --device cuda --paths before graph compiled --batch1-only \
