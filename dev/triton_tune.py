@@ -33,6 +33,11 @@ VARIANTS = {  # name -> (forward knobs, backward knobs); a* = ablations (timing 
     # the key kernel in one launch or two (session 6: two is the default for per-channel gates, one for scalar ones)
     "dk1": (dict(), dict(split=False)),
     "dk2": (dict(), dict(split=True)),
+    # session 6, not yet run: the output kernel's products as 16-bit dots, key columns 64 at a time (184 -> 128
+    # registers, 48 -> 16 KB shared memory on the sm_90 compile, per-channel gates)
+    "o16": (dict(out_dot16=True), dict()),
+    "o16bv128": (dict(out_dot16=True, out_block_v=128), dict()),
+    "o16w8": (dict(out_dot16=True, out_block_v=128, warps=(4, 4, 8)), dict()),
 }
 
 

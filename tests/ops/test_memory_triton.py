@@ -46,6 +46,7 @@ GRAD_CASES = [  # (name, gate, delta, beta_max (None: no beta), T, strong: "no" 
 INTERP_SCRIPT = r"""
 import json, sys
 from evict.ops import memory
+from evict.ops.memory.triton.forward import forward_triton
 from evict.ops.memory.triton.step import step_triton
 from evict.ops.memory.reference import rule
 from tests.conftest import rel, run_interpreted
@@ -94,9 +95,14 @@ for gate16 in ("channel", "scalar"):  # per-channel keys stored decayed; a scala
     o16, s16 = run(x16, True, impl="triton")
     o_ref, s_ref = run(x16_64, True, impl="reference")
     g16, g_ref = grads(x16, True, impl="triton"), grads(x16_64, True, impl="reference")
+    kw16 = dict(log_alpha=x16["log_alpha"], beta=x16["beta"], delta=True, scale=16 ** -0.5,
+                initial_state=x16["initial_state"])
+    o_one = forward_triton(x16["q"], x16["k"], x16["v"], **kw16)[0]
+    o_dot16 = forward_triton(x16["q"], x16["k"], x16["v"], **kw16, out_dot16=True)[0]
     out["fp16_" + gate16] = {"o": rel(o16, o_ref), "S": rel(s16, s_ref), "o_dtype": str(o16.dtype),
                              **{f"d{n}": rel(g16[n], g_ref[n]) for n in g_ref},
-                             "grad_dtypes": [str(g16[n].dtype) for n in g16]}
+                             "grad_dtypes": [str(g16[n].dtype) for n in g16],
+                             "out_dot16": [rel(o_dot16, o_ref), rel(o_dot16, o_one)]}
 print("RESULT" + json.dumps(out))
 """
 
@@ -137,11 +143,14 @@ def test_interpreter_float16_inputs(interpreted, gate):
     """16-bit inputs: the forward stores its intermediates in float16 (states carried in float32), the backward
     recomputes them in float32; both within float16 rounding of the reference on the same rounded inputs."""
     r = interpreted["fp16_" + gate]
-    print(r)
     assert r["o_dtype"] == "torch.float16" and r["grad_dtypes"] == ["torch.float16"] * 5 + ["torch.float32"]
     for name, err in r.items():
         if name.startswith("d") or name in ("o", "S"):
             assert err <= TOL[torch.float16], (name, err)
+    # `out_dot16`: the output kernel's 16-bit dots, against the reference (float16 rounding) and against the float32
+    # operand form (Q e^g rounded to float16 once more: observed 1.8e-4, about a float16 ulp)
+    vs_ref, vs_f32_operands = r["out_dot16"]
+    assert vs_ref <= TOL[torch.float16] and vs_f32_operands <= 2e-3, r["out_dot16"]
 
 
 SPLIT_SCRIPT = r"""
@@ -298,6 +307,21 @@ def test_gpu_forward_matches_reference(dtype, gate, delta, beta_max):
         assert o.dtype == dtype and s.dtype == torch.float32
         assert torch.isfinite(o).all() and torch.isfinite(s).all(), (T, cs)
         assert rel(o, o_ref) <= TOL[dtype] and rel(s, s_ref) <= TOL[dtype], (T, cs, rel(o, o_ref), rel(s, s_ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
+def test_gpu_out_dot16_matches_reference(gate, delta):
+    """forward_triton(out_dot16=True) (opt-in until measured): the output kernel's 16-bit dots on bf16 inputs, within
+    bf16 rounding of the reference, odd T, strong decay, K 128 (two key blocks) and K 96 (a masked one)."""
+    from evict.ops.memory.triton.forward import forward_triton
+
+    for T, K, strong in ((63, 128, False), (130, 128, True), (333, 96, False)):
+        xd, x64 = _cuda(make_inputs(2, T, 3, K, 64, gate=gate, beta_max=1.5, init=True, strong=strong), torch.bfloat16)
+        o_ref, s_ref = run(x64, delta, impl="reference")
+        o, s = forward_triton(xd["q"], xd["k"], xd["v"], log_alpha=xd["log_alpha"], beta=xd["beta"], delta=delta,
+                              scale=K ** -0.5, initial_state=xd["initial_state"], out_dot16=True)
+        assert rel(o, o_ref) <= TOL[torch.bfloat16] and rel(s, s_ref) <= TOL[torch.bfloat16], (T, K, rel(o, o_ref))
 
 
 @pytest.mark.gpu

@@ -320,8 +320,12 @@ def _state_kernel(
 def _out_kernel(
     q, G, U, Pm, Hs, o, scale,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
-    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, PREC: tl.constexpr, DOT16: tl.constexpr,
+    KB: tl.constexpr,
 ):
+    """DOT16 (16-bit intermediates only): both products as 16-bit tl.dot (exact products, float32 sums) on the stored
+    S, U, P as they are, Q e^g rounded to the store dtype, KB key columns at a time; otherwise float32 operands at
+    PREC."""
     i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_n * C
@@ -330,15 +334,30 @@ def _out_kernel(
     mk, mv = ck < K, cv < V
     tok = i_b.to(tl.int64) * T * H + i_h
     hm = i_bh.to(tl.int64) * N * C
-    qn = _rows(q + tok * K, t0, rc, T, H * K, ck, K)
-    if GATE == 2:
-        qn = qn * tl.exp(_hrows(G + hm * K, t0 + rc, ck, K))
-    if GATE == 1:
-        qn = qn * tl.exp(tl.load(G + hm + t0 + rc))[:, None]
-    S = tl.load(Hs + (i_bh.to(tl.int64) * N + i_n) * K * V + ck[:, None] * V + cv[None, :],
-                mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
-    u = tl.load(U + (hm + t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0).to(tl.float32)
-    on = tl.dot(qn, S, input_precision=PREC) + tl.dot(_lower(Pm + hm * C, t0, C, False), u, input_precision=PREC)
+    if DOT16:  # key columns KB at a time: fewer live registers, Q e^g rounded to the store dtype per block
+        u = tl.load(U + (hm + t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0)
+        P = tl.load(Pm + (hm + t0 + rc)[:, None] * C + rc[None, :])
+        on = tl.dot(tl.where(rc[:, None] >= rc[None, :], P, tl.zeros_like(P)), u)
+        for kb in tl.static_range(0, BK, KB):
+            cb = kb + tl.arange(0, KB)
+            qb = _rows(q + tok * K, t0, rc, T, H * K, cb, K)
+            if GATE == 2:
+                qb = qb * tl.exp(_hrows(G + hm * K, t0 + rc, cb, K))
+            if GATE == 1:
+                qb = qb * tl.exp(tl.load(G + hm + t0 + rc))[:, None]
+            S = tl.load(Hs + (i_bh.to(tl.int64) * N + i_n) * K * V + cb[:, None] * V + cv[None, :],
+                        mask=(cb < K)[:, None] & mv[None, :], other=0.0)
+            on += tl.dot(qb.to(S.dtype), S)
+    else:
+        qn = _rows(q + tok * K, t0, rc, T, H * K, ck, K)
+        if GATE == 2:
+            qn = qn * tl.exp(_hrows(G + hm * K, t0 + rc, ck, K))
+        if GATE == 1:
+            qn = qn * tl.exp(tl.load(G + hm + t0 + rc))[:, None]
+        S = tl.load(Hs + (i_bh.to(tl.int64) * N + i_n) * K * V + ck[:, None] * V + cv[None, :],
+                    mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        u = tl.load(U + (hm + t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0).to(tl.float32)
+        on = tl.dot(qn, S, input_precision=PREC) + tl.dot(_lower(Pm + hm * C, t0, C, False), u, input_precision=PREC)
     tl.store(o + (tok + (t0 + rc).to(tl.int64) * H)[:, None] * V + cv[None, :], (scale * on).to(tl.float32).to(o.dtype.element_ty),
              mask=(t0 + rc < T)[:, None] & mv[None, :])
 
@@ -418,14 +437,16 @@ def carry(k, x, initial_state, delta: bool, *, V: int, chunks=None, block_v=None
 
 
 def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunks=None,
-                   block_v=None, warps=(4, 4, 4), stages=2, out_block_v=64, precision=None, keep=False, lowp=True):
+                   block_v=None, warps=(4, 4, 4), stages=2, out_block_v=64, precision=None, keep=False, lowp=True,
+                   out_dot16=False):
     """Chunked forward on [B, T, H, D] tensors. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32),
     plus the intermediates when `keep`. `chunks`: packed sequences laid out chunk-aligned in a batch of one (see
     autograd.py), the int32 table of each sequence's chunks [N_seq + 1]; states are then [N_seq, H, K, V]. Tuning
     knobs: `warps` per kernel (intra, carry, out), `block_v` / `stages` of the carry kernel (V columns per program,
     software pipelining), `out_block_v` of the output kernel. `lowp` (16-bit inputs only): intermediates stored in the
     input dtype, states carried and every product summed in float32; scalar gates form K e^{g_C - g} in the carry
-    kernel instead of storing it."""
+    kernel instead of storing it. `out_dot16` (with `lowp`): the output kernel's products as 16-bit dots (not yet
+    measured on a GPU: opt-in)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -442,7 +463,7 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     BV = min(max(16, triton.next_power_of_2(V)), out_block_v)
     _out_kernel[(triton.cdiv(V, BV), x["N"], B * H)](
         q, x["G"], U, x["Pm"], Hs, o, float(scale), T, H=H, K=K, V=V, N=x["N"], C=C, BK=BK, BV=BV,
-        GATE=x["gate"], PREC=prec, num_warps=warps[2], num_stages=2,
+        GATE=x["gate"], PREC=prec, DOT16=bool(out_dot16 and low), KB=min(64, BK), num_warps=warps[2], num_stages=2,
     )
     if keep:
         x.update(U=U, Hs=Hs)
