@@ -38,6 +38,9 @@ VARIANTS = {  # name -> (forward knobs, backward knobs); a* = ablations (timing 
     "o16": (dict(out_dot16=True), dict()),
     "o16bv128": (dict(out_dot16=True, out_block_v=128), dict()),
     "o16w8": (dict(out_dot16=True, out_block_v=128, warps=(4, 4, 8)), dict()),
+    # small heads (the lab's D 32): the backward's warps (dstate, dvalue, dkey) at 4 where D 128 wanted 8
+    "bw4": (dict(), dict(warps=(4, 4, 4))),
+    "dk2bw4": (dict(), dict(split=True, warps=(4, 4, 4))),
 }
 
 
@@ -46,11 +49,13 @@ def main():
     ap.add_argument("--shapes", default="4x8192")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--fwd-only", action="store_true", help="time the forward alone")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=128, help="head dim (the lab's full grid: --shapes 256x512 --heads 4 --dim 32)")
     a = ap.parse_args()
     for shape in a.shapes.split(","):
         B, T = map(int, shape.split("x"))
         for rule in ("kda", "gated_deltanet"):
-            x = rule_inputs(rule, B, T, 16, 128, dtype=torch.bfloat16, device="cuda")
+            x = rule_inputs(rule, B, T, a.heads, a.dim, dtype=torch.bfloat16, device="cuda")
             q, k, v, la, beta = x["q"], x["k"], x["v"], x["log_alpha"], x["beta"]
             do = torch.randn_like(v)
             table = {}
@@ -58,9 +63,9 @@ def main():
                 fk, bk = VARIANTS[name]
 
                 def run():
-                    forward_triton(q, k, v, log_alpha=la, beta=beta, delta=True, scale=128 ** -0.5, **fk)
+                    forward_triton(q, k, v, log_alpha=la, beta=beta, delta=True, scale=a.dim ** -0.5, **fk)
                     if not a.fwd_only:
-                        backward_triton(q, k, v, la, beta, None, do, None, delta=True, scale=128 ** -0.5, **bk)
+                        backward_triton(q, k, v, la, beta, None, do, None, delta=True, scale=a.dim ** -0.5, **bk)
                     torch.cuda.synchronize()
                 try:
                     times = dict(kernel_profile(run))
@@ -72,7 +77,7 @@ def main():
                     table.setdefault(kname[:40], {})[name] = round(ms, 4)
             rows = [{"kernel": kn, **t} for kn, t in sorted(table.items(), key=lambda kv: -max(kv[1].values()))]
             what = "forward alone" if a.fwd_only else "forward kernels appear twice: fwd + bwd recompute"
-            print(f"\n{rule} B{B} T{T} H16 D128 bf16 (ms per call; {what})")
+            print(f"\n{rule} B{B} T{T} H{a.heads} D{a.dim} bf16 (ms per call; {what})")
             print(markdown_table(rows, ["kernel", *a.variants.split(",")]), flush=True)
 
 

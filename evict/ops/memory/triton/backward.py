@@ -409,8 +409,9 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     final state's gradient (or None). Recomputes the forward's per-chunk factors and start states. `chunks`: packed
     sequences' chunk table, as forward_triton's. `precision`: tl.dot's input precision, one for every kernel or a tuple
     (recompute, dstate, dvalue, dkey); default "tf32x3" everywhere. `split`: the key kernel in two (phases 1-2 per chunk,
-    then phase 3 per sub-chunk strip) with [C, 64]-column tiles; default (None) for per-channel gates only, where it
-    measured 8.9 ms against one kernel's 12.7 (scalar gates: 7.2 against 5.7; H200, B4 T8192 H16 D128 bf16)."""
+    then phase 3 per sub-chunk strip) with [C, 64]-column tiles; default (None): per-channel gates with K > 64, where
+    the one kernel spills on sm_90 and the split measured 8.9 ms against its 12.7 (H200, B4 T8192 H16 D128 bf16;
+    scalar gates: 7.2 against 5.7). At K <= 64 neither form spills; one kernel, as before (not compared there)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev, f32 = q.device, torch.float32
@@ -426,7 +427,7 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     U, Hs, sT = carry(k, x, initial_state, delta, V=V, chunks=chunks, block_v=block_v, warps=fwd_warps[1], stages=stages,
                       precision=precs[0])
     N, gate = x["N"], x["gate"]
-    split = gate == 2 if split is None else bool(split)
+    split = (gate == 2 and K > 64) if split is None else bool(split)
     seqs, varlen = sT.shape[0], chunks is not None
     BK, BVf = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
     do = torch.zeros(B, T, H, V, dtype=q.dtype, device=dev) if do is None else do.contiguous()
