@@ -64,8 +64,12 @@ def main():
             tag = f"gate{gate} delta{int(delta)}"
             jobs = {
                 "intra": (fw._intra_kernel, dict(q=p, k=p, v=p, la=p, beta=p, G=f, Ub=m, W=m, Tm=f, Am=f, Pm=m, Kd=m, Dec=f, Qg=f, T="i32", N="i32"),
-                          dict(common, SC=16, BK=BK, BV=BV, SPREAD=40.0, GATE=gate, DELTA=delta, HAS_BETA=True, PREC="tf32", QG=not a.lowp,
+                          dict(common, SC=16, BK=BK, BV=BV, SPREAD=40.0, GATE=gate, DELTA=delta, HAS_BETA=True, PREC=os.environ.get("PREC", "tf32"), QG=not a.lowp,
                                KD=gate == 2 or not a.lowp, ABLATE=int(os.environ.get("ABLATE", 0))), int(over.get("intra", 4)), 1),
+                "intrakb": (fw._intra_kb_kernel, dict(q=p, k=p, v=p, la=p, beta=p, G=f, Ub=m, W=m, Tm=f, Am=f, Pm=m, Kd=m, Dec=f, Qg=f,
+                                                      T="i32", N="i32"),
+                            dict(common, SC=16, BK=BK, KB=int(os.environ.get("KB", 64)), BV=BV, SPREAD=40.0, DELTA=delta,
+                                 HAS_BETA=True, PREC=os.environ.get("PREC", "tf32"), QG=not a.lowp), int(over.get("intrakb", 4)), 1),
                 "state": (fw._state_kernel, dict(k=p, G=f, Kd=m, Dec=f, Ub=m, W=m, U=m, Hs=m, s0=f, sT=f, cu="*i32", T="i32", N="i32"),
                           dict(common, BK=BK, BV=int(os.environ.get("STATE_BV", 32)), GATE=gate, DELTA=delta, HAS_S0=True, PREC="tf32",
                                KD=gate == 2 or not a.lowp, VARLEN=a.varlen), 4, 2),

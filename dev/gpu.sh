@@ -5,8 +5,8 @@
 #   tests:   optests (memory op), alltests (every `gpu` test), verify (distributed + fast training), mptests
 #            (mixed precision), traintests, decodetests
 #   kernels: opsfwd (bench ops without fla's slowly autotuned backward), ops (all of it), tune (TUNE=args),
-#            tunefwd / tunebwd (session 5's variant sets), split (the key kernel in one launch or two), out16 (the output kernel's
-#            16-bit dots: GPU tests, then timed), tunelab (the kernels at the lab's full-grid shape, D 32),
+#            tunefwd / tunebwd (session 5's variant sets), split (the key kernel in one launch or two), out16 (session 6's prepared
+#            forms: the output kernel's 16-bit dots, intra by key blocks; GPU tests, then timed), tunelab (the kernels at the lab's full-grid shape, D 32),
 #            precision (dev/check_precision.py)
 #   decode:  decode, decode1m, decodebench, decodecompile, decodeprofile, sdpa, dial (the chunk dial's GPU numbers)
 #   train:   bench (cells per second, issue 10), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
@@ -39,9 +39,10 @@ for what in "$@"; do
     split) timeout ${TO:-200} python3 dev/triton_tune.py --variants dk1,dk2 2>&1 | quiet | tee $OUT/split.log ;;
     tunelab) timeout ${TO:-200} python3 dev/triton_tune.py --shapes 256x512 --heads 4 --dim 32 --variants v0,dk2,bw4,dk2bw4,o16 2>&1 \
                | quiet | tee $OUT/tunelab.log ;;
-    out16) pyt out16.log ${T:-150} tests/ops/test_memory_triton.py -k out_dot16 -n 6
-           timeout ${TO:-150} python3 dev/triton_tune.py --fwd-only --shapes 4x8192,1x32768 --variants v0,o16,o16bv128,o16w8 2>&1 \
-             | quiet | tee $OUT/out16.log ;;
+    out16) pyt out16.log ${T:-150} tests/ops/test_memory_triton.py -k "out_dot16 or intra_key_blocks" -n 8
+           timeout ${TO:-150} python3 dev/triton_tune.py --fwd-only --shapes 4x8192,1x32768 --variants v0,o16,o16bv128,o16w8,ikb64,ikb32,ikb32o16 \
+             2>&1 | quiet | tee $OUT/out16.log
+           timeout ${TO:-150} python3 dev/triton_tune.py --variants v0,ikb64,ikb32 2>&1 | quiet | tee $OUT/ikb.log ;;
     precision) timeout ${TO:-200} python3 dev/check_precision.py ${GATES:-channel} 2>&1 | tee $OUT/precision.log ;;
     decode) timeout ${TO:-240} python3 -m evict.cli bench decode --device cuda --paths before graph compiled --batch1-only \
               --contexts 8192 131072 --steps 8 --out $OUT/decode.json 2>&1 | grep "^|\|copy" | tee $OUT/decode.log ;;

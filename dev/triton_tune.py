@@ -38,6 +38,11 @@ VARIANTS = {  # name -> (forward knobs, backward knobs); a* = ablations (timing 
     "o16": (dict(out_dot16=True), dict()),
     "o16bv128": (dict(out_dot16=True, out_block_v=128), dict()),
     "o16w8": (dict(out_dot16=True, out_block_v=128, warps=(4, 4, 8)), dict()),
+    # session 6, not yet run: the first stage KB key columns at a time (per-channel gates; sm_90 spills at K 128:
+    # forward 424 -> 56 B (KB 64) / 4 B (KB 32), backward's recompute 1,868 -> 200 / 44 B)
+    "ikb64": (dict(intra_kb=64), dict(intra_kb=64)),
+    "ikb32": (dict(intra_kb=32), dict(intra_kb=32)),
+    "ikb32o16": (dict(intra_kb=32, out_dot16=True), dict(intra_kb=32)),
     # small heads (the lab's D 32): the backward's warps (dstate, dvalue, dkey) at 4 where D 128 wanted 8
     "bw4": (dict(), dict(warps=(4, 4, 4))),
     "dk2bw4": (dict(), dict(split=True, warps=(4, 4, 4))),

@@ -179,9 +179,18 @@ for name, gate, delta, T, K, V, strong in json.loads(sys.argv[1]):
         gr = backward_triton(*args, x["log_alpha"], x["beta"], x["initial_state"], do.float(), ds.float(), delta=delta,
                              scale=K ** -0.5, split=split)
         res[split] = [o, s, *[t for t in gr if t is not None]]
+    # intra's key-blocked form (`intra_kb`, per-channel gates): forward and the backward's recompute
+    kb = max(16, 1 << (K - 1).bit_length()) // 2
+    o_kb, s_kb = forward_triton(*args, **kw, intra_kb=kb)
+    gr_kb = backward_triton(*args, x["log_alpha"], x["beta"], x["initial_state"], do.float(), ds.float(), delta=delta,
+                            scale=K ** -0.5, split=True, intra_kb=kb)
+    res_kb = [o_kb, s_kb, *[t for t in gr_kb if t is not None]]
     out[name] = {"vs_reference": [rel(res[True][0], o_ref), rel(res[True][1], s_ref),
                                   *[rel(a, b) for a, b in zip(res[True][2:], ref)]],
-                 "vs_one_kernel": [rel(a, b) for a, b in zip(res[True], res[False])]}
+                 "vs_one_kernel": [rel(a, b) for a, b in zip(res[True], res[False])],
+                 "kb_vs_reference": [rel(res_kb[0], o_ref), rel(res_kb[1], s_ref),
+                                     *[rel(a, b) for a, b in zip(res_kb[2:], ref)]],
+                 "kb_vs_one_tile": [rel(a, b) for a, b in zip(res_kb, res[True])]}
 print("RESULT" + json.dumps(out))
 """
 SPLIT_CASES = [  # (name, gate, delta, T, K, V, strong): odd lengths, key dims across two 64-column blocks, strong decay
@@ -195,6 +204,18 @@ SPLIT_CASES = [  # (name, gate, delta, T, K, V, strong): odd lengths, key dims a
 @pytest.fixture(scope="module")
 def interpreted_split():
     return run_interpreted(SPLIT_SCRIPT, json.dumps(SPLIT_CASES))
+
+
+@pytest.mark.parametrize("case", [c[0] for c in SPLIT_CASES])
+def test_interpreter_intra_key_blocks_match_reference(interpreted_split, case):
+    """`intra_kb` (per-channel gates; other gates run the one-tile kernel): the first stage half the padded key dim
+    at a time (K 96: two 64-column blocks, the second partly masked; K 32: two of 16), forward and the backward's
+    recompute, against float64 (the one-tile form's bounds) and against the one-tile form (1e-6)."""
+    r = interpreted_split[case]
+    strong = [c for c in SPLIT_CASES if c[0] == case][0][6]
+    for i, err in enumerate(r["kb_vs_reference"]):
+        assert err <= (1e-4 if strong else 1e-5), (i, err)
+    assert max(r["kb_vs_one_tile"]) <= 1e-6, r["kb_vs_one_tile"]
 
 
 @pytest.mark.parametrize("case", [c[0] for c in SPLIT_CASES])
@@ -379,6 +400,31 @@ def test_gpu_gradients_match_reference(dtype, gate, delta):
         for name in g_ref:
             err = rel(g[name], g_ref[name])
             assert torch.isfinite(g[name]).all() and err <= TOL[dtype], (T, strong, name, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("delta", [False, True])
+@pytest.mark.parametrize("kb", [32, 64])
+def test_gpu_intra_key_blocks_match_reference(dtype, delta, kb):
+    """`intra_kb` (opt-in until measured): per-channel gates' first stage by key blocks, in the forward and the
+    backward's recompute, against float64 (output, state, every gradient), odd T, strong decay, a masked key block."""
+    from evict.ops.memory.triton.backward import backward_triton
+    from evict.ops.memory.triton.forward import forward_triton
+
+    for T, K, V, strong in ((333, 128, 64, False), (130, 128, 96, True), (75, 96, 32, False)):
+        xd, x64 = _cuda(make_inputs(1, T, 2, K, V, gate="channel", beta_max=1.5, init=True, strong=strong), dtype)
+        leaves = {n: t.clone().requires_grad_(True) for n, t in x64.items() if t is not None}
+        o_ref, s_ref = run(leaves, delta, impl="reference")
+        do, ds = torch.randn_like(o_ref), torch.randn_like(s_ref)
+        ref = torch.autograd.grad((o_ref * do).sum() + (s_ref * ds).sum(), list(leaves.values()))
+        args = (xd["q"], xd["k"], xd["v"])
+        o, s = forward_triton(*args, log_alpha=xd["log_alpha"], beta=xd["beta"], delta=delta, scale=K ** -0.5,
+                              initial_state=xd["initial_state"], intra_kb=kb)
+        got = backward_triton(*args, xd["log_alpha"], xd["beta"], xd["initial_state"], do.to(dtype), ds.float(),
+                              delta=delta, scale=K ** -0.5, intra_kb=kb)
+        errs = [rel(o, o_ref), rel(s, s_ref), *[rel(a, b) for a, b in zip([t for t in got if t is not None], ref)]]
+        assert max(errs) <= TOL[dtype], (T, K, strong, errs)
 
 
 @pytest.mark.gpu

@@ -404,14 +404,15 @@ def _revcumsum_kernel(x, last, out, cu, T, H: tl.constexpr, K: tl.constexpr, C: 
 
 def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, scale, chunks=None, block_v=None,
                     warps=(4, 8, 8), value_block=64, key_block=32, stages=2, fwd_warps=(4, 4), precision=None, ablate=(0, 0),
-                    split=None):
+                    split=None, intra_kb=None):
     """Gradients (dq, dk, dv, dlog_alpha, dbeta, dinitial_state) of the chunked forward, given dO (or None) and the
     final state's gradient (or None). Recomputes the forward's per-chunk factors and start states. `chunks`: packed
     sequences' chunk table, as forward_triton's. `precision`: tl.dot's input precision, one for every kernel or a tuple
     (recompute, dstate, dvalue, dkey); default "tf32x3" everywhere. `split`: the key kernel in two (phases 1-2 per chunk,
     then phase 3 per sub-chunk strip) with [C, 64]-column tiles; default (None): per-channel gates with K > 64, where
     the one kernel spills on sm_90 and the split measured 8.9 ms against its 12.7 (H200, B4 T8192 H16 D128 bf16;
-    scalar gates: 7.2 against 5.7). At K <= 64 neither form spills; one kernel, as before (not compared there)."""
+    scalar gates: 7.2 against 5.7). At K <= 64 neither form spills; one kernel, as before (not compared there).
+    `intra_kb`: the recompute's `key_block` (forward.intra; opt-in)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev, f32 = q.device, torch.float32
@@ -423,7 +424,8 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     # (log alpha's gradient 1.2e-1 vs 2.8e-3 under strong decay, scalar gate, bf16 inputs). tf32 in dstate and dvalue
     # alone measured 2.8e-3 there (4 % faster) but is not yet measured for per-channel gates: tf32x3 stays the default
     precs = tuple(precision) if isinstance(precision, (tuple, list)) else (precision or "tf32x3",) * 4
-    x = intra(q, k, v, log_alpha, beta, delta, warps=fwd_warps[0], precision=precs[0], qg=True, ablate=ablate[0])
+    x = intra(q, k, v, log_alpha, beta, delta, warps=fwd_warps[0], precision=precs[0], qg=True, ablate=ablate[0],
+              key_block=intra_kb)
     U, Hs, sT = carry(k, x, initial_state, delta, V=V, chunks=chunks, block_v=block_v, warps=fwd_warps[1], stages=stages,
                       precision=precs[0])
     N, gate = x["N"], x["gate"]

@@ -253,6 +253,77 @@ def _intra_kernel(
 
 
 @triton.jit
+def _intra_kb_kernel(
+    q, k, v, la, beta, G, Ub, W, Tm, Am, Pm, Kd, Dec, Qg,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
+    C: tl.constexpr, SC: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr, SPREAD: tl.constexpr,
+    DELTA: tl.constexpr, HAS_BETA: tl.constexpr, PREC: tl.constexpr, QG: tl.constexpr,
+):
+    """`_intra_kernel` for per-channel gates, KB key columns at a time: the same buffers, but no [C, K] tile of keys or
+    gates lives through the chunk (the one-tile form spills at K = 128 on sm_90: 440 B per thread at tf32, 1,868 at
+    tf32x3). Each pass re-reads its [C, KB] keys and stored gates (L1 / L2 hits); the Gram strips sum over blocks."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    t0 = i_n * C
+    rc, rs, cv = tl.arange(0, C), tl.arange(0, SC), tl.arange(0, BV)
+    tok = i_b.to(tl.int64) * T * H + i_h
+    q_bh, k_bh, v_bh = q + tok * K, k + tok * K, v + tok * V
+    hm = i_bh.to(tl.int64) * N * C
+    G_bh = G + hm * K
+    W_bh, U_bh = W + hm * K, Ub + hm * V
+    T_bh, A_bh, P_bh = Tm + hm * C, Am + hm * C, Pm + hm * C
+
+    for kb in tl.static_range(0, BK, KB):  # gates: prefix sums (stored in G), decayed keys / queries, chunk decay
+        cb = kb + tl.arange(0, KB)
+        _chunk_gates(q_bh, _rows(k_bh, t0, rc, T, H * K, cb, K), la, tok, t0, rc, cb, G_bh, Kd, Dec, Qg, hm, i_bh, i_n,
+                     T, H, K, N, C, 2, QG, True)
+    tl.debug_barrier()
+
+    for I in range(C // SC):  # Gram strips: A~ (strictly lower; delta rule only) and P (lower), summed over key blocks
+        r0 = t0 + I * SC
+        ri = I * SC + rs
+        spread = 0.0
+        for kb in tl.static_range(0, BK, KB):
+            cb = kb + tl.arange(0, KB)
+            spread = tl.maximum(spread, _spread(tl.load(G_bh + r0 * K + cb, mask=cb < K, other=0.0),
+                                                _hrows(G_bh, r0 + rs, cb, K)))
+        a = tl.zeros([SC, C], tl.float32)
+        p = tl.zeros([SC, C], tl.float32)
+        for kb in tl.static_range(0, BK, KB):
+            cb = kb + tl.arange(0, KB)
+            g_r = tl.load(G_bh + r0 * K + cb, mask=cb < K, other=0.0)
+            xf = tl.exp(_hrows(G_bh, r0 + rs, cb, K) - g_r[None, :])
+            ky = _rows(k_bh, t0, rc, T, H * K, cb, K) * _strip_decay(_hrows(G_bh, t0 + rc, cb, K), g_r, rc,
+                                                                      (I + 1) * SC, spread, SPREAD, SC)
+            a += tl.dot(_rows(k_bh, r0, rs, T, H * K, cb, K) * xf, tl.trans(ky), input_precision=PREC)
+            p += tl.dot(_rows(q_bh, r0, rs, T, H * K, cb, K) * xf, tl.trans(ky), input_precision=PREC)
+        if DELTA:
+            _hstore(A_bh, r0 + rs, rc, C, tl.where(ri[:, None] > rc[None, :], a, 0.0))
+        _hstore(P_bh, r0 + rs, rc, C, tl.where(ri[:, None] >= rc[None, :], p, 0.0))
+        if spread > SPREAD:  # strong decay inside the sub-chunk: its diagonal block with exact ratios (full width)
+            ck = tl.arange(0, BK)
+            a_d, p_d = _diag_gram_exact(_rows(k_bh, r0, rs, T, H * K, ck, K), _rows(q_bh, r0, rs, T, H * K, ck, K),
+                                        _hrows(G_bh, r0 + rs, ck, K), k_bh, G_bh, r0, T, H * K, ck, K, SC)
+            tl.debug_barrier()
+            if DELTA:
+                _store_block(A_bh, r0, I * SC, tl.where(rs[:, None] > rs[None, :], a_d, 0.0), SC, C)
+            _store_block(P_bh, r0, I * SC, tl.where(rs[:, None] >= rs[None, :], p_d, 0.0), SC, C)
+
+    bc = _chunk_beta(beta, tok, t0, rc, T, H, HAS_BETA)
+    if DELTA:
+        tl.debug_barrier()
+        Tc = _inverse(A_bh, T_bh, beta, tok, t0, bc, T, H, C, SC, HAS_BETA, PREC, 0)
+        for kb in tl.static_range(0, BK, KB):
+            cb = kb + tl.arange(0, KB)
+            kw = _rows(k_bh, t0, rc, T, H * K, cb, K) * bc[:, None] * tl.exp(_hrows(G_bh, t0 + rc, cb, K))
+            _hstore(W_bh, t0 + rc, cb, K, tl.dot(Tc, kw, input_precision=PREC))
+        vc = tl.dot(Tc, _rows(v_bh, t0, rc, T, H * V, cv, V) * bc[:, None], input_precision=PREC)
+    else:
+        vc = _rows(v_bh, t0, rc, T, H * V, cv, V) * bc[:, None]
+    _hstore(U_bh, t0 + rc, cv, V, vc)
+
+
+@triton.jit
 def _state_tile(ptr, i_bh, ck, cv, K: tl.constexpr, V: tl.constexpr, LOAD: tl.constexpr):
     """Offsets and mask of a program's [BK, BV] block of a [B H, K, V] state, and that block (zeros unless LOAD)."""
     s_off = ck[:, None] * V + cv[None, :]
@@ -380,11 +451,14 @@ def state_block_v(B, H, V, dev) -> int:
     return 16 if B * H * triton.cdiv(V, 32) < _sms(dev) else 32
 
 
-def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, qg=False, ablate=0, store=None, kd=True):
+def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, qg=False, ablate=0, store=None, kd=True,
+          key_block=None):
     """Kernel 1: G, U_bar, W, T, A~, P, K e^{g_C - g} (Kd), e^{g_C} (Dec) and, with `qg`, Q e^g (Qg) on head-major
     buffers (W / T / A~ empty without the delta rule; Kd / Dec / Qg without a gate; Kd also empty for a scalar gate
     unless `kd`). `store`: the dtype of U_bar, W, P and Kd (default float32; the forward alone stores them in its
-    16-bit input dtype, halving the bytes the memory-bound kernels move; the backward's recompute keeps float32)."""
+    16-bit input dtype, halving the bytes the memory-bound kernels move; the backward's recompute keeps float32).
+    `key_block` (per-channel gates; opt-in, not yet measured on a GPU): `_intra_kb_kernel`, that many key columns at a
+    time, when fewer than the padded key dim."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = max(1, triton.cdiv(T, C))
@@ -403,6 +477,13 @@ def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, qg=
     BK, BV = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
     prec = precision or precision_for(q.dtype)
     out = dict(G=G, Ub=Ub, W=W, Tm=Tm, Am=Am, Pm=Pm, Kd=Kd, Dec=Dec, Qg=Qg, N=N, gate=gate, kd=kd, store=st)
+    if gate == 2 and key_block and key_block < BK and not ablate:
+        _intra_kb_kernel[(N, B * H)](
+            q, k, v, log_alpha, beta if beta is not None else q, G, Ub, W, Tm, Am, Pm, Kd, Dec, Qg,
+            T, H=H, K=K, V=V, N=N, C=C, SC=SC, BK=BK, KB=max(16, triton.next_power_of_2(key_block)), BV=BV,
+            SPREAD=SPREAD, DELTA=delta, HAS_BETA=beta is not None, PREC=prec, QG=bool(qg), num_warps=warps, num_stages=1,
+        )
+        return out
     _intra_kernel[(N, B * H)](
         q, k, v, log_alpha if gate else q, beta if beta is not None else q, G, Ub, W, Tm, Am, Pm, Kd, Dec, Qg,
         T, H=H, K=K, V=V, N=N, C=C, SC=SC, BK=BK, BV=BV, SPREAD=SPREAD,
@@ -438,7 +519,7 @@ def carry(k, x, initial_state, delta: bool, *, V: int, chunks=None, block_v=None
 
 def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunks=None,
                    block_v=None, warps=(4, 4, 4), stages=2, out_block_v=64, precision=None, keep=False, lowp=True,
-                   out_dot16=False):
+                   out_dot16=False, intra_kb=None):
     """Chunked forward on [B, T, H, D] tensors. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32),
     plus the intermediates when `keep`. `chunks`: packed sequences laid out chunk-aligned in a batch of one (see
     autograd.py), the int32 table of each sequence's chunks [N_seq + 1]; states are then [N_seq, H, K, V]. Tuning
@@ -446,7 +527,7 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     software pipelining), `out_block_v` of the output kernel. `lowp` (16-bit inputs only): intermediates stored in the
     input dtype, states carried and every product summed in float32; scalar gates form K e^{g_C - g} in the carry
     kernel instead of storing it. `out_dot16` (with `lowp`): the output kernel's products as 16-bit dots (not yet
-    measured on a GPU: opt-in)."""
+    measured on a GPU: opt-in). `intra_kb`: intra's `key_block` (opt-in)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -455,7 +536,7 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     prec = precision or precision_for(q.dtype)
     low = lowp and q.dtype in (torch.bfloat16, torch.float16)
     x = intra(q, k, v, log_alpha, beta, bool(delta), warps=warps[0], precision=prec, store=q.dtype if low else None,
-              kd=not low)
+              kd=not low, key_block=intra_kb)
     U, Hs, sT = carry(k, x, initial_state, bool(delta), V=V, chunks=chunks, block_v=block_v, warps=warps[1], stages=stages,
                       precision=prec)
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
