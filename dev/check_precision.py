@@ -1,6 +1,7 @@
 """bf16 inputs: error of every gradient against float64 autograd through the reference, per tl.dot precision of the
 Triton backward (GPU). Shows what TF32 rounding does to log alpha's gradient under strong decay; the 4-part names
-set it per kernel (recompute / dstate / dvalue / dkey; x3 = tf32x3, t = tf32).
+set it per kernel (recompute / dstate / dvalue / dkey; x3 = tf32x3, t = tf32), the 5-part ones "a+b/..." the
+recompute's first stage (a) and carry (b) apart.
 
     python dev/check_precision.py [GATE ...]     (default: channel scalar; each precision compiles every kernel anew,
                                                   ~10 s each, so one gate's rows take about a minute and a half)
@@ -25,9 +26,11 @@ for gate in sys.argv[1:] or ("channel", "scalar"):
         do, ds = (torch.randn(t.shape, generator=g, device="cuda", dtype=torch.float64) for t in (o, s))
         ref = dict(zip(leaves, torch.autograd.grad((o * do).sum() + (s * ds).sum(), list(leaves.values()))))
         x3, t = "tf32x3", "tf32"
-        for prec in ("tf32", "tf32x3", (t, t, t, x3), (x3, t, t, x3), (t, x3, x3, x3), (x3, x3, t, x3), (x3, x3, x3, t)):
+        for prec in ("tf32", "tf32x3", (t, t, t, x3), (x3, t, t, x3), (t, x3, x3, x3), (x3, x3, t, x3), (x3, x3, x3, t),
+                     (x3, t, x3, x3, x3), (x3, t, t, t, x3)):  # 5 values: the recompute's carry apart
             got = backward_triton(xd["q"], xd["k"], xd["v"], xd["log_alpha"], xd["beta"], xd["initial_state"],
                                   do.to(torch.bfloat16), ds.float(), delta=True, scale=128 ** -0.5, precision=prec)
             errs = {n: rel(gg, ref[n]) for n, gg in zip(("q", "k", "v", "log_alpha", "beta", "initial_state"), got)}
-            name = prec if isinstance(prec, str) else "/".join("x3" if p == x3 else "t" for p in prec)
+            parts = [prec] if isinstance(prec, str) else ["x3" if p == x3 else "t" for p in prec]
+            name = "/".join(parts) if len(parts) != 5 else f"{parts[0]}+{parts[1]}/" + "/".join(parts[2:])
             print(gate, "strong" if strong else "normal", name, " ".join(f"{n}:{e:.1e}" for n, e in errs.items()), flush=True)

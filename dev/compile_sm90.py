@@ -71,28 +71,28 @@ def main():
                             dict(common, SC=16, BK=BK, KB=int(os.environ.get("KB", 64)), BV=BV, SPREAD=40.0, DELTA=delta,
                                  HAS_BETA=True, PREC=os.environ.get("PREC", "tf32"), QG=not a.lowp), int(over.get("intrakb", 4)), 1),
                 "state": (fw._state_kernel, dict(k=p, G=f, Kd=m, Dec=f, Ub=m, W=m, U=m, Hs=m, s0=f, sT=f, cu="*i32", T="i32", N="i32"),
-                          dict(common, BK=BK, BV=int(os.environ.get("STATE_BV", 32)), GATE=gate, DELTA=delta, HAS_S0=True, PREC="tf32",
+                          dict(common, BK=BK, BV=int(os.environ.get("STATE_BV", 32)), GATE=gate, DELTA=delta, HAS_S0=True, PREC=os.environ.get("PREC", "tf32"),
                                KD=gate == 2 or not a.lowp, VARLEN=a.varlen), 4, 2),
                 "out": (fw._out_kernel, dict(q=p, G=f, U=m, Pm=m, Hs=m, o=p, scale="fp32", T="i32", N="i32"),
-                        dict(common, BK=BK, BV=64, GATE=gate, PREC="tf32", DOT16=False, KB=64), 4, 2),
+                        dict(common, BK=BK, BV=64, GATE=gate, PREC=os.environ.get("PREC", "tf32"), DOT16=False, KB=64), 4, 2),
                 **({"out16": (fw._out_kernel, dict(q=p, G=f, U=m, Pm=m, Hs=m, o=p, scale="fp32", T="i32", N="i32"),
-                              dict(common, BK=BK, BV=int(os.environ.get("OUT_BV", 64)), GATE=gate, PREC="tf32",
+                              dict(common, BK=BK, BV=int(os.environ.get("OUT_BV", 64)), GATE=gate, PREC=os.environ.get("PREC", "tf32"),
                                    DOT16=True, KB=min(64, BK)), int(over.get("out16", 4)), 2)} if a.lowp else {}),
                 "dstate": (bw._dstate_kernel, dict(q=p, k=p, do=p, Kd=f, Dec=f, Qg=f, W=f, Pm=f, dU=f, dHs=f, dsT=f, ds0=f, cu="*i32", scale="fp32", T="i32", N="i32"),
-                           dict(common, BK=BK, BV=32, GATE=gate, DELTA=delta, HAS_DST=True, PREC="tf32", VARLEN=a.varlen), 4,
+                           dict(common, BK=BK, BV=32, GATE=gate, DELTA=delta, HAS_DST=True, PREC=os.environ.get("PREC", "tf32"), VARLEN=a.varlen), 4,
                            int(os.environ.get("DSTAGES", 2))),
                 "dvalue": (bw._dvalue_kernel, dict(v=p, beta=p, do=p, Ub=f, U=f, dU=f, Tm=f, dPm=f, dAm=f, dB=f, dv=p, scale="fp32", T="i32", N="i32"),
-                           dict(H=16, V=DV, C=64, BV=64, DELTA=delta, HAS_BETA=True, PREC="tf32"), 4, 2),
+                           dict(H=16, V=DV, C=64, BV=64, DELTA=delta, HAS_BETA=True, PREC=os.environ.get("PREC", "tf32")), 4, 2),
                 "dkey": (bw._dkey_kernel, dict(q=p, k=p, beta=p, U=f, dU=f, W=f, Tm=f, Am=f, dPm=f, dAm=f, G=f, Hs=f, dHs=f, dB=f, do=p,
                                                 dq=p, dk=p, dg=f, db_out=p, XQ=f, XW=f, XC=f, scale="fp32", T="i32", N="i32"),
-                         dict(common, SC=16, BK=BK, BKF=BK, BV=32, SPREAD=40.0, GATE=gate, DELTA=delta, HAS_BETA=True, PREC="tf32",
+                         dict(common, SC=16, BK=BK, BKF=BK, BV=32, SPREAD=40.0, GATE=gate, DELTA=delta, HAS_BETA=True, PREC=os.environ.get("PREC", "tf32"),
                               ABLATE=0, SPLIT=0), int(over.get("dkey", 8)), 1),
                 # the key kernel's split form (per-channel gates' default): phases 1-2, then phase 3 per strip
                 **{f"dkey{sp}": (bw._dkey_kernel, dict(q=p, k=p, beta=p, U=f, dU=f, W=f, Tm=f, Am=f, dPm=f, dAm=f, G=f, Hs=f, dHs=f,
                                                       dB=f, do=p, dq=p, dk=p, dg=f, db_out=p, XQ=f, XW=f, XC=f, scale="fp32",
                                                       T="i32", N="i32"),
                                  dict(common, SC=16, BK=min(64, BK), BKF=BK, BV=32, SPREAD=40.0, GATE=gate, DELTA=delta,
-                                      HAS_BETA=True, PREC="tf32", ABLATE=0, SPLIT=sp), int(over.get(f"dkey{sp}", 8)), 1)
+                                      HAS_BETA=True, PREC=os.environ.get("PREC", "tf32"), ABLATE=0, SPLIT=sp), int(over.get(f"dkey{sp}", 8)), 1)
                    for sp in (1, 2)},
             }
             for name, (fn, sig, consts, warps, stages) in jobs.items():
@@ -117,7 +117,7 @@ def decode_kernels(dt):
         ("gqa M4", dict(G=4, M=4, BM=16, DK=128, BDK=128, DV=128, BDV=128, D2=16, BD2=16, HAS2=False, V_IS_K=False, BN=128, PAGED=False), 8),
         ("mla M8", dict(G=1, M=8, BM=16, DK=512, BDK=512, DV=512, BDV=512, D2=64, BD2=64, HAS2=True, V_IS_K=True, BN=32, PAGED=False), 4),
     ):
-        print(f"split {tag:8s} w{warps}", compile_one(dk._split_kernel, sig, dict(consts, PREC="tf32"), warps, 3 if consts["BN"] == 128 else 2, True), flush=True)
+        print(f"split {tag:8s} w{warps}", compile_one(dk._split_kernel, sig, dict(consts, PREC=os.environ.get("PREC", "tf32")), warps, 3 if consts["BN"] == 128 else 2, True), flush=True)
     msig = dict(po=f, pm=f, pl=f, o=p, n_splits=i)
     print("merge    DV128 w4", compile_one(dk._merge_kernel, msig, dict(DV=128, BS=64, BDV=128), 4, 1, False))
     print("merge    DV512 w4", compile_one(dk._merge_kernel, msig, dict(DV=512, BS=64, BDV=512), 4, 1, False))

@@ -43,7 +43,8 @@ for what in "$@"; do
            timeout ${TO:-150} python3 dev/triton_tune.py --fwd-only --shapes 4x8192,1x32768 --variants v0,o16,o16bv128,o16w8,ikb64,ikb32,ikb32o16 \
              2>&1 | quiet | tee $OUT/out16.log
            timeout ${TO:-150} python3 dev/triton_tune.py --variants v0,ikb64,ikb32 2>&1 | quiet | tee $OUT/ikb.log ;;
-    precision) timeout ${TO:-200} python3 dev/check_precision.py ${GATES:-channel} 2>&1 | tee $OUT/precision.log ;;
+    precision) timeout ${TO:-200} python3 dev/check_precision.py ${GATES:-channel} 2>&1 | tee $OUT/precision.log
+               timeout ${TO:-150} python3 dev/triton_tune.py --variants v0,pr3,rc3,rc3t 2>&1 | quiet | tee $OUT/precision_time.log ;;
     decode) timeout ${TO:-240} python3 -m evict.cli bench decode --device cuda --paths before graph compiled --batch1-only \
               --contexts 8192 131072 --steps 8 --out $OUT/decode.json 2>&1 | grep "^|\|copy" | tee $OUT/decode.log ;;
     decode1m) timeout ${TO:-150} python3 -m evict.cli bench decode --device cuda --paths before graph compiled --batch1-only \

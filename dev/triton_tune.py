@@ -43,6 +43,9 @@ VARIANTS = {  # name -> (forward knobs, backward knobs); a* = ablations (timing 
     "ikb64": (dict(intra_kb=64), dict(intra_kb=64)),
     "ikb32": (dict(intra_kb=32), dict(intra_kb=32)),
     "ikb32o16": (dict(intra_kb=32, out_dot16=True), dict(intra_kb=32)),
+    # the recompute's carry at tf32 apart from its first stage (5-value precision; accuracy: dev/check_precision.py)
+    "rc3": (dict(), dict(precision=("tf32x3", "tf32", "tf32x3", "tf32x3", "tf32x3"))),
+    "rc3t": (dict(), dict(precision=("tf32x3", "tf32", "tf32", "tf32", "tf32x3"))),
     # small heads (the lab's D 32): the backward's warps (dstate, dvalue, dkey) at 4 where D 128 wanted 8
     "bw4": (dict(), dict(warps=(4, 4, 4))),
     "dk2bw4": (dict(), dict(split=True, warps=(4, 4, 4))),

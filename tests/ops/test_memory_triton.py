@@ -307,6 +307,17 @@ def test_interpreter_packed_sequences_match_reference(interpreted_varlen, case):
         assert err <= bound, (n, err)
 
 
+def test_backward_precision_tuple_length_is_checked():
+    """backward_triton's `precision`: one value, or 4 (recompute, dstate, dvalue, dkey), or 5 (the recompute's first
+    stage and carry apart); anything else is refused before a kernel runs."""
+    pytest.importorskip("triton")
+    from evict.ops.memory.triton.backward import backward_triton
+
+    x = torch.zeros(1, 4, 1, 16)
+    with pytest.raises(ValueError, match="precision: expected one value or a tuple of 4 or 5"):
+        backward_triton(x, x, x, None, None, None, x, None, delta=True, scale=0.25, precision=("tf32",) * 3)
+
+
 # -- GPU -------------------------------------------------------------------------------------------------------
 
 def _cuda(x, dtype):

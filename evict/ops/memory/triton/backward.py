@@ -408,7 +408,8 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     """Gradients (dq, dk, dv, dlog_alpha, dbeta, dinitial_state) of the chunked forward, given dO (or None) and the
     final state's gradient (or None). Recomputes the forward's per-chunk factors and start states. `chunks`: packed
     sequences' chunk table, as forward_triton's. `precision`: tl.dot's input precision, one for every kernel or a tuple
-    (recompute, dstate, dvalue, dkey); default "tf32x3" everywhere. `split`: the key kernel in two (phases 1-2 per chunk,
+    (recompute, dstate, dvalue, dkey) or (recompute's first stage, recompute's carry, dstate, dvalue, dkey); default
+    "tf32x3" everywhere. `split`: the key kernel in two (phases 1-2 per chunk,
     then phase 3 per sub-chunk strip) with [C, 64]-column tiles; default (None): per-channel gates with K > 64, where
     the one kernel spills on sm_90 and the split measured 8.9 ms against its 12.7 (H200, B4 T8192 H16 D128 bf16;
     scalar gates: 7.2 against 5.7). At K <= 64 neither form spills; one kernel, as before (not compared there).
@@ -424,10 +425,14 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     # (log alpha's gradient 1.2e-1 vs 2.8e-3 under strong decay, scalar gate, bf16 inputs). tf32 in dstate and dvalue
     # alone measured 2.8e-3 there (4 % faster) but is not yet measured for per-channel gates: tf32x3 stays the default
     precs = tuple(precision) if isinstance(precision, (tuple, list)) else (precision or "tf32x3",) * 4
+    if len(precs) not in (4, 5):
+        raise ValueError(f"precision: expected one value or a tuple of 4 or 5, got {precision!r}")
+    # 5 values: the recompute split into its first stage and its carry (intra, carry, dstate, dvalue, dkey)
+    carry_prec, precs = (precs[1], (precs[0], *precs[2:])) if len(precs) == 5 else (precs[0], precs)
     x = intra(q, k, v, log_alpha, beta, delta, warps=fwd_warps[0], precision=precs[0], qg=True, ablate=ablate[0],
               key_block=intra_kb)
     U, Hs, sT = carry(k, x, initial_state, delta, V=V, chunks=chunks, block_v=block_v, warps=fwd_warps[1], stages=stages,
-                      precision=precs[0])
+                      precision=carry_prec)
     N, gate = x["N"], x["gate"]
     split = (gate == 2 and K > 64) if split is None else bool(split)
     seqs, varlen = sT.shape[0], chunks is not None
