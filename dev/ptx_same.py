@@ -44,7 +44,8 @@ def _compile(fn, sig, consts, warps, stages):
     consts = {n: v for n, v in consts.items() if n in fn.arg_names}  # a constexpr the old kernel lacks: its default
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps, "num_stages": stages})
-    keep = [ln for ln in k.asm["ptx"].splitlines() if not re.match(r"\s*(\.loc|\.file|//|\$L__|\.section|\.b8|\.b32)", ln)]
+    code = k.asm["ptx"].split(".section\t.debug")[0]  # the DWARF sections name inlined helpers: not code
+    keep = [ln for ln in code.splitlines() if not re.match(r"\s*(\.loc|\.file|//|\$L__)", ln)]
     return re.sub(r"\$L__\w+", "L", "\n".join(keep))
 
 

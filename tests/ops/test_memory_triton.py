@@ -185,12 +185,20 @@ for name, gate, delta, T, K, V, strong in json.loads(sys.argv[1]):
     gr_kb = backward_triton(*args, x["log_alpha"], x["beta"], x["initial_state"], do.float(), ds.float(), delta=delta,
                             scale=K ** -0.5, split=True, intra_kb=kb)
     res_kb = [o_kb, s_kb, *[t for t in gr_kb if t is not None]]
+    # the carry and the state gradient as two tiles of key rows (`carry_halves` / `halves`; padded K >= 64)
+    o_h, s_h = forward_triton(*args, **kw, carry_halves=True)
+    gr_h = backward_triton(*args, x["log_alpha"], x["beta"], x["initial_state"], do.float(), ds.float(), delta=delta,
+                           scale=K ** -0.5, split=True, halves=True)
+    res_h = [o_h, s_h, *[t for t in gr_h if t is not None]]
     out[name] = {"vs_reference": [rel(res[True][0], o_ref), rel(res[True][1], s_ref),
                                   *[rel(a, b) for a, b in zip(res[True][2:], ref)]],
                  "vs_one_kernel": [rel(a, b) for a, b in zip(res[True], res[False])],
                  "kb_vs_reference": [rel(res_kb[0], o_ref), rel(res_kb[1], s_ref),
                                      *[rel(a, b) for a, b in zip(res_kb[2:], ref)]],
-                 "kb_vs_one_tile": [rel(a, b) for a, b in zip(res_kb, res[True])]}
+                 "kb_vs_one_tile": [rel(a, b) for a, b in zip(res_kb, res[True])],
+                 "halves_vs_reference": [rel(res_h[0], o_ref), rel(res_h[1], s_ref),
+                                         *[rel(a, b) for a, b in zip(res_h[2:], ref)]],
+                 "halves_vs_one_tile": [rel(a, b) for a, b in zip(res_h, res[True])]}
 print("RESULT" + json.dumps(out))
 """
 SPLIT_CASES = [  # (name, gate, delta, T, K, V, strong): odd lengths, key dims across two 64-column blocks, strong decay
@@ -198,6 +206,7 @@ SPLIT_CASES = [  # (name, gate, delta, T, K, V, strong): odd lengths, key dims a
     ("kda_k32_v80", "channel", True, 100, 32, 80, False),
     ("gdn", "scalar", True, 70, 32, 16, False), ("delta_nogate", None, True, 65, 32, 16, False),
     ("gla", "channel", False, 70, 32, 16, False), ("linear", None, False, 64, 32, 16, False),
+    ("gdn_k64", "scalar", True, 70, 64, 16, False), ("delta_k64", None, True, 65, 64, 16, False),
 ]
 
 
@@ -216,6 +225,18 @@ def test_interpreter_intra_key_blocks_match_reference(interpreted_split, case):
     for i, err in enumerate(r["kb_vs_reference"]):
         assert err <= (1e-4 if strong else 1e-5), (i, err)
     assert max(r["kb_vs_one_tile"]) <= 1e-6, r["kb_vs_one_tile"]
+
+
+@pytest.mark.parametrize("case", [c[0] for c in SPLIT_CASES])
+def test_interpreter_state_halves_match_reference(interpreted_split, case):
+    """`carry_halves` / `halves` (padded K >= 64: K 96 and 64 here; smaller K run the one-tile kernels): the state and
+    its gradient as two tiles of key rows, forward and backward, against float64 (the one-tile form's bounds) and
+    against the one-tile form (1e-6)."""
+    r = interpreted_split[case]
+    strong = [c for c in SPLIT_CASES if c[0] == case][0][6]
+    for i, err in enumerate(r["halves_vs_reference"]):
+        assert err <= (1e-4 if strong else 1e-5), (i, err)
+    assert max(r["halves_vs_one_tile"]) <= 1e-6, r["halves_vs_one_tile"]
 
 
 @pytest.mark.parametrize("case", [c[0] for c in SPLIT_CASES])
@@ -413,6 +434,25 @@ def test_gpu_gradients_match_reference(dtype, gate, delta):
             assert torch.isfinite(g[name]).all() and err <= TOL[dtype], (T, strong, name, err)
 
 
+def _opt_in_errors(gate, delta, dtype, T, K, V, strong, fwd_kw, bwd_kw):
+    """Relative errors (output, state, every gradient) of forward_triton / backward_triton with opt-in knobs against
+    float64 autograd through the token loop."""
+    from evict.ops.memory.triton.backward import backward_triton
+    from evict.ops.memory.triton.forward import forward_triton
+
+    xd, x64 = _cuda(make_inputs(1, T, 2, K, V, gate=gate, beta_max=1.5, init=True, strong=strong), dtype)
+    leaves = {n: t.clone().requires_grad_(True) for n, t in x64.items() if t is not None}
+    o_ref, s_ref = run(leaves, delta, impl="reference")
+    do, ds = torch.randn_like(o_ref), torch.randn_like(s_ref)
+    ref = torch.autograd.grad((o_ref * do).sum() + (s_ref * ds).sum(), list(leaves.values()))
+    args = (xd["q"], xd["k"], xd["v"])
+    o, s = forward_triton(*args, log_alpha=xd["log_alpha"], beta=xd["beta"], delta=delta, scale=K ** -0.5,
+                          initial_state=xd["initial_state"], **fwd_kw)
+    got = backward_triton(*args, xd["log_alpha"], xd["beta"], xd["initial_state"], do.to(dtype), ds.float(),
+                          delta=delta, scale=K ** -0.5, **bwd_kw)
+    return [rel(o, o_ref), rel(s, s_ref), *[rel(a, b) for a, b in zip([t for t in got if t is not None], ref)]]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("delta", [False, True])
@@ -420,21 +460,19 @@ def test_gpu_gradients_match_reference(dtype, gate, delta):
 def test_gpu_intra_key_blocks_match_reference(dtype, delta, kb):
     """`intra_kb` (opt-in until measured): per-channel gates' first stage by key blocks, in the forward and the
     backward's recompute, against float64 (output, state, every gradient), odd T, strong decay, a masked key block."""
-    from evict.ops.memory.triton.backward import backward_triton
-    from evict.ops.memory.triton.forward import forward_triton
-
     for T, K, V, strong in ((333, 128, 64, False), (130, 128, 96, True), (75, 96, 32, False)):
-        xd, x64 = _cuda(make_inputs(1, T, 2, K, V, gate="channel", beta_max=1.5, init=True, strong=strong), dtype)
-        leaves = {n: t.clone().requires_grad_(True) for n, t in x64.items() if t is not None}
-        o_ref, s_ref = run(leaves, delta, impl="reference")
-        do, ds = torch.randn_like(o_ref), torch.randn_like(s_ref)
-        ref = torch.autograd.grad((o_ref * do).sum() + (s_ref * ds).sum(), list(leaves.values()))
-        args = (xd["q"], xd["k"], xd["v"])
-        o, s = forward_triton(*args, log_alpha=xd["log_alpha"], beta=xd["beta"], delta=delta, scale=K ** -0.5,
-                              initial_state=xd["initial_state"], intra_kb=kb)
-        got = backward_triton(*args, xd["log_alpha"], xd["beta"], xd["initial_state"], do.to(dtype), ds.float(),
-                              delta=delta, scale=K ** -0.5, intra_kb=kb)
-        errs = [rel(o, o_ref), rel(s, s_ref), *[rel(a, b) for a, b in zip([t for t in got if t is not None], ref)]]
+        errs = _opt_in_errors("channel", delta, dtype, T, K, V, strong, dict(intra_kb=kb), dict(intra_kb=kb))
+        assert max(errs) <= TOL[dtype], (T, K, strong, errs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
+def test_gpu_state_halves_match_reference(dtype, gate, delta):
+    """`carry_halves` / `halves` (opt-in until measured): the state and its gradient as two tiles of key rows, against
+    float64, odd T, strong decay, K 128 and a masked K 96."""
+    for T, K, V, strong in ((333, 128, 64, False), (130, 128, 96, True), (75, 96, 32, False)):
+        errs = _opt_in_errors(gate, delta, dtype, T, K, V, strong, dict(carry_halves=True), dict(halves=True))
         assert max(errs) <= TOL[dtype], (T, K, strong, errs)
 
 

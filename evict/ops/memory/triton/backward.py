@@ -26,8 +26,30 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import (SC, SPREAD, C, _block, _hrows, _hstore, _lower, _rows, _segment, _spread, _state_tile, _strip_decay, carry,
-                      intra, precision_for, state_block_v)
+from .forward import (SC, SPREAD, C, _block, _chunk_decay, _chunk_keys, _hrows, _hstore, _lower, _rows, _segment, _spread,
+                      _state_tile, _strip_decay, carry, intra, precision_for, state_block_v)
+
+
+@triton.jit
+def _chunk_queries(q_bh, Qg, hm, t0, rc, ck, T, H: tl.constexpr, K: tl.constexpr, GATE: tl.constexpr):
+    """Columns ck of the chunk's queries as the state gradient uses them: Q, or Q e^g from the first stage."""
+    if GATE == 0:
+        qn = _rows(q_bh, t0, rc, T, H * K, ck, K)
+    else:
+        qn = _hrows(Qg + hm * K, t0 + rc, ck, K)
+    return qn
+
+
+@triton.jit
+def _dstate_back(dS, qn, don, du, W, Dec, hm, i_bh, N, n, t0, rc, ck, scale, K: tl.constexpr, GATE: tl.constexpr,
+                 DELTA: tl.constexpr, PREC: tl.constexpr):
+    """Rows ck of the state gradient one chunk back: dS e^{g_C} + scale (Q e^g)^T dO - W^T dU (qn: rows ck of Q e^g)."""
+    dS = _chunk_decay(dS, Dec, i_bh, N, n, ck, K, GATE)
+    # products with `scale` cast to float32: under torch.compile (Inductor) a Python float argument arrives as fp64
+    dS += (scale * tl.dot(tl.trans(qn), don, input_precision=PREC)).to(tl.float32)
+    if DELTA:
+        dS -= tl.dot(tl.trans(_hrows(W + hm * K, t0 + rc, ck, K)), du, input_precision=PREC)
+    return dS
 
 
 @triton.jit
@@ -36,41 +58,44 @@ def _dstate_kernel(
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, DELTA: tl.constexpr, HAS_DST: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr = False,
+    HALVES: tl.constexpr = False,
 ):
+    """HALVES: the state gradient as two [BK / 2, BV] tiles of key rows, as `_state_kernel`'s."""
     i_v, i_sh = tl.program_id(0), tl.program_id(1)  # as in _state_kernel: (sequence, head)
     i_s, i_h = i_sh // H, i_sh % H
     n0, n1, i_b = _segment(cu, i_s, N, VARLEN)
     i_bh = i_b * H + i_h
-    ck, rc = tl.arange(0, BK), tl.arange(0, C)
+    ck, rc = tl.arange(0, BK // 2 if HALVES else BK), tl.arange(0, C)
     cv = i_v * BV + tl.arange(0, BV)
-    mk, mv = ck < K, cv < V
+    mv = cv < V
     tok = i_b.to(tl.int64) * T * H + i_h
     q_bh, k_bh, do_bh = q + tok * K, k + tok * K, do + tok * V
     hm = i_bh.to(tl.int64) * N * C
     s_off, m_s, dS = _state_tile(dsT, i_sh, ck, cv, K, V, HAS_DST)
+    if HALVES:
+        ck2 = BK // 2 + ck
+        s_off2, m_s2, dS2 = _state_tile(dsT, i_sh, ck2, cv, K, V, HAS_DST)
     for i in range(n1 - n0):
         n = n1 - 1 - i
         t0 = n * C
         tl.store(dHs + (i_bh.to(tl.int64) * N + n) * K * V + s_off, dS, mask=m_s)
+        if HALVES:
+            tl.store(dHs + (i_bh.to(tl.int64) * N + n) * K * V + s_off2, dS2, mask=m_s2)
         don = _rows(do_bh, t0, rc, T, H * V, cv, V)
-        # products with `scale` cast to float32: under torch.compile (Inductor) a Python float argument arrives as fp64
         du = (scale * tl.dot(tl.trans(_lower(Pm + hm * C, t0, C, False)), don, input_precision=PREC)).to(tl.float32)
-        if GATE == 0:
-            kn = _rows(k_bh, t0, rc, T, H * K, ck, K)
-            qn = _rows(q_bh, t0, rc, T, H * K, ck, K)
-        else:  # K * e^{g_C - g} and Q * e^g, from the forward's first kernel
-            kn = _hrows(Kd + hm * K, t0 + rc, ck, K)
-            qn = _hrows(Qg + hm * K, t0 + rc, ck, K)
+        kn = _chunk_keys(k_bh, Kd, Kd, hm, t0, rc, ck, T, H, K, C, GATE, True)  # K, or K e^{g_C - g} (first stage)
+        qn = _chunk_queries(q_bh, Qg, hm, t0, rc, ck, T, H, K, GATE)
         du += tl.dot(kn, dS, input_precision=PREC)
+        if HALVES:
+            du += tl.dot(_chunk_keys(k_bh, Kd, Kd, hm, t0, rc, ck2, T, H, K, C, GATE, True), dS2, input_precision=PREC)
         tl.store(dU + (hm + t0 + rc)[:, None] * V + cv[None, :], du, mask=mv[None, :])
-        if GATE == 2:
-            dS = dS * tl.load(Dec + (i_bh.to(tl.int64) * N + n) * K + ck, mask=mk, other=0.0)[:, None]
-        if GATE == 1:
-            dS = dS * tl.load(Dec + i_bh.to(tl.int64) * N + n)
-        dS += (scale * tl.dot(tl.trans(qn), don, input_precision=PREC)).to(tl.float32)
-        if DELTA:
-            dS -= tl.dot(tl.trans(_hrows(W + hm * K, t0 + rc, ck, K)), du, input_precision=PREC)
+        dS = _dstate_back(dS, qn, don, du, W, Dec, hm, i_bh, N, n, t0, rc, ck, scale, K, GATE, DELTA, PREC)
+        if HALVES:
+            dS2 = _dstate_back(dS2, _chunk_queries(q_bh, Qg, hm, t0, rc, ck2, T, H, K, GATE), don, du, W, Dec, hm,
+                               i_bh, N, n, t0, rc, ck2, scale, K, GATE, DELTA, PREC)
     tl.store(ds0 + i_sh.to(tl.int64) * K * V + s_off, dS, mask=m_s)
+    if HALVES:
+        tl.store(ds0 + i_sh.to(tl.int64) * K * V + s_off2, dS2, mask=m_s2)
 
 
 @triton.jit
@@ -404,7 +429,7 @@ def _revcumsum_kernel(x, last, out, cu, T, H: tl.constexpr, K: tl.constexpr, C: 
 
 def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, scale, chunks=None, block_v=None,
                     warps=(4, 8, 8), value_block=64, key_block=32, stages=2, fwd_warps=(4, 4), precision=None, ablate=(0, 0),
-                    split=None, intra_kb=None):
+                    split=None, intra_kb=None, halves=False):
     """Gradients (dq, dk, dv, dlog_alpha, dbeta, dinitial_state) of the chunked forward, given dO (or None) and the
     final state's gradient (or None). Recomputes the forward's per-chunk factors and start states. `chunks`: packed
     sequences' chunk table, as forward_triton's. `precision`: tl.dot's input precision, one for every kernel or a tuple
@@ -413,7 +438,8 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     then phase 3 per sub-chunk strip) with [C, 64]-column tiles; default (None): per-channel gates with K > 64, where
     the one kernel spills on sm_90 and the split measured 8.9 ms against its 12.7 (H200, B4 T8192 H16 D128 bf16;
     scalar gates: 7.2 against 5.7). At K <= 64 neither form spills; one kernel, as before (not compared there).
-    `intra_kb`: the recompute's `key_block` (forward.intra; opt-in)."""
+    `intra_kb`: the recompute's `key_block` (forward.intra); `halves`: the recompute's carry and the state gradient as
+    two tiles of key rows (padded K >= 64; both opt-in, not yet measured on a GPU)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev, f32 = q.device, torch.float32
@@ -432,7 +458,7 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     x = intra(q, k, v, log_alpha, beta, delta, warps=fwd_warps[0], precision=precs[0], qg=True, ablate=ablate[0],
               key_block=intra_kb)
     U, Hs, sT = carry(k, x, initial_state, delta, V=V, chunks=chunks, block_v=block_v, warps=fwd_warps[1], stages=stages,
-                      precision=carry_prec)
+                      precision=carry_prec, halves=halves)
     N, gate = x["N"], x["gate"]
     split = (gate == 2 and K > 64) if split is None else bool(split)
     seqs, varlen = sT.shape[0], chunks is not None
@@ -446,6 +472,7 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
         q, k, do, x["Kd"], x["Dec"], x["Qg"], x["W"], x["Pm"], dU, dHs, dsT.contiguous() if dsT is not None else ds0, ds0,
         chunks if varlen else ds0, float(scale),
         T, H=H, K=K, V=V, N=N, C=C, BK=BK, BV=BVs, GATE=gate, DELTA=delta, HAS_DST=dsT is not None, PREC=precs[1], VARLEN=varlen,
+        HALVES=bool(halves and BK >= 64),
         num_warps=warps[0], num_stages=1,  # 2 stages of its three [C, K] float32 tiles exceed shared memory
     )
     dPm = torch.empty(B * H * N * C * C, dtype=f32, device=dev)

@@ -347,44 +347,75 @@ def _segment(cu, i_s, N, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _chunk_keys(k_bh, Kd, G, hm, t0, rc, ck, T, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr,
+                KD: tl.constexpr):
+    """Columns ck of the chunk's keys as the carry uses them: K (no gate), K e^{g_C - g} (stored, or for a scalar gate
+    without KD formed here from the chunk's prefix sums, which end at g_C)."""
+    if GATE == 0:
+        kn = _rows(k_bh, t0, rc, T, H * K, ck, K)
+    elif KD:
+        kn = _hrows(Kd + hm * K, t0 + rc, ck, K)
+    else:
+        gn = tl.load(G + hm + t0 + rc)
+        kn = _rows(k_bh, t0, rc, T, H * K, ck, K) * tl.exp(tl.sum(tl.where(rc == C - 1, gn, 0.0), axis=0) - gn)[:, None]
+    return kn
+
+
+@triton.jit
+def _chunk_decay(S, Dec, i_bh, N, n, ck, K: tl.constexpr, GATE: tl.constexpr):
+    """Rows ck of a state (or state gradient) times the chunk's decay e^{g_C}."""
+    if GATE == 2:
+        S = S * tl.load(Dec + (i_bh.to(tl.int64) * N + n) * K + ck, mask=ck < K, other=0.0)[:, None]
+    if GATE == 1:
+        S = S * tl.load(Dec + i_bh.to(tl.int64) * N + n)
+    return S
+
+
+@triton.jit
 def _state_kernel(
     k, G, Kd, Dec, Ub, W, U, Hs, s0, sT, cu,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, DELTA: tl.constexpr, HAS_S0: tl.constexpr, PREC: tl.constexpr, KD: tl.constexpr = True,
-    VARLEN: tl.constexpr = False,
+    VARLEN: tl.constexpr = False, HALVES: tl.constexpr = False,
 ):
+    """HALVES: the state as two [BK / 2, BV] tiles of key rows, each with its own [C, BK / 2] columns of keys and W
+    (fewer live registers; the one-tile form spills at K = 128 under tf32x3, as the backward's recompute runs it)."""
     i_v, i_sh = tl.program_id(0), tl.program_id(1)  # i_sh: (sequence, head); states are [sequences H, K, V]
     i_s, i_h = i_sh // H, i_sh % H
     n0, n1, i_b = _segment(cu, i_s, N, VARLEN)
     i_bh = i_b * H + i_h
-    ck, rc = tl.arange(0, BK), tl.arange(0, C)
+    ck, rc = tl.arange(0, BK // 2 if HALVES else BK), tl.arange(0, C)
     cv = i_v * BV + tl.arange(0, BV)
-    mk, mv = ck < K, cv < V
+    mv = cv < V
     k_bh = k + (i_b.to(tl.int64) * T * H + i_h) * K
     hm = i_bh.to(tl.int64) * N * C
     W_bh, Ub_bh, U_bh = W + hm * K, Ub + hm * V, U + hm * V
     s_off, m_s, S = _state_tile(s0, i_sh, ck, cv, K, V, HAS_S0)
+    if HALVES:
+        ck2 = BK // 2 + ck
+        s_off2, m_s2, S2 = _state_tile(s0, i_sh, ck2, cv, K, V, HAS_S0)
     for n in range(n0, n1):
         t0 = n * C
         tl.store(Hs + (i_bh.to(tl.int64) * N + n) * K * V + s_off, S, mask=m_s)
+        if HALVES:
+            tl.store(Hs + (i_bh.to(tl.int64) * N + n) * K * V + s_off2, S2, mask=m_s2)
         u = tl.load(Ub_bh + (t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0).to(tl.float32)
         if DELTA:
             u -= tl.dot(_hrows(W_bh, t0 + rc, ck, K), S, input_precision=PREC)
+            if HALVES:
+                u -= tl.dot(_hrows(W_bh, t0 + rc, ck2, K), S2, input_precision=PREC)
         tl.store(U_bh + (t0 + rc)[:, None] * V + cv[None, :], u, mask=mv[None, :])
-        if GATE == 0:
-            kn = _rows(k_bh, t0, rc, T, H * K, ck, K)
-        elif KD:
-            kn = _hrows(Kd + hm * K, t0 + rc, ck, K)  # K * e^{g_C - g}
-        else:  # scalar gate: e^{g_C - g} from the chunk's prefix sums (G ends at g_C)
-            gn = tl.load(G + hm + t0 + rc)
-            kn = _rows(k_bh, t0, rc, T, H * K, ck, K) * tl.exp(tl.sum(tl.where(rc == C - 1, gn, 0.0), axis=0) - gn)[:, None]
-        if GATE == 2:
-            S = S * tl.load(Dec + (i_bh.to(tl.int64) * N + n) * K + ck, mask=mk, other=0.0)[:, None]
-        if GATE == 1:
-            S = S * tl.load(Dec + i_bh.to(tl.int64) * N + n)
+        kn = _chunk_keys(k_bh, Kd, G, hm, t0, rc, ck, T, H, K, C, GATE, KD)
+        S = _chunk_decay(S, Dec, i_bh, N, n, ck, K, GATE)
         S += tl.dot(tl.trans(kn), u, input_precision=PREC)
+        if HALVES:
+            kn2 = _chunk_keys(k_bh, Kd, G, hm, t0, rc, ck2, T, H, K, C, GATE, KD)
+            S2 = _chunk_decay(S2, Dec, i_bh, N, n, ck2, K, GATE)
+            S2 += tl.dot(tl.trans(kn2), u, input_precision=PREC)
     tl.store(sT + i_sh.to(tl.int64) * K * V + s_off, S, mask=m_s)
+    if HALVES:
+        tl.store(sT + i_sh.to(tl.int64) * K * V + s_off2, S2, mask=m_s2)
 
 
 @triton.jit
@@ -494,10 +525,12 @@ def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, qg=
     return out
 
 
-def carry(k, x, initial_state, delta: bool, *, V: int, chunks=None, block_v=None, warps=4, stages=2, precision=None):
+def carry(k, x, initial_state, delta: bool, *, V: int, chunks=None, block_v=None, warps=4, stages=2, precision=None,
+          halves=False):
     """Kernel 2: per-chunk start states Hs [B H N K V], U (head-major), both in intra's store dtype, and the final
     state [B, H, K, V] float32 (carried in float32 whatever is stored; with `chunks`, the int32 chunk table
-    [N_seq + 1] of packed sequences in a batch of one: [N_seq, H, K, V])."""
+    [N_seq + 1] of packed sequences in a batch of one: [N_seq, H, K, V]). `halves` (padded K >= 64; opt-in, not yet
+    measured on a GPU): the state as two tiles of key rows."""
     B, T, H, K = k.shape
     N, gate, dev = x["N"], x["gate"], k.device
     seqs = B if chunks is None else chunks.numel() - 1
@@ -512,14 +545,14 @@ def carry(k, x, initial_state, delta: bool, *, V: int, chunks=None, block_v=None
         k, x["G"], x["Kd"], x["Dec"], x["Ub"], x["W"], U, Hs, s0, sT, chunks if chunks is not None else sT,
         T, H=H, K=K, V=V, N=N, C=C, BK=BK, BV=BV,
         GATE=gate, DELTA=delta, HAS_S0=initial_state is not None, PREC=precision or precision_for(k.dtype), KD=x["kd"],
-        VARLEN=chunks is not None, num_warps=warps, num_stages=stages,
+        VARLEN=chunks is not None, HALVES=bool(halves and BK >= 64), num_warps=warps, num_stages=stages,
     )
     return U, Hs, sT
 
 
 def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunks=None,
                    block_v=None, warps=(4, 4, 4), stages=2, out_block_v=64, precision=None, keep=False, lowp=True,
-                   out_dot16=False, intra_kb=None):
+                   out_dot16=False, intra_kb=None, carry_halves=False):
     """Chunked forward on [B, T, H, D] tensors. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32),
     plus the intermediates when `keep`. `chunks`: packed sequences laid out chunk-aligned in a batch of one (see
     autograd.py), the int32 table of each sequence's chunks [N_seq + 1]; states are then [N_seq, H, K, V]. Tuning
@@ -527,7 +560,7 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     software pipelining), `out_block_v` of the output kernel. `lowp` (16-bit inputs only): intermediates stored in the
     input dtype, states carried and every product summed in float32; scalar gates form K e^{g_C - g} in the carry
     kernel instead of storing it. `out_dot16` (with `lowp`): the output kernel's products as 16-bit dots (not yet
-    measured on a GPU: opt-in). `intra_kb`: intra's `key_block` (opt-in)."""
+    measured on a GPU: opt-in). `intra_kb`: intra's `key_block`; `carry_halves`: carry's `halves` (both opt-in)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -538,7 +571,7 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     x = intra(q, k, v, log_alpha, beta, bool(delta), warps=warps[0], precision=prec, store=q.dtype if low else None,
               kd=not low, key_block=intra_kb)
     U, Hs, sT = carry(k, x, initial_state, bool(delta), V=V, chunks=chunks, block_v=block_v, warps=warps[1], stages=stages,
-                      precision=prec)
+                      precision=prec, halves=carry_halves)
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
     BK = max(16, triton.next_power_of_2(K))
     BV = min(max(16, triton.next_power_of_2(V)), out_block_v)
