@@ -93,7 +93,7 @@ def main():
                 **{f"dkey{sp}": (bw._dkey_kernel, dict(q=p, k=p, beta=p, U=f, dU=f, W=f, Tm=f, Am=f, dPm=f, dAm=f, G=f, Hs=f, dHs=f,
                                                       dB=f, do=p, dq=p, dk=p, dg=f, db_out=p, XQ=f, XW=f, XC=f, scale="fp32",
                                                       T="i32", N="i32"),
-                                 dict(common, SC=16, BK=min(64, BK), BKF=BK, BV=32, SPREAD=40.0, GATE=gate, DELTA=delta,
+                                 dict(common, SC=16, BK=min(int(os.environ.get("DKB", 64)), BK), BKF=BK, BV=int(os.environ.get("DBV", 32)), SPREAD=40.0, GATE=gate, DELTA=delta,
                                       HAS_BETA=True, PREC=os.environ.get("PREC", "tf32"), ABLATE=0, SPLIT=sp), int(over.get(f"dkey{sp}", 8)), 1)
                    for sp in (1, 2)},
             }

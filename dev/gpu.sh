@@ -39,10 +39,10 @@ for what in "$@"; do
     split) timeout ${TO:-200} python3 dev/triton_tune.py --variants dk1,dk2 2>&1 | quiet | tee $OUT/split.log ;;
     tunelab) timeout ${TO:-200} python3 dev/triton_tune.py --shapes 256x512 --heads 4 --dim 32 --variants v0,dk2,bw4,dk2bw4,o16 2>&1 \
                | quiet | tee $OUT/tunelab.log ;;
-    out16) pyt out16.log ${T:-240} tests/ops/test_memory_triton.py -k "out_dot16 or intra_key_blocks or state_halves" -n 8
+    out16) pyt out16.log ${T:-240} tests/ops/test_memory_triton.py -k "out_dot16 or intra_key_blocks or state_halves or dkey_block" -n 8
            timeout ${TO:-150} python3 dev/triton_tune.py --fwd-only --shapes 4x8192,1x32768 --variants v0,o16,o16bv128,o16w8,ikb64,ikb32,ikb32o16,hv,all \
              2>&1 | quiet | tee $OUT/out16.log
-           timeout ${TO:-150} python3 dev/triton_tune.py --variants v0,ikb64,ikb32,hv,all 2>&1 | quiet | tee $OUT/ikb.log ;;
+           timeout ${TO:-150} python3 dev/triton_tune.py --variants v0,ikb64,ikb32,hv,dkb32,all 2>&1 | quiet | tee $OUT/ikb.log ;;
     precision) timeout ${TO:-200} python3 dev/check_precision.py ${GATES:-channel} 2>&1 | tee $OUT/precision.log
                timeout ${TO:-150} python3 dev/triton_tune.py --variants v0,pr3,rc3,rc3t 2>&1 | quiet | tee $OUT/precision_time.log ;;
     decode) timeout ${TO:-240} python3 -m evict.cli bench decode --device cuda --paths before graph compiled --batch1-only \

@@ -46,7 +46,8 @@ VARIANTS = {  # name -> (forward knobs, backward knobs); a* = ablations (timing 
     # the state and its gradient as two tiles of key rows (sm_90 at tf32x3, K 128: recompute carry 528 -> 0 B spills,
     # dstate 1,024 -> 460 B); "all" = every prepared form at once
     "hv": (dict(carry_halves=True), dict(halves=True)),
-    "all": (dict(intra_kb=32, out_dot16=True, carry_halves=True), dict(intra_kb=32, halves=True)),
+    "dkb32": (dict(), dict(dkey_block=32)),  # the split key kernel's tiles: 32 key columns (tf32x3: 572 -> 260 B)
+    "all": (dict(intra_kb=32, out_dot16=True, carry_halves=True), dict(intra_kb=32, halves=True, dkey_block=32)),
     # the recompute's carry at tf32 apart from its first stage (5-value precision; accuracy: dev/check_precision.py)
     "rc3": (dict(), dict(precision=("tf32x3", "tf32", "tf32x3", "tf32x3", "tf32x3"))),
     "rc3t": (dict(), dict(precision=("tf32x3", "tf32", "tf32", "tf32", "tf32x3"))),

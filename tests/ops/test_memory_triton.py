@@ -190,6 +190,10 @@ for name, gate, delta, T, K, V, strong in json.loads(sys.argv[1]):
     gr_h = backward_triton(*args, x["log_alpha"], x["beta"], x["initial_state"], do.float(), ds.float(), delta=delta,
                            scale=K ** -0.5, split=True, halves=True)
     res_h = [o_h, s_h, *[t for t in gr_h if t is not None]]
+    # the split key kernel with 16-column tiles (`dkey_block`; 64 by default)
+    gr_d = backward_triton(*args, x["log_alpha"], x["beta"], x["initial_state"], do.float(), ds.float(), delta=delta,
+                           scale=K ** -0.5, split=True, dkey_block=16)
+    res_d = [o, s, *[t for t in gr_d if t is not None]]
     out[name] = {"vs_reference": [rel(res[True][0], o_ref), rel(res[True][1], s_ref),
                                   *[rel(a, b) for a, b in zip(res[True][2:], ref)]],
                  "vs_one_kernel": [rel(a, b) for a, b in zip(res[True], res[False])],
@@ -198,7 +202,9 @@ for name, gate, delta, T, K, V, strong in json.loads(sys.argv[1]):
                  "kb_vs_one_tile": [rel(a, b) for a, b in zip(res_kb, res[True])],
                  "halves_vs_reference": [rel(res_h[0], o_ref), rel(res_h[1], s_ref),
                                          *[rel(a, b) for a, b in zip(res_h[2:], ref)]],
-                 "halves_vs_one_tile": [rel(a, b) for a, b in zip(res_h, res[True])]}
+                 "halves_vs_one_tile": [rel(a, b) for a, b in zip(res_h, res[True])],
+                 "dkey16_vs_reference": [rel(a, b) for a, b in zip(res_d[2:], ref)],
+                 "dkey16_vs_64": [rel(a, b) for a, b in zip(res_d, res[True])]}
 print("RESULT" + json.dumps(out))
 """
 SPLIT_CASES = [  # (name, gate, delta, T, K, V, strong): odd lengths, key dims across two 64-column blocks, strong decay
@@ -241,14 +247,15 @@ def test_interpreter_state_halves_match_reference(interpreted_split, case):
 
 @pytest.mark.parametrize("case", [c[0] for c in SPLIT_CASES])
 def test_interpreter_split_key_kernel_matches_reference(interpreted_split, case):
-    """`split=True` (the default for per-channel gates): the key kernel as two launches (phases 1-2 per chunk, then
-    phase 3 per sub-chunk strip), against float64 (as the one-kernel form is: 1e-5, log alpha's gradient under strong
-    decay 1e-4) and against the one-kernel form (float32 sums over key columns in another order: 1e-6)."""
+    """`split=True` (the default for per-channel gates at K > 64): the key kernel as two launches (phases 1-2 per
+    chunk, then phase 3 per sub-chunk strip), with 64-column tiles and with 16 (`dkey_block`), against float64 (as the
+    one-kernel form is: 1e-5, log alpha's gradient under strong decay 1e-4) and against the one-kernel form (float32
+    sums over key columns in another order: 1e-6)."""
     r = interpreted_split[case]
     strong = [c for c in SPLIT_CASES if c[0] == case][0][6]
-    for i, err in enumerate(r["vs_reference"]):
+    for i, err in enumerate(r["vs_reference"] + r["dkey16_vs_reference"]):
         assert err <= (1e-4 if strong else 1e-5), (i, err)
-    assert max(r["vs_one_kernel"]) <= 1e-6, r["vs_one_kernel"]
+    assert max(r["vs_one_kernel"] + r["dkey16_vs_64"]) <= 1e-6, (r["vs_one_kernel"], r["dkey16_vs_64"])
 
 
 RESET_SCRIPT = r"""
@@ -462,6 +469,16 @@ def test_gpu_intra_key_blocks_match_reference(dtype, delta, kb):
     backward's recompute, against float64 (output, state, every gradient), odd T, strong decay, a masked key block."""
     for T, K, V, strong in ((333, 128, 64, False), (130, 128, 96, True), (75, 96, 32, False)):
         errs = _opt_in_errors("channel", delta, dtype, T, K, V, strong, dict(intra_kb=kb), dict(intra_kb=kb))
+        assert max(errs) <= TOL[dtype], (T, K, strong, errs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("delta", [False, True])
+def test_gpu_dkey_block_32_matches_reference(dtype, delta):
+    """`dkey_block=32` (opt-in until measured): the split key kernel with 32-column tiles, per-channel gates."""
+    for T, K, V, strong in ((333, 128, 64, False), (130, 128, 96, True), (75, 96, 32, False)):
+        errs = _opt_in_errors("channel", delta, dtype, T, K, V, strong, {}, dict(dkey_block=32))
         assert max(errs) <= TOL[dtype], (T, K, strong, errs)
 
 

@@ -429,7 +429,7 @@ def _revcumsum_kernel(x, last, out, cu, T, H: tl.constexpr, K: tl.constexpr, C: 
 
 def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, scale, chunks=None, block_v=None,
                     warps=(4, 8, 8), value_block=64, key_block=32, stages=2, fwd_warps=(4, 4), precision=None, ablate=(0, 0),
-                    split=None, intra_kb=None, halves=False):
+                    split=None, intra_kb=None, halves=False, dkey_block=64):
     """Gradients (dq, dk, dv, dlog_alpha, dbeta, dinitial_state) of the chunked forward, given dO (or None) and the
     final state's gradient (or None). Recomputes the forward's per-chunk factors and start states. `chunks`: packed
     sequences' chunk table, as forward_triton's. `precision`: tl.dot's input precision, one for every kernel or a tuple
@@ -439,7 +439,8 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     the one kernel spills on sm_90 and the split measured 8.9 ms against its 12.7 (H200, B4 T8192 H16 D128 bf16;
     scalar gates: 7.2 against 5.7). At K <= 64 neither form spills; one kernel, as before (not compared there).
     `intra_kb`: the recompute's `key_block` (forward.intra); `halves`: the recompute's carry and the state gradient as
-    two tiles of key rows (padded K >= 64; both opt-in, not yet measured on a GPU)."""
+    two tiles of key rows (padded K >= 64; both opt-in, not yet measured on a GPU). `dkey_block`: the split key
+    kernel's key columns per tile (64; 32 spills less at tf32x3, not yet measured)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev, f32 = q.device, torch.float32
@@ -493,9 +494,10 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
               dq, dk, dg, dbeta, XQ, XW, XC, float(scale))
     meta = dict(T=T, H=H, K=K, V=V, N=N, C=C, SC=SC, BKF=BK, BV=BV3, SPREAD=SPREAD, GATE=gate, DELTA=delta,
                 HAS_BETA=beta is not None, PREC=precs[3], ABLATE=ablate[1], num_warps=warps[2], num_stages=1)
-    if split:  # phases 1-2 per chunk, then phase 3 per strip, 64 key columns at a time
-        _dkey_kernel[(N, B * H)](*common, BK=min(64, BK), SPLIT=1, **meta)
-        _dkey_kernel[(N * (C // SC), B * H)](*common, BK=min(64, BK), SPLIT=2, **meta)
+    if split:  # phases 1-2 per chunk, then phase 3 per strip, dkey_block key columns at a time
+        tile = min(max(16, triton.next_power_of_2(dkey_block)), BK)
+        _dkey_kernel[(N, B * H)](*common, BK=tile, SPLIT=1, **meta)
+        _dkey_kernel[(N * (C // SC), B * H)](*common, BK=tile, SPLIT=2, **meta)
     else:
         _dkey_kernel[(N, B * H)](*common, BK=BK, SPLIT=0, **meta)
     dla = None
