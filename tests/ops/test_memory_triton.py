@@ -218,9 +218,9 @@ SPLIT_CASES = [  # (name, gate, delta, T, K, V, strong): odd lengths, key dims a
 
 def _same_as_default(errs, strong):
     """Another form of the same kernels against the default form, [o, S, dq, dk, dv, dlog_alpha, dbeta, dS0]: float32
-    sums in another order. The interpreter's tl.dot (numpy) rounds differently with the buffers' addresses, so even
-    the same kernel run twice differs by up to ~5e-7 here: 3e-6 (other forms: up to ~1e-6 seen). log alpha's gradient under
-    strong decay, a long cancelling sum already held to 10x the others against float64 (1e-4 vs 1e-5): 1e-5."""
+    sums in another order. The interpreter's tl.dot (numpy) rounds differently with the buffers' addresses, so the
+    same kernel run twice differs by up to ~5e-7 here: 3e-6 (other forms: up to ~1e-6 seen). log alpha's gradient
+    under strong decay, a long cancelling sum already held to 10x the others against float64 (1e-4 vs 1e-5): 1e-5."""
     return all(e <= (1e-5 if strong and i == 5 else 3e-6) for i, e in enumerate(errs))
 
 
