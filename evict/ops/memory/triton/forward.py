@@ -17,6 +17,9 @@ Derivation: README.md beside this folder. Per chunk, with g the prefix sums of l
    and U = U_bar - W S;  S <- e^{g_C} * S + (K * e^{g_C - g})^T U  (no gate loads or exps in the loop).
    Packed sequences (B = 1, a chunk table): grid (V / BV, N_seq H), each program carrying one sequence's chunks.
 3. `_out_kernel`, grid (V / BV, N, B H): O = scale ((Q * e^g) S + P U).
+Opt-in forms (same results; not yet measured on a GPU, see the memory README's kernel knobs): `_intra_kb_kernel`
+(step 1 for per-channel gates, KB key columns at a time), `_state_kernel` with HALVES (S as two tiles of key rows),
+`_out_kernel` with DOT16 (16-bit dots on the 16-bit intermediates).
 Every exponent is a difference of prefix sums that is <= 0 (or bounded by SPREAD), so log alpha = -20 stays finite.
 """
 
