@@ -229,16 +229,23 @@ def interpreted_split():
     return run_interpreted(SPLIT_SCRIPT, json.dumps(SPLIT_CASES))
 
 
+def _check_form(r, case, vs_reference, vs_default):
+    """A form's errors against float64 (the default form's bounds: 1e-5, log alpha's gradient under strong decay
+    1e-4) and against the default form (`_same_as_default`)."""
+    strong = [c for c in SPLIT_CASES if c[0] == case][0][6]
+    for i, err in enumerate(vs_reference):
+        assert err <= (1e-4 if strong else 1e-5), (i, err)
+    for errs in vs_default:
+        assert _same_as_default(errs, strong), errs
+
+
 @pytest.mark.parametrize("case", [c[0] for c in SPLIT_CASES])
 def test_interpreter_intra_key_blocks_match_reference(interpreted_split, case):
     """`intra_kb` (per-channel gates; other gates run the one-tile kernel): the first stage half the padded key dim
     at a time (K 96: two 64-column blocks, the second partly masked; K 32: two of 16), forward and the backward's
     recompute, against float64 (the one-tile form's bounds) and against the one-tile form (`_same_as_default`)."""
     r = interpreted_split[case]
-    strong = [c for c in SPLIT_CASES if c[0] == case][0][6]
-    for i, err in enumerate(r["kb_vs_reference"]):
-        assert err <= (1e-4 if strong else 1e-5), (i, err)
-    assert _same_as_default(r["kb_vs_one_tile"], strong), r["kb_vs_one_tile"]
+    _check_form(r, case, r["kb_vs_reference"], [r["kb_vs_one_tile"]])
 
 
 @pytest.mark.parametrize("case", [c[0] for c in SPLIT_CASES])
@@ -247,10 +254,7 @@ def test_interpreter_state_halves_match_reference(interpreted_split, case):
     its gradient as two tiles of key rows, forward and backward, against float64 (the one-tile form's bounds) and
     against the one-tile form (`_same_as_default`)."""
     r = interpreted_split[case]
-    strong = [c for c in SPLIT_CASES if c[0] == case][0][6]
-    for i, err in enumerate(r["halves_vs_reference"]):
-        assert err <= (1e-4 if strong else 1e-5), (i, err)
-    assert _same_as_default(r["halves_vs_one_tile"], strong), r["halves_vs_one_tile"]
+    _check_form(r, case, r["halves_vs_reference"], [r["halves_vs_one_tile"]])
 
 
 @pytest.mark.parametrize("case", [c[0] for c in SPLIT_CASES])
@@ -260,11 +264,7 @@ def test_interpreter_split_key_kernel_matches_reference(interpreted_split, case)
     one-kernel form is: 1e-5, log alpha's gradient under strong decay 1e-4) and against the one-kernel form (float32
     sums over key columns in another order: `_same_as_default`)."""
     r = interpreted_split[case]
-    strong = [c for c in SPLIT_CASES if c[0] == case][0][6]
-    for i, err in enumerate(r["vs_reference"] + r["dkey16_vs_reference"]):
-        assert err <= (1e-4 if strong else 1e-5), (i, err)
-    assert _same_as_default(r["vs_one_kernel"], strong) and _same_as_default(r["dkey16_vs_64"], strong), (
-        r["vs_one_kernel"], r["dkey16_vs_64"])
+    _check_form(r, case, r["vs_reference"] + r["dkey16_vs_reference"], [r["vs_one_kernel"], r["dkey16_vs_64"]])
 
 
 RESET_SCRIPT = r"""

@@ -101,6 +101,24 @@ def _diag_gram_exact(kI, qI, gI, k_bh, G_bh, r0, T, sk, ck, K: tl.constexpr, SC:
 
 
 @triton.jit
+def _store_strip(A_bh, P_bh, r0, rs, ri, rc, a, p, C: tl.constexpr, DELTA: tl.constexpr):
+    """A Gram strip's rows r0 + rs (chunk rows ri): A~ strictly lower (delta rule only), P lower."""
+    if DELTA:
+        _hstore(A_bh, r0 + rs, rc, C, tl.where(ri[:, None] > rc[None, :], a, 0.0))
+    _hstore(P_bh, r0 + rs, rc, C, tl.where(ri[:, None] >= rc[None, :], p, 0.0))
+
+
+@triton.jit
+def _store_diag(A_bh, P_bh, r0, I, a_d, p_d, SC: tl.constexpr, C: tl.constexpr, DELTA: tl.constexpr):
+    """Overwrite sub-chunk I's diagonal blocks with `_diag_gram_exact`'s (after the strip's stores)."""
+    rs = tl.arange(0, SC)
+    tl.debug_barrier()
+    if DELTA:
+        _store_block(A_bh, r0, I * SC, tl.where(rs[:, None] > rs[None, :], a_d, 0.0), SC, C)
+    _store_block(P_bh, r0, I * SC, tl.where(rs[:, None] >= rs[None, :], p_d, 0.0), SC, C)
+
+
+@triton.jit
 def _strip_decay(g, g_ref, rows, hi, spread, SPREAD: tl.constexpr, SC: tl.constexpr):
     """e^{g_ref - g_j} for rows j < hi, except the reference's own sub-chunk (the SC rows below hi) when its spread is
     above SPREAD, else 0: the key-side factor of a Gram strip. [C, BK]."""
@@ -228,16 +246,11 @@ def _intra_kernel(
                 gI = tl.load(G_bh + r0 + rs)
                 ratio = tl.exp(tl.where(ri[:, None] >= rc[None, :], gI[:, None] - gc[None, :], float("-inf")))
                 a, p = a * ratio, p * ratio
-        if DELTA:
-            _hstore(A_bh, r0 + rs, rc, C, tl.where(ri[:, None] > rc[None, :], a, 0.0))
-        _hstore(P_bh, r0 + rs, rc, C, tl.where(ri[:, None] >= rc[None, :], p, 0.0))
+        _store_strip(A_bh, P_bh, r0, rs, ri, rc, a, p, C, DELTA)
         if GATE == 2:
             if spread > SPREAD:  # strong decay inside the sub-chunk: its diagonal block with exact ratios
                 a_d, p_d = _diag_gram_exact(kI, qI, gI, k_bh, G_bh, r0, T, H * K, ck, K, SC)
-                tl.debug_barrier()
-                if DELTA:
-                    _store_block(A_bh, r0, I * SC, tl.where(rs[:, None] > rs[None, :], a_d, 0.0), SC, C)
-                _store_block(P_bh, r0, I * SC, tl.where(rs[:, None] >= rs[None, :], p_d, 0.0), SC, C)
+                _store_diag(A_bh, P_bh, r0, I, a_d, p_d, SC, C, DELTA)
 
     bc = _chunk_beta(beta, tok, t0, rc, T, H, HAS_BETA)
     if DELTA:
@@ -300,17 +313,12 @@ def _intra_kb_kernel(
                                                                       (I + 1) * SC, spread, SPREAD, SC)
             a += tl.dot(_rows(k_bh, r0, rs, T, H * K, cb, K) * xf, tl.trans(ky), input_precision=PREC)
             p += tl.dot(_rows(q_bh, r0, rs, T, H * K, cb, K) * xf, tl.trans(ky), input_precision=PREC)
-        if DELTA:
-            _hstore(A_bh, r0 + rs, rc, C, tl.where(ri[:, None] > rc[None, :], a, 0.0))
-        _hstore(P_bh, r0 + rs, rc, C, tl.where(ri[:, None] >= rc[None, :], p, 0.0))
+        _store_strip(A_bh, P_bh, r0, rs, ri, rc, a, p, C, DELTA)
         if spread > SPREAD:  # strong decay inside the sub-chunk: its diagonal block with exact ratios (full width)
             ck = tl.arange(0, BK)
             a_d, p_d = _diag_gram_exact(_rows(k_bh, r0, rs, T, H * K, ck, K), _rows(q_bh, r0, rs, T, H * K, ck, K),
                                         _hrows(G_bh, r0 + rs, ck, K), k_bh, G_bh, r0, T, H * K, ck, K, SC)
-            tl.debug_barrier()
-            if DELTA:
-                _store_block(A_bh, r0, I * SC, tl.where(rs[:, None] > rs[None, :], a_d, 0.0), SC, C)
-            _store_block(P_bh, r0, I * SC, tl.where(rs[:, None] >= rs[None, :], p_d, 0.0), SC, C)
+            _store_diag(A_bh, P_bh, r0, I, a_d, p_d, SC, C, DELTA)
 
     bc = _chunk_beta(beta, tok, t0, rc, T, H, HAS_BETA)
     if DELTA:
