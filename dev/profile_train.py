@@ -1,6 +1,8 @@
 """Where one MQAR training step's time goes on the GPU (issue 10): data, eager step, graphed step, top kernels.
 
-    python3 dev/profile_train.py [--arch kda attention] [--L 512 --K 64 --d 128 --batch 256]
+    python3 dev/profile_train.py [--arch kda attention] [--L 512 --K 64 --d 128 --batch 256] [--compile] [--no-timing]
+
+--compile: also time the graphed step with each block through torch.compile, and profile the compiled blocks.
 """
 
 import argparse
@@ -19,6 +21,9 @@ p.add_argument("--L", type=int, default=512)
 p.add_argument("--K", type=int, default=64)
 p.add_argument("--d", type=int, default=128)
 p.add_argument("--batch", type=int, default=256)
+p.add_argument("--compile", action="store_true")
+p.add_argument("--no-timing", action="store_true")
+p.add_argument("--rows", type=int, default=25)
 a = p.parse_args()
 task = MQARTask(MQARConfig(vocab_size=FULL.vocab_size, seq_len=a.L, num_pairs=a.K))
 t0 = time.perf_counter()
@@ -27,7 +32,9 @@ for i in range(10):
 print(f"get_batch (CPU, {torch.get_num_threads()} threads): {(time.perf_counter() - t0) / 10 * 1e3:.1f} ms")
 
 for arch in a.arch:
-    for variant in (dict(graphs=False, prefetch=0), dict(graphs=True, prefetch=2)):
+    variants = [dict(graphs=False, prefetch=0), dict(graphs=True, prefetch=2)]
+    variants += [dict(graphs=True, prefetch=2, compile=True)] if a.compile else []
+    for variant in [] if a.no_timing else variants:
         torch.manual_seed(0)
         model = LM(model_config(arch, a.d, FULL, a.L))
         tc = TrainConfig(steps=60, batch_size=a.batch, lr=2.2e-3, eval_every=60, eval_batches=1, device="cuda",
@@ -41,6 +48,9 @@ for arch in a.arch:
 
     torch.manual_seed(0)
     model = LM(model_config(arch, a.d, FULL, a.L)).cuda()
+    if a.compile:
+        for blk in model.blocks:
+            blk.compile()
     x, y = (t.cuda() for t in task.get_batch("train", 0, a.batch))
     from evict.train import label_positions
 
@@ -60,5 +70,8 @@ for arch in a.arch:
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-    print(f"\n{arch}: top CUDA kernels over 3 fwd+bwd steps")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(f"\n{arch}{' (compiled blocks)' if a.compile else ''}: top CUDA kernels over 3 fwd+bwd steps")
+    try:
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=a.rows, max_name_column_width=90))
+    except (AttributeError, KeyError, ValueError):  # newer torch names the column "device"
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=a.rows, max_name_column_width=90))
