@@ -3,7 +3,7 @@
 # has no package index: fastapi / uvicorn / httpx and fla (the optional oracle) install from the carried ./.whl.
 # Timeouts: T (tests), TO (benches); every mode writes its log under $OUT. Modes:
 #   tests:   optests (memory op), alltests (every `gpu` test), verify (distributed + fast training), mptests
-#            (mixed precision), traintests, decodetests
+#            (mixed precision), convtests (the short conv's Triton form + mixed precision), traintests, decodetests
 #   kernels: opsfwd (bench ops without fla's slowly autotuned backward), ops (all of it), tune (TUNE=args),
 #            tunefwd / tunebwd (session 5's variant sets), split (the key kernel in one launch or two), out16 (session 6's prepared
 #            forms: the output kernel's 16-bit dots, intra by key blocks; GPU tests, then timed), tunelab (the kernels at the lab's full-grid shape, D 32),
@@ -25,6 +25,7 @@ for what in "$@"; do
     optests) pyt optests.log ${T:-300} tests/ops/test_memory_triton.py -n 8 ;;
     alltests) pyt alltests.log ${T:-420} tests -n 8 --durations=15 ;;
     verify) pyt verify.log ${T:-300} tests/test_distributed_gpu.py tests/test_train_fast.py -n 4 ;;
+    convtests) pyt convtests.log ${T:-200} tests/ops/test_conv.py tests/layers/test_conv.py tests/models/test_mixed_precision.py -n 8 ;;
     mptests) pyt mptests.log ${T:-200} tests/models/test_mixed_precision.py -n 4 ;;
     traintests) pyt traintests.log ${T:-200} tests/test_train_fast.py -n 4 ;;
     decodetests) pyt decodetests.log ${T:-300} tests/ops/test_decode.py tests/layers tests/models \

@@ -428,7 +428,7 @@ def _revcumsum_kernel(x, last, out, cu, T, H: tl.constexpr, K: tl.constexpr, C: 
 
 
 def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, scale, chunks=None, block_v=None,
-                    warps=(4, 8, 8), value_block=64, key_block=32, stages=2, fwd_warps=(4, 4), precision=None, ablate=(0, 0),
+                    warps=None, value_block=64, key_block=32, stages=2, fwd_warps=(4, 4), precision=None, ablate=(0, 0),
                     split=None, intra_kb=None, halves=False, dkey_block=64):
     """Gradients (dq, dk, dv, dlog_alpha, dbeta, dinitial_state) of the chunked forward, given dO (or None) and the
     final state's gradient (or None). Recomputes the forward's per-chunk factors and start states. `chunks`: packed
@@ -440,7 +440,9 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     scalar gates: 7.2 against 5.7). At K <= 64 neither form spills; one kernel, as before (not compared there).
     `intra_kb`: the recompute's `key_block` (forward.intra); `halves`: the recompute's carry and the state gradient as
     two tiles of key rows (padded K >= 64; both opt-in, not yet measured on a GPU). `dkey_block`: the split key
-    kernel's key columns per tile (64; 32 spills less at tf32x3, not yet measured)."""
+    kernel's key columns per tile (64; 32 spills less at tf32x3, not yet measured). `warps` (dstate, dvalue, dkey):
+    default (4, 8, 8), or (4, 4, 4) for key dims <= 32, which cut KDA's backward at the lab's largest cell (B256 T512
+    H4 D32 bf16) from 5.92 to 4.80 ms per layer (H200, session 7)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev, f32 = q.device, torch.float32
@@ -464,6 +466,7 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     split = (gate == 2 and K > 64) if split is None else bool(split)
     seqs, varlen = sT.shape[0], chunks is not None
     BK, BVf = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+    warps = warps or ((4, 4, 4) if BK <= 32 else (4, 8, 8))
     do = torch.zeros(B, T, H, V, dtype=q.dtype, device=dev) if do is None else do.contiguous()
     dU = torch.empty(B * H * N * C * V, dtype=f32, device=dev)
     dHs = torch.empty_like(Hs)
