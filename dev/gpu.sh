@@ -25,6 +25,7 @@ for what in "$@"; do
     optests) pyt optests.log ${T:-300} tests/ops/test_memory_triton.py -n 8 ;;
     alltests) pyt alltests.log ${T:-420} tests -n 8 --durations=15 ;;
     verify) pyt verify.log ${T:-300} tests/test_distributed_gpu.py tests/test_train_fast.py -n 4 ;;
+    bwtests) pyt bwtests.log ${T:-300} tests/ops/test_memory_triton.py -k "gradients_match or packed or hard_resets or strong_decay" -n 8 ;;
     convtests) pyt convtests.log ${T:-200} tests/ops/test_conv.py tests/layers/test_conv.py tests/models/test_mixed_precision.py -n 8 ;;
     mptests) pyt mptests.log ${T:-200} tests/models/test_mixed_precision.py -n 4 ;;
     traintests) pyt traintests.log ${T:-200} tests/test_train_fast.py -n 4 ;;
@@ -60,7 +61,11 @@ for what in "$@"; do
     dial) timeout 90 python3 dev/chunk_dial_gpu.py --out $OUT/chunk_dial_gpu.json 2>&1 | tail -5 ;;
     bench) timeout ${TO:-240} python3 -m evict.cli bench train --arch kda --procs 4 --train-steps 100 --variants before graphs compiled \
              --out $OUT/bench_train_p4.json 2>&1 | quiet | tee $OUT/bench_train.log ;;
-    proflab) timeout ${TO:-300} python3 dev/profile_train.py --arch ${ARCHS:-kda deltanet attention} --compile 2>&1 | quiet | tee $OUT/proflab.log ;;
+    proflab) timeout ${TO:-300} python3 dev/profile_train.py --arch ${ARCHS:-kda deltanet attention} --compile 2>&1 | grep -v "^---" | tee $OUT/proflab.log ;;
+    grid) timeout ${TO:-560} python3 -m evict.cli recall --full --minutes ${MIN:-8} --out ${GRID:-runs/grid} ${GRIDARGS:-} 2>&1 \
+            | grep -v "it/s\]$" | tail -60 | tee $OUT/grid.log
+          mkdir -p $OUT/grid && (cd ${GRID:-runs/grid} && find . -name result.json -o -name config.json -o -name "*.md" -o -name "*.png" \
+            -o -name results.jsonl -o -name metrics.jsonl | tar cf - -T -) | tar xf - -C $OUT/grid ;;
     dist) (OUT=/tmp/dist STEPS=${STEPS:-30} PY=python3 timeout ${TO:-330} bash dev/dist_bench.sh 2>&1 | quiet | tail -40) | tee $OUT/dist.log
           mkdir -p $OUT/dist && cp /tmp/dist/dist_bench.json $OUT/dist/ 2>/dev/null
           for r in /tmp/dist/gpu*; do mkdir -p $OUT/dist/${r##*/}; cp $r/run.json $r/metrics.jsonl $OUT/dist/${r##*/}/ 2>/dev/null; done ;;

@@ -114,6 +114,7 @@ def _recall(args) -> None:
         "d_models": tuple(args.d_model) if args.d_model else None,
         "lrs": tuple(args.lr) if args.lr else None,
         "steps": args.steps, "seeds": args.seeds, "workers": args.workers, "device": args.device, "vocab_size": args.vocab,
+        "compile": False if args.no_compile else None,
     }.items() if v is not None}
     sweep = replace(sweep, **overrides)  # a ValueError is a user error: main() makes it one line, exit 2
     _check_recall_models(sweep)
@@ -175,6 +176,7 @@ def build_parser() -> Parser:
     r.add_argument("--vocab", type=positive_int)
     add_sweep_flags(r, seeds_help="seeds per cell; the table shows mean and range (default 2 quick, 1 full)")
     r.add_argument("--minutes", type=positive_float, help="stop after about this long (runs checkpoint); rerun to continue")
+    r.add_argument("--no-compile", action="store_true", help="CUDA: skip torch.compile of the blocks (--full compiles them)")
     r.set_defaults(fn=_recall)
     z = sub.add_parser("size", help="the accountant: parameters (total / active) and memory per sequence vs context")
     z.add_argument("preset", nargs="+", help="preset name(s), e.g. gpt2_124m kimi_linear_48b kimi_k3")

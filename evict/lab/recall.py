@@ -59,6 +59,7 @@ class RecallSweep:
     seeds: int = 1  # runs seeds seed, seed+1, …: model init and training batches differ, the val set is shared
     workers: int = 2
     device: str = "cpu"
+    compile: bool = False  # CUDA: each block through torch.compile inside the step's CUDA graph (BENCHMARKS.md)
     notes: dict = field(default_factory=dict)
 
 
@@ -66,7 +67,7 @@ QUICK = RecallSweep(seeds=2)  # 3 seeds took 463 s CPU (2 cores: ~4 min + instal
 FULL = RecallSweep(
     settings=((64, 4), (128, 8), (256, 16), (512, 64)), d_models=(64, 128, 256),
     lrs=(1e-4, 4.6e-4, 2.2e-3, 1e-2), head_dim=32, vocab_size=8192, steps=8000, batch_size=256, eval_every=500, chunk_size=64,
-    eval_batches=8, workers=4, device="auto",  # 4 cells share one GPU: 8 gave no more cell-steps/s (BENCHMARKS.md)
+    eval_batches=8, workers=4, device="auto", compile=True,  # 4 cells share one GPU: 8 gave no more cell-steps/s
 )
 
 
@@ -103,7 +104,7 @@ def run_one(job: dict) -> dict | None:
     tc = TrainConfig(steps=sweep.steps, batch_size=sweep.batch_size, lr=job["lr"], weight_decay=0.1, warmup_steps=0,
                      eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, target_accuracy=sweep.target_accuracy,
                      seed=seed, device=sweep.device, out_dir=job["dir"], progress=False, log_every=50,
-                     graphs=on_gpu, checkpoint_every=sweep.eval_every, stop_at=stop_at)
+                     graphs=on_gpu, compile=on_gpu and sweep.compile, checkpoint_every=sweep.eval_every, stop_at=stop_at)
     res = train(model, task, tc)
     if res.interrupted:
         return None
