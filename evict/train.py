@@ -74,6 +74,7 @@ class TrainConfig:
     select_labels: bool = True  # head and loss at the labelled positions only, for tasks with `labels_per_row`
     prefetch: int = 2  # CUDA: batches prepared ahead by a background thread (0 = inline)
     stop_at: float | None = None  # wall-clock time (time.time()): checkpoint and return early once past it (resumable)
+    stop_file: str | None = None  # a path whose existence, seen at an evaluation, ends the run there (stopped_early)
     grad_accum: int = 1  # micro-batches per rank per optimizer step (batch_size is the global batch)
     compile: bool = False  # torch.compile each block (or the whole model if it has no `blocks`)
     dist: str = "fsdp"  # under torchrun: "fsdp" (FSDP2, per block) or "ddp"
@@ -601,6 +602,12 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
                 if cfg.target_accuracy is not None and last_val["accuracy"] >= cfg.target_accuracy:
                     stopped_early = step < cfg.steps
                     done = True
+                elif cfg.stop_file is not None and step < cfg.steps:
+                    told = torch.tensor([float(lead and os.path.exists(cfg.stop_file))], device=device)
+                    if world > 1:  # every rank must take the same branch: rank 0's view of the file decides
+                        dist.broadcast(told, 0)
+                    if told.item():
+                        stopped_early = done = True
             done = done or step == cfg.steps
             interrupted = cfg.stop_at is not None and not done and time.time() >= cfg.stop_at
             if world > 1 and cfg.stop_at is not None:  # every rank must take the same branch: rank 0's clock decides

@@ -190,3 +190,13 @@ def test_stop_at_checkpoints_and_resumes_exactly(tmp_path):
     assert [r["loss"] for r in got] == [r["loss"] for r in ref]
     for a, b in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_stop_file_ends_the_run_at_the_next_evaluation(tmp_path):
+    """`stop_file`: absent, the run goes on; present, the run ends at its next evaluation, stopped early, and says so."""
+    flag = tmp_path / "solved"
+    res = train(Tiny(), CopyTask(), _cfg(tmp_path / "a", steps=12, eval_every=5, stop_file=str(flag)))
+    assert res.steps_done == 12 and not res.stopped_early
+    flag.write_text("lr=0.01\n")
+    res = train(Tiny(), CopyTask(), _cfg(tmp_path / "b", steps=12, eval_every=5, stop_file=str(flag)))
+    assert res.steps_done == 5 and res.stopped_early and not res.interrupted and len(res.history) == 1

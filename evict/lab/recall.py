@@ -87,15 +87,33 @@ def model_config(arch: str, d_model: int, sweep: RecallSweep, seq_len: int):
     )
 
 
+def solved_marker(job: dict) -> Path | None:
+    """The file a run of this (arch, L, K, d, seed) cell writes once it reaches the sweep's target accuracy: the cell's
+    best over learning rates is then known to be >= the target, so its other learning rates stop (Zoology's early stop
+    at 0.99, per cell) at their next evaluation, or do not start. Only for jobs that name a `solved_dir` (jobs_for)."""
+    if job.get("solved_dir") is None:
+        return None
+    return Path(job["solved_dir"]) / f"{job['arch']}_L{job['seq_len']}_K{job['pairs']}_d{job['d_model']}_s{job['seed']}"
+
+
 def run_one(job: dict) -> dict | None:
-    """Train one (arch, L, K, d, lr) cell; module-level so worker processes can run it."""
+    """Train one (arch, L, K, d, lr) cell; module-level so worker processes can run it.
+
+    A run whose cell another learning rate has already solved (solved_marker) stops at its next evaluation and keeps
+    the accuracy it reached (`stopped`); one that had not started is not trained (`accuracy` None, `skipped`)."""
     logging.getLogger("evict").setLevel(logging.WARNING)
     sweep = from_json(RecallSweep, job["sweep"])
     L, K, d = job["seq_len"], job["pairs"], job["d_model"]
     seed = job["seed"]
+    row = {"arch": job["arch"], "seq_len": L, "pairs": K, "d_model": d, "lr": job["lr"], "seed": seed}
+    marker = solved_marker(job)
     torch.manual_seed(seed)
     cfg = model_config(job["arch"], d, sweep, L)
     model = LM(cfg)
+    state_size, params = model.state_size(L), sum(p.numel() for p in model.parameters())
+    if marker is not None and marker.exists() and not (Path(job["dir"]) / "checkpoint.pt").exists():
+        return {**row, "accuracy": None, "skipped": f"cell solved first by {marker.read_text().strip()}", "steps": 0,
+                "state_size": state_size, "params": params, "label": f"{job['arch']} K={K} skipped (cell solved)"}
     task = MQARTask(MQARConfig(vocab_size=sweep.vocab_size, seq_len=L, num_pairs=K, simple=sweep.simple, train_seed=seed))
     stop_at = job.get("stop_at")
     if stop_at is not None and time.time() >= stop_at:
@@ -104,16 +122,23 @@ def run_one(job: dict) -> dict | None:
     tc = TrainConfig(steps=sweep.steps, batch_size=sweep.batch_size, lr=job["lr"], weight_decay=0.1, warmup_steps=0,
                      eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, target_accuracy=sweep.target_accuracy,
                      seed=seed, device=sweep.device, out_dir=job["dir"], progress=False, log_every=50,
-                     graphs=on_gpu, compile=on_gpu and sweep.compile, checkpoint_every=sweep.eval_every, stop_at=stop_at)
+                     graphs=on_gpu, compile=on_gpu and sweep.compile, checkpoint_every=sweep.eval_every, stop_at=stop_at,
+                     stop_file=None if marker is None else str(marker))
     res = train(model, task, tc)
     if res.interrupted:
         return None
-    return {
-        "arch": job["arch"], "seq_len": L, "pairs": K, "d_model": d, "lr": job["lr"], "seed": seed,
-        "accuracy": res.best_val_accuracy, "final_accuracy": res.final_val_accuracy, "steps": res.steps_done,
-        "seconds": round(res.wall_seconds, 1), "state_size": model.state_size(L),
-        "params": sum(p.numel() for p in model.parameters()), "label": f"{job['arch']} K={K} acc={res.best_val_accuracy:.2f}",
-    }
+    solved = res.best_val_accuracy >= sweep.target_accuracy
+    if solved and marker is not None and not marker.exists():
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        tmp = marker.with_suffix(f".{job['lr']:g}.tmp")
+        tmp.write_text(f"lr={job['lr']:g} at step {res.steps_done}\n")
+        tmp.replace(marker)
+    out = {**row, "accuracy": res.best_val_accuracy, "final_accuracy": res.final_val_accuracy, "steps": res.steps_done,
+           "seconds": round(res.wall_seconds, 1), "state_size": state_size, "params": params,
+           "label": f"{job['arch']} K={K} acc={res.best_val_accuracy:.2f}"}
+    if res.stopped_early and not solved and marker is not None:
+        out["stopped"] = f"cell solved first by {marker.read_text().strip()}"
+    return out
 
 
 def seeds_of(sweep: RecallSweep) -> list[int]:
@@ -135,7 +160,7 @@ def jobs_for(sweep: RecallSweep, root: Path) -> list[dict]:
                     for lr in sweep.lrs:
                         name = f"{arch}_L{L}_K{K}_d{d}_lr{lr:g}" + (f"_s{seed}" if sweep.seeds > 1 else "")
                         jobs.append({"arch": arch, "seq_len": L, "pairs": K, "d_model": d, "lr": lr, "seed": seed,
-                                     "dir": str(root / "runs" / name), "sweep": sw})
+                                     "dir": str(root / "runs" / name), "solved_dir": str(root / "solved"), "sweep": sw})
     return jobs
 
 
@@ -143,6 +168,8 @@ def best_over_lr(results: list[dict]) -> dict:
     """(arch, L, K, d, seed) -> the result with the highest accuracy over learning rates."""
     best: dict[tuple, dict] = {}
     for r in results:
+        if r["accuracy"] is None:  # not trained: its cell was solved at another lr first (run_one)
+            continue
         key = (r["arch"], r["seq_len"], r["pairs"], r["d_model"], r["seed"])
         if key not in best or r["accuracy"] > best[key]["accuracy"]:
             best[key] = r

@@ -115,3 +115,17 @@ def test_sweep_in_pieces_equals_one_piece(tmp_path, capsys, monkeypatch):
     assert [(r["accuracy"], r["steps"]) for r in a] == [(r["accuracy"], r["steps"]) for r in b]
     with pytest.raises(ValueError, match="minutes"):
         run_sweep(sweep, out=tmp_path / "x", minutes=0)
+
+
+def test_a_solved_cell_stops_its_other_learning_rates(tmp_path):
+    """Zoology's early stop at the target, per cell: once one lr reaches it, the cell's best over lr is known to be at
+    least the target, so a later lr of that cell is not trained (accuracy None, skipped) and the table uses the winner."""
+    sweep = replace(MICRO, archs=("attention",), settings=((16, 2),), lrs=(1e-2, 1e-3), target_accuracy=1e-9, steps=40,
+                    eval_every=10, batch_size=16, eval_batches=2)
+    root = run_sweep(sweep, out=tmp_path / "s")
+    rows = {r["lr"]: r for r in map(json.loads, (root / "results.jsonl").read_text().splitlines())}
+    first, second = rows[1e-2], rows[1e-3]  # jobs run in lr order with one worker
+    assert first["accuracy"] > 0 and first["steps"] < 40  # seeded: above the tiny target before the last step
+    assert (root / "solved" / "attention_L16_K2_d32_s0").read_text() == f"lr=0.01 at step {first['steps']}\n"
+    assert second["accuracy"] is None and second["steps"] == 0 and "solved first by lr=0.01" in second["skipped"]
+    assert f"| {first['accuracy']:.3f} |" in (root / "table.md").read_text()
