@@ -3,13 +3,13 @@
 # has no package index: fastapi / uvicorn / httpx and fla (the optional oracle) install from the carried ./.whl.
 # Timeouts: T (tests), TO (benches); every mode writes its log under $OUT. Modes:
 #   tests:   optests (memory op), alltests (every `gpu` test), verify (distributed + fast training), mptests
-#            (mixed precision), convtests (the short conv's Triton form + mixed precision), traintests, decodetests
+#            (mixed precision), bwtests (the memory op's gradient tests), convtests (the short conv's Triton form + mixed precision), traintests, decodetests
 #   kernels: opsfwd (bench ops without fla's slowly autotuned backward), ops (all of it), tune (TUNE=args),
 #            tunefwd / tunebwd (session 5's variant sets), split (the key kernel in one launch or two), out16 (session 6's prepared
 #            forms: the output kernel's 16-bit dots, intra by key blocks; GPU tests, then timed), tunelab (the kernels at the lab's full-grid shape, D 32),
 #            precision (dev/check_precision.py)
 #   decode:  decode, decode1m, decodebench, decodecompile, decodeprofile, sdpa, dial (the chunk dial's GPU numbers)
-#   train:   bench (cells per second, issue 10), proflab (dev/profile_train.py: one cell's step, eager / graphed /
+#   train:   bench (cells per second, issue 10), grid (a piece of `evict recall --full`: MIN, GRIDARGS, GRID), proflab (dev/profile_train.py: one cell's step, eager / graphed /
 #            compiled, top kernels), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.tcache PYTHONPATH=$PWD
@@ -64,8 +64,8 @@ for what in "$@"; do
     proflab) timeout ${TO:-300} python3 dev/profile_train.py --arch ${ARCHS:-kda deltanet attention} --compile 2>&1 | grep -v "^---" | tee $OUT/proflab.log ;;
     grid) timeout ${TO:-560} python3 -m evict.cli recall --full --minutes ${MIN:-8} --out ${GRID:-runs/grid} ${GRIDARGS:-} 2>&1 \
             | grep -v "it/s\]$" | tail -60 | tee $OUT/grid.log
-          mkdir -p $OUT/grid && (cd ${GRID:-runs/grid} && find . -name result.json -o -name config.json -o -name "*.md" -o -name "*.png" \
-            -o -name results.jsonl -o -name metrics.jsonl | tar cf - -T -) | tar xf - -C $OUT/grid ;;
+          cp ${GRID:-runs/grid}/config.json $OUT/grid_config.json; cp ${GRID:-runs/grid}/*.md ${GRID:-runs/grid}/*.png $OUT/ 2>/dev/null
+          python3 -c "import glob, json, os, sys; sys.stdout.write(''.join(json.dumps({**json.load(open(f)), 'dir': f.split('/')[-2]}) + chr(10) for f in sorted(glob.glob('${GRID:-runs/grid}/runs/*/result.json'))))" > $OUT/grid_results.jsonl ;;
     dist) (OUT=/tmp/dist STEPS=${STEPS:-30} PY=python3 timeout ${TO:-330} bash dev/dist_bench.sh 2>&1 | quiet | tail -40) | tee $OUT/dist.log
           mkdir -p $OUT/dist && cp /tmp/dist/dist_bench.json $OUT/dist/ 2>/dev/null
           for r in /tmp/dist/gpu*; do mkdir -p $OUT/dist/${r##*/}; cp $r/run.json $r/metrics.jsonl $OUT/dist/${r##*/}/ 2>/dev/null; done ;;

@@ -107,6 +107,12 @@ def run_one(job: dict) -> dict | None:
     seed = job["seed"]
     row = {"arch": job["arch"], "seq_len": L, "pairs": K, "d_model": d, "lr": job["lr"], "seed": seed}
     marker = solved_marker(job)
+    on_gpu = resolve_device(sweep.device).type == "cuda"
+    if on_gpu and sweep.compile:
+        # a worker process trains many cells in turn: without a reset the compiled code of every earlier model stays
+        # cached, and once a block's forward reaches dynamo's recompile limit (8) later cells run eager (seen on the
+        # H200 from the 13th run of a piece on: "hit config.recompile_limit (8)")
+        torch._dynamo.reset()
     torch.manual_seed(seed)
     cfg = model_config(job["arch"], d, sweep, L)
     model = LM(cfg)
@@ -118,7 +124,6 @@ def run_one(job: dict) -> dict | None:
     stop_at = job.get("stop_at")
     if stop_at is not None and time.time() >= stop_at:
         return None  # out of time before it started: left for the next piece
-    on_gpu = resolve_device(sweep.device).type == "cuda"
     tc = TrainConfig(steps=sweep.steps, batch_size=sweep.batch_size, lr=job["lr"], weight_decay=0.1, warmup_steps=0,
                      eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, target_accuracy=sweep.target_accuracy,
                      seed=seed, device=sweep.device, out_dir=job["dir"], progress=False, log_every=50,
