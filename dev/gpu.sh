@@ -9,7 +9,8 @@
 #            forms: the output kernel's 16-bit dots, intra by key blocks; GPU tests, then timed), tunelab (the kernels at the lab's full-grid shape, D 32),
 #            precision (dev/check_precision.py)
 #   decode:  decode, decode1m, decodebench, decodecompile, decodeprofile, sdpa, dial (the chunk dial's GPU numbers)
-#   train:   bench (cells per second, issue 10), grid (a piece of `evict recall --full`: MIN, GRIDARGS, GRID), proflab (dev/profile_train.py: one cell's step, eager / graphed /
+#   train:   bench (cells per second, issue 10), grid (a piece of `evict recall --full`: MIN, GRIDARGS, GRID; the runs
+#            of earlier pieces in docs/recall_full/ are restored first: dev/grid_restore.py), proflab (dev/profile_train.py: one cell's step, eager / graphed /
 #            compiled, top kernels), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.tcache PYTHONPATH=$PWD
@@ -22,7 +23,7 @@ quiet() { grep -v "Warning\|warn\|^  \|^$"; }
 pyt() { local log=$1 t=$2; shift 2; timeout $t python3 -m pytest "$@" -m gpu -rf -p no:cacheprovider 2>&1 | tee $OUT/$log | quiet | tail -30; }
 for what in "$@"; do
   case $what in
-    optests) pyt optests.log ${T:-300} tests/ops/test_memory_triton.py -n 8 ;;
+    optests) pyt optests.log ${T:-480} tests/ops/test_memory_triton.py -n 8 ;;
     alltests) pyt alltests.log ${T:-420} tests -n 8 --durations=15 ;;
     verify) pyt verify.log ${T:-300} tests/test_distributed_gpu.py tests/test_train_fast.py -n 4 ;;
     bwtests) pyt bwtests.log ${T:-300} tests/ops/test_memory_triton.py -k "gradients_match or packed or hard_resets or strong_decay" -n 8 ;;
@@ -62,7 +63,9 @@ for what in "$@"; do
     bench) timeout ${TO:-240} python3 -m evict.cli bench train --arch kda --procs 4 --train-steps 100 --variants before graphs compiled \
              --out $OUT/bench_train_p4.json 2>&1 | quiet | tee $OUT/bench_train.log ;;
     proflab) timeout ${TO:-300} python3 dev/profile_train.py --arch ${ARCHS:-kda deltanet attention} --compile 2>&1 | grep -v "^---" | tee $OUT/proflab.log ;;
-    grid) timeout ${TO:-560} python3 -m evict.cli recall --full --minutes ${MIN:-8} --out ${GRID:-runs/grid} ${GRIDARGS:-} 2>&1 \
+    grid) for c in docs/recall_full/piece*_config.json; do
+            [ -e "$c" ] && python3 dev/grid_restore.py ${GRID:-runs/grid} $c ${c%_config.json}_results.jsonl; done
+          timeout ${TO:-560} python3 -m evict.cli recall --full --minutes ${MIN:-8} --out ${GRID:-runs/grid} ${GRIDARGS:-} 2>&1 \
             | grep -v "it/s\]$" | tail -60 | tee $OUT/grid.log
           cp ${GRID:-runs/grid}/config.json $OUT/grid_config.json; cp ${GRID:-runs/grid}/*.md ${GRID:-runs/grid}/*.png $OUT/ 2>/dev/null
           python3 -c "import glob, json, os, sys; sys.stdout.write(''.join(json.dumps({**json.load(open(f)), 'dir': f.split('/')[-2]}) + chr(10) for f in sorted(glob.glob('${GRID:-runs/grid}/runs/*/result.json'))))" > $OUT/grid_results.jsonl ;;

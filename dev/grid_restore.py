@@ -1,0 +1,47 @@
+"""Put finished runs of earlier `evict recall --full` pieces back into a sweep folder, so the next piece skips them.
+
+    python3 dev/grid_restore.py runs/grid docs/recall_full/piece1_config.json docs/recall_full/piece1_results.jsonl ...
+
+The device machine starts bare on every call, so a piece's result.json files come back as one JSONL (`bash dev/gpu.sh
+grid`) and are committed under docs/recall_full/. Each JSONL sits beside the config its runs were trained with; a row
+is restored only when that config equals the target sweep's — its config.json, or `evict recall --full`'s own
+(recall.FULL) for a folder not yet started — in every field but the ones that choose *which* runs exist (archs,
+settings, d_models, lrs, seeds, workers): those do not change how one run trains. Runs already in the target folder
+are left alone. Prints how many rows it restored.
+"""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from evict.lab.recall import FULL
+
+WHICH = {"archs", "settings", "d_models", "lrs", "seeds", "workers"}
+
+
+def main(target: str, pairs: list[str]) -> None:
+    root = Path(target)
+    cfg = root / "config.json"
+    want = json.loads(cfg.read_text()) if cfg.exists() else json.loads(json.dumps(dataclasses.asdict(FULL)))
+    restored = 0
+    for cfg_path, rows_path in zip(pairs[::2], pairs[1::2]):
+        got = json.loads(Path(cfg_path).read_text())
+        differ = sorted(k for k in set(want) | set(got) if k not in WHICH and want.get(k) != got.get(k))
+        if differ:
+            sys.exit(f"{cfg_path}: trained with another config ({', '.join(differ)} differ); its runs are not restored")
+        for line in Path(rows_path).read_text().splitlines():
+            row = json.loads(line)
+            out = root / "runs" / row.pop("dir") / "result.json"
+            if out.exists():
+                continue
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(row, indent=2))
+            restored += 1
+    print(f"restored {restored} finished runs into {root / 'runs'}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 4 or len(sys.argv) % 2:
+        sys.exit("usage: python3 dev/grid_restore.py SWEEP_DIR CONFIG.json RESULTS.jsonl [CONFIG.json RESULTS.jsonl ...]")
+    main(sys.argv[1], sys.argv[2:])
