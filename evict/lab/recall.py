@@ -216,12 +216,14 @@ def over_seeds(best: dict) -> dict:
 
 
 def table(sweep: RecallSweep, cells: dict, d: int) -> str:
+    """Mean (range) per cell; a cell not in `cells` (a partial report: not finished yet) shows —."""
     cols = [f"K={K} (L={L})" for L, K in sweep.settings]
     rows = []
     for arch in sweep.archs:
-        row = {"architecture": arch, "state (numbers/seq, largest L)": cells[(arch, sweep.settings[-1][0], sweep.settings[-1][1], d)].state_size}
+        last = cells.get((arch, sweep.settings[-1][0], sweep.settings[-1][1], d))
+        row = {"architecture": arch, "state (numbers/seq, largest L)": last.state_size if last else "—"}
         for (L, K), c in zip(sweep.settings, cols):
-            row[c] = str(cells[(arch, L, K, d)])
+            row[c] = str(cells[(arch, L, K, d)]) if (arch, L, K, d) in cells else "—"
         rows.append(row)
     return markdown_table(rows, ["architecture", *cols, "state (numbers/seq, largest L)"])
 
@@ -230,7 +232,8 @@ def seed_table(sweep: RecallSweep, cells: dict, d: int) -> str:
     """Every seed's accuracy per cell, `a / b / c` in seed order."""
     cols = [f"K={K} (L={L})" for L, K in sweep.settings]
     rows = [{"architecture": arch, **{c: " / ".join(f"{a:.3f}" for a in cells[(arch, L, K, d)].accuracies)
-                                      for (L, K), c in zip(sweep.settings, cols)}} for arch in sweep.archs]
+                                      if (arch, L, K, d) in cells else "—" for (L, K), c in zip(sweep.settings, cols)}}
+            for arch in sweep.archs]
     return markdown_table(rows, ["architecture", *cols])
 
 
@@ -299,9 +302,25 @@ def _finish(plt, fig, ax, xlabel: str, title: str, path: Path) -> Path:
     return path
 
 
+def known_rows(sweep: RecallSweep, jobs: list[dict], results: list) -> list[dict]:
+    """The finished rows (seed added) of the (arch, L, K, d, seed) cells whose best over lr is known: every lr has
+    finished, or one has reached the target accuracy (the others stop at it; the best is then >= the target)."""
+    by: dict[tuple, list] = {}
+    for job, r in zip(jobs, results):
+        by.setdefault((job["arch"], job["seq_len"], job["pairs"], job["d_model"], job["seed"]), []).append(
+            None if r is None else {**r, "seed": job["seed"]})  # results of older runs lack the seed
+    rows = []
+    for rs in by.values():
+        done = [r for r in rs if r is not None]
+        if len(done) == len(rs) or any(r["accuracy"] is not None and r["accuracy"] >= sweep.target_accuracy for r in done):
+            rows += done
+    return rows
+
+
 def report(sweep: RecallSweep, results: list[dict]) -> tuple[str, str]:
-    """The markdown tables (mean and range per cell, then every seed; one block per d_model) and the scorecard."""
-    cells = over_seeds(best_over_lr(results))
+    """The markdown tables (mean and range per cell, then every seed; one block per d_model) and the scorecard. A cell
+    short of a seed's result (a partial report, from known_rows) is left out: the tables show — there."""
+    cells = {k: c for k, c in over_seeds(best_over_lr(results)).items() if len(c.accuracies) == sweep.seeds}
     seeds = ", ".join(str(s) for s in seeds_of(sweep))
     blocks = []
     for d in sweep.d_models:
@@ -316,7 +335,8 @@ def run_sweep(sweep: RecallSweep, out: str | Path | None = None, minutes: float 
     """Run (or resume, when `out` already holds part of it) the sweep; write and print the results.
 
     `minutes`: stop after about this long — runs in flight checkpoint and stop, no new run starts — and say how much
-    is left; the same command (same `out`) continues. Tables and plots are written once every run has finished."""
+    is left; the same command (same `out`) continues. Tables and plots are written once every run has finished;
+    a stopped sweep writes partial_table.md with the cells known so far (known_rows)."""
     if minutes is not None and not minutes > 0:
         raise ValueError(f"minutes: expected a positive number, got {minutes}")
     unknown = [a for a in sweep.archs if a not in presets.FAMILIES]
@@ -336,8 +356,13 @@ def run_sweep(sweep: RecallSweep, out: str | Path | None = None, minutes: float 
     results = run_jobs(run_one, jobs, workers=sweep.workers, desc="recall")
     left = sum(r is None for r in results)
     if left:
+        tables, _ = report(sweep, known_rows(sweep, jobs, results))
+        head = (f"Partial: {len(jobs) - left} of {len(jobs)} runs finished; — = a cell whose best over lr is not known "
+                f"yet. MQAR accuracy (best over lr {list(sweep.lrs)}), {sweep.n_layers} layers, vocab {sweep.vocab_size}")
+        (root / "partial_table.md").write_text(f"{head}\n\n{tables}\n")
         print(f"stopped after {minutes:g} min: {len(jobs) - left} of {len(jobs)} runs finished, {left} left "
-              f"(unfinished ones resume from their checkpoints); run the same command with --out {root} to continue")
+              f"(unfinished ones resume from their checkpoints); the cells known so far are in "
+              f"{root / 'partial_table.md'}; run the same command with --out {root} to continue")
         return root
     finished = [r for r in results if r is not None]  # all of them (none left)
     rows = [{**r, "seed": job["seed"]} for r, job in zip(finished, jobs)]  # results of older runs lack the seed

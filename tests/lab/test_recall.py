@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from evict.cli import main
-from evict.lab.recall import QUICK, Cell, best_over_lr, jobs_for, model_config, over_seeds, run_sweep
+from evict.lab.recall import QUICK, Cell, best_over_lr, jobs_for, known_rows, model_config, over_seeds, report, run_sweep
 
 MICRO = replace(QUICK, archs=("attention", "deltanet", "kimi_linear"), settings=((16, 2), (24, 4)), d_models=(32,),
                 lrs=(1e-3, 3e-3), steps=4, batch_size=4, eval_every=2, eval_batches=1, workers=1, vocab_size=32, seeds=1)
@@ -103,6 +103,7 @@ def test_sweep_in_pieces_equals_one_piece(tmp_path, capsys, monkeypatch):
     whole = run_sweep(sweep, out=tmp_path / "whole")
     late = run_sweep(sweep, out=tmp_path / "late", minutes=1e-9)  # out of time before the run starts: nothing runs
     assert "0 of 1 runs finished, 1 left" in capsys.readouterr().out and not list(late.glob("runs/*"))
+    assert "| deltanet | — | — |" in (late / "partial_table.md").read_text()
     # the lab's clock says "start", the training loop's real clock says "stop": one step, a checkpoint, no result
     monkeypatch.setattr(recall, "time", type("Clock", (), {"time": staticmethod(lambda: 0.0)}))
     piece = run_sweep(sweep, out=tmp_path / "pieces", minutes=1e-9)
@@ -129,3 +130,20 @@ def test_a_solved_cell_stops_its_other_learning_rates(tmp_path):
     assert (root / "solved" / "attention_L16_K2_d32_s0").read_text() == f"lr=0.01 at step {first['steps']}\n"
     assert second["accuracy"] is None and second["steps"] == 0 and "solved first by lr=0.01" in second["skipped"]
     assert f"| {first['accuracy']:.3f} |" in (root / "table.md").read_text()
+
+
+def test_partial_report_shows_only_cells_whose_best_is_known(tmp_path):
+    """A stopped sweep's table: a cell shows once every lr has finished or one reached the target; else —."""
+    sweep = replace(MICRO, archs=("attention", "deltanet", "linear"), settings=((16, 2),), lrs=(1e-3, 3e-3))
+    jobs = jobs_for(sweep, tmp_path)
+    acc = {("attention", 1e-3): 0.5, ("attention", 3e-3): 0.7, ("deltanet", 1e-3): 0.995, ("deltanet", 3e-3): None,
+           ("linear", 1e-3): 0.4, ("linear", 3e-3): None}  # None: not finished (deltanet's is known: 0.995 >= 0.99)
+    results = [None if acc[(j["arch"], j["lr"])] is None else
+               dict(arch=j["arch"], seq_len=16, pairs=2, d_model=32, lr=j["lr"], accuracy=acc[(j["arch"], j["lr"])],
+                    state_size=11) for j in jobs]
+    rows = known_rows(sweep, jobs, results)
+    assert sorted((r["arch"], r["lr"]) for r in rows) == [("attention", 1e-3), ("attention", 3e-3), ("deltanet", 1e-3)]
+    assert all(r["seed"] == 0 for r in rows)
+    tables, _ = report(sweep, rows)
+    assert "| attention | 0.700 | 11 |" in tables and "| deltanet | 0.995 | 11 |" in tables
+    assert "| linear | — | — |" in tables
