@@ -41,7 +41,7 @@ for what in "$@"; do
                | quiet | tee $OUT/tunefwd.log ;;
     tunebwd) timeout ${TO:-120} python3 dev/triton_tune.py --variants v0,t32,pk3,pr3 2>&1 | quiet | tee $OUT/tunebwd.log ;;
     split) timeout ${TO:-200} python3 dev/triton_tune.py --variants dk1,dk2 2>&1 | quiet | tee $OUT/split.log ;;
-    tunelab) timeout ${TO:-200} python3 dev/triton_tune.py --shapes 256x512 --heads 4 --dim 32 --variants v0,dk2,bw4,dk2bw4,o16 2>&1 \
+    tunelab) timeout ${TO:-200} python3 dev/triton_tune.py --shapes 256x512 --heads 4 --dim 32 --variants v0,iw8,iw8bw4,dk2,o16 2>&1 \
                | quiet | tee $OUT/tunelab.log ;;
     out16) pyt out16.log ${T:-240} tests/ops/test_memory_triton.py -k "out_dot16 or intra_key_blocks or state_halves or dkey_block" -n 8
            timeout ${TO:-150} python3 dev/triton_tune.py --fwd-only --shapes 4x8192,1x32768 --variants v0,o16,o16bv128,o16w8,ikb64,ikb32,ikb32o16,hv,all \

@@ -54,6 +54,9 @@ VARIANTS = {  # name -> (forward knobs, backward knobs); a* = ablations (timing 
     # small heads (the lab's D 32): the backward's warps (dstate, dvalue, dkey) at 4 where D 128 wanted 8
     "bw4": (dict(), dict(warps=(4, 4, 4))),
     "dk2bw4": (dict(), dict(split=True, warps=(4, 4, 4))),
+    # session 7, not yet run: the first stage at 8 warps for D 32 (sm_90, per-channel gates, delta: 255 -> 175
+    # registers, no spills either way), in the forward and in the backward's recompute (bw4 is the default at D <= 32)
+    "iw8bw4": (dict(warps=(8, 4, 4)), dict(fwd_warps=(8, 4))),
 }
 
 
