@@ -57,7 +57,7 @@ def main():
     BK, BV = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV))
     p, f = "*" + dt, "*fp32"
     m = p if a.lowp else f  # the forward's stored intermediates
-    common = dict(H=16, K=D, V=DV, C=64)
+    common = dict(H=16, K=D, V=DV, C=int(os.environ.get("CHUNK", 64)))  # CHUNK: forward_triton's `chunk`
     over = {kv.split('=')[0]: int(kv.split('=')[1]) for kv in a.warps.split(',') if kv}
     for gate in map(int, a.gates.split(',')):
         for delta in (True, False):
@@ -84,7 +84,7 @@ def main():
                                 HALVES=bool(int(os.environ.get("HALVES", 0)))), 4,
                            int(os.environ.get("DSTAGES", 2))),
                 "dvalue": (bw._dvalue_kernel, dict(v=p, beta=p, do=p, Ub=f, U=f, dU=f, Tm=f, dPm=f, dAm=f, dB=f, dv=p, scale="fp32", T="i32", N="i32"),
-                           dict(H=16, V=DV, C=64, BV=64, DELTA=delta, HAS_BETA=True, PREC=os.environ.get("PREC", "tf32")), 4, 2),
+                           dict(H=16, V=DV, C=common["C"], BV=64, DELTA=delta, HAS_BETA=True, PREC=os.environ.get("PREC", "tf32")), 4, 2),
                 "dkey": (bw._dkey_kernel, dict(q=p, k=p, beta=p, U=f, dU=f, W=f, Tm=f, Am=f, dPm=f, dAm=f, G=f, Hs=f, dHs=f, dB=f, do=p,
                                                 dq=p, dk=p, dg=f, db_out=p, XQ=f, XW=f, XC=f, scale="fp32", T="i32", N="i32"),
                          dict(common, SC=16, BK=BK, BKF=BK, BV=32, SPREAD=40.0, GATE=gate, DELTA=delta, HAS_BETA=True, PREC=os.environ.get("PREC", "tf32"),

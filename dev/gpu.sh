@@ -6,7 +6,8 @@
 #            (mixed precision), bwtests (the memory op's gradient tests), convtests (the short conv's Triton form + mixed precision), traintests, decodetests
 #   kernels: opsfwd (bench ops without fla's slowly autotuned backward), ops (all of it), tune (TUNE=args),
 #            tunefwd / tunebwd (session 5's variant sets), split (the key kernel in one launch or two), out16 (session 6's prepared
-#            forms: the output kernel's 16-bit dots, intra by key blocks; GPU tests, then timed), tunelab (the kernels at the lab's full-grid shape, D 32),
+#            forms: the output kernel's 16-bit dots, intra by key blocks; GPU tests, then timed), chunks (GPU tests of
+#            `chunk` 32 / 16), tunelab (the kernels at the lab's full-grid shape, D 32),
 #            precision (dev/check_precision.py)
 #   decode:  decode, decode1m, decodebench, decodecompile, decodeprofile, sdpa, dial (the chunk dial's GPU numbers)
 #   train:   bench (cells per second, issue 10), grid (a piece of `evict recall --full`: MIN, GRIDARGS, GRID; the runs
@@ -41,8 +42,9 @@ for what in "$@"; do
                | quiet | tee $OUT/tunefwd.log ;;
     tunebwd) timeout ${TO:-120} python3 dev/triton_tune.py --variants v0,t32,pk3,pr3 2>&1 | quiet | tee $OUT/tunebwd.log ;;
     split) timeout ${TO:-200} python3 dev/triton_tune.py --variants dk1,dk2 2>&1 | quiet | tee $OUT/split.log ;;
-    tunelab) timeout ${TO:-200} python3 dev/triton_tune.py --shapes 256x512 --heads 4 --dim 32 --variants v0,iw8,iw8bw4,dk2,o16 2>&1 \
+    tunelab) timeout ${TO:-200} python3 dev/triton_tune.py --shapes 256x512 --heads 4 --dim 32 --variants v0,c32,c16,c32iw8,iw8,iw8bw4,dk2 2>&1 \
                | quiet | tee $OUT/tunelab.log ;;
+    chunks) pyt chunks.log ${T:-300} tests/ops/test_memory_triton.py -k "shorter_chunks" -n 8 ;;
     out16) pyt out16.log ${T:-240} tests/ops/test_memory_triton.py -k "out_dot16 or intra_key_blocks or state_halves or dkey_block" -n 8
            timeout ${TO:-150} python3 dev/triton_tune.py --fwd-only --shapes 4x8192,1x32768 --variants v0,o16,o16bv128,o16w8,ikb64,ikb32,ikb32o16,hv,all \
              2>&1 | quiet | tee $OUT/out16.log

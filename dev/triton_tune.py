@@ -57,6 +57,11 @@ VARIANTS = {  # name -> (forward knobs, backward knobs); a* = ablations (timing 
     # session 7, not yet run: the first stage at 8 warps for D 32 (sm_90, per-channel gates, delta: 255 -> 175
     # registers, no spills either way), in the forward and in the backward's recompute (bw4 is the default at D <= 32)
     "iw8bw4": (dict(warps=(8, 4, 4)), dict(fwd_warps=(8, 4))),
+    # session 7, not yet run: shorter chunks (the first stage's [C, C] work per token halves with C; sequential
+    # kernels take twice the chunks) — for the lab's D 32, where that work does not shrink with the head dim
+    "c32": (dict(chunk=32), dict(chunk=32)),
+    "c16": (dict(chunk=16), dict(chunk=16)),
+    "c32iw8": (dict(chunk=32, warps=(8, 4, 4)), dict(chunk=32, fwd_warps=(8, 4))),
 }
 
 

@@ -194,6 +194,13 @@ for name, gate, delta, T, K, V, strong in json.loads(sys.argv[1]):
     gr_d = backward_triton(*args, x["log_alpha"], x["beta"], x["initial_state"], do.float(), ds.float(), delta=delta,
                            scale=K ** -0.5, split=True, dkey_block=16)
     res_d = [o, s, *[t for t in gr_d if t is not None]]
+    # shorter chunks (`chunk`: forward and the backward's recompute), against float64
+    res_c = {}
+    for c in (32, 16):
+        o_c, s_c = forward_triton(*args, **kw, chunk=c)
+        gr_c = backward_triton(*args, x["log_alpha"], x["beta"], x["initial_state"], do.float(), ds.float(), delta=delta,
+                               scale=K ** -0.5, chunk=c)
+        res_c[c] = [rel(o_c, o_ref), rel(s_c, s_ref), *[rel(a, b) for a, b in zip([t for t in gr_c if t is not None], ref)]]
     out[name] = {"vs_reference": [rel(res[True][0], o_ref), rel(res[True][1], s_ref),
                                   *[rel(a, b) for a, b in zip(res[True][2:], ref)]],
                  "vs_one_kernel": [rel(a, b) for a, b in zip(res[True], res[False])],
@@ -204,7 +211,8 @@ for name, gate, delta, T, K, V, strong in json.loads(sys.argv[1]):
                                          *[rel(a, b) for a, b in zip(res_h[2:], ref)]],
                  "halves_vs_one_tile": [rel(a, b) for a, b in zip(res_h, res[True])],
                  "dkey16_vs_reference": [rel(a, b) for a, b in zip(res_d[2:], ref)],
-                 "dkey16_vs_64": [rel(a, b) for a, b in zip(res_d, res[True])]}
+                 "dkey16_vs_64": [rel(a, b) for a, b in zip(res_d, res[True])],
+                 "chunk32_vs_reference": res_c[32], "chunk16_vs_reference": res_c[16]}
 print("RESULT" + json.dumps(out))
 """
 SPLIT_CASES = [  # (name, gate, delta, T, K, V, strong): odd lengths, key dims across two 64-column blocks, strong decay
@@ -255,6 +263,15 @@ def test_interpreter_state_halves_match_reference(interpreted_split, case):
     against the one-tile form (`_same_as_default`)."""
     r = interpreted_split[case]
     _check_form(r, case, r["halves_vs_reference"], [r["halves_vs_one_tile"]])
+
+
+@pytest.mark.parametrize("case", [c[0] for c in SPLIT_CASES])
+@pytest.mark.parametrize("chunk", [32, 16])
+def test_interpreter_shorter_chunks_match_reference(interpreted_split, case, chunk):
+    """`chunk` 32 / 16 (opt-in: the first stage's [C, C] work per token halves with C; for the lab's heads of 32):
+    forward and backward against float64, with the default form's bounds. Not compared with the default form: other
+    chunks split the sums (and strong decay's exact and factored blocks) elsewhere."""
+    _check_form(interpreted_split[case], case, interpreted_split[case][f"chunk{chunk}_vs_reference"], [])
 
 
 @pytest.mark.parametrize("case", [c[0] for c in SPLIT_CASES])
@@ -478,6 +495,18 @@ def test_gpu_intra_key_blocks_match_reference(dtype, delta, kb):
     backward's recompute, against float64 (output, state, every gradient), odd T, strong decay, a masked key block."""
     for T, K, V, strong in ((333, 128, 64, False), (130, 128, 96, True), (75, 96, 32, False)):
         errs = _opt_in_errors("channel", delta, dtype, T, K, V, strong, dict(intra_kb=kb), dict(intra_kb=kb))
+        assert max(errs) <= TOL[dtype], (T, K, strong, errs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
+@pytest.mark.parametrize("chunk", [32, 16])
+def test_gpu_shorter_chunks_match_reference(dtype, gate, delta, chunk):
+    """`chunk` 32 / 16 (opt-in until measured): forward and backward against float64, odd T, the lab's heads of 32
+    and heads of 128, strong decay."""
+    for T, K, V, strong in ((333, 32, 32, False), (130, 128, 96, True), (75, 64, 32, False)):
+        errs = _opt_in_errors(gate, delta, dtype, T, K, V, strong, dict(chunk=chunk), dict(chunk=chunk))
         assert max(errs) <= TOL[dtype], (T, K, strong, errs)
 
 

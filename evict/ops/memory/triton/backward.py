@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import (SC, SPREAD, C, _block, _chunk_decay, _chunk_keys, _hrows, _hstore, _lower, _rows, _segment, _spread,
+from .forward import (SC, SPREAD, _block, chunk_length, _chunk_decay, _chunk_keys, _hrows, _hstore, _lower, _rows, _segment, _spread,
                       _state_tile, _strip_decay, carry, intra, precision_for, state_block_v)
 
 
@@ -429,7 +429,7 @@ def _revcumsum_kernel(x, last, out, cu, T, H: tl.constexpr, K: tl.constexpr, C: 
 
 def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, scale, chunks=None, block_v=None,
                     warps=None, value_block=64, key_block=32, stages=2, fwd_warps=(4, 4), precision=None, ablate=(0, 0),
-                    split=None, intra_kb=None, halves=False, dkey_block=64):
+                    split=None, intra_kb=None, halves=False, dkey_block=64, chunk=None):
     """Gradients (dq, dk, dv, dlog_alpha, dbeta, dinitial_state) of the chunked forward, given dO (or None) and the
     final state's gradient (or None). Recomputes the forward's per-chunk factors and start states. `chunks`: packed
     sequences' chunk table, as forward_triton's. `precision`: tl.dot's input precision, one for every kernel or a tuple
@@ -442,7 +442,10 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     two tiles of key rows (padded K >= 64; both opt-in, not yet measured on a GPU). `dkey_block`: the split key
     kernel's key columns per tile (64; 32 spills less at tf32x3, not yet measured). `warps` (dstate, dvalue, dkey):
     default (4, 8, 8), or (4, 4, 4) for key dims <= 32, which cut KDA's backward at the lab's largest cell (B256 T512
-    H4 D32 bf16) from 5.92 to 4.80 ms per layer (H200, session 7)."""
+    H4 D32 bf16) from 5.92 to 4.80 ms per layer (H200, session 7). `chunk`: the forward's tokens per chunk (opt-in,
+    not with `chunks`; forward.intra)."""
+    if chunks is not None and chunk_length(chunk) != chunk_length(None):
+        raise ValueError(f"chunk: packed sequences (chunks) are laid out in chunks of {chunk_length(None)}; got chunk={chunk}")
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev, f32 = q.device, torch.float32
@@ -459,10 +462,10 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     # 5 values: the recompute split into its first stage and its carry (intra, carry, dstate, dvalue, dkey)
     carry_prec, precs = (precs[1], (precs[0], *precs[2:])) if len(precs) == 5 else (precs[0], precs)
     x = intra(q, k, v, log_alpha, beta, delta, warps=fwd_warps[0], precision=precs[0], qg=True, ablate=ablate[0],
-              key_block=intra_kb)
+              key_block=intra_kb, chunk=chunk)
     U, Hs, sT = carry(k, x, initial_state, delta, V=V, chunks=chunks, block_v=block_v, warps=fwd_warps[1], stages=stages,
                       precision=carry_prec, halves=halves)
-    N, gate = x["N"], x["gate"]
+    N, C, gate = x["N"], x["C"], x["gate"]
     split = (gate == 2 and K > 64) if split is None else bool(split)
     seqs, varlen = sT.shape[0], chunks is not None
     BK, BVf = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))

@@ -493,14 +493,29 @@ def state_block_v(B, H, V, dev) -> int:
     return 16 if B * H * triton.cdiv(V, 32) < _sms(dev) else 32
 
 
+CHUNKS = (16, 32, 64)  # chunk lengths the kernels take (multiples of SC, powers of two); C = 64 is the default
+
+
+def chunk_length(chunk) -> int:
+    """`chunk` (None = C) checked against CHUNKS."""
+    if chunk is None:
+        return C
+    if chunk not in CHUNKS:
+        raise ValueError(f"chunk: expected one of {CHUNKS}, got {chunk!r}")
+    return int(chunk)
+
+
 def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, qg=False, ablate=0, store=None, kd=True,
-          key_block=None):
+          key_block=None, chunk=None):
     """Kernel 1: G, U_bar, W, T, A~, P, K e^{g_C - g} (Kd), e^{g_C} (Dec) and, with `qg`, Q e^g (Qg) on head-major
     buffers (W / T / A~ empty without the delta rule; Kd / Dec / Qg without a gate; Kd also empty for a scalar gate
     unless `kd`). `store`: the dtype of U_bar, W, P and Kd (default float32; the forward alone stores them in its
     16-bit input dtype, halving the bytes the memory-bound kernels move; the backward's recompute keeps float32).
     `key_block` (per-channel gates; opt-in, not yet measured on a GPU): `_intra_kb_kernel`, that many key columns at a
-    time, when fewer than the padded key dim."""
+    time, when fewer than the padded key dim. `chunk`: tokens per chunk (CHUNKS; default C = 64), kept in the result
+    as "C" for the kernels after this one (opt-in, not yet measured on a GPU: shorter chunks halve the per-token work of
+    this kernel's [C, C] products and tiles, which do not shrink with the head dim)."""
+    C = chunk_length(chunk)
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = max(1, triton.cdiv(T, C))
@@ -518,7 +533,7 @@ def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, qg=
     Qg = torch.empty(B * H * N * C * K if gate and qg else 1, dtype=f32, device=dev)
     BK, BV = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
     prec = precision or precision_for(q.dtype)
-    out = dict(G=G, Ub=Ub, W=W, Tm=Tm, Am=Am, Pm=Pm, Kd=Kd, Dec=Dec, Qg=Qg, N=N, gate=gate, kd=kd, store=st)
+    out = dict(G=G, Ub=Ub, W=W, Tm=Tm, Am=Am, Pm=Pm, Kd=Kd, Dec=Dec, Qg=Qg, N=N, C=C, gate=gate, kd=kd, store=st)
     if gate == 2 and key_block and key_block < BK and not ablate:
         _intra_kb_kernel[(N, B * H)](
             q, k, v, log_alpha, beta if beta is not None else q, G, Ub, W, Tm, Am, Pm, Kd, Dec, Qg,
@@ -543,7 +558,7 @@ def carry(k, x, initial_state, delta: bool, *, V: int, chunks=None, block_v=None
     [N_seq + 1] of packed sequences in a batch of one: [N_seq, H, K, V]). `halves` (padded K >= 64; opt-in, not yet
     measured on a GPU): the state as two tiles of key rows."""
     B, T, H, K = k.shape
-    N, gate, dev = x["N"], x["gate"], k.device
+    N, C, gate, dev = x["N"], x["C"], x["gate"], k.device
     seqs = B if chunks is None else chunks.numel() - 1
     f32 = torch.float32
     U = torch.empty(B * H * N * C * V, dtype=x["store"], device=dev)
@@ -563,7 +578,7 @@ def carry(k, x, initial_state, delta: bool, *, V: int, chunks=None, block_v=None
 
 def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunks=None,
                    block_v=None, warps=(4, 4, 4), stages=2, out_block_v=64, precision=None, keep=False, lowp=True,
-                   out_dot16=False, intra_kb=None, carry_halves=False):
+                   out_dot16=False, intra_kb=None, carry_halves=False, chunk=None):
     """Chunked forward on [B, T, H, D] tensors. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32),
     plus the intermediates when `keep`. `chunks`: packed sequences laid out chunk-aligned in a batch of one (see
     autograd.py), the int32 table of each sequence's chunks [N_seq + 1]; states are then [N_seq, H, K, V]. Tuning
@@ -571,7 +586,10 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     software pipelining), `out_block_v` of the output kernel. `lowp` (16-bit inputs only): intermediates stored in the
     input dtype, states carried and every product summed in float32; scalar gates form K e^{g_C - g} in the carry
     kernel instead of storing it. `out_dot16` (with `lowp`): the output kernel's products as 16-bit dots (not yet
-    measured on a GPU: opt-in). `intra_kb`: intra's `key_block`; `carry_halves`: carry's `halves` (both opt-in)."""
+    measured on a GPU: opt-in). `intra_kb`: intra's `key_block`; `carry_halves`: carry's `halves`; `chunk`: intra's
+    (tokens per chunk; not with `chunks`, whose layout is aligned to C = 64) — all three opt-in."""
+    if chunks is not None and chunk_length(chunk) != C:
+        raise ValueError(f"chunk: packed sequences (chunks) are laid out in chunks of {C}; got chunk={chunk}")
     B, T, H, K = q.shape
     V = v.shape[-1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -580,14 +598,14 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     prec = precision or precision_for(q.dtype)
     low = lowp and q.dtype in (torch.bfloat16, torch.float16)
     x = intra(q, k, v, log_alpha, beta, bool(delta), warps=warps[0], precision=prec, store=q.dtype if low else None,
-              kd=not low, key_block=intra_kb)
+              kd=not low, key_block=intra_kb, chunk=chunk)
     U, Hs, sT = carry(k, x, initial_state, bool(delta), V=V, chunks=chunks, block_v=block_v, warps=warps[1], stages=stages,
                       precision=prec, halves=carry_halves)
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
     BK = max(16, triton.next_power_of_2(K))
     BV = min(max(16, triton.next_power_of_2(V)), out_block_v)
     _out_kernel[(triton.cdiv(V, BV), x["N"], B * H)](
-        q, x["G"], U, x["Pm"], Hs, o, float(scale), T, H=H, K=K, V=V, N=x["N"], C=C, BK=BK, BV=BV,
+        q, x["G"], U, x["Pm"], Hs, o, float(scale), T, H=H, K=K, V=V, N=x["N"], C=x["C"], BK=BK, BV=BV,
         GATE=x["gate"], PREC=prec, DOT16=bool(out_dot16 and low), KB=min(64, BK), num_warps=warps[2], num_stages=2,
     )
     if keep:
