@@ -183,13 +183,18 @@ def add_sweep_flags(p: argparse.ArgumentParser, *, seeds_help: str) -> None:
     p.add_argument("--out", help="output folder; an existing one is resumed")
 
 
-def add_lab_parser(lab_sub, name: str, *, help: str, quick: str, full: str, seeds_help: str) -> argparse.ArgumentParser:
-    """`evict lab <name>` with the flags every lab sweep has: --quick (the default) or --full, --steps, --lr, then
+def add_lab_parser(lab_sub, name: str, *, help: str, quick: str, full: str, seeds_help: str,
+                   modes: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    """`evict lab <name>` with the flags every lab sweep has: --quick (the default) or --full (or one of the lab's
+    own `modes`, flag -> help: the preset of that upper-cased name in the lab's module), --steps, --lr, then
     add_sweep_flags'; the caller adds its own and sets `fn`."""
     s = lab_sub.add_parser(name, help=help)
     mode = s.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help=f"the default: {quick}")
     mode.add_argument("--full", action="store_true", help=full)
+    for flag, text in (modes or {}).items():
+        mode.add_argument(f"--{flag}", action="store_true", help=text)
+    s.set_defaults(lab_modes=tuple(modes or ()))
     s.add_argument("--steps", type=positive_int)
     s.add_argument("--lr", type=positive_float)
     add_sweep_flags(s, seeds_help=seeds_help)
@@ -197,14 +202,19 @@ def add_lab_parser(lab_sub, name: str, *, help: str, quick: str, full: str, seed
 
 
 def run_lab(args, lab, overrides: dict) -> None:
-    """Run module `lab`'s sweep (lab.run_sweep on lab.QUICK or lab.FULL) with the flags given laid over it: the
-    shared ones of add_lab_parser and `overrides` (field -> value, None = not given). A bad value is a user error."""
+    """Run module `lab`'s sweep (lab.run_sweep on lab.QUICK, lab.FULL or the preset of a lab's own mode) with the
+    flags given laid over it: the shared ones of add_lab_parser and `overrides` (field -> value, None = not given).
+    A bad value is a user error."""
     from dataclasses import replace
 
     writable_dir(args.out, "--out")
     shared = {"steps": args.steps, "lr": args.lr, "seeds": args.seeds, "workers": args.workers, "device": args.device}
     given = {k: v for k, v in {**overrides, **shared}.items() if v is not None}
     try:
-        lab.run_sweep(replace(lab.FULL if args.full else lab.QUICK, **given), out=args.out)
+        base = lab.FULL if args.full else lab.QUICK
+        for m in getattr(args, "lab_modes", ()):
+            if getattr(args, m):
+                base = getattr(lab, m.upper())
+        lab.run_sweep(replace(base, **given), out=args.out)
     except ValueError as e:
         raise UserError(str(e)) from None

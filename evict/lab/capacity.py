@@ -24,7 +24,13 @@ normalisation, elu+1 keys and queries (all entries ≈ 1) read outputs of size �
 loss was still 92 at S = 60 (dev/LOG.md, 2026-11-30). The choices LAB.md leaves open (embedding size, value
 dimension S, learned β, Adam lr, steps, batch) are ours, stated here and in the table's header.
 
-A sweep is a grid of (rule, overwrite, S, seed) runs; each trains a fresh model with Adam for a fixed number of
+The lesson's question (LAB.md: max pairs against head dim — linear in d?) asked of this memory: `LAW` (`evict lab
+capacity --law`) repeats the unique-key experiment at d_key 16, 32, 64, 128 with S on the same ladder in S/d
+(½ … 1½), takes the break S* (the largest S before the loss first exceeds a threshold) per rule and d_key, and fits
+S* ≈ c·d and the log-log slope p. For orthogonal keys the answer is d exactly; whether training finds them is what
+the run measures.
+
+A sweep is a grid of (rule, overwrite, d_key, S, seed) runs; each trains a fresh model with Adam for a fixed number of
 steps and reports the loss on held-out batches. Outputs under runs/capacity/<timestamp>/: config.json,
 results.jsonl, table.md, capacity.png, runs/<name>/result.json (resumable with evict.lab.sweep.run_jobs).
 """
@@ -106,9 +112,11 @@ def regression_loss(pred: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 @dataclass
 class CapacitySweep:
     rules: tuple = ("additive", "delta")
-    sizes: tuple = (20, 40, 60, 80, 100)  # S, the number of distinct keys
+    sizes: tuple = (20, 40, 60, 80, 100)  # S, the number of distinct keys (at every d_key)
     overwrite: tuple = (False, True)
-    d_key: int = 64
+    d_keys: tuple = (64,)
+    per_d: tuple = ()  # instead of sizes: S = round(f · d_key) for each f, so every d_key climbs the same ladder in S/d
+    threshold: float = 0.05  # S* (the break): the largest S of a ladder, climbed in S, before a loss above this
     steps: int = 400
     batch_size: int = 32
     lr: float = 3e-3
@@ -124,6 +132,15 @@ FULL = CapacitySweep(  # S well past the break; every number here is ours (LAB.m
     sizes=(20, 40, 60, 80, 100, 120, 160, 200, 300), steps=10_000, batch_size=64, lr=1e-3, eval_batches=16, seeds=3,
     workers=4, device="auto",
 )
+# `--law`: the break S* against d_key (is it linear in d?), both rules, unique keys, S from d/2 to 3d/2 by d/8.
+# The published point is d_key 64 (between S = 60 and 80); the other dims and the ladder are ours.
+LAW = CapacitySweep(sizes=(), per_d=(0.5, 0.75, 0.875, 1.0, 1.125, 1.25, 1.5), overwrite=(False,),
+                    d_keys=(16, 32, 64, 128))
+
+
+def sizes_at(sweep: CapacitySweep, d: int) -> list[int]:
+    """The S of a sweep at key dim d, ascending: its `sizes`, or round(f · d) for each f of `per_d`."""
+    return sorted({max(2, round(f * d)) for f in sweep.per_d}) if sweep.per_d else sorted(sweep.sizes)
 
 
 def _batch_to(batch: CapacityBatch, device: torch.device) -> CapacityBatch:
@@ -134,10 +151,10 @@ def run_one(job: dict) -> dict:
     """Train one (rule, overwrite, S, seed) model with Adam; module-level so worker processes can run it."""
     logging.getLogger("evict").setLevel(logging.WARNING)
     sweep = from_json(CapacitySweep, job["sweep"])
-    S, seed, overwrite = job["S"], job["seed"], job["overwrite"]
+    S, seed, overwrite, d = job["S"], job["seed"], job["overwrite"], job["d_key"]
     device = resolve_device(sweep.device)
     torch.manual_seed(seed)
-    model = CapacityModel(S, job["rule"], sweep.d_key).to(device)
+    model = CapacityModel(S, job["rule"], d).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=sweep.lr)
     start, curve = time.perf_counter(), []
     for step in range(sweep.steps):
@@ -155,11 +172,11 @@ def run_one(job: dict) -> dict:
         losses = [regression_loss(model(b), b.targets).item() for b in (_batch_to(h, device) for h in held_out)]
     final = sum(losses) / len(losses)
     return {
-        "rule": job["rule"], "overwrite": overwrite, "S": S, "seed": seed, "loss": final,
+        "rule": job["rule"], "overwrite": overwrite, "d_key": d, "S": S, "seed": seed, "loss": final,
         "train_curve": [[i, c.item()] for i, c in curve],
         "steps": sweep.steps, "seconds": round(time.perf_counter() - start, 1),
         "params": sum(p.numel() for p in model.parameters()),
-        "label": f"{job['rule']} S={S}{' ow' if overwrite else ''} {final:.3f}",
+        "label": f"{job['rule']} d={d} S={S}{' ow' if overwrite else ''} {final:.3f}",
     }
 
 
@@ -167,15 +184,17 @@ def seeds_of(sweep: CapacitySweep) -> list[int]:
     return list(range(sweep.seed, sweep.seed + sweep.seeds))
 
 
-def _name(rule: str, overwrite: bool, S: int, seed: int) -> str:
-    return f"{rule}_{'ow' if overwrite else 'unique'}_S{S}_s{seed}"
+def _name(rule: str, overwrite: bool, d: int, S: int, seed: int) -> str:
+    return f"{rule}_{'ow' if overwrite else 'unique'}_d{d}_S{S}_s{seed}"
 
 
 def jobs_for(sweep: CapacitySweep, root: Path) -> list[dict]:
+    """Every (seed, d_key, S, overwrite, rule) run, the costliest (largest d, then S) first."""
     sw = dataclasses.asdict(sweep)
-    return [{"rule": r, "overwrite": ow, "S": S, "seed": s, "dir": str(root / "runs" / _name(r, ow, S, s)), "sweep": sw}
-            for s in seeds_of(sweep) for S in sorted(sweep.sizes, reverse=True) for ow in sweep.overwrite
-            for r in sweep.rules]
+    return [{"rule": r, "overwrite": ow, "d_key": d, "S": S, "seed": s, "sweep": sw,
+             "dir": str(root / "runs" / _name(r, ow, d, S, s))}
+            for s in seeds_of(sweep) for d in sorted(sweep.d_keys, reverse=True)
+            for S in reversed(sizes_at(sweep, d)) for ow in sweep.overwrite for r in sweep.rules]
 
 
 def _line(rule: str, overwrite: bool) -> str:
@@ -183,67 +202,162 @@ def _line(rule: str, overwrite: bool) -> str:
 
 
 def mean_loss(results: list[dict]) -> dict:
-    """(rule, overwrite, S) -> (mean, min, max) final loss over seeds."""
+    """(rule, overwrite, d_key, S) -> (mean, min, max) final loss over seeds."""
     cells: dict = {}
     for r in results:
-        cells.setdefault((r["rule"], r["overwrite"], r["S"]), []).append(r["loss"])
+        cells.setdefault((r["rule"], r["overwrite"], r["d_key"], r["S"]), []).append(r["loss"])
     return {key: (sum(v) / len(v), min(v), max(v)) for key, v in cells.items()}
 
 
+def breaks(sweep: CapacitySweep, results: list[dict]) -> dict:
+    """(rule, overwrite, d_key) -> (S*, top): S* the largest S of the ladder below which every mean loss is at most
+    the threshold (0 if the first already is above it); top: no S of the ladder broke (S* is a lower bound)."""
+    cells, out = mean_loss(results), {}
+    for r in sweep.rules:
+        for ow in sweep.overwrite:
+            for d in sweep.d_keys:
+                best, top = 0, True
+                for S in sizes_at(sweep, d):
+                    if cells[(r, ow, d, S)][0] > sweep.threshold:
+                        top = False
+                        break
+                    best = S
+                out[(r, ow, d)] = (best, top)
+    return out
+
+
+def law(sweep: CapacitySweep, results: list[dict]) -> dict:
+    """(rule, overwrite) -> the fit of S* against d_key (evict.lab.pairs.fit: S* ≈ c·d and the log-log slope p)
+    over the dims whose ladder broke inside it; None with fewer than two."""
+    from evict.lab.pairs import fit
+
+    bs = breaks(sweep, results)
+    return {(r, ow): fit([(d, bs[(r, ow, d)][0]) for d in sorted(sweep.d_keys) if not bs[(r, ow, d)][1]])
+            for r in sweep.rules for ow in sweep.overwrite}
+
+
+def is_law(sweep: CapacitySweep) -> bool:
+    """A sweep over several key dims or with sizes relative to d: reported as the break against d_key."""
+    return len(sweep.d_keys) > 1 or bool(sweep.per_d)
+
+
+def _columns(sweep: CapacitySweep) -> list[tuple[str, bool, str]]:
+    return [(r, ow, f"{r}{' + overwrites' if ow else ''}") for ow in sweep.overwrite for r in sweep.rules]
+
+
+def _cell_text(sweep: CapacitySweep, cell: tuple) -> str:
+    mean, lo, hi = cell
+    return f"{mean:.3f}" if sweep.seeds == 1 else f"{mean:.3f} ({lo:.3f}–{hi:.3f})"
+
+
 def report(sweep: CapacitySweep, results: list[dict]) -> str:
-    """Final held-out loss per S (rows) and (rule, overwrite) (columns), the published number in brackets."""
-    cells = mean_loss(results)
-    cols = [(r, ow) for ow in sweep.overwrite for r in sweep.rules]
-    names = [f"{r}{' + overwrites' if ow else ''}" for r, ow in cols]
+    """Final held-out loss per S (rows) and (rule, overwrite) (columns), the published number in brackets; with
+    several key dims (or sizes relative to d) one row per (d_key, S) and the breaks S* with their fit below."""
+    cells, cols = mean_loss(results), _columns(sweep)
     rows = []
-    for S in sorted(sweep.sizes):
-        row = {"S": str(S)}
-        for (r, ow), name in zip(cols, names):
-            mean, lo, hi = cells[(r, ow, S)]
-            text = f"{mean:.3f}" if sweep.seeds == 1 else f"{mean:.3f} ({lo:.3f}–{hi:.3f})"
-            pub = PUBLISHED.get((r, ow), {}).get(S)
-            row[name] = text + (f" [published {pub:g}]" if pub is not None else "")
-        rows.append(row)
+    for d in sorted(sweep.d_keys):
+        for S in sizes_at(sweep, d):
+            row = {"d_key": str(d), "S": str(S), "S / d": f"{S / d:.3g}"}
+            for r, ow, name in cols:
+                pub = PUBLISHED.get((r, ow), {}).get(S) if d == 64 else None
+                row[name] = _cell_text(sweep, cells[(r, ow, d, S)]) + (f" [published {pub:g}]" if pub is not None else "")
+            rows.append(row)
+    keys = ["d_key", "S", "S / d"] if is_law(sweep) else ["S"]
     head = (f"Held-out loss ½‖y − ŷ‖² per query after {sweep.steps} Adam steps (lr {sweep.lr:g}, batch "
-            f"{sweep.batch_size}; {sweep.eval_batches} held-out batches; 0.5 = outputs zero); d_key {sweep.d_key}, "
-            f"one-hot values in R^S; {seeds_phrase(seeds_of(sweep))}. Published: Schlag et al. 2021 (LAB.md). Rules: "
+            f"{sweep.batch_size}; {sweep.eval_batches} held-out batches; 0.5 = outputs zero); d_key "
+            f"{', '.join(map(str, sorted(sweep.d_keys)))}, one-hot values in R^S; {seeds_phrase(seeds_of(sweep))}. "
+            "Published: Schlag et al. 2021 (LAB.md, d_key 64). Rules: "
             + "; ".join(f"{r} = {RULES[r]}" for r in sweep.rules) + ".")
-    return f"{head}\n\n{markdown_table(rows, ['S', *names])}"
+    text = f"{head}\n\n{markdown_table(rows, [*keys, *(c[2] for c in cols)])}"
+    if not is_law(sweep):
+        return text
+    bs, fits = breaks(sweep, results), law(sweep, results)
+    brows = []
+    for r, ow, name in cols:
+        row = {"rule": name}
+        for d in sorted(sweep.d_keys):
+            best, top = bs[(r, ow, d)]
+            row[f"d {d}"] = ("≥ " if top else "") + str(best)
+        f = fits[(r, ow)]
+        row["fit"] = "—" if f is None else f"S* ≈ {f['c']:.2f}·d, p = {f['p']:.2f} ({f['points']} dims)"
+        brows.append(row)
+    return (f"{text}\n\nThe break S*: the largest S of each ladder with every mean loss up to it ≤ {sweep.threshold:g} "
+            "(≥: nothing on the ladder broke; no fit through it). Fit: S* ≈ c·d through the origin, and the slope p of "
+            "log S* against log d (p = 1: linear in d).\n\n"
+            + markdown_table(brows, ["rule", *(f"d {d}" for d in sorted(sweep.d_keys)), "fit"]))
 
 
 def plot(sweep: CapacitySweep, results: list[dict], path: Path) -> Path:
-    """Loss vs S, one line per (rule, overwrite); published points as crosses."""
+    """Loss vs S, one line per (rule, overwrite), published points as crosses; with several key dims (or sizes
+    relative to d): loss vs S / d_key per (rule, d_key) beside the break S* against d_key with its fit."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    cells = mean_loss(results)
-    fig = Figure(figsize=(6.4, 4.2), constrained_layout=True)
+    cells, cols = mean_loss(results), _columns(sweep)
+    several = is_law(sweep)
+    fig = Figure(figsize=(11.5 if several else 6.4, 4.2), constrained_layout=True)
     FigureCanvasAgg(fig)
-    ax = fig.subplots()
-    sizes = sorted(sweep.sizes)
-    for i, (r, ow) in enumerate((r, ow) for ow in sweep.overwrite for r in sweep.rules):
-        color = f"C{i}"
-        ax.plot(sizes, [cells[(r, ow, S)][0] for S in sizes], marker="o", ls="--" if ow else "-", color=color,
-                label=_line(r, ow))
+    axes = fig.subplots(1, 2) if several else [fig.subplots()]
+    ax = axes[0]
+    dims = sorted(sweep.d_keys)
+    for i, (r, ow, name) in enumerate(cols):
+        for j, d in enumerate(dims):
+            sizes = sizes_at(sweep, d)
+            xs = [S / d for S in sizes] if several else sizes
+            ax.plot(xs, [cells[(r, ow, d, S)][0] for S in sizes], marker="os^v"[i % 4], ls="--" if ow else "-",
+                    color=f"C{j if several else i}", alpha=1.0 if not several or i == 0 else 0.6,
+                    label=f"{name}, d {d}" if several else _line(r, ow))
         pub = PUBLISHED.get((r, ow), {})
-        if pub:
-            ax.scatter(list(pub), list(pub.values()), marker="x", s=60, color=color, zorder=3,
-                       label=f"published: {RULES[r]}{' + overwrites' if ow else ''}")
+        if pub and 64 in dims:
+            ax.scatter([S / 64 if several else S for S in pub], list(pub.values()), marker="x", s=60, zorder=3,
+                       color="k" if several else f"C{i}", label=f"published: {RULES[r]}{' + overwrites' if ow else ''}")
     ax.axhline(0.5, color="k", lw=0.6, ls=":")
-    ax.set_xlabel("S (distinct keys)")
+    ax.axhline(sweep.threshold, color="grey", lw=0.6, ls="-.")
+    ax.set_xlabel("S / d_key" if several else "S (distinct keys)")
     ax.set_ylabel("held-out loss ½‖y − ŷ‖²  (0.5 = outputs zero)")
-    ax.set_title(f"Capacity: one memory, d_key {sweep.d_key}, {sweep.steps} steps", fontsize=10)
+    ax.set_title(f"Capacity: one memory, d_key {', '.join(map(str, dims))}, {sweep.steps} steps", fontsize=10)
     ax.legend(fontsize=7)
+    if several:
+        bs, fits, ax = breaks(sweep, results), law(sweep, results), axes[1]
+        for i, (r, ow, name) in enumerate(cols):
+            pts = [(d, bs[(r, ow, d)]) for d in dims]
+            ax.plot([d for d, _ in pts], [b for _, (b, _) in pts], marker="os^v"[i % 4], color=f"C{i}", label=name,
+                    ls="--" if ow else "-")
+            ax.scatter([d for d, (_, top) in pts if top], [b for _, (b, top) in pts if top], s=90, facecolors="none",
+                       edgecolors=f"C{i}")
+            f = fits[(r, ow)]
+            if f is not None:
+                ax.plot(dims, [f["c"] * d for d in dims], color=f"C{i}", lw=0.8, ls=":",
+                        label=f"  fit: S* ≈ {f['c']:.2f}·d (p = {f['p']:.2f})")
+        ax.plot(dims, dims, color="k", lw=0.6, ls="-.", label="S = d_key")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("d_key")
+        ax.set_ylabel(f"S* (largest S at loss ≤ {sweep.threshold:g})")
+        ax.set_title("The break against the key dim (open: ladder's top)", fontsize=10)
+        ax.legend(fontsize=7)
     fig.savefig(path, dpi=120)
     return path
 
 
 def validate(sweep: CapacitySweep) -> None:
     check_names("rules", sweep.rules, RULES)
-    check_distinct("sizes", sweep.sizes, 2, "S")
+    if bool(sweep.sizes) == bool(sweep.per_d):
+        raise ValueError(f"sizes / per_d: expected exactly one of them, got sizes {list(sweep.sizes)} and per_d "
+                         f"{list(sweep.per_d)}")
+    if sweep.sizes:
+        check_distinct("sizes", sweep.sizes, 2, "S")
+    if sweep.per_d and (any(not f > 0 for f in sweep.per_d) or len(set(sweep.per_d)) != len(sweep.per_d)):
+        raise ValueError(f"per_d: expected distinct fractions of d_key > 0, got {list(sweep.per_d)}")
+    check_distinct("d_keys", sweep.d_keys, 1, "key dims")
+    if any(len(sizes_at(sweep, d)) != len(sweep.per_d) for d in sweep.d_keys if sweep.per_d):
+        raise ValueError(f"per_d: {list(sweep.per_d)} rounds two fractions to one S at d_key "
+                         f"{min(sweep.d_keys)}; use fewer fractions or larger key dims")
+    if not 0 < sweep.threshold < 0.5:
+        raise ValueError(f"threshold: expected a loss in (0, 0.5), got {sweep.threshold}")
     if not sweep.overwrite or any(not isinstance(o, bool) for o in sweep.overwrite):
         raise ValueError(f"overwrite: expected False and/or True, got {list(sweep.overwrite)}")
-    check_at_least_one(sweep, ("d_key", "steps", "batch_size", "eval_batches", "seeds", "workers"))
+    check_at_least_one(sweep, ("steps", "batch_size", "eval_batches", "seeds", "workers"))
 
 
 def run_sweep(sweep: CapacitySweep, out: str | Path | None = None) -> Path:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from evict.cli_args import add_lab_parser, positive_int, run_lab
+from evict.cli_args import add_lab_parser, positive_float, positive_int, run_lab
 
 OVERWRITE = {"no": (False,), "yes": (True,), "both": (False, True)}
 
@@ -10,8 +10,13 @@ OVERWRITE = {"no": (False,), "yes": (True,), "both": (False, True)}
 def run_capacity(args) -> None:
     from evict.lab import capacity
 
-    run_lab(args, capacity, {"rules": tuple(args.rules) if args.rules else None,
-                             "sizes": tuple(args.sizes) if args.sizes else None,
+    sizes, per_d = (tuple(args.sizes) if args.sizes else None), (tuple(args.per_d) if args.per_d else None)
+    if sizes is not None and per_d is None:
+        per_d = ()  # sizes given: they replace a preset's ladder in S/d
+    elif per_d is not None and sizes is None:
+        sizes = ()
+    run_lab(args, capacity, {"rules": tuple(args.rules) if args.rules else None, "sizes": sizes, "per_d": per_d,
+                             "d_keys": tuple(args.d_keys) if args.d_keys else None, "threshold": args.threshold,
                              "overwrite": OVERWRITE.get(args.overwrite)})
 
 
@@ -22,8 +27,14 @@ def add_parser(lab_sub) -> None:
     s = add_lab_parser(lab_sub, "capacity", help="Schlag et al.'s capacity regression: additive vs delta rule, S grows",
                        quick="S 20-100, 2 rules, with and without overwrites, ~2.5 min on a 2-core CPU",
                        full="S up to 300, 10,000 steps, 3 seeds; GPU",
-                       seeds_help="seeds per cell; the table shows mean and range")
+                       seeds_help="seeds per cell; the table shows mean and range",
+                       modes={"law": "the break S* against d_key 16-128 (S from d/2 to 3d/2), unique keys, both rules, "
+                                     "fit S* = c*d; ~10 min on a 2-core CPU"})
     s.add_argument("--rules", nargs="+", choices=list(RULES))
     s.add_argument("--sizes", nargs="+", type=positive_int, metavar="S", help="numbers of distinct keys (>= 2)")
     s.add_argument("--overwrite", choices=list(OVERWRITE), help="S unique writes, 2S with overwrites, or both")
+    s.add_argument("--d-keys", nargs="+", type=positive_int, metavar="D", help="key dims (default 64; --law 16-128)")
+    s.add_argument("--per-d", nargs="+", type=positive_float, metavar="F",
+                   help="instead of --sizes: S = round(F * d_key) at every key dim")
+    s.add_argument("--threshold", type=positive_float, help="the loss above which a ladder has broken (default 0.05)")
     s.set_defaults(fn=run_capacity)

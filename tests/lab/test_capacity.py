@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from evict.cli import main
-from evict.lab.capacity import QUICK, CapacityModel, jobs_for, regression_loss, run_sweep, write_then_read
+from evict.lab.capacity import (LAW, QUICK, CapacityModel, breaks, jobs_for, law, regression_loss, report, run_sweep,
+                                 sizes_at, write_then_read)
 from evict.tasks.capacity import make_batch
 
-MICRO = replace(QUICK, sizes=(4, 6), steps=3, batch_size=4, eval_batches=1, d_key=8, workers=1)
+MICRO = replace(QUICK, sizes=(4, 6), steps=3, batch_size=4, eval_batches=1, d_keys=(8,), workers=1)
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
@@ -93,8 +94,10 @@ def test_sweep_runs_resumes_and_writes_outputs(tmp_path):
 
 
 def test_published_numbers_appear_beside_ours(tmp_path):
-    root = run_sweep(replace(MICRO, sizes=(20,), rules=("additive",), overwrite=(True,), batch_size=2), out=tmp_path)
-    assert "[published 0.105]" in (root / "table.md").read_text()
+    pub = replace(MICRO, sizes=(20,), rules=("additive",), overwrite=(True,), batch_size=2, d_keys=(64,))
+    assert "[published 0.105]" in (run_sweep(pub, out=tmp_path / "a") / "table.md").read_text()
+    # published at d_key 64 only: another key dim's cell at the same S gets no bracket
+    assert "published" not in (run_sweep(replace(pub, d_keys=(8,)), out=tmp_path / "b") / "table.md").read_text()
 
 
 def test_cli_runs_with_flags(tmp_path, monkeypatch):
@@ -103,3 +106,66 @@ def test_cli_runs_with_flags(tmp_path, monkeypatch):
                  "--workers", "1", "--out", str(tmp_path / "y")]) == 0
     rows = [json.loads(line) for line in (tmp_path / "y" / "results.jsonl").read_text().splitlines()]
     assert [(r["rule"], r["overwrite"], r["S"], r["steps"]) for r in rows] == [("delta", True, 3, 2)]
+
+
+def _rows(losses: dict) -> list[dict]:
+    """Hand-made results: (rule, d, S) -> loss, unique keys, one seed."""
+    return [{"rule": r, "overwrite": False, "d_key": d, "S": S, "seed": 0, "loss": x} for (r, d, S), x in losses.items()]
+
+
+def test_breaks_and_the_law_from_hand_made_losses():
+    sweep = replace(LAW, d_keys=(16, 32, 64), rules=("additive", "delta"))
+    assert sizes_at(sweep, 16) == [8, 12, 14, 16, 18, 20, 24] and sizes_at(sweep, 64)[0] == 32
+    losses = {}
+    for d in sweep.d_keys:
+        for S in sizes_at(sweep, d):
+            losses[("additive", d, S)] = 0.01 if S <= d else 0.2  # breaks just past S = d at every d
+            losses[("delta", d, S)] = 0.2 if S > d // 2 or d == 16 else 0.0  # d/2 at 32 and 64, nothing at 16
+    bs = breaks(sweep, _rows(losses))
+    assert [bs[("additive", False, d)] for d in (16, 32, 64)] == [(16, False), (32, False), (64, False)]
+    assert [bs[("delta", False, d)] for d in (16, 32, 64)] == [(0, False), (16, False), (32, False)]
+    fits = law(sweep, _rows(losses))
+    assert fits[("additive", False)]["c"] == pytest.approx(1.0) and fits[("additive", False)]["p"] == pytest.approx(1.0)
+    assert fits[("delta", False)]["points"] == 2  # S* = 0 at d 16 has no logarithm: fitted over 32 and 64
+    losses[("additive", 64, 96)] = 0.0  # a loss back under the threshold past the break does not move S*
+    assert breaks(sweep, _rows(losses))[("additive", False, 64)] == (64, False)
+    never = {k: 0.0 for k in losses}  # nothing broke: S* is the ladder's top, marked, and not fitted
+    assert breaks(sweep, _rows(never))[("additive", False, 32)] == (48, True)
+    assert law(sweep, _rows(never))[("additive", False)] is None
+    table = report(sweep, _rows(losses))
+    assert "| d_key | S | S / d | additive | delta |" in table and "S* ≈ 1.00·d, p = 1.00 (3 dims)" in table
+
+
+def test_law_sweep_runs_end_to_end(tmp_path):
+    micro = replace(LAW, d_keys=(4, 8), per_d=(0.5, 1.0), steps=2, batch_size=2, eval_batches=1, workers=1)
+    root = run_sweep(micro, out=tmp_path / "law")
+    rows = [json.loads(line) for line in (root / "results.jsonl").read_text().splitlines()]
+    assert {(r["rule"], r["d_key"], r["S"]) for r in rows} == {(r, d, S) for r in micro.rules for d, S in
+                                                                [(4, 2), (4, 4), (8, 4), (8, 8)]}
+    assert "The break S*" in (root / "table.md").read_text() and (root / "capacity.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"per_d": (0.5,)}, r"^sizes / per_d: expected exactly one"),
+    ({"sizes": (), "per_d": (0.5, -1.0)}, r"^per_d: expected distinct fractions"),
+    ({"sizes": (), "per_d": (0.5, 0.51)}, r"^per_d: .* rounds two fractions to one S at d_key 8"),
+    ({"d_keys": (8, 8)}, r"^d_keys: expected distinct key dims"),
+    ({"threshold": 0.5}, r"^threshold: expected a loss in \(0, 0.5\)"),
+])
+def test_bad_law_settings_get_one_line(tmp_path, change, message):
+    with pytest.raises(ValueError, match=message):
+        run_sweep(replace(MICRO, **change), out=tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_cli_law_mode_with_flags(tmp_path, monkeypatch):
+    monkeypatch.setattr("evict.lab.capacity.LAW", replace(LAW, d_keys=(4,), per_d=(1.0,), batch_size=2, eval_batches=1))
+    assert main(["lab", "capacity", "--law", "--rules", "additive", "--d-keys", "4", "6", "--steps", "1",
+                 "--workers", "1", "--out", str(tmp_path / "l")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "l" / "results.jsonl").read_text().splitlines()]
+    assert sorted((r["d_key"], r["S"], r["overwrite"]) for r in rows) == [(4, 4, False), (6, 6, False)]
+    monkeypatch.setattr("evict.lab.capacity.QUICK", MICRO)
+    assert main(["lab", "capacity", "--rules", "delta", "--per-d", "0.5", "--d-keys", "4", "--overwrite", "no",
+                 "--steps", "1", "--workers", "1", "--out", str(tmp_path / "p")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "p" / "results.jsonl").read_text().splitlines()]
+    assert [(r["d_key"], r["S"]) for r in rows] == [(4, 2)]
