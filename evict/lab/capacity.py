@@ -236,6 +236,15 @@ def law(sweep: CapacitySweep, results: list[dict]) -> dict:
             for r in sweep.rules for ow in sweep.overwrite}
 
 
+def floor(S: int, d: int) -> float:
+    """The least loss any memory with a d × S state can reach on S unique keys: ½·max(0, 1 − d/S) per query.
+
+    The S reads form Ŷ = Q M (queries [S, d] times the state [d, S]), a matrix of rank ≤ d, and the targets form the
+    identity (after ordering); by Eckart–Young the closest rank-d matrix leaves ‖I − Ŷ‖² = S − d, so the mean of
+    ½‖y − ŷ‖² over the S queries is at least ½(S − d)/S, whatever the update rule."""
+    return 0.5 * max(0.0, 1 - d / S)
+
+
 def is_law(sweep: CapacitySweep) -> bool:
     """A sweep over several key dims or with sizes relative to d: reported as the break against d_key."""
     return len(sweep.d_keys) > 1 or bool(sweep.per_d)
@@ -257,17 +266,19 @@ def report(sweep: CapacitySweep, results: list[dict]) -> str:
     rows = []
     for d in sorted(sweep.d_keys):
         for S in sizes_at(sweep, d):
-            row = {"d_key": str(d), "S": str(S), "S / d": f"{S / d:.3g}"}
+            row = {"d_key": str(d), "S": str(S), "S / d": f"{S / d:.3g}", "floor": f"{floor(S, d):.3f}"}
             for r, ow, name in cols:
                 pub = PUBLISHED.get((r, ow), {}).get(S) if d == 64 else None
                 row[name] = _cell_text(sweep, cells[(r, ow, d, S)]) + (f" [published {pub:g}]" if pub is not None else "")
             rows.append(row)
-    keys = ["d_key", "S", "S / d"] if is_law(sweep) else ["S"]
+    keys = ["d_key", "S", "S / d", "floor"] if is_law(sweep) else ["S"]
     head = (f"Held-out loss ½‖y − ŷ‖² per query after {sweep.steps} Adam steps (lr {sweep.lr:g}, batch "
             f"{sweep.batch_size}; {sweep.eval_batches} held-out batches; 0.5 = outputs zero); d_key "
             f"{', '.join(map(str, sorted(sweep.d_keys)))}, one-hot values in R^S; {seeds_phrase(seeds_of(sweep))}. "
             "Published: Schlag et al. 2021 (LAB.md, d_key 64). Rules: "
-            + "; ".join(f"{r} = {RULES[r]}" for r in sweep.rules) + ".")
+            + "; ".join(f"{r} = {RULES[r]}" for r in sweep.rules) + "."
+            + (" floor: ½·max(0, 1 − d/S), the least loss of any d × S memory on unique keys (Eckart–Young)."
+               if is_law(sweep) else ""))
     text = f"{head}\n\n{markdown_table(rows, [*keys, *(c[2] for c in cols)])}"
     if not is_law(sweep):
         return text
@@ -312,7 +323,11 @@ def plot(sweep: CapacitySweep, results: list[dict], path: Path) -> Path:
             ax.scatter([S / 64 if several else S for S in pub], list(pub.values()), marker="x", s=60, zorder=3,
                        color="k" if several else f"C{i}", label=f"published: {RULES[r]}{' + overwrites' if ow else ''}")
     ax.axhline(0.5, color="k", lw=0.6, ls=":")
-    ax.axhline(sweep.threshold, color="grey", lw=0.6, ls="-.")
+    if several:
+        xs = sorted({S / d for d in dims for S in sizes_at(sweep, d)} | {1.0})
+        ax.plot(xs, [0.5 * max(0.0, 1 - 1 / x) for x in xs], color="k", lw=1.4, alpha=0.5,
+                label="floor ½(1 − d/S): any d × S memory")
+        ax.axhline(sweep.threshold, color="grey", lw=0.6, ls="-.")
     ax.set_xlabel("S / d_key" if several else "S (distinct keys)")
     ax.set_ylabel("held-out loss ½‖y − ŷ‖²  (0.5 = outputs zero)")
     ax.set_title(f"Capacity: one memory, d_key {', '.join(map(str, dims))}, {sweep.steps} steps", fontsize=10)

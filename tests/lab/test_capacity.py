@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from evict.cli import main
-from evict.lab.capacity import (LAW, QUICK, CapacityModel, breaks, jobs_for, law, regression_loss, report, run_sweep,
-                                 sizes_at, write_then_read)
+from evict.lab.capacity import (LAW, QUICK, CapacityModel, breaks, floor, jobs_for, law, regression_loss, report,
+                                 run_sweep, sizes_at, write_then_read)
 from evict.tasks.capacity import make_batch
 
 MICRO = replace(QUICK, sizes=(4, 6), steps=3, batch_size=4, eval_batches=1, d_keys=(8,), workers=1)
@@ -133,7 +133,7 @@ def test_breaks_and_the_law_from_hand_made_losses():
     assert breaks(sweep, _rows(never))[("additive", False, 32)] == (48, True)
     assert law(sweep, _rows(never))[("additive", False)] is None
     table = report(sweep, _rows(losses))
-    assert "| d_key | S | S / d | additive | delta |" in table and "S* ≈ 1.00·d, p = 1.00 (3 dims)" in table
+    assert "| d_key | S | S / d | floor | additive | delta |" in table and "| 64 | 80 | 1.25 | 0.100 |" in table and "S* ≈ 1.00·d, p = 1.00 (3 dims)" in table
 
 
 def test_law_sweep_runs_end_to_end(tmp_path):
@@ -169,3 +169,20 @@ def test_cli_law_mode_with_flags(tmp_path, monkeypatch):
                  "--steps", "1", "--workers", "1", "--out", str(tmp_path / "p")]) == 0
     rows = [json.loads(line) for line in (tmp_path / "p" / "results.jsonl").read_text().splitlines()]
     assert [(r["d_key"], r["S"]) for r in rows] == [(4, 2)]
+
+
+def test_no_memory_beats_the_rank_floor():
+    # the floor ½(1 − d/S): the best rank-d read-out of S one-hot targets (SVD of the identity's projection) meets it,
+    # and a memory with orthogonal one-hot keys for the first d of S keys (the rest read nothing) meets it too
+    S, d = 10, 4
+    assert floor(S, d) == pytest.approx(0.3) and floor(d, d) == 0 == floor(3, d)
+    keys = list(range(S))
+    q, k, v = _one_hot_memory(keys, keys, keys, d=S, V=S)  # one-hot in R^S: keys ≥ d are cut to zero below
+    q, k = q.clone(), k.clone()
+    q[..., d:], k[..., d:] = 0, 0
+    o = write_then_read(q, k, v, torch.ones(1, S, dtype=torch.float64), delta=True, n_queries=S)
+    assert regression_loss(o, torch.tensor([keys])).item() == pytest.approx(floor(S, d))
+    torch.manual_seed(0)  # random d-dim keys and the least-squares state: never below the floor
+    Q = torch.randn(S, d, dtype=torch.float64)
+    M = torch.linalg.lstsq(Q, torch.eye(S, dtype=torch.float64)).solution  # [d, S]
+    assert regression_loss((Q @ M)[None], torch.tensor([keys])).item() >= floor(S, d) - 1e-12
