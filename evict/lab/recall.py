@@ -44,6 +44,11 @@ class RecallSweep:
     settings: tuple = ((32, 2), (32, 4), (32, 8))  # (seq_len, num_pairs)
     d_models: tuple = (32,)
     lrs: tuple = (1e-2,)
+    # The order a cell's lrs are tried in: () runs each cell's lrs side by side (adjacent jobs); a non-empty order runs
+    # the grid in rounds, every cell's first lr before any cell's second, so a cell solved (>= target_accuracy) in an
+    # early round skips its later lrs (run_one) instead of training them alongside. Listed lrs first, then the rest
+    # of `lrs`. A schedule, not a protocol change: the best over lr of a solved cell is >= the target either way.
+    lr_order: tuple = ()
     head_dim: int = 16
     n_heads: int | None = None  # None: d_model // head_dim heads; evict lab pairs uses 1 (one head of head_dim)
     n_layers: int = 2
@@ -66,7 +71,7 @@ class RecallSweep:
 QUICK = RecallSweep(seeds=2)  # 3 seeds took 463 s CPU (2 cores: ~4 min + install > 5 min); dev/LOG.md
 FULL = RecallSweep(
     settings=((64, 4), (128, 8), (256, 16), (512, 64)), d_models=(64, 128, 256),
-    lrs=(1e-4, 4.6e-4, 2.2e-3, 1e-2), head_dim=32, vocab_size=8192, steps=8000, batch_size=256, eval_every=500, chunk_size=64,
+    lrs=(1e-4, 4.6e-4, 2.2e-3, 1e-2), lr_order=(2.2e-3, 1e-2, 4.6e-4), head_dim=32, vocab_size=8192, steps=8000, batch_size=256, eval_every=500, chunk_size=64,
     eval_batches=8, workers=4, device="auto", compile=True,  # 4 cells share one GPU: 8 gave no more cell-steps/s
 )
 
@@ -157,16 +162,24 @@ def jobs_for(sweep: RecallSweep, root: Path) -> list[dict]:
     of sweeps written before seeds existed, so they still resume).
     """
     sw = dataclasses.asdict(sweep)
+    order = lr_rounds(sweep)
     jobs = []
     for (L, K) in sorted(sweep.settings, key=lambda s: (-s[0] * s[1], -s[1])):
         for seed in seeds_of(sweep):
-            for arch in sweep.archs:
-                for d in sweep.d_models:
-                    for lr in sweep.lrs:
-                        name = f"{arch}_L{L}_K{K}_d{d}_lr{lr:g}" + (f"_s{seed}" if sweep.seeds > 1 else "")
-                        jobs.append({"arch": arch, "seq_len": L, "pairs": K, "d_model": d, "lr": lr, "seed": seed,
-                                     "dir": str(root / "runs" / name), "solved_dir": str(root / "solved"), "sweep": sw})
+            cells = [(arch, d) for arch in sweep.archs for d in sweep.d_models]
+            runs = ([(arch, d, lr) for lr in order for arch, d in cells] if sweep.lr_order
+                    else [(arch, d, lr) for arch, d in cells for lr in order])
+            for arch, d, lr in runs:
+                name = f"{arch}_L{L}_K{K}_d{d}_lr{lr:g}" + (f"_s{seed}" if sweep.seeds > 1 else "")
+                jobs.append({"arch": arch, "seq_len": L, "pairs": K, "d_model": d, "lr": lr, "seed": seed,
+                             "dir": str(root / "runs" / name), "solved_dir": str(root / "solved"), "sweep": sw})
     return jobs
+
+
+def lr_rounds(sweep: RecallSweep) -> list[float]:
+    """A sweep's lrs in the order they are tried: those of lr_order (that are in lrs) first, then the rest of lrs."""
+    first = [lr for lr in sweep.lr_order if lr in sweep.lrs]
+    return first + [lr for lr in sweep.lrs if lr not in first]
 
 
 def best_over_lr(results: list[dict]) -> dict:

@@ -6,7 +6,8 @@ from dataclasses import replace
 import pytest
 
 from evict.cli import main
-from evict.lab.recall import QUICK, Cell, best_over_lr, jobs_for, known_rows, model_config, over_seeds, report, run_sweep
+from evict.lab.recall import (FULL, QUICK, Cell, best_over_lr, jobs_for, known_rows, lr_rounds, model_config, over_seeds,
+                               report, run_sweep)
 
 MICRO = replace(QUICK, archs=("attention", "deltanet", "kimi_linear"), settings=((16, 2), (24, 4)), d_models=(32,),
                 lrs=(1e-3, 3e-3), steps=4, batch_size=4, eval_every=2, eval_batches=1, workers=1, vocab_size=32, seeds=1)
@@ -130,6 +131,33 @@ def test_a_solved_cell_stops_its_other_learning_rates(tmp_path):
     assert (root / "solved" / "attention_L16_K2_d32_s0").read_text() == f"lr=0.01 at step {first['steps']}\n"
     assert second["accuracy"] is None and second["steps"] == 0 and "solved first by lr=0.01" in second["skipped"]
     assert f"| {first['accuracy']:.3f} |" in (root / "table.md").read_text()
+
+
+def test_lr_order_runs_the_grid_in_rounds(tmp_path):
+    """lr_order: every cell's first lr before any cell's second (costliest setting first, as without it); lrs it does
+    not list follow in lrs order, and listed lrs that the sweep lacks (a --lr override) are ignored."""
+    sweep = replace(MICRO, archs=("attention", "deltanet"), lrs=(1e-3, 3e-3, 1e-2), lr_order=(3e-3, 5e-2))
+    assert lr_rounds(sweep) == [3e-3, 1e-3, 1e-2] and lr_rounds(replace(sweep, lr_order=())) == [1e-3, 3e-3, 1e-2]
+    jobs = jobs_for(sweep, tmp_path)
+    assert [(j["seq_len"], j["lr"], j["arch"]) for j in jobs[:6]] == [
+        (24, 3e-3, "attention"), (24, 3e-3, "deltanet"), (24, 1e-3, "attention"), (24, 1e-3, "deltanet"),
+        (24, 1e-2, "attention"), (24, 1e-2, "deltanet")]
+    side_by_side = jobs_for(replace(sweep, lr_order=()), tmp_path)  # without: a cell's lrs adjacent, in lrs order
+    assert [(j["arch"], j["lr"]) for j in side_by_side[:3]] == [("attention", 1e-3), ("attention", 3e-3), ("attention", 1e-2)]
+    assert sorted(j["dir"] for j in jobs) == sorted(j["dir"] for j in side_by_side)  # the same runs, reordered
+    assert lr_rounds(FULL)[0] == 2.2e-3 and sorted(lr_rounds(FULL)) == sorted(FULL.lrs)
+
+
+def test_a_cell_solved_in_the_first_round_skips_its_later_lrs(tmp_path):
+    """Two cells, two rounds, one worker: each cell's round-one lr (1e-2) reaches the (tiny) target, so neither cell
+    trains its round-two lr, and the table holds the round-one accuracies."""
+    sweep = replace(MICRO, archs=("attention", "deltanet"), settings=((16, 2),), lrs=(1e-3, 1e-2), lr_order=(1e-2,),
+                    target_accuracy=1e-9, steps=40, eval_every=10, batch_size=16, eval_batches=2)
+    root = run_sweep(sweep, out=tmp_path / "r")
+    rows = [json.loads(x) for x in (root / "results.jsonl").read_text().splitlines()]
+    assert [(r["arch"], r["lr"]) for r in rows] == [("attention", 1e-2), ("deltanet", 1e-2), ("attention", 1e-3),
+                                                    ("deltanet", 1e-3)]
+    assert all(r["accuracy"] > 0 for r in rows[:2]) and all(r["accuracy"] is None and r["steps"] == 0 for r in rows[2:])
 
 
 def test_partial_report_shows_only_cells_whose_best_is_known(tmp_path):
