@@ -271,14 +271,13 @@ def report(sweep: CapacitySweep, results: list[dict]) -> str:
                 pub = PUBLISHED.get((r, ow), {}).get(S) if d == 64 else None
                 row[name] = _cell_text(sweep, cells[(r, ow, d, S)]) + (f" [published {pub:g}]" if pub is not None else "")
             rows.append(row)
-    keys = ["d_key", "S", "S / d", "floor"] if is_law(sweep) else ["S"]
+    keys = ["d_key", "S", "S / d", "floor"] if is_law(sweep) else ["S", "floor"]
     head = (f"Held-out loss ½‖y − ŷ‖² per query after {sweep.steps} Adam steps (lr {sweep.lr:g}, batch "
             f"{sweep.batch_size}; {sweep.eval_batches} held-out batches; 0.5 = outputs zero); d_key "
             f"{', '.join(map(str, sorted(sweep.d_keys)))}, one-hot values in R^S; {seeds_phrase(seeds_of(sweep))}. "
             "Published: Schlag et al. 2021 (LAB.md, d_key 64). Rules: "
             + "; ".join(f"{r} = {RULES[r]}" for r in sweep.rules) + "."
-            + (" floor: ½·max(0, 1 − d/S), the least loss of any d × S memory on unique keys (Eckart–Young)."
-               if is_law(sweep) else ""))
+            + " floor: ½·max(0, 1 − d/S), the least loss of any d × S memory on S distinct keys (Eckart–Young).")
     text = f"{head}\n\n{markdown_table(rows, [*keys, *(c[2] for c in cols)])}"
     if not is_law(sweep):
         return text
@@ -328,6 +327,10 @@ def plot(sweep: CapacitySweep, results: list[dict], path: Path) -> Path:
         ax.plot(xs, [0.5 * max(0.0, 1 - 1 / x) for x in xs], color="k", lw=1.4, alpha=0.5,
                 label="floor ½(1 − d/S): any d × S memory")
         ax.axhline(sweep.threshold, color="grey", lw=0.6, ls="-.")
+    else:
+        xs = sorted(set(sizes_at(sweep, dims[0])) | {dims[0]})
+        ax.plot(xs, [floor(S, dims[0]) for S in xs], color="k", lw=1.4, alpha=0.5,
+                label=f"floor ½(1 − {dims[0]}/S): any {dims[0]} × S memory")
     ax.set_xlabel("S / d_key" if several else "S (distinct keys)")
     ax.set_ylabel("held-out loss ½‖y − ŷ‖²  (0.5 = outputs zero)")
     ax.set_title(f"Capacity: one memory, d_key {', '.join(map(str, dims))}, {sweep.steps} steps", fontsize=10)

@@ -84,7 +84,7 @@ def test_sweep_runs_resumes_and_writes_outputs(tmp_path):
         (r, ow, S) for r in MICRO.rules for ow in MICRO.overwrite for S in MICRO.sizes}
     assert all(r["steps"] == 3 and 0 <= r["loss"] < 100 for r in rows)
     table = (root / "table.md").read_text()
-    assert "| S | additive | delta | additive + overwrites | delta + overwrites |" in table
+    assert "| S | floor | additive | delta | additive + overwrites | delta + overwrites |" in table
     stamps = {p: p.stat().st_mtime_ns for p in (root / "runs").glob("*/result.json")}
     run_sweep(MICRO, out=root)  # resuming a finished sweep trains nothing
     assert stamps == {p: p.stat().st_mtime_ns for p in (root / "runs").glob("*/result.json")}
