@@ -368,9 +368,10 @@ def validate(sweep: CapacitySweep) -> None:
     if sweep.per_d and (any(not f > 0 for f in sweep.per_d) or len(set(sweep.per_d)) != len(sweep.per_d)):
         raise ValueError(f"per_d: expected distinct fractions of d_key > 0, got {list(sweep.per_d)}")
     check_distinct("d_keys", sweep.d_keys, 1, "key dims")
-    if any(len(sizes_at(sweep, d)) != len(sweep.per_d) for d in sweep.d_keys if sweep.per_d):
-        raise ValueError(f"per_d: {list(sweep.per_d)} rounds two fractions to one S at d_key "
-                         f"{min(sweep.d_keys)}; use fewer fractions or larger key dims")
+    merged = [d for d in sorted(sweep.d_keys) if sweep.per_d and len(sizes_at(sweep, d)) != len(sweep.per_d)]
+    if merged:
+        raise ValueError(f"per_d: {list(sweep.per_d)} rounds two fractions to one S at d_key {merged[0]}; use fewer "
+                         "fractions or larger key dims")
     if not 0 < sweep.threshold < 0.5:
         raise ValueError(f"threshold: expected a loss in (0, 0.5), got {sweep.threshold}")
     if not sweep.overwrite or any(not isinstance(o, bool) for o in sweep.overwrite):
