@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from evict.cli_args import add_lab_parser, run_lab
+from evict.cli_args import add_lab_parser, positive_int, run_lab
 
 
 def run_stories(args) -> None:
     from evict.lab import switch
 
-    run_lab(args, switch, {"models": tuple(args.models) if args.models else None})
+    run_lab(args, switch, {"models": tuple(args.models) if args.models else None, "n_layers": args.layers})
 
 
 def add_parser(lab_sub) -> None:
@@ -21,4 +21,5 @@ def add_parser(lab_sub) -> None:
                        full="2 layers, 2 heads of 64, 100 pairs, 10,000 steps, 3 seeds; GPU",
                        seeds_help="seeds per model; one row per seed")
     s.add_argument("--models", nargs="+", choices=list(MODELS))
+    s.add_argument("--layers", type=positive_int, help="depth (the lesson's story is one layer; quick uses 2)")
     s.set_defaults(fn=run_stories)

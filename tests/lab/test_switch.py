@@ -124,6 +124,8 @@ def test_bad_sweeps_and_cli(tmp_path, monkeypatch):
     assert main(["lab", "stories", "--models", "kda", "--steps", "1", "--out", str(tmp_path / "y")]) == 0
     rows = [json.loads(line) for line in (tmp_path / "y" / "results.jsonl").read_text().splitlines()]
     assert [(r["model"], r["steps"]) for r in rows] == [("kda", 1)]
+    assert main(["lab", "stories", "--models", "kda", "--layers", "2", "--steps", "1", "--out", str(tmp_path / "z")]) == 0
+    assert json.loads((tmp_path / "z" / "config.json").read_text())["n_layers"] == 2
 
 
 @pytest.mark.gpu
