@@ -495,6 +495,14 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
         if distributed.active():
             dist.barrier()
 
+    def rank0_says(flag: bool) -> bool:
+        """Rank 0's flag on every rank (each must take the same branch: rank 0's clock or view of a file decides)."""
+        if world == 1:
+            return flag
+        t = torch.tensor([float(flag)], device=device)
+        dist.broadcast(t, 0)
+        return bool(t.item())
+
     def train_step(xs: torch.Tensor, ys: torch.Tensor) -> _StepOut:
         """Forward and backward of each micro-batch, clip, AdamW (gradients must be None on entry); no host sync.
         Returns the mean loss and aux loss over the micro-batches, the last one's logits and targets, the grad norm."""
@@ -602,18 +610,11 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
                 if cfg.target_accuracy is not None and last_val["accuracy"] >= cfg.target_accuracy:
                     stopped_early = step < cfg.steps
                     done = True
-                elif cfg.stop_file is not None and step < cfg.steps:
-                    told = torch.tensor([float(lead and os.path.exists(cfg.stop_file))], device=device)
-                    if world > 1:  # every rank must take the same branch: rank 0's view of the file decides
-                        dist.broadcast(told, 0)
-                    if told.item():
-                        stopped_early = done = True
+                elif (cfg.stop_file is not None and step < cfg.steps
+                      and rank0_says(lead and os.path.exists(cfg.stop_file))):
+                    stopped_early = done = True
             done = done or step == cfg.steps
-            interrupted = cfg.stop_at is not None and not done and time.time() >= cfg.stop_at
-            if world > 1 and cfg.stop_at is not None:  # every rank must take the same branch: rank 0's clock decides
-                flag = torch.tensor([float(interrupted)], device=device)
-                dist.broadcast(flag, 0)
-                interrupted = bool(flag.item())
+            interrupted = cfg.stop_at is not None and rank0_says(not done and time.time() >= cfg.stop_at)
             if out is not None and ckpt_path is not None and (
                     done or interrupted or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
                 checkpoint(out, ckpt_path)

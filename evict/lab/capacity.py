@@ -236,7 +236,7 @@ def law(sweep: CapacitySweep, results: list[dict]) -> dict:
             for r in sweep.rules for ow in sweep.overwrite}
 
 
-def floor(S: int, d: int) -> float:
+def floor(S: float, d: float) -> float:
     """The least loss any memory with a d × S state can reach on S unique keys: ½·max(0, 1 − d/S) per query.
 
     The S reads form Ŷ = Q M (queries [S, d] times the state [d, S]), a matrix of rank ≤ d, and the targets form the
@@ -324,7 +324,7 @@ def plot(sweep: CapacitySweep, results: list[dict], path: Path) -> Path:
     ax.axhline(0.5, color="k", lw=0.6, ls=":")
     if several:
         xs = sorted({S / d for d in dims for S in sizes_at(sweep, d)} | {1.0})
-        ax.plot(xs, [0.5 * max(0.0, 1 - 1 / x) for x in xs], color="k", lw=1.4, alpha=0.5,
+        ax.plot(xs, [floor(x, 1) for x in xs], color="k", lw=1.4, alpha=0.5,
                 label="floor ½(1 − d/S): any d × S memory")
         ax.axhline(sweep.threshold, color="grey", lw=0.6, ls="-.")
     else:

@@ -71,8 +71,8 @@ class RecallSweep:
 QUICK = RecallSweep(seeds=2)  # 3 seeds took 463 s CPU (2 cores: ~4 min + install > 5 min); dev/LOG.md
 FULL = RecallSweep(
     settings=((64, 4), (128, 8), (256, 16), (512, 64)), d_models=(64, 128, 256),
-    lrs=(1e-4, 4.6e-4, 2.2e-3, 1e-2), lr_order=(2.2e-3, 1e-2, 4.6e-4), head_dim=32, vocab_size=8192, steps=8000, batch_size=256, eval_every=500, chunk_size=64,
-    eval_batches=8, workers=4, device="auto", compile=True,  # 4 cells share one GPU: 8 gave no more cell-steps/s
+    lrs=(1e-4, 4.6e-4, 2.2e-3, 1e-2), lr_order=(2.2e-3, 1e-2, 4.6e-4), head_dim=32, vocab_size=8192, steps=8000,
+    batch_size=256, eval_every=500, chunk_size=64, eval_batches=8, workers=4, device="auto", compile=True,  # 4 cells share one GPU: 8 gave no more cell-steps/s
 )
 
 
@@ -162,13 +162,12 @@ def jobs_for(sweep: RecallSweep, root: Path) -> list[dict]:
     of sweeps written before seeds existed, so they still resume).
     """
     sw = dataclasses.asdict(sweep)
-    order = lr_rounds(sweep)
+    order, cells = lr_rounds(sweep), [(arch, d) for arch in sweep.archs for d in sweep.d_models]
+    runs = ([(arch, d, lr) for lr in order for arch, d in cells] if sweep.lr_order
+            else [(arch, d, lr) for arch, d in cells for lr in order])  # within one (L, K, seed)
     jobs = []
     for (L, K) in sorted(sweep.settings, key=lambda s: (-s[0] * s[1], -s[1])):
         for seed in seeds_of(sweep):
-            cells = [(arch, d) for arch in sweep.archs for d in sweep.d_models]
-            runs = ([(arch, d, lr) for lr in order for arch, d in cells] if sweep.lr_order
-                    else [(arch, d, lr) for arch, d in cells for lr in order])
             for arch, d, lr in runs:
                 name = f"{arch}_L{L}_K{K}_d{d}_lr{lr:g}" + (f"_s{seed}" if sweep.seeds > 1 else "")
                 jobs.append({"arch": arch, "seq_len": L, "pairs": K, "d_model": d, "lr": lr, "seed": seed,

@@ -133,7 +133,8 @@ def test_breaks_and_the_law_from_hand_made_losses():
     assert breaks(sweep, _rows(never))[("additive", False, 32)] == (48, True)
     assert law(sweep, _rows(never))[("additive", False)] is None
     table = report(sweep, _rows(losses))
-    assert "| d_key | S | S / d | floor | additive | delta |" in table and "| 64 | 80 | 1.25 | 0.100 |" in table and "S* ≈ 1.00·d, p = 1.00 (3 dims)" in table
+    assert "| d_key | S | S / d | floor | additive | delta |" in table and "| 64 | 80 | 1.25 | 0.100 |" in table
+    assert "S* ≈ 1.00·d, p = 1.00 (3 dims)" in table
 
 
 def test_law_sweep_runs_end_to_end(tmp_path):
