@@ -62,7 +62,7 @@ for what in "$@"; do
     decodeprofile) timeout 120 python3 dev/profile_decode.py 2>&1 | tee $OUT/decode_profile.log | grep -v "^-" | head -80 ;;
     sdpa) timeout 60 python3 dev/sdpa_check.py 2>&1 | grep -v "^$" | tail -12 ;;
     dial) timeout 90 python3 dev/chunk_dial_gpu.py --out $OUT/chunk_dial_gpu.json 2>&1 | tail -5 ;;
-    bench) timeout ${TO:-240} python3 -m evict.cli bench train --arch kda --procs 4 --train-steps 100 --variants before graphs compiled \
+    bench) timeout ${TO:-240} python3 -m evict.cli bench train --arch kda --procs 4 --train-steps ${STEPS:-100} --variants before graphs compiled \
              --out $OUT/bench_train_p4.json 2>&1 | quiet | tee $OUT/bench_train.log ;;
     proflab) timeout ${TO:-300} python3 dev/profile_train.py --arch ${ARCHS:-kda deltanet attention} --compile 2>&1 | grep -v "^---" | tee $OUT/proflab.log ;;
     grid) for c in docs/recall_full/piece*_config.json; do

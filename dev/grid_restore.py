@@ -6,7 +6,8 @@ The device machine starts bare on every call, so a piece's result.json files com
 grid`) and are committed under docs/recall_full/. Each JSONL sits beside the config its runs were trained with; a row
 is restored only when that config equals the target sweep's — its config.json, or `evict recall --full`'s own
 (recall.FULL) for a folder not yet started — in every field but the ones that choose *which* runs exist (archs,
-settings, d_models, lrs, lr_order, seeds, workers): those do not change how one run trains. Runs already in the target folder
+settings, d_models, lrs, lr_order, seeds, workers) and chunk_size (the same sums, split at other places): those do
+not change what one run trains. Runs already in the target folder
 are left alone. Prints how many rows it restored.
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from evict.lab.recall import FULL
 
-WHICH = {"archs", "settings", "d_models", "lrs", "lr_order", "seeds", "workers"}
+WHICH = {"archs", "settings", "d_models", "lrs", "lr_order", "seeds", "workers", "chunk_size"}
 
 
 def main(target: str, pairs: list[str]) -> None:

@@ -467,6 +467,28 @@ def test_gpu_gradients_match_reference(dtype, gate, delta):
             assert torch.isfinite(g[name]).all() and err <= TOL[dtype], (T, strong, name, err)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
+@pytest.mark.parametrize("chunk_size", [16, 32])
+def test_gpu_chunk_size_reaches_the_kernels(dtype, gate, delta, chunk_size):
+    """`memory(impl="triton", chunk_size=16 / 32)` runs the kernels in those chunks: output, state and every gradient
+    against float64 (odd T, the lab's heads of 32, heads of 16 padded to 32, strong decay at 128), and not bit-equal
+    to chunks of 64 (the sums split elsewhere), so the size reached the kernels."""
+    for B, T, H, K, V, strong in ((2, 333, 2, 32, 32, False), (4, 75, 2, 16, 16, False), (1, 130, 1, 128, 96, True)):
+        xd, x64 = _cuda(make_inputs(B, T, H, K, V, gate=gate, beta_max=1.5, init=True, strong=strong), dtype)
+        o_ref, s_ref = run(x64, delta, impl="reference")
+        o, s = run(xd, delta, impl="triton", chunk_size=chunk_size)
+        o64, _ = run(xd, delta, impl="triton", chunk_size=64)
+        assert rel(o, o_ref) <= TOL[dtype] and rel(s, s_ref) <= TOL[dtype], (T, K, rel(o, o_ref), rel(s, s_ref))
+        assert not torch.equal(o, o64), (T, K)
+        g_ref = _grads(x64, delta, impl="reference")
+        g = _grads(xd, delta, impl="triton", chunk_size=chunk_size)
+        for name in g_ref:
+            err = rel(g[name], g_ref[name])
+            assert torch.isfinite(g[name]).all() and err <= TOL[dtype], (T, K, strong, name, err)
+
+
 def _opt_in_errors(gate, delta, dtype, T, K, V, strong, fwd_kw, bwd_kw):
     """Relative errors (output, state, every gradient) of forward_triton / backward_triton with opt-in knobs against
     float64 autograd through the token loop."""

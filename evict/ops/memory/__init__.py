@@ -59,8 +59,10 @@ def memory(
     `check=True` validates values too (finite, log_alpha <= 0, beta in [0, 2]); it costs a host sync.
     Autocast does not reach inside: the op computes at its own precision (float32 state and decays, or float64)
     whatever autocast is active, so a caller casts q, k, v to one dtype and gets o back in it.
-    `chunk_size` (a power of two, 1 … 1024; 16–128 are fast) is the chunked PyTorch form's; the Triton kernels always use chunks of 64 and take key
-    dims up to 128, value dims up to 256 ("auto" falls back to "chunked" beyond that, with a warning).
+    `chunk_size` (a power of two, 1 … 1024; 16–128 are fast): the chunked PyTorch form's chunk, and the Triton kernels'
+    where it is 16, 32 or 64 (other sizes, and packed sequences, run there in chunks of 64; 16 is the fastest at key
+    dims <= 32, 64 at 128). The Triton kernels take key dims up to 128, value dims up to 256 ("auto" falls back to
+    "chunked" beyond that, with a warning).
     """
     check_inputs(q, k, v, log_alpha, beta, initial_state, step=False, check_values=check, cu_seqlens=cu_seqlens)
     check_flag("delta", delta)

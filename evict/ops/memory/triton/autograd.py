@@ -15,26 +15,26 @@ import torch
 import torch.nn.functional as F
 
 from .backward import backward_triton
-from .forward import C, forward_triton
+from .forward import CHUNKS, C, forward_triton
 
 
 class _MemoryTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, log_alpha, beta, initial_state, delta, scale, chunks):
+    def forward(ctx, q, k, v, log_alpha, beta, initial_state, delta, scale, chunks, chunk):
         o, S = forward_triton(q, k, v, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale,
-                              initial_state=initial_state, chunks=chunks)
+                              initial_state=initial_state, chunks=chunks, chunk=chunk)
         ctx.save_for_backward(q, k, v, log_alpha, beta, initial_state)
-        ctx.delta, ctx.scale, ctx.chunks = delta, scale, chunks
+        ctx.delta, ctx.scale, ctx.chunks, ctx.chunk = delta, scale, chunks, chunk
         return o, S
 
     @staticmethod
     def backward(ctx, do, dS):
         q, k, v, la, beta, s0 = ctx.saved_tensors
         dq, dk, dv, dla, dbeta, ds0 = backward_triton(q, k, v, la, beta, s0, do, dS, delta=ctx.delta, scale=ctx.scale,
-                                                      chunks=ctx.chunks)
+                                                      chunks=ctx.chunks, chunk=ctx.chunk)
         need = ctx.needs_input_grad
         grads = (dq, dk, dv, dla, dbeta, ds0)
-        return (*(g if need[i] else None for i, g in enumerate(grads)), None, None, None)
+        return (*(g if need[i] else None for i, g in enumerate(grads)), None, None, None, None)
 
 
 MIN_K = 32  # key dims below this are zero-padded: the delta backward faults at K = 16 on an H200 (dev/LOG.md)
@@ -66,7 +66,9 @@ def memory_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, ini
     Key dims below MIN_K run zero-padded, which is exact: a zero key channel writes nothing into its row of S, a zero
     query channel reads nothing from it, and a zero log-decay there touches only that (zero) row; the padded rows of
     the final state are dropped and the gradients of the padding never reach the inputs.
-    `chunk_size` is accepted for the common signature; the kernels always use chunks of 64 tokens."""
+    `chunk_size`: the kernels' tokens per chunk where it is one of CHUNKS (16, 32, 64), else 64; packed sequences always
+    run in chunks of 64 (their layout). Chunks of 16 are the fastest at the lab's heads of 32 (kda forward + backward
+    4.78 -> 3.60 ms at B256 T512 H4 D32 bf16, H200, dev/LOG.md session 9); 64 at heads of 128."""
     K = q.shape[-1]
     pad = MIN_K - K if K < MIN_K else 0
     if pad:
@@ -79,7 +81,8 @@ def memory_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, ini
     if offsets is not None:
         rows, chunks, length = _packing(offsets, q.device)
         q, k, v, log_alpha, beta = (_pad_rows(x, rows, length) for x in (q, k, v, log_alpha, beta))
-    o, S = _MemoryTriton.apply(q, k, v, log_alpha, beta, initial_state, bool(delta), float(scale), chunks)
+    chunk = chunk_size if chunk_size in CHUNKS and offsets is None else C
+    o, S = _MemoryTriton.apply(q, k, v, log_alpha, beta, initial_state, bool(delta), float(scale), chunks, chunk)
     if offsets is not None:
         o = o.index_select(1, rows)
     return o, (S[:, :, :K] if pad else S)
