@@ -70,7 +70,7 @@ class ModelConfig:
     gate_form: str = "softplus"  # "softplus" (Kimi Linear) | "bounded" (K3: log alpha in [-5, 0])
     neg_eigval: bool = False  # beta = 2 sigmoid(.) in (0, 2)
     out_gate_rank: int | None = 0  # sigmoid output gate: 0 = head dim (low rank), None = full rank
-    chunk_size: int = 64
+    chunk_size: int | None = None  # the memory op's chunk; None: each form's own (memory(): 64 on the CPU, auto_chunk on CUDA)
     # MLA
     q_lora_rank: int | None = None
     kv_lora_rank: int = 64
@@ -165,8 +165,8 @@ class ModelConfig:
         uses_rope = ("A" in self.layer_mixers() and self.pos == "rope") or ("M" in self.layer_mixers() and self.mla_rope)
         need(not uses_rope or (self.head_size % 2 == 0 and self.qk_rope_dim % 2 == 0), "head_dim: expected even head dims for RoPE")
         need(self.gate_form in ("softplus", "bounded"), f"gate_form: expected 'softplus' or 'bounded', got {self.gate_form!r}")
-        need(type(self.chunk_size) is int and self.chunk_size in (16, 32, 64, 128),
-             f"chunk_size: expected one of (16, 32, 64, 128), got {self.chunk_size!r}")
+        need(self.chunk_size is None or (type(self.chunk_size) is int and self.chunk_size in (16, 32, 64, 128)),
+             f"chunk_size: expected None or one of (16, 32, 64, 128), got {self.chunk_size!r}")
         need(isinstance(self.ffn, str) and self.ffn in FFNS, f"ffn: expected one of {FFNS}, got {self.ffn!r}")
         need(self.moe is None or isinstance(self.moe, MoEConfig), f"moe: expected None, a dict or a MoEConfig, got {type(self.moe).__name__}")
         if self.moe is not None:

@@ -62,6 +62,20 @@ def test_chunked_every_chunk_size_matches_reference(gate):
         assert rel(o, o_ref) <= 1e-10 and rel(s, s_ref) <= 1e-10, cs
 
 
+def test_chunk_size_none_is_64_on_the_pytorch_forms():
+    """chunk_size=None (the default; the Triton path picks its own) runs the chunked form at 64, packed or not."""
+    x = make_inputs(1, 150, 2, 12, 7, gate="channel", beta_max=2.0, init=True)
+    o, s = run(x, True, impl="chunked")
+    o64, s64 = run(x, True, impl="chunked", chunk_size=64)
+    o32, _ = run(x, True, impl="chunked", chunk_size=32)
+    assert torch.equal(o, o64) and torch.equal(s, s64) and not torch.equal(o, o32)
+    offsets = torch.tensor([0, 70, 150])
+    x2 = {**x, "initial_state": x["initial_state"].expand(2, -1, -1, -1).contiguous()}
+    o, s = run(x2, True, impl="chunked", cu_seqlens=offsets)
+    o64, s64 = run(x2, True, impl="chunked", chunk_size=64, cu_seqlens=offsets)
+    assert torch.equal(o, o64) and torch.equal(s, s64)
+
+
 @pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
 def test_chunked_matches_reference_long(gate, delta):
     x = make_inputs(1, 1000, 2, 16, 8, gate=gate, beta_max=1.0, init=True)
@@ -399,7 +413,8 @@ def _ok(B=2, T=5, H=3, K=4, V=6):
     (lambda a: {**a, "initial_state": torch.zeros(2, 3, 4, 4)}, r"^initial_state: expected shape \[2, 3, 4, 6\]"),
     (lambda a: {**a, "initial_state": torch.zeros(2, 3, 4, 6, dtype=torch.bfloat16)}, r"^initial_state: expected float32"),
     (lambda a: {**a, "v": a["v"].index_fill(1, torch.tensor([2]), float("nan"))}, r"^v: contains NaN or Inf"),
-    (lambda a: {**a, "chunk_size": 48}, r"^chunk_size: expected one of"),
+    (lambda a: {**a, "chunk_size": 48}, r"^chunk_size: expected None or one of"),
+    (lambda a: {**a, "chunk_size": 16.0}, r"^chunk_size: expected None or one of"),
     (lambda a: {**a, "impl": "fast"}, r"^impl: expected one of"),
     (lambda a: {**a, "q": a["q"].new_zeros(*a["q"].shape[:-1], 256), "k": a["k"].new_zeros(*a["k"].shape[:-1], 256),
                 "impl": "triton"}, r"^impl: 'triton' takes key dims up to 128"),

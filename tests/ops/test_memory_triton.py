@@ -600,6 +600,32 @@ def test_gpu_step_matches_reference_in_place_and_graphed(dtype, gate, delta):
     assert rel(o_g, o_ref[:, 0]) <= TOL[dtype] and rel(S, s_ref) <= TOL[dtype]
 
 
+def test_auto_chunk_rule():
+    """chunk_size=None on the Triton path: 16 at key dims <= 32, else 32 with >= 64 sequence-heads, else 64; packed
+    sequences 64 (the H200 timings behind it: BENCHMARKS.md, session 9)."""
+    pytest.importorskip("triton")
+    from evict.ops.memory.triton.autograd import auto_chunk
+
+    assert [auto_chunk(256, 4, 32), auto_chunk(1, 1, 16), auto_chunk(4, 16, 128), auto_chunk(2, 32, 64)] == [16, 16, 32, 32]
+    assert [auto_chunk(1, 16, 128), auto_chunk(3, 21, 128), auto_chunk(256, 4, 32, packed=True)] == [64, 64, 64]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate", GATES)
+def test_gpu_chunk_size_none_is_auto_chunk(gate):
+    """`memory(chunk_size=None)` on CUDA runs `auto_chunk`'s size: bit-equal to that size given explicitly, forward and
+    gradients (the sizes themselves are checked against float64 by test_gpu_chunk_size_reaches_the_kernels)."""
+    from evict.ops.memory.triton.autograd import auto_chunk
+
+    for B, T, H, K, V in ((8, 70, 2, 32, 32), (4, 75, 16, 128, 64), (1, 75, 4, 128, 64)):
+        xd, _ = _cuda(make_inputs(B, T, H, K, V, gate=gate, beta_max=1.5, init=True), torch.bfloat16)
+        o, s = run(xd, True, impl="triton")
+        o2, s2 = run(xd, True, impl="triton", chunk_size=auto_chunk(B, H, K))
+        assert torch.equal(o, o2) and torch.equal(s, s2), (B, H, K)
+        g, g2 = _grads(xd, True, impl="triton"), _grads(xd, True, impl="triton", chunk_size=auto_chunk(B, H, K))
+        assert all(torch.equal(g[n], g2[n]) for n in g), (B, H, K)
+
+
 @pytest.mark.gpu
 def test_gpu_auto_picks_triton_and_bad_impl_message():
     x = make_inputs(1, 5, 1, 16, 16, gate="scalar", beta_max=1.0)

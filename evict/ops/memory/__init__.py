@@ -24,6 +24,7 @@ from .triton import fits as triton_fits
 from .triton import runs_on as triton_runs_on
 
 IMPLS = ("auto", "reference", "chunked", "triton")
+DEFAULT_CHUNK = 64  # the chunked PyTorch form's chunk_size=None
 CHUNK_SIZES = tuple(2**i for i in range(11))  # 1 … 1024; 16–128 are the fast ones (the others: the chunk dial)
 
 __all__ = ["memory", "memory_step", "IMPLS", "CHUNK_SIZES", "LOG_ALPHA_FLOOR"]
@@ -43,7 +44,7 @@ def memory(
     q, k, v, *,
     log_alpha=None, beta=None, delta=False, scale=None,
     initial_state=None, output_final_state=False, cu_seqlens=None,
-    impl="auto", chunk_size=64, check=True,
+    impl="auto", chunk_size=None, check=True,
 ):
     """The generalized associative-memory update over a sequence.
 
@@ -59,9 +60,10 @@ def memory(
     `check=True` validates values too (finite, log_alpha <= 0, beta in [0, 2]); it costs a host sync.
     Autocast does not reach inside: the op computes at its own precision (float32 state and decays, or float64)
     whatever autocast is active, so a caller casts q, k, v to one dtype and gets o back in it.
-    `chunk_size` (a power of two, 1 … 1024; 16–128 are fast): the chunked PyTorch form's chunk, and the Triton kernels'
-    where it is 16, 32 or 64 (other sizes, and packed sequences, run there in chunks of 64; 16 is the fastest at key
-    dims <= 32, 64 at 128). The Triton kernels take key dims up to 128, value dims up to 256 ("auto" falls back to
+    `chunk_size` (a power of two, 1 … 1024; 16–128 are fast; None = each form's own choice): the chunked PyTorch form's
+    chunk (None: 64), and the Triton kernels' where it is 16, 32 or 64 (other sizes, and packed sequences, run there in
+    chunks of 64; None: `triton.autograd.auto_chunk` — 16 at key dims <= 32, else 32 with >= 64 sequence-heads, else
+    64, from H200 timings). The Triton kernels take key dims up to 128, value dims up to 256 ("auto" falls back to
     "chunked" beyond that, with a warning).
     """
     check_inputs(q, k, v, log_alpha, beta, initial_state, step=False, check_values=check, cu_seqlens=cu_seqlens)
@@ -69,8 +71,8 @@ def memory(
     check_flag("output_final_state", output_final_state)
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
-    if chunk_size not in CHUNK_SIZES:
-        raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size!r}")
+    if chunk_size is not None and (type(chunk_size) is not int or chunk_size not in CHUNK_SIZES):
+        raise ValueError(f"chunk_size: expected None or one of {CHUNK_SIZES}, got {chunk_size!r}")
     scale = check_scale(scale, q.shape[-1])
     offsets = None if cu_seqlens is None else seq_offsets(cu_seqlens, q.shape[1])
     if log_alpha is not None:
@@ -110,6 +112,7 @@ def _dispatch(q, k, v, log_alpha, beta, delta, scale, initial_state, output_fina
             initial_state=initial_state, chunk_size=chunk_size, offsets=offsets,
         )
     elif offsets is not None:  # the PyTorch forms: one sequence at a time
+        chunk_size = chunk_size or DEFAULT_CHUNK
         form = memory_reference if impl == "reference" else functools.partial(memory_chunked, chunk_size=chunk_size)
         o, S = _per_sequence(form, offsets, q, k, v, log_alpha=log_alpha, beta=beta, initial_state=initial_state,
                              delta=delta, scale=scale)
@@ -118,6 +121,6 @@ def _dispatch(q, k, v, log_alpha, beta, delta, scale, initial_state, output_fina
     else:
         o, S = memory_chunked(
             q, k, v, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale,
-            initial_state=initial_state, chunk_size=chunk_size,
+            initial_state=initial_state, chunk_size=chunk_size or DEFAULT_CHUNK,
         )
     return o.to(q.dtype), (S if output_final_state else None)

@@ -40,6 +40,19 @@ class _MemoryTriton(torch.autograd.Function):
 MIN_K = 32  # key dims below this are zero-padded: the delta backward faults at K = 16 on an H200 (dev/LOG.md)
 
 
+def auto_chunk(B: int, H: int, K: int, packed: bool = False) -> int:
+    """The kernels' tokens per chunk when the caller leaves it open (`chunk_size=None`), from H200 timings (bf16,
+    forward + backward, BENCHMARKS.md session 9): chunks of 16 at key dims <= 32 (the lab's B256 T512 H4 D32: KDA 4.78 ->
+    3.60 ms); at larger key dims 32 when B * H >= 64 sequence-heads keep the sequential carry busy (B4 T8192 H16 D128:
+    KDA 24.9 -> 22.1 ms), else 64 (B1 T32768 H16: 32 was no faster, the carry's 16 programs leave SMs idle); packed
+    sequences 64 (their layout). Key dims between 32 and 128 follow the 128 rule (not measured there)."""
+    if packed:
+        return C
+    if K <= 32:
+        return 16
+    return 32 if B * H >= 64 else C
+
+
 def _packing(offsets: list[int], device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The chunk-aligned layout of packed sequences: each token's row in the padded row (int64 [T]), each sequence's
     chunks (int32 [N + 1]: sequence n owns chunks [chunks[n], chunks[n + 1])) and the padded length T'."""
@@ -58,7 +71,7 @@ def _pad_rows(x, rows, length):
     return None if x is None else x.new_zeros(1, length, *x.shape[2:]).index_copy(1, rows, x)
 
 
-def memory_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunk_size=64,
+def memory_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunk_size=None,
                   offsets=None):
     """o [B, T, H, V] in q's dtype and the final state [B, H, K, V] float32, differentiable.
     With `offsets` (host ints [N + 1], validated: packed sequences, B = 1) the states are [N, H, K, V].
@@ -66,10 +79,15 @@ def memory_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, ini
     Key dims below MIN_K run zero-padded, which is exact: a zero key channel writes nothing into its row of S, a zero
     query channel reads nothing from it, and a zero log-decay there touches only that (zero) row; the padded rows of
     the final state are dropped and the gradients of the padding never reach the inputs.
-    `chunk_size`: the kernels' tokens per chunk where it is one of CHUNKS (16, 32, 64), else 64; packed sequences always
-    run in chunks of 64 (their layout). Chunks of 16 are the fastest at the lab's heads of 32 (kda forward + backward
-    4.78 -> 3.60 ms at B256 T512 H4 D32 bf16, H200, dev/LOG.md session 9); 64 at heads of 128."""
-    K = q.shape[-1]
+    `chunk_size`: the kernels' tokens per chunk where it is one of CHUNKS (16, 32, 64), else 64; None: `auto_chunk`.
+    Packed sequences always run in chunks of 64 (their layout)."""
+    B, _, H, K = q.shape
+    if offsets is not None:
+        chunk = C
+    elif chunk_size is None:
+        chunk = auto_chunk(B, H, K)
+    else:
+        chunk = chunk_size if chunk_size in CHUNKS else C
     pad = MIN_K - K if K < MIN_K else 0
     if pad:
         q, k = F.pad(q, (0, pad)), F.pad(k, (0, pad))
@@ -81,7 +99,6 @@ def memory_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, ini
     if offsets is not None:
         rows, chunks, length = _packing(offsets, q.device)
         q, k, v, log_alpha, beta = (_pad_rows(x, rows, length) for x in (q, k, v, log_alpha, beta))
-    chunk = chunk_size if chunk_size in CHUNKS and offsets is None else C
     o, S = _MemoryTriton.apply(q, k, v, log_alpha, beta, initial_state, bool(delta), float(scale), chunks, chunk)
     if offsets is not None:
         o = o.index_select(1, rows)
