@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device-machine call (`run` tool; carry .whl): `bash dev/gpu.sh MODE [MODE …]`, modes run in order. The GPU box
+# One device-machine call (`run` tool; carry .whl, made by `bash dev/wheels.sh`): `bash dev/gpu.sh MODE [MODE …]`,
+# modes run in order. The GPU box
 # has no package index: fastapi / uvicorn / httpx and fla (the optional oracle) install from the carried ./.whl.
 # Timeouts: T (tests), TO (benches); every mode writes its log under $OUT. Modes:
 #   tests:   optests (memory op), alltests (every `gpu` test), verify (distributed + fast training), mptests
