@@ -1,7 +1,8 @@
 """The Triton forward and backward behind torch.autograd: `memory_triton(...)` is what `memory(impl="triton")` calls.
 
 The forward keeps only its inputs; the backward recomputes the per-chunk factors and chunk start states (two of the
-forward's three kernels) and runs the three backward kernels (backward.py). Chunks are 64 tokens on this path.
+forward's three kernels) and runs the three backward kernels (backward.py). Chunks are 16, 32 or 64 tokens
+(`auto_chunk` by shape unless the caller gives one; packed sequences 64).
 
 Packed sequences (`offsets`) run chunk-aligned: each sequence is copied to a multiple of C rows of one padded row
 [1, T', H, D], the rest neutral tokens (q = k = v = 0, log alpha = 0, beta = 0: they read, write, erase and decay
