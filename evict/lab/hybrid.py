@@ -61,7 +61,7 @@ class HybridSweep:
     d_model: int = 32
     head_dim: int = 16
     d_ff: int = 64  # the all-KDA model's SwiGLU width; every other model's is solved for equal parameters
-    chunk_size: int = 16
+    chunk_size: int | None = 16  # None: the memory op picks by shape (CUDA: auto_chunk; CPU: 64)
     seq_len: int = 64  # MQAR
     pairs: int = 8
     vocab_size: int = 256  # MQAR
@@ -84,7 +84,7 @@ QUICK = HybridSweep(  # 4 layers: every CPU second goes to depth (see README "Hy
     vocab_size=128, steps=300, lr=1e-2,
 )
 FULL = HybridSweep(  # the paper's hardest MQAR setting (L 512, K 64, vocab 8192); 16 layers for 15:1; not run yet
-    d_model=128, head_dim=32, d_ff=256, chunk_size=64, seq_len=512, pairs=64, vocab_size=8192, text_seq_len=256,
+    d_model=128, head_dim=32, d_ff=256, chunk_size=None, seq_len=512, pairs=64, vocab_size=8192, text_seq_len=256,
     steps=2000, batch_size=64, lr=3e-3, eval_every=250, eval_batches=16, workers=4, device="auto",
 )
 

@@ -46,7 +46,7 @@ class PairsSweep:
     batch_size: int = 32
     eval_every: int = 100
     eval_batches: int = 2
-    chunk_size: int = 16
+    chunk_size: int | None = 16  # None: the memory op picks by shape (CUDA: auto_chunk; CPU: 64)
     seed: int = 0
     seeds: int = 1
     workers: int = 2
@@ -57,7 +57,7 @@ QUICK = PairsSweep()  # 283 s of CPU (README)
 FULL = PairsSweep(  # the lesson's dims; Zoology's lrs and vocabulary; steps and ladder ours (LAB.md gives none); not run yet
     dims=(16, 32, 64, 128, 256), d_model=256, pairs=(4, 8, 16, 32, 64, 128, 256, 512), len_per_pair=8,
     lrs=(4.6e-4, 2.2e-3, 1e-2),
-    vocab_size=8192, steps=4000, batch_size=256, eval_every=500, eval_batches=8, chunk_size=64, workers=4, device="auto",
+    vocab_size=8192, steps=4000, batch_size=256, eval_every=500, eval_batches=8, chunk_size=None, workers=4, device="auto",
 )
 
 

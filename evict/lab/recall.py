@@ -54,7 +54,7 @@ class RecallSweep:
     n_layers: int = 2
     vocab_size: int = 128
     steps: int = 400
-    chunk_size: int = 16  # short chunks: fastest on a CPU, and per-channel decay stays in the two-factor range
+    chunk_size: int | None = 16  # short chunks: fastest on a CPU, per-channel decay in the two-factor range; None: by shape
     batch_size: int = 32
     eval_every: int = 100
     eval_batches: int = 4
@@ -72,8 +72,8 @@ QUICK = RecallSweep(seeds=2)  # 3 seeds took 463 s CPU (2 cores: ~4 min + instal
 FULL = RecallSweep(
     settings=((64, 4), (128, 8), (256, 16), (512, 64)), d_models=(64, 128, 256),
     lrs=(1e-4, 4.6e-4, 2.2e-3, 1e-2), lr_order=(2.2e-3, 1e-2, 4.6e-4), head_dim=32, vocab_size=8192, steps=8000,
-    batch_size=256, eval_every=500, chunk_size=16, eval_batches=8, workers=4, device="auto", compile=True,  # 4 cells share one GPU: 8 gave
-    # no more cell-steps/s; chunks of 16: the Triton kernels' fastest at heads of 32 (dev/LOG.md session 9)
+    batch_size=256, eval_every=500, chunk_size=None, eval_batches=8, workers=4, device="auto", compile=True,  # 4 cells share one GPU: 8
+    # gave no more cell-steps/s; chunk_size None: the op's by shape, 16 at heads of 32 on CUDA (dev/LOG.md session 9)
 )
 
 

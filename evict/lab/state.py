@@ -56,7 +56,7 @@ class StateSweep:
     test_lengths: tuple = (40, 256)
     eval_every: int = 100
     eval_batches: int = 2
-    chunk_size: int = 16
+    chunk_size: int | None = 16  # None: the memory op picks by shape (CUDA: auto_chunk; CPU: 64)
     seed: int = 0
     seeds: int = 1  # seeds seed, seed+1, …: model init and training batches differ, the test set is shared
     workers: int = 2
@@ -68,7 +68,7 @@ QUICK = StateSweep(  # 6 runs of 500 steps, two at a time: ~4 min on 2 cores (de
 )
 FULL = StateSweep(  # Grazzi et al.'s protocol (LAB.md); the step count is ours, LAB.md does not give one
     tasks=TASKS, models=tuple(MODELS), d_model=128, n_heads=4, steps=20_000, batch_size=256, eval_every=1000,
-    eval_batches=8, chunk_size=64, seeds=3, workers=4, device="auto",
+    eval_batches=8, chunk_size=None, seeds=3, workers=4, device="auto",
 )
 
 
