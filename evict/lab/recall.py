@@ -102,6 +102,25 @@ def solved_marker(job: dict) -> Path | None:
     return Path(job["solved_dir"]) / f"{job['arch']}_L{job['seq_len']}_K{job['pairs']}_d{job['d_model']}_s{job['seed']}"
 
 
+def expected_seconds(job: dict, steps: int) -> float | None:
+    """How long a run of `steps` steps of this job's cell takes, from the runs of the same (L, K, d) the sweep has
+    finished (their result.json beside the job's folder): the median seconds per step of the same architecture's runs
+    of >= 1,000 steps, else of any architecture's; None when there are none. Used by a piece (`--minutes`) not to start
+    a run it cannot finish, whose work a machine that does not keep runs/ between calls would lose."""
+    same, other = [], []
+    for f in Path(job["dir"]).parent.glob("*/result.json"):
+        try:
+            r = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if (r.get("seq_len"), r.get("pairs"), r.get("d_model")) != (job["seq_len"], job["pairs"], job["d_model"]):
+            continue
+        if (r.get("steps") or 0) >= 1000 and r.get("seconds"):
+            (same if r.get("arch") == job["arch"] else other).append(r["seconds"] / r["steps"])
+    rates = sorted(same or other)
+    return None if not rates else rates[len(rates) // 2] * steps
+
+
 def run_one(job: dict) -> dict | None:
     """Train one (arch, L, K, d, lr) cell; module-level so worker processes can run it.
 
@@ -130,6 +149,10 @@ def run_one(job: dict) -> dict | None:
     stop_at = job.get("stop_at")
     if stop_at is not None and time.time() >= stop_at:
         return None  # out of time before it started: left for the next piece
+    if stop_at is not None and not (Path(job["dir"]) / "checkpoint.pt").exists():
+        need = expected_seconds(job, sweep.steps)
+        if need is not None and time.time() + need > stop_at:
+            return None  # would not finish in this piece: the worker takes a later (smaller) job instead
     tc = TrainConfig(steps=sweep.steps, batch_size=sweep.batch_size, lr=job["lr"], weight_decay=0.1, warmup_steps=0,
                      eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, target_accuracy=sweep.target_accuracy,
                      seed=seed, device=sweep.device, out_dir=job["dir"], progress=False, log_every=50,
@@ -347,8 +370,9 @@ def report(sweep: RecallSweep, results: list[dict]) -> tuple[str, str]:
 def run_sweep(sweep: RecallSweep, out: str | Path | None = None, minutes: float | None = None) -> Path:
     """Run (or resume, when `out` already holds part of it) the sweep; write and print the results.
 
-    `minutes`: stop after about this long — runs in flight checkpoint and stop, no new run starts — and say how much
-    is left; the same command (same `out`) continues. Tables and plots are written once every run has finished;
+    `minutes`: stop after about this long — runs in flight checkpoint and stop, no new run starts, nor one that the
+    finished runs of its (L, K, d) say would not end in time (expected_seconds; a later, smaller job goes instead) — and
+    say how much is left; the same command (same `out`) continues. Tables and plots are written once every run has finished;
     a stopped sweep writes partial_table.md with the cells known so far (known_rows)."""
     if minutes is not None and not minutes > 0:
         raise ValueError(f"minutes: expected a positive number, got {minutes}")

@@ -119,6 +119,34 @@ def test_sweep_in_pieces_equals_one_piece(tmp_path, capsys, monkeypatch):
         run_sweep(sweep, out=tmp_path / "x", minutes=0)
 
 
+def test_a_piece_does_not_start_a_run_it_cannot_finish(tmp_path):
+    """expected_seconds: the median seconds per step of the cell's finished runs (same architecture first, runs of
+    >= 1,000 steps) times the steps; a piece (stop_at) leaves a run that would not end in time for the next piece,
+    and starts it when it would (or when nothing is known)."""
+    import time
+
+    from evict.lab.recall import expected_seconds, run_one
+
+    jobs = jobs_for(replace(MICRO, steps=2000), tmp_path)
+    job = next(j for j in jobs if j["arch"] == "deltanet" and j["pairs"] == 2 and j["lr"] == 1e-3)
+    assert expected_seconds(job, 2000) is None
+
+    def finished(arch, lr, steps, seconds, pairs=2):
+        f = tmp_path / "runs" / f"{arch}_L{8 * pairs}_K{pairs}_d32_lr{lr:g}" / "result.json"
+        f.parent.mkdir(parents=True)
+        f.write_text(json.dumps(dict(arch=arch, seq_len=8 * pairs, pairs=pairs, d_model=32, steps=steps, seconds=seconds)))
+
+    finished("attention", 1e-3, 1000, 500.0)  # another architecture: used while the same one has no run
+    finished("deltanet", 5e-3, 500, 1.0)  # too short to say (compilation, evaluation)
+    finished("kimi_linear", 1e-3, 1000, 9e9, pairs=4)  # another cell
+    assert expected_seconds(job, 2000) == pytest.approx(1000.0)
+    finished("deltanet", 3e-3, 2000, 100.0)
+    assert expected_seconds(job, 2000) == pytest.approx(100.0)
+    assert run_one({**job, "stop_at": time.time() + 50}) is None and not (tmp_path / "runs" / job["dir"]).exists()
+    row = run_one({**job, "sweep": {**job["sweep"], "steps": 4}, "stop_at": time.time() + 600})
+    assert row is not None and row["steps"] == 4
+
+
 def test_a_solved_cell_stops_its_other_learning_rates(tmp_path):
     """Zoology's early stop at the target, per cell: once one lr reaches it, the cell's best over lr is known to be at
     least the target, so a later lr of that cell is not trained (accuracy None, skipped) and the table uses the winner."""
