@@ -107,7 +107,8 @@ def expected_seconds(job: dict, steps: int) -> float | None:
     finished (their result.json beside the job's folder): the median seconds per step of the same architecture's runs
     of >= 1,000 steps, else of any architecture's; None when there are none. Used by a piece (`--minutes`) not to start
     a run it cannot finish, whose work a machine that does not keep runs/ between calls would lose."""
-    same, other = [], []
+    same: list[float] = []
+    other: list[float] = []
     for f in Path(job["dir"]).parent.glob("*/result.json"):
         try:
             r = json.loads(f.read_text())
