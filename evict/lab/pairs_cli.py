@@ -12,7 +12,7 @@ def run_pairs(args) -> None:
     run_lab(args, pairs, {"rules": tuple(args.rules) if args.rules else None,
                           "dims": tuple(args.dims) if args.dims else None,
                           "pairs": tuple(args.pairs) if args.pairs else None,
-                          "lrs": lrs, "threshold": args.threshold})
+                          "lrs": lrs, "threshold": args.threshold, "d_model": args.d_model})
 
 
 def add_parser(lab_sub) -> None:
@@ -24,7 +24,9 @@ def add_parser(lab_sub) -> None:
                        full="d 16-256, K 4-512, 3 lrs; GPU",
                        seeds_help="seeds per (rule, d); the table shows each seed's K*")
     s.add_argument("--rules", nargs="+", choices=list(RULES))
-    s.add_argument("--dims", nargs="+", type=positive_int, metavar="D", help="head dims (d_model = d, one head)")
+    s.add_argument("--dims", nargs="+", type=positive_int, metavar="D",
+                   help="head dims, one head per layer, each at most the width (--d-model)")
+    s.add_argument("--d-model", type=positive_int, metavar="W", help="the models' width, the same for every d (quick 32, full 256)")
     s.add_argument("--pairs", nargs="+", type=positive_int, metavar="K", help="the ladder of pair counts")
     s.add_argument("--threshold", type=unit_interval, help="accuracy a rung must reach (default 0.9)")
     s.set_defaults(fn=run_pairs)

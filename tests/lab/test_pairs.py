@@ -85,10 +85,11 @@ def test_bad_sweeps_name_the_field(kw, name, tmp_path):
 def test_cli_runs_with_flags(tmp_path, monkeypatch):
     monkeypatch.setattr("evict.lab.pairs.QUICK", MICRO)  # the flags on top of a micro sweep, not the quick one
     assert main(["lab", "pairs", "--rules", "kda", "--dims", "4", "--pairs", "1", "--lr", "0.02", "--threshold", "0.5",
-                 "--steps", "1", "--out", str(tmp_path / "y")]) == 0
+                 "--steps", "1", "--d-model", "12", "--out", str(tmp_path / "y")]) == 0
     rows = [json.loads(line) for line in (tmp_path / "y" / "results.jsonl").read_text().splitlines()]
     assert [(r["rule"], r["d"], [u["lr"] for u in r["rungs"]]) for r in rows] == [("kda", 4, [0.02])]
-    assert json.loads((tmp_path / "y" / "config.json").read_text())["threshold"] == 0.5
+    config = json.loads((tmp_path / "y" / "config.json").read_text())
+    assert (config["threshold"], config["d_model"]) == (0.5, 12)
 
 
 @pytest.mark.gpu
