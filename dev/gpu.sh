@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call (`run` tool; carry .whl, made by `bash dev/wheels.sh`): `bash dev/gpu.sh MODE [MODE …]`,
-# modes run in order. The GPU box
-# has no package index: fastapi / uvicorn / httpx and fla (the optional oracle) install from the carried ./.whl.
+# modes run in order. The GPU box has no package index: fastapi / uvicorn / httpx and fla (the optional oracle)
+# install from the carried ./.whl.
 # Timeouts: T (tests), TO (benches); every mode writes its log under $OUT. Modes:
 #   tests:   optests (memory op), alltests (every `gpu` test), verify (distributed + fast training), mptests
 #            (mixed precision), bwtests (the memory op's gradient tests), convtests (the short conv's Triton form + mixed precision), traintests, decodetests

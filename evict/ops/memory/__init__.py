@@ -24,7 +24,6 @@ from .triton import fits as triton_fits
 from .triton import runs_on as triton_runs_on
 
 IMPLS = ("auto", "reference", "chunked", "triton")
-DEFAULT_CHUNK = 64  # the chunked PyTorch form's chunk_size=None
 CHUNK_SIZES = tuple(2**i for i in range(11))  # 1 … 1024; 16–128 are the fast ones (the others: the chunk dial)
 
 __all__ = ["memory", "memory_step", "IMPLS", "CHUNK_SIZES", "LOG_ALPHA_FLOOR"]
@@ -112,7 +111,6 @@ def _dispatch(q, k, v, log_alpha, beta, delta, scale, initial_state, output_fina
             initial_state=initial_state, chunk_size=chunk_size, offsets=offsets,
         )
     elif offsets is not None:  # the PyTorch forms: one sequence at a time
-        chunk_size = chunk_size or DEFAULT_CHUNK
         form = memory_reference if impl == "reference" else functools.partial(memory_chunked, chunk_size=chunk_size)
         o, S = _per_sequence(form, offsets, q, k, v, log_alpha=log_alpha, beta=beta, initial_state=initial_state,
                              delta=delta, scale=scale)
@@ -121,6 +119,6 @@ def _dispatch(q, k, v, log_alpha, beta, delta, scale, initial_state, output_fina
     else:
         o, S = memory_chunked(
             q, k, v, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale,
-            initial_state=initial_state, chunk_size=chunk_size or DEFAULT_CHUNK,
+            initial_state=initial_state, chunk_size=chunk_size,
         )
     return o.to(q.dtype), (S if output_final_state else None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+DEFAULT_CHUNK = 64  # chunk_size=None
 SUB = 8  # sub-chunk length for per-channel decay ratios
 # Largest in-chunk decay (-g at the chunk's end) for which the two-factor form e^{g_i} * e^{-g_j} is used for per-channel
 # gates: e^{-g_j} <= e^{SAFE_SPREAD} leaves a factor >= e^28 (float32 max ~ e^88.7; float64 ~ e^709.8) of headroom
@@ -125,12 +126,13 @@ def _rebased_prefix_sums(la, dim):
     return c - at_reset.masked_fill(at_reset == float("inf"), 0.0), reset.cumsum(dim)
 
 
-def memory_chunked(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunk_size=64):
-    """Chunked form of `rule`; same arguments as the reference. Returns o [B, T, H, V] and S (state dtype)."""
+def memory_chunked(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunk_size=None):
+    """Chunked form of `rule`; same arguments as the reference, plus `chunk_size` (None: 64). Returns o [B, T, H, V]
+    and S (state dtype)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     sd = torch.float64 if q.dtype == torch.float64 else torch.float32
-    C = chunk_size
+    C = chunk_size or DEFAULT_CHUNK
     N = max(1, -(-T // C))
     q, k, v = (_to_chunks(x, N, C, sd) for x in (q, k, v))  # [N, B, H, C, K|V]
     b = None if beta is None else _to_chunks(beta, N, C, sd)[..., None]  # [N, B, H, C, 1]

@@ -83,12 +83,11 @@ def memory_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, ini
     `chunk_size`: the kernels' tokens per chunk where it is one of CHUNKS (16, 32, 64), else 64; None: `auto_chunk`.
     Packed sequences always run in chunks of 64 (their layout)."""
     B, _, H, K = q.shape
-    if offsets is not None:
-        chunk = C
-    elif chunk_size is None:
-        chunk = auto_chunk(B, H, K)
+    packed = offsets is not None
+    if chunk_size is None:
+        chunk = auto_chunk(B, H, K, packed)
     else:
-        chunk = chunk_size if chunk_size in CHUNKS else C
+        chunk = chunk_size if chunk_size in CHUNKS and not packed else C
     pad = MIN_K - K if K < MIN_K else 0
     if pad:
         q, k = F.pad(q, (0, pad)), F.pad(k, (0, pad))
