@@ -62,6 +62,20 @@ VARIANTS = {  # name -> (forward knobs, backward knobs); a* = ablations (timing 
     "c32": (dict(chunk=32), dict(chunk=32)),
     "c16": (dict(chunk=16), dict(chunk=16)),
     "c32iw8": (dict(chunk=32, warps=(8, 4, 4)), dict(chunk=32, fwd_warps=(8, 4))),
+    # session 10: session 6's prepared forms at chunk 32 (auto_chunk's pick at B4 T8192 H16)
+    "c32o16": (dict(chunk=32, out_dot16=True), dict(chunk=32)),
+    "c32ikb32": (dict(chunk=32, intra_kb=32), dict(chunk=32, intra_kb=32)),
+    "c32ikb64": (dict(chunk=32, intra_kb=64), dict(chunk=32, intra_kb=64)),
+    "c32hv": (dict(chunk=32, carry_halves=True), dict(chunk=32, halves=True)),
+    "c32dkb32": (dict(chunk=32), dict(chunk=32, dkey_block=32)),
+    "o16hv": (dict(out_dot16=True, carry_halves=True), dict(halves=True)),
+    "o16hvpr3": (dict(out_dot16=True, carry_halves=True), dict(halves=True, precision=("tf32x3", "tf32", "tf32", "tf32x3"))),
+    "c32pr3": (dict(chunk=32), dict(chunk=32, precision=("tf32x3", "tf32", "tf32", "tf32x3"))),
+    "c32bhv": (dict(chunk=32), dict(chunk=32, halves=True)),
+    "c32bhvpr3": (dict(chunk=32), dict(chunk=32, halves=True, precision=("tf32x3", "tf32", "tf32", "tf32x3"))),
+    "c16pr3": (dict(chunk=16), dict(chunk=16, precision=("tf32x3", "tf32", "tf32", "tf32x3"))),
+    "c32all": (dict(chunk=32, intra_kb=32, out_dot16=True, carry_halves=True),
+               dict(chunk=32, intra_kb=32, halves=True, dkey_block=32)),
 }
 
 

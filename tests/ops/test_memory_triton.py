@@ -97,8 +97,8 @@ for gate16 in ("channel", "scalar"):  # per-channel keys stored decayed; a scala
     g16, g_ref = grads(x16, True, impl="triton"), grads(x16_64, True, impl="reference")
     kw16 = dict(log_alpha=x16["log_alpha"], beta=x16["beta"], delta=True, scale=16 ** -0.5,
                 initial_state=x16["initial_state"])
-    o_one = forward_triton(x16["q"], x16["k"], x16["v"], **kw16)[0]
-    o_dot16 = forward_triton(x16["q"], x16["k"], x16["v"], **kw16, out_dot16=True)[0]
+    o_one = forward_triton(x16["q"], x16["k"], x16["v"], **kw16, out_dot16=False)[0]
+    o_dot16 = forward_triton(x16["q"], x16["k"], x16["v"], **kw16)[0]  # the default at chunks of 64
     out["fp16_" + gate16] = {"o": rel(o16, o_ref), "S": rel(s16, s_ref), "o_dtype": str(o16.dtype),
                              **{f"d{n}": rel(g16[n], g_ref[n]) for n in g_ref},
                              "grad_dtypes": [str(g16[n].dtype) for n in g16],
@@ -147,8 +147,8 @@ def test_interpreter_float16_inputs(interpreted, gate):
     for name, err in r.items():
         if name.startswith("d") or name in ("o", "S"):
             assert err <= TOL[torch.float16], (name, err)
-    # `out_dot16`: the output kernel's 16-bit dots, against the reference (float16 rounding) and against the float32
-    # operand form (Q e^g rounded to float16 once more: observed 1.8e-4, about a float16 ulp)
+    # `out_dot16` (the default at chunks of 64): the output kernel's 16-bit dots, against the reference (float16
+    # rounding) and against the float32 operand form (out_dot16=False) (Q e^g rounded to float16 once more: observed 1.8e-4, about a float16 ulp)
     vs_ref, vs_f32_operands = r["out_dot16"]
     assert vs_ref <= TOL[torch.float16] and vs_f32_operands <= 2e-3, r["out_dot16"]
 
@@ -174,25 +174,26 @@ for name, gate, delta, T, K, V, strong in json.loads(sys.argv[1]):
     args = (x["q"], x["k"], x["v"])
     kw = dict(log_alpha=x["log_alpha"], beta=x["beta"], delta=delta, scale=K ** -0.5, initial_state=x["initial_state"])
     res = {}
-    o, s = forward_triton(*args, **kw)
+    o, s = forward_triton(*args, **kw, carry_halves=False)  # the one-tile forms: each knob below is checked alone
     for split in (False, True):
         gr = backward_triton(*args, x["log_alpha"], x["beta"], x["initial_state"], do.float(), ds.float(), delta=delta,
-                             scale=K ** -0.5, split=split)
+                             scale=K ** -0.5, split=split, halves=False)
         res[split] = [o, s, *[t for t in gr if t is not None]]
     # intra's key-blocked form (`intra_kb`, per-channel gates): forward and the backward's recompute
     kb = max(16, 1 << (K - 1).bit_length()) // 2
-    o_kb, s_kb = forward_triton(*args, **kw, intra_kb=kb)
+    o_kb, s_kb = forward_triton(*args, **kw, intra_kb=kb, carry_halves=False)
     gr_kb = backward_triton(*args, x["log_alpha"], x["beta"], x["initial_state"], do.float(), ds.float(), delta=delta,
-                            scale=K ** -0.5, split=True, intra_kb=kb)
+                            scale=K ** -0.5, split=True, intra_kb=kb, halves=False)
     res_kb = [o_kb, s_kb, *[t for t in gr_kb if t is not None]]
-    # the carry and the state gradient as two tiles of key rows (`carry_halves` / `halves`; padded K >= 64)
-    o_h, s_h = forward_triton(*args, **kw, carry_halves=True)
+    # the carry and the state gradient as two tiles of key rows (`carry_halves` / `halves`; padded K >= 64; the default
+    # at chunks of 64)
+    o_h, s_h = forward_triton(*args, **kw)
     gr_h = backward_triton(*args, x["log_alpha"], x["beta"], x["initial_state"], do.float(), ds.float(), delta=delta,
                            scale=K ** -0.5, split=True, halves=True)
     res_h = [o_h, s_h, *[t for t in gr_h if t is not None]]
     # the split key kernel with 16-column tiles (`dkey_block`; 64 by default)
     gr_d = backward_triton(*args, x["log_alpha"], x["beta"], x["initial_state"], do.float(), ds.float(), delta=delta,
-                           scale=K ** -0.5, split=True, dkey_block=16)
+                           scale=K ** -0.5, split=True, dkey_block=16, halves=False)
     res_d = [o, s, *[t for t in gr_d if t is not None]]
     # shorter chunks (`chunk`: forward and the backward's recompute), against float64
     res_c = {}
@@ -397,16 +398,17 @@ def test_gpu_forward_matches_reference(dtype, gate, delta, beta_max):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
-def test_gpu_out_dot16_matches_reference(gate, delta):
-    """forward_triton(out_dot16=True) (opt-in until measured): the output kernel's 16-bit dots on bf16 inputs, within
-    bf16 rounding of the reference, odd T, strong decay, K 128 (two key blocks) and K 96 (a masked one)."""
+def test_gpu_out_float32_operands_match_reference(gate, delta):
+    """forward_triton(out_dot16=False): the output kernel's float32-operand form on bf16 inputs (the 16-bit dots are
+    the default at chunks of 64, covered by the default tests), within bf16 rounding of the reference, odd T, strong
+    decay, K 128 (two key blocks) and K 96 (a masked one)."""
     from evict.ops.memory.triton.forward import forward_triton
 
     for T, K, strong in ((63, 128, False), (130, 128, True), (333, 96, False)):
         xd, x64 = _cuda(make_inputs(2, T, 3, K, 64, gate=gate, beta_max=1.5, init=True, strong=strong), torch.bfloat16)
         o_ref, s_ref = run(x64, delta, impl="reference")
         o, s = forward_triton(xd["q"], xd["k"], xd["v"], log_alpha=xd["log_alpha"], beta=xd["beta"], delta=delta,
-                              scale=K ** -0.5, initial_state=xd["initial_state"], out_dot16=True)
+                              scale=K ** -0.5, initial_state=xd["initial_state"], out_dot16=False)
         assert rel(o, o_ref) <= TOL[torch.bfloat16] and rel(s, s_ref) <= TOL[torch.bfloat16], (T, K, rel(o, o_ref))
 
 
@@ -545,11 +547,12 @@ def test_gpu_dkey_block_32_matches_reference(dtype, delta):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
-def test_gpu_state_halves_match_reference(dtype, gate, delta):
-    """`carry_halves` / `halves` (opt-in until measured): the state and its gradient as two tiles of key rows, against
-    float64, odd T, strong decay, K 128 and a masked K 96."""
+def test_gpu_one_tile_states_match_reference(dtype, gate, delta):
+    """`carry_halves=False` / `halves=False`: the state and its gradient as one tile of key rows (the two-tile forms
+    are the default at K >= 64 and covered by the default tests), against float64, odd T, strong decay, K 128 and a
+    masked K 96."""
     for T, K, V, strong in ((333, 128, 64, False), (130, 128, 96, True), (75, 96, 32, False)):
-        errs = _opt_in_errors(gate, delta, dtype, T, K, V, strong, dict(carry_halves=True), dict(halves=True))
+        errs = _opt_in_errors(gate, delta, dtype, T, K, V, strong, dict(carry_halves=False), dict(halves=False))
         assert max(errs) <= TOL[dtype], (T, K, strong, errs)
 
 

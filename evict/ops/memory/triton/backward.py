@@ -429,18 +429,20 @@ def _revcumsum_kernel(x, last, out, cu, T, H: tl.constexpr, K: tl.constexpr, C: 
 
 def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, scale, chunks=None, block_v=None,
                     warps=None, value_block=64, key_block=32, stages=2, fwd_warps=(4, 4), precision=None, ablate=(0, 0),
-                    split=None, intra_kb=None, halves=False, dkey_block=64, chunk=None):
+                    split=None, intra_kb=None, halves=True, dkey_block=64, chunk=None):
     """Gradients (dq, dk, dv, dlog_alpha, dbeta, dinitial_state) of the chunked forward, given dO (or None) and the
     final state's gradient (or None). Recomputes the forward's per-chunk factors and start states. `chunks`: packed
     sequences' chunk table, as forward_triton's. `precision`: tl.dot's input precision, one for every kernel or a tuple
-    (recompute, dstate, dvalue, dkey) or (recompute's first stage, recompute's carry, dstate, dvalue, dkey); default
-    "tf32x3" everywhere. `split`: the key kernel in two (phases 1-2 per chunk, then phase 3 per sub-chunk strip) with
+    (recompute, dstate, dvalue, dkey) or (recompute's first stage, recompute's carry, dstate, dvalue, dkey); default:
+    16-bit inputs ("tf32x3", "tf32", "tf32", "tf32x3"), float32 inputs "tf32x3" everywhere. `split`: the key kernel in two (phases 1-2 per chunk, then phase 3 per sub-chunk strip) with
     [C, dkey_block]-column tiles; default (None): per-channel gates with K > 64, where
     the one kernel spills on sm_90 and the split measured 8.9 ms against its 12.7 (H200, B4 T8192 H16 D128 bf16;
     scalar gates: 7.2 against 5.7). At K <= 64 neither form spills; one kernel, as before (not compared there).
-    `intra_kb`: the recompute's `key_block` (forward.intra); `halves`: the recompute's carry and the state gradient as
-    two tiles of key rows (padded K >= 64; both opt-in, not yet measured on a GPU). `dkey_block`: the split key
-    kernel's key columns per tile (64; 32 spills less at tf32x3, not yet measured). `warps` (dstate, dvalue, dkey):
+    `intra_kb`: the recompute's `key_block` (forward.intra; opt-in, slower on the H200). `halves` (default on; padded
+    K >= 64): the recompute's carry and the state gradient as two tiles of key rows — at tf32x3 the one-tile forms
+    spill (carry 528 B, dstate 1,024 B per thread), and halves cut KDA's backward at B4 T8192 H16 D128 bf16 by 2.3 ms
+    at chunks of 64 and 0.9 ms at 32 (H200, session 10). `dkey_block`: the split key kernel's key columns per tile (64;
+    32 spills less at tf32x3 but measured slower: 8.9 -> 13.0 ms). `warps` (dstate, dvalue, dkey):
     default (4, 8, 8), or (4, 4, 4) for key dims <= 32, which cut KDA's backward at the lab's largest cell (B256 T512
     H4 D32 bf16) from 5.92 to 4.80 ms per layer (H200, session 7). `chunk`: the forward's tokens per chunk (opt-in,
     not with `chunks`; forward.intra)."""
@@ -454,8 +456,12 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     beta = beta.contiguous() if beta is not None else None
     delta = bool(delta)
     # the gate's gradient is a long sum of cancelling terms: tf32 rounding in the recompute or the key kernel shows in it
-    # (log alpha's gradient 1.2e-1 vs 2.8e-3 under strong decay, scalar gate, bf16 inputs). tf32 in dstate and dvalue
-    # alone measured 2.8e-3 there (4 % faster) but is not yet measured for per-channel gates: tf32x3 stays the default
+    # (log alpha's gradient 1.2e-1 vs 2.8e-3 under strong decay, scalar gate, bf16 inputs; per-channel 1.0e-2 vs
+    # 2.1e-3). tf32 in dstate and dvalue alone keeps it (scalar 2.8e-3, per-channel 2.1e-3: dev/check_precision.py,
+    # H200) and cuts 1.3 ms of KDA's backward at B4 T8192: the default for 16-bit inputs. float32 inputs keep tf32x3
+    # everywhere (their gradient tests' 1e-3 failed under tf32 in dstate / dvalue, session 5)
+    if precision is None and q.dtype in (torch.bfloat16, torch.float16):
+        precision = ("tf32x3", "tf32", "tf32", "tf32x3")
     precs = tuple(precision) if isinstance(precision, (tuple, list)) else (precision or "tf32x3",) * 4
     if len(precs) not in (4, 5):
         raise ValueError(f"precision: expected one value or a tuple of 4 or 5, got {precision!r}")

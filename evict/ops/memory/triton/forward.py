@@ -17,9 +17,9 @@ Derivation: README.md beside this folder. Per chunk, with g the prefix sums of l
    and U = U_bar - W S;  S <- e^{g_C} * S + (K * e^{g_C - g})^T U  (no gate loads or exps in the loop).
    Packed sequences (B = 1, a chunk table): grid (V / BV, N_seq H), each program carrying one sequence's chunks.
 3. `_out_kernel`, grid (V / BV, N, B H): O = scale ((Q * e^g) S + P U).
-Opt-in forms (same results; not yet measured on a GPU, see the memory README's kernel knobs): `_intra_kb_kernel`
-(step 1 for per-channel gates, KB key columns at a time), `_state_kernel` with HALVES (S as two tiles of key rows),
-`_out_kernel` with DOT16 (16-bit dots on the 16-bit intermediates).
+Forms by chunk (H200, session 10, BENCHMARKS.md): at C = 64 the carry holds S as two tiles of key rows (HALVES) and
+the output kernel takes 16-bit dots on the 16-bit intermediates (DOT16); at C = 32 / 16 both measured slower and stay
+off. Opt-in: `_intra_kb_kernel` (step 1 for per-channel gates, KB key columns at a time; slower on the H200).
 Every exponent is a difference of prefix sums that is <= 0 (or bounded by SPREAD), so log alpha = -20 stays finite.
 """
 
@@ -578,16 +578,18 @@ def carry(k, x, initial_state, delta: bool, *, V: int, chunks=None, block_v=None
 
 def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunks=None,
                    block_v=None, warps=(4, 4, 4), stages=2, out_block_v=64, precision=None, keep=False, lowp=True,
-                   out_dot16=False, intra_kb=None, carry_halves=False, chunk=None):
+                   out_dot16=None, intra_kb=None, carry_halves=None, chunk=None):
     """Chunked forward on [B, T, H, D] tensors. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32),
     plus the intermediates when `keep`. `chunks`: packed sequences laid out chunk-aligned in a batch of one (see
     autograd.py), the int32 table of each sequence's chunks [N_seq + 1]; states are then [N_seq, H, K, V]. Tuning
     knobs: `warps` per kernel (intra, carry, out), `block_v` / `stages` of the carry kernel (V columns per program,
     software pipelining), `out_block_v` of the output kernel. `lowp` (16-bit inputs only): intermediates stored in the
     input dtype, states carried and every product summed in float32; scalar gates form K e^{g_C - g} in the carry
-    kernel instead of storing it. `out_dot16` (with `lowp`): the output kernel's products as 16-bit dots (not yet
-    measured on a GPU: opt-in). `intra_kb`: intra's `key_block`; `carry_halves`: carry's `halves`; `chunk`: intra's
-    (tokens per chunk; not with `chunks`, whose layout is aligned to C = 64) — all three opt-in."""
+    kernel instead of storing it. `out_dot16` (with `lowp`): the output kernel's products as 16-bit dots;
+    `carry_halves`: carry's `halves`; both default (None) to on at chunks of 64 and off at 32 / 16 (H200, bf16, B4
+    T8192 H16 D128: output kernel 0.545 -> 0.306 ms and carry 0.540 -> 0.454 ms for KDA at 64; at 32 the output kernel
+    0.647 -> 0.832 and the carry 0.716 -> 0.849). `intra_kb`: intra's `key_block` (opt-in; slower: 2.26 -> 3.16 ms at
+    32 columns). `chunk`: intra's (tokens per chunk; not with `chunks`, whose layout is aligned to C = 64)."""
     if chunks is not None and chunk_length(chunk) != C:
         raise ValueError(f"chunk: packed sequences (chunks) are laid out in chunks of {C}; got chunk={chunk}")
     B, T, H, K = q.shape
@@ -599,6 +601,9 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     low = lowp and q.dtype in (torch.bfloat16, torch.float16)
     x = intra(q, k, v, log_alpha, beta, bool(delta), warps=warps[0], precision=prec, store=q.dtype if low else None,
               kd=not low, key_block=intra_kb, chunk=chunk)
+    long_chunks = x["C"] == C
+    carry_halves = long_chunks if carry_halves is None else carry_halves
+    out_dot16 = long_chunks if out_dot16 is None else out_dot16
     U, Hs, sT = carry(k, x, initial_state, bool(delta), V=V, chunks=chunks, block_v=block_v, warps=warps[1], stages=stages,
                       precision=prec, halves=carry_halves)
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
