@@ -511,10 +511,10 @@ def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, qg=
     buffers (W / T / A~ empty without the delta rule; Kd / Dec / Qg without a gate; Kd also empty for a scalar gate
     unless `kd`). `store`: the dtype of U_bar, W, P and Kd (default float32; the forward alone stores them in its
     16-bit input dtype, halving the bytes the memory-bound kernels move; the backward's recompute keeps float32).
-    `key_block` (per-channel gates; opt-in, not yet measured on a GPU): `_intra_kb_kernel`, that many key columns at a
-    time, when fewer than the padded key dim. `chunk`: tokens per chunk (CHUNKS; default C = 64), kept in the result
-    as "C" for the kernels after this one (opt-in, not yet measured on a GPU: shorter chunks halve the per-token work of
-    this kernel's [C, C] products and tiles, which do not shrink with the head dim)."""
+    `key_block` (per-channel gates; opt-in: slower in the forward, H200 session 10): `_intra_kb_kernel`, that many key
+    columns at a time, when fewer than the padded key dim. `chunk`: tokens per chunk (CHUNKS; default C = 64), kept in the result
+    as "C" for the kernels after this one (shorter chunks halve the per-token work of this kernel's [C, C] products
+    and tiles, which do not shrink with the head dim; `auto_chunk` picks them by shape)."""
     C = chunk_length(chunk)
     B, T, H, K = q.shape
     V = v.shape[-1]
