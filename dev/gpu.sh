@@ -6,9 +6,9 @@
 #   tests:   optests (memory op), alltests (every `gpu` test), verify (distributed + fast training), mptests
 #            (mixed precision), bwtests (the memory op's gradient tests), convtests (the short conv's Triton form + mixed precision), traintests, decodetests
 #   kernels: opsfwd (bench ops without fla's slowly autotuned backward), ops (all of it), tune (TUNE=args),
-#            tunefwd / tunebwd (session 5's variant sets), split (the key kernel in one launch or two), prep / prepbwd (session 6's prepared forms
-#            at chunks 64 and 32: their GPU tests and forward timings / forward + backward; VARS), out16 (session 6's prepared
-#            forms: the output kernel's 16-bit dots, intra by key blocks; GPU tests, then timed), chunks (GPU tests of
+#            tunefwd / tunebwd (session 5's variant sets), split (the key kernel in one launch or two), factors (session 10's kept
+#            first-stage factors: GPU tests, precision rows, timings), prep / prepbwd (session 6's prepared forms
+#            at chunks 64 and 32: their GPU tests and forward timings / forward + backward; VARS), chunks (GPU tests of
 #            `chunk` 32 / 16), tunelab (the kernels at the lab's full-grid shape, D 32),
 #            precision (dev/check_precision.py)
 #   decode:  decode, decode1m, decodebench, decodecompile, decodeprofile, sdpa, dial (the chunk dial's GPU numbers)
@@ -47,15 +47,16 @@ for what in "$@"; do
     tunelab) timeout ${TO:-200} python3 dev/triton_tune.py --shapes 256x512 --heads 4 --dim 32 --variants v0,c32,c16,c32iw8,iw8,iw8bw4,dk2 2>&1 \
                | quiet | tee $OUT/tunelab.log ;;
     chunks) pyt chunks.log ${T:-300} tests/ops/test_memory_triton.py -k "shorter_chunks" -n 8 ;;
-    out16) pyt out16.log ${T:-240} tests/ops/test_memory_triton.py -k "out_dot16 or intra_key_blocks or state_halves or dkey_block" -n 8
-           timeout ${TO:-150} python3 dev/triton_tune.py --fwd-only --shapes 4x8192,1x32768 --variants v0,o16,o16bv128,o16w8,ikb64,ikb32,ikb32o16,hv,all \
-             2>&1 | quiet | tee $OUT/out16.log
-           timeout ${TO:-150} python3 dev/triton_tune.py --variants v0,ikb64,ikb32,hv,dkb32,all 2>&1 | quiet | tee $OUT/ikb.log ;;
     prep) pyt prep.log ${T:-240} tests/ops/test_memory_triton.py -k "float32_operands or intra_key_blocks or one_tile_states or dkey_block or chunk_size or auto or packed" -n 8
           timeout ${TO:-200} python3 dev/triton_tune.py --fwd-only --shapes 4x8192,1x32768 --variants ${VARS:-v0,c32,o16,c32o16,ikb32,c32ikb32,c32ikb64,hv,c32hv,all,c32all} \
             2>&1 | quiet | tee $OUT/prep_fwd.log ;;
     prepbwd) timeout ${TO:-240} python3 dev/triton_tune.py --shapes 4x8192,1x32768 --variants ${VARS:-v0,c32,c32ikb32,c32hv,c32dkb32,dkb32,c32all,all} \
             2>&1 | quiet | tee $OUT/prep_bwd.log ;;
+    factors) pyt factors.log ${T:-240} tests/ops/test_memory_triton.py -k "kept_factors or dstate_stages" -n 8
+             timeout ${TO:-150} python3 dev/check_precision.py channel scalar --factors 2>&1 | grep -v arn | tee $OUT/factors_precision.log
+             timeout ${TO:-100} python3 dev/triton_tune.py --shapes 256x512 --heads 4 --dim 32 --variants c16,c16ds2 2>&1 | quiet | tee $OUT/factors_lab.log
+             timeout ${TO:-240} python3 dev/triton_tune.py --shapes 4x8192,1x32768 --variants ${VARS:-v0,fk,fkt,kb64,c32,c32fk,c32fkt,c32ds2,c32fkds2} \
+               2>&1 | quiet | tee $OUT/factors_time.log ;;
     precision) timeout ${TO:-200} python3 dev/check_precision.py ${GATES:-channel} 2>&1 | tee $OUT/precision.log
                timeout ${TO:-150} python3 dev/triton_tune.py --variants v0,pr3,rc3,rc3t 2>&1 | quiet | tee $OUT/precision_time.log ;;
     decode) timeout ${TO:-240} python3 -m evict.cli bench decode --device cuda --paths before graph compiled --batch1-only \

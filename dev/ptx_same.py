@@ -3,7 +3,9 @@
 Compiles every Triton kernel the default forward and backward launch — `_intra_kernel`, `_state_kernel`,
 `_out_kernel`, `_dstate_kernel`, `_dvalue_kernel`, `_dkey_kernel` (one launch and both split launches) — for sm_90
 from REV's tree and from the working tree, over gates x delta x {bf16 forward at tf32, float32 backward recompute at
-tf32x3} (and packed sequences for the sequential kernels), and compares the PTX with line info and labels removed.
+tf32x3} (and packed sequences for the sequential kernels; at chunks of 64 with the state kernels' two tiles of key
+rows and the bf16 output kernel's 16-bit dots, as launched since session 10), and compares the PTX with line info and
+labels removed.
 Identical PTX means a refactor or an added opt-in branch left the GPU-tested code as it was.
 
     python dev/ptx_same.py REV          (e.g. HEAD, or the last commit whose kernels ran on the GPU)
@@ -65,12 +67,12 @@ def kernels(fw, bw) -> dict:
                         fw._state_kernel, dict(k=p, G=f, Kd=m, Dec=f, Ub=m, W=m, U=m, Hs=m, s0=f, sT=f, cu="*i32",
                                                T="i32", N="i32"),
                         dict(H=16, K=128, V=128, C=64, BK=128, BV=32, GATE=gate, DELTA=delta, HAS_S0=True, PREC=prec,
-                             KD=True, VARLEN=varlen), 4, 2)
+                             KD=True, VARLEN=varlen, HALVES=True), 4, 2)
                     out["dstate", prec, gate, delta, varlen] = _ptx(
                         bw._dstate_kernel, dict(q=p, k=p, do=p, Kd=f, Dec=f, Qg=f, W=f, Pm=f, dU=f, dHs=f, dsT=f, ds0=f,
                                                 cu="*i32", scale="fp32", T="i32", N="i32"),
                         dict(H=16, K=128, V=128, C=64, BK=128, BV=32, GATE=gate, DELTA=delta, HAS_DST=True, PREC=prec,
-                             VARLEN=varlen), 4, 1)
+                             VARLEN=varlen, HALVES=True), 4, 1)
                 for sp in (0, 1, 2):
                     out["dkey", prec, gate, delta, sp] = _ptx(
                         bw._dkey_kernel, dict(q=p, k=p, beta=p, U=f, dU=f, W=f, Tm=f, Am=f, dPm=f, dAm=f, G=f, Hs=f, dHs=f,
@@ -80,7 +82,7 @@ def kernels(fw, bw) -> dict:
                              GATE=gate, DELTA=delta, HAS_BETA=True, PREC=prec, ABLATE=0, SPLIT=sp), 8, 1)
             out["out", prec, gate] = _ptx(
                 fw._out_kernel, dict(q=p, G=f, U=m, Pm=m, Hs=m, o=p, scale="fp32", T="i32", N="i32"),
-                dict(H=16, K=128, V=128, C=64, BK=128, BV=64, GATE=gate, PREC=prec, DOT16=False, KB=64), 4, 2)
+                dict(H=16, K=128, V=128, C=64, BK=128, BV=64, GATE=gate, PREC=prec, DOT16=not rec, KB=64), 4, 2)
         for delta in (True, False):
             out["dvalue", prec, delta] = _ptx(
                 bw._dvalue_kernel, dict(v=p, beta=p, do=p, Ub=f, U=f, dU=f, Tm=f, dPm=f, dAm=f, dB=f, dv=p, scale="fp32",

@@ -74,6 +74,15 @@ VARIANTS = {  # name -> (forward knobs, backward knobs); a* = ablations (timing 
     "c32bhv": (dict(chunk=32), dict(chunk=32, halves=True)),
     "c32bhvpr3": (dict(chunk=32), dict(chunk=32, halves=True, precision=("tf32x3", "tf32", "tf32", "tf32x3"))),
     "c16pr3": (dict(chunk=16), dict(chunk=16, precision=("tf32x3", "tf32", "tf32", "tf32x3"))),
+    # session 10, prepared: the backward takes the forward's T, A~, P (first stage at tf32x3 / at the forward's tf32)
+    "fk": (dict(keep_factors="tf32x3"), dict()),
+    "fkt": (dict(keep_factors="tf32"), dict()),
+    "c32fk": (dict(chunk=32, keep_factors="tf32x3"), dict(chunk=32)),
+    "c32fkt": (dict(chunk=32, keep_factors="tf32"), dict(chunk=32)),
+    "c32ds2": (dict(chunk=32), dict(chunk=32, dstate_stages=2)),  # dstate pipelined (fits at C <= 32)
+    "c16ds2": (dict(chunk=16), dict(chunk=16, dstate_stages=2)),
+    "c32fkds2": (dict(chunk=32, keep_factors="tf32x3"), dict(chunk=32, dstate_stages=2)),
+    "kb64": (dict(intra_kb=64), dict(intra_kb=64)),  # session 10's defaults plus key blocks at C 64
     "c32all": (dict(chunk=32, intra_kb=32, out_dot16=True, carry_halves=True),
                dict(chunk=32, intra_kb=32, halves=True, dkey_block=32)),
 }
@@ -98,9 +107,10 @@ def main():
                 fk, bk = VARIANTS[name]
 
                 def run():
-                    forward_triton(q, k, v, log_alpha=la, beta=beta, delta=True, scale=a.dim ** -0.5, **fk)
+                    res = forward_triton(q, k, v, log_alpha=la, beta=beta, delta=True, scale=a.dim ** -0.5, **fk)
                     if not a.fwd_only:
-                        backward_triton(q, k, v, la, beta, None, do, None, delta=True, scale=a.dim ** -0.5, **bk)
+                        kept = dict(factors=res[2]) if fk.get("keep_factors") else {}  # the forward's [C, C] factors
+                        backward_triton(q, k, v, la, beta, None, do, None, delta=True, scale=a.dim ** -0.5, **bk, **kept)
                     torch.cuda.synchronize()
                 try:
                     times = dict(kernel_profile(run))

@@ -158,6 +158,7 @@ import json, sys
 import torch
 from evict.ops.memory.triton.forward import forward_triton
 from evict.ops.memory.triton.backward import backward_triton
+from evict.ops.memory.triton.autograd import memory_triton
 from tests.conftest import rel
 from tests.ops.test_memory import make_inputs, run
 out = {}
@@ -191,6 +192,17 @@ for name, gate, delta, T, K, V, strong in json.loads(sys.argv[1]):
     gr_h = backward_triton(*args, x["log_alpha"], x["beta"], x["initial_state"], do.float(), ds.float(), delta=delta,
                            scale=K ** -0.5, split=True, halves=True)
     res_h = [o_h, s_h, *[t for t in gr_h if t is not None]]
+    # the forward's [C, C] factors kept for the backward (`keep_factors` / `factors`): the recompute skips its Gram
+    # strips and inverse
+    o_f, s_f, fac = forward_triton(*args, **kw, carry_halves=False, keep_factors="tf32x3")
+    gr_f = backward_triton(*args, x["log_alpha"], x["beta"], x["initial_state"], do.float(), ds.float(), delta=delta,
+                           scale=K ** -0.5, split=True, halves=False, factors=fac)
+    res_f = [o_f, s_f, *[t for t in gr_f if t is not None]]
+    # the same through autograd (memory_triton: auto chunk, the factors saved on the autograd context)
+    lv = {n: t.clone().requires_grad_(True) for n, t in x.items() if t is not None}
+    o_a, s_a = memory_triton(lv["q"], lv["k"], lv["v"], log_alpha=lv.get("log_alpha"), beta=lv.get("beta"), delta=delta,
+                             scale=K ** -0.5, initial_state=lv["initial_state"], keep_factors="tf32x3")
+    gr_a = torch.autograd.grad((o_a.double() * do).sum() + (s_a.double() * ds).sum(), list(lv.values()))
     # the split key kernel with 16-column tiles (`dkey_block`; 64 by default)
     gr_d = backward_triton(*args, x["log_alpha"], x["beta"], x["initial_state"], do.float(), ds.float(), delta=delta,
                            scale=K ** -0.5, split=True, dkey_block=16, halves=False)
@@ -211,6 +223,11 @@ for name, gate, delta, T, K, V, strong in json.loads(sys.argv[1]):
                  "halves_vs_reference": [rel(res_h[0], o_ref), rel(res_h[1], s_ref),
                                          *[rel(a, b) for a, b in zip(res_h[2:], ref)]],
                  "halves_vs_one_tile": [rel(a, b) for a, b in zip(res_h, res[True])],
+                 "factors_vs_reference": [rel(res_f[0], o_ref), rel(res_f[1], s_ref),
+                                          *[rel(a, b) for a, b in zip(res_f[2:], ref)]],
+                 "factors_vs_recompute": [rel(a, b) for a, b in zip(res_f, res[True])],
+                 "factors_autograd_vs_reference": [rel(o_a, o_ref), rel(s_a, s_ref),
+                                                   *[rel(a, b) for a, b in zip(gr_a, ref)]],
                  "dkey16_vs_reference": [rel(a, b) for a, b in zip(res_d[2:], ref)],
                  "dkey16_vs_64": [rel(a, b) for a, b in zip(res_d, res[True])],
                  "chunk32_vs_reference": res_c[32], "chunk16_vs_reference": res_c[16]}
@@ -255,6 +272,16 @@ def test_interpreter_intra_key_blocks_match_reference(interpreted_split, case):
     recompute, against float64 (the one-tile form's bounds) and against the one-tile form (`_same_as_default`)."""
     r = interpreted_split[case]
     _check_form(r, case, r["kb_vs_reference"], [r["kb_vs_one_tile"]])
+
+
+@pytest.mark.parametrize("case", [c[0] for c in SPLIT_CASES])
+def test_interpreter_kept_factors_match_reference(interpreted_split, case):
+    """`forward_triton(keep_factors=...)` / `backward_triton(factors=...)`: the backward takes the forward's T, A~ and P
+    instead of recomputing them (the recompute forms only gates, W and U_bar), against float64 (the recompute's bounds)
+    and against the recompute (`_same_as_default`)."""
+    r = interpreted_split[case]
+    _check_form(r, case, r["factors_vs_reference"], [r["factors_vs_recompute"]])
+    _check_form(r, case, r["factors_autograd_vs_reference"], [])
 
 
 @pytest.mark.parametrize("case", [c[0] for c in SPLIT_CASES])
@@ -503,8 +530,10 @@ def _opt_in_errors(gate, delta, dtype, T, K, V, strong, fwd_kw, bwd_kw):
     do, ds = torch.randn_like(o_ref), torch.randn_like(s_ref)
     ref = torch.autograd.grad((o_ref * do).sum() + (s_ref * ds).sum(), list(leaves.values()))
     args = (xd["q"], xd["k"], xd["v"])
-    o, s = forward_triton(*args, log_alpha=xd["log_alpha"], beta=xd["beta"], delta=delta, scale=K ** -0.5,
-                          initial_state=xd["initial_state"], **fwd_kw)
+    o, s, *kept = forward_triton(*args, log_alpha=xd["log_alpha"], beta=xd["beta"], delta=delta, scale=K ** -0.5,
+                                 initial_state=xd["initial_state"], **fwd_kw)
+    if kept:  # keep_factors: the forward's [C, C] factors go to the backward
+        bwd_kw = {**bwd_kw, "factors": kept[0]}
     got = backward_triton(*args, xd["log_alpha"], xd["beta"], xd["initial_state"], do.to(dtype), ds.float(),
                           delta=delta, scale=K ** -0.5, **bwd_kw)
     return [rel(o, o_ref), rel(s, s_ref), *[rel(a, b) for a, b in zip([t for t in got if t is not None], ref)]]
@@ -541,6 +570,31 @@ def test_gpu_dkey_block_32_matches_reference(dtype, delta):
     """`dkey_block=32` (opt-in until measured): the split key kernel with 32-column tiles, per-channel gates."""
     for T, K, V, strong in ((333, 128, 64, False), (130, 128, 96, True), (75, 96, 32, False)):
         errs = _opt_in_errors("channel", delta, dtype, T, K, V, strong, {}, dict(dkey_block=32))
+        assert max(errs) <= TOL[dtype], (T, K, strong, errs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
+@pytest.mark.parametrize("prec,chunk", [("tf32", None), ("tf32x3", None), ("tf32x3", 32)])
+def test_gpu_kept_factors_match_reference(dtype, gate, delta, prec, chunk):
+    """`keep_factors` / `factors` (opt-in until measured): the backward takes the forward's T, A~, P (first stage at
+    `prec`), against float64 (output, state, every gradient), odd T, strong decay, K 128 and a masked K 96."""
+    for T, K, V, strong in ((333, 128, 64, False), (130, 128, 96, True), (75, 96, 32, False)):
+        errs = _opt_in_errors(gate, delta, dtype, T, K, V, strong, dict(keep_factors=prec, chunk=chunk),
+                              dict(chunk=chunk))
+        assert max(errs) <= TOL[dtype], (T, K, strong, errs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
+@pytest.mark.parametrize("chunk", [32, 16])
+def test_gpu_dstate_stages_match_reference(dtype, gate, delta, chunk):
+    """`dstate_stages=2` (opt-in until measured): the state gradient kernel pipelined, against float64, odd T, strong
+    decay, the lab's heads of 32 and heads of 128."""
+    for T, K, V, strong in ((333, 32, 32, False), (130, 128, 96, True), (75, 64, 32, False)):
+        errs = _opt_in_errors(gate, delta, dtype, T, K, V, strong, dict(chunk=chunk), dict(chunk=chunk, dstate_stages=2))
         assert max(errs) <= TOL[dtype], (T, K, strong, errs)
 
 

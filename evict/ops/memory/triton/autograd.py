@@ -21,21 +21,24 @@ from .forward import CHUNKS, C, forward_triton
 
 class _MemoryTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, log_alpha, beta, initial_state, delta, scale, chunks, chunk):
-        o, S = forward_triton(q, k, v, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale,
-                              initial_state=initial_state, chunks=chunks, chunk=chunk)
-        ctx.save_for_backward(q, k, v, log_alpha, beta, initial_state)
-        ctx.delta, ctx.scale, ctx.chunks, ctx.chunk = delta, scale, chunks, chunk
+    def forward(ctx, q, k, v, log_alpha, beta, initial_state, delta, scale, chunks, chunk, keep_factors):
+        keep = keep_factors if any(ctx.needs_input_grad[:6]) else None
+        o, S, *kept = forward_triton(q, k, v, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale,
+                                     initial_state=initial_state, chunks=chunks, chunk=chunk, keep_factors=keep)
+        factors = kept[0] if kept else {}
+        ctx.save_for_backward(q, k, v, log_alpha, beta, initial_state, *(factors.get(n) for n in ("Tm", "Am", "Pm")))
+        ctx.delta, ctx.scale, ctx.chunks, ctx.chunk, ctx.kept = delta, scale, chunks, chunk, bool(kept)
         return o, S
 
     @staticmethod
     def backward(ctx, do, dS):
-        q, k, v, la, beta, s0 = ctx.saved_tensors
+        q, k, v, la, beta, s0, Tm, Am, Pm = ctx.saved_tensors
+        factors = dict(Tm=Tm, Am=Am, Pm=Pm, C=ctx.chunk) if ctx.kept else None
         dq, dk, dv, dla, dbeta, ds0 = backward_triton(q, k, v, la, beta, s0, do, dS, delta=ctx.delta, scale=ctx.scale,
-                                                      chunks=ctx.chunks, chunk=ctx.chunk)
+                                                      chunks=ctx.chunks, chunk=ctx.chunk, factors=factors)
         need = ctx.needs_input_grad
         grads = (dq, dk, dv, dla, dbeta, ds0)
-        return (*(g if need[i] else None for i, g in enumerate(grads)), None, None, None, None)
+        return (*(g if need[i] else None for i, g in enumerate(grads)), None, None, None, None, None)
 
 
 MIN_K = 32  # key dims below this are zero-padded: the delta backward faults at K = 16 on an H200 (dev/LOG.md)
@@ -73,7 +76,7 @@ def _pad_rows(x, rows, length):
 
 
 def memory_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunk_size=None,
-                  offsets=None):
+                  offsets=None, keep_factors=None):
     """o [B, T, H, V] in q's dtype and the final state [B, H, K, V] float32, differentiable.
     With `offsets` (host ints [N + 1], validated: packed sequences, B = 1) the states are [N, H, K, V].
 
@@ -81,7 +84,10 @@ def memory_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, ini
     query channel reads nothing from it, and a zero log-decay there touches only that (zero) row; the padded rows of
     the final state are dropped and the gradients of the padding never reach the inputs.
     `chunk_size`: the kernels' tokens per chunk where it is one of CHUNKS (16, 32, 64), else 64; None: `auto_chunk`.
-    Packed sequences always run in chunks of 64 (their layout)."""
+    Packed sequences always run in chunks of 64 (their layout). `keep_factors` (opt-in, not yet measured on a GPU):
+    when a gradient is needed, the forward runs its first stage at that tl.dot precision and keeps the [C, C] matrices
+    T, A~, P for the backward, which then skips their recompute (memory: 2 C float32 + C 16-bit values per token and
+    head, against the recompute's time)."""
     B, _, H, K = q.shape
     packed = offsets is not None
     if chunk_size is None:
@@ -99,7 +105,8 @@ def memory_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, ini
     if offsets is not None:
         rows, chunks, length = _packing(offsets, q.device)
         q, k, v, log_alpha, beta = (_pad_rows(x, rows, length) for x in (q, k, v, log_alpha, beta))
-    o, S = _MemoryTriton.apply(q, k, v, log_alpha, beta, initial_state, bool(delta), float(scale), chunks, chunk)
+    o, S = _MemoryTriton.apply(q, k, v, log_alpha, beta, initial_state, bool(delta), float(scale), chunks, chunk,
+                               keep_factors)
     if offsets is not None:
         o = o.index_select(1, rows)
     return o, (S[:, :, :K] if pad else S)

@@ -429,7 +429,8 @@ def _revcumsum_kernel(x, last, out, cu, T, H: tl.constexpr, K: tl.constexpr, C: 
 
 def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, scale, chunks=None, block_v=None,
                     warps=None, value_block=64, key_block=32, stages=2, fwd_warps=(4, 4), precision=None, ablate=(0, 0),
-                    split=None, intra_kb=None, halves=True, dkey_block=64, chunk=None):
+                    split=None, intra_kb=None, halves=True, dkey_block=64, chunk=None, factors=None,
+                    dstate_stages=1):
     """Gradients (dq, dk, dv, dlog_alpha, dbeta, dinitial_state) of the chunked forward, given dO (or None) and the
     final state's gradient (or None). Recomputes the forward's per-chunk factors and start states. `chunks`: packed
     sequences' chunk table, as forward_triton's. `precision`: tl.dot's input precision, one for every kernel or a tuple
@@ -445,7 +446,11 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     32 spills less at tf32x3 but measured slower: 8.9 -> 13.0 ms). `warps` (dstate, dvalue, dkey):
     default (4, 8, 8), or (4, 4, 4) for key dims <= 32, which cut KDA's backward at the lab's largest cell (B256 T512
     H4 D32 bf16) from 5.92 to 4.80 ms per layer (H200, session 7). `chunk`: the forward's tokens per chunk (opt-in,
-    not with `chunks`; forward.intra)."""
+    not with `chunks`; forward.intra). `factors` (opt-in, not yet measured on a GPU): the [C, C] matrices the forward
+    kept (`forward_triton(keep_factors=...)`): the recompute then forms only the gates, W and U_bar. `dstate_stages`:
+    the state gradient kernel's software pipelining (opt-in, not yet measured: 2 stages fit shared memory at chunks
+    of 32 or 16 with two tiles of key rows — sm_90 at K 128, tf32: 100 KB, no spills against 196 B at one stage —
+    and exceed it at 64, 258 KB)."""
     if chunks is not None and chunk_length(chunk) != chunk_length(None):
         raise ValueError(f"chunk: packed sequences (chunks) are laid out in chunks of {chunk_length(None)}; got chunk={chunk}")
     B, T, H, K = q.shape
@@ -468,7 +473,7 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     # 5 values: the recompute split into its first stage and its carry (intra, carry, dstate, dvalue, dkey)
     carry_prec, precs = (precs[1], (precs[0], *precs[2:])) if len(precs) == 5 else (precs[0], precs)
     x = intra(q, k, v, log_alpha, beta, delta, warps=fwd_warps[0], precision=precs[0], qg=True, ablate=ablate[0],
-              key_block=intra_kb, chunk=chunk)
+              key_block=intra_kb, chunk=chunk, factors=factors)
     U, Hs, sT = carry(k, x, initial_state, delta, V=V, chunks=chunks, block_v=block_v, warps=fwd_warps[1], stages=stages,
                       precision=carry_prec, halves=halves)
     N, C, gate = x["N"], x["C"], x["gate"]
@@ -486,7 +491,7 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
         chunks if varlen else ds0, float(scale),
         T, H=H, K=K, V=V, N=N, C=C, BK=BK, BV=BVs, GATE=gate, DELTA=delta, HAS_DST=dsT is not None, PREC=precs[1], VARLEN=varlen,
         HALVES=bool(halves and BK >= 64),
-        num_warps=warps[0], num_stages=1,  # 2 stages of its three [C, K] float32 tiles exceed shared memory
+        num_warps=warps[0], num_stages=dstate_stages,  # at C 64, 2 stages of its [C, K] float32 tiles exceed shared memory
     )
     dPm = torch.empty(B * H * N * C * C, dtype=f32, device=dev)
     dAm = torch.empty(B * H * N * C * C if delta else 1, dtype=f32, device=dev)

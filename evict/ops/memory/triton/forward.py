@@ -207,9 +207,10 @@ def _intra_kernel(
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
     C: tl.constexpr, SC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPREAD: tl.constexpr,
     GATE: tl.constexpr, DELTA: tl.constexpr, HAS_BETA: tl.constexpr, PREC: tl.constexpr, QG: tl.constexpr = False,
-    KD: tl.constexpr = True, ABLATE: tl.constexpr = 0,
+    KD: tl.constexpr = True, ABLATE: tl.constexpr = 0, REUSE: tl.constexpr = False,
 ):
     # ABLATE (timing only, wrong results): bit 1 skips the Gram strips, 2 the diagonal inverses, 4 the Neumann / W / U dots
+    # REUSE: A~, P and T are the forward's (kept by it): only the gates, W and U_bar are formed, from the stored T
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_n * C
@@ -226,7 +227,7 @@ def _intra_kernel(
     tl.debug_barrier()
 
     # Gram strips, one sub-chunk of rows I at a time: A~ (k.k, strictly lower; delta rule only), P (q.k, lower)
-    for I in range(0 if ABLATE & 1 else C // SC):
+    for I in range(0 if (ABLATE & 1) or REUSE else C // SC):
         r0 = t0 + I * SC
         ri = I * SC + rs  # rows in the chunk
         kI = _rows(k_bh, r0, rs, T, H * K, ck, K)
@@ -255,7 +256,10 @@ def _intra_kernel(
     bc = _chunk_beta(beta, tok, t0, rc, T, H, HAS_BETA)
     if DELTA:
         tl.debug_barrier()
-        Tc = _inverse(A_bh, T_bh, beta, tok, t0, bc, T, H, C, SC, HAS_BETA, PREC, ABLATE)
+        if REUSE:
+            Tc = _lower(T_bh, t0, C, False)
+        else:
+            Tc = _inverse(A_bh, T_bh, beta, tok, t0, bc, T, H, C, SC, HAS_BETA, PREC, ABLATE)
         kw = kc * bc[:, None]
         if GATE == 2:
             kw = kw * tl.exp(gc)
@@ -506,16 +510,21 @@ def chunk_length(chunk) -> int:
 
 
 def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, qg=False, ablate=0, store=None, kd=True,
-          key_block=None, chunk=None):
+          key_block=None, chunk=None, factors=None):
     """Kernel 1: G, U_bar, W, T, A~, P, K e^{g_C - g} (Kd), e^{g_C} (Dec) and, with `qg`, Q e^g (Qg) on head-major
     buffers (W / T / A~ empty without the delta rule; Kd / Dec / Qg without a gate; Kd also empty for a scalar gate
     unless `kd`). `store`: the dtype of U_bar, W, P and Kd (default float32; the forward alone stores them in its
     16-bit input dtype, halving the bytes the memory-bound kernels move; the backward's recompute keeps float32).
     `key_block` (per-channel gates; opt-in: slower in the forward, H200 session 10): `_intra_kb_kernel`, that many key
-    columns at a time, when fewer than the padded key dim. `chunk`: tokens per chunk (CHUNKS; default C = 64), kept in the result
-    as "C" for the kernels after this one (shorter chunks halve the per-token work of this kernel's [C, C] products
-    and tiles, which do not shrink with the head dim; `auto_chunk` picks them by shape)."""
+    columns at a time, when fewer than the padded key dim. `chunk`: tokens per chunk (CHUNKS; default C = 64), kept in
+    the result as "C" for the kernels after this one (shorter chunks halve the per-token work of this kernel's [C, C]
+    products and tiles, which do not shrink with the head dim; `auto_chunk` picks them by shape).
+    `factors` (opt-in, not yet measured on a GPU): the [C, C] matrices T, A~ and P that a forward kept
+    (`forward_triton(keep_factors=...)`); the kernel then skips the Gram strips and the inverse and forms only the
+    gates, W and U_bar (T from the stored one) — the backward's recompute without its costliest part."""
     C = chunk_length(chunk)
+    if factors is not None and factors["C"] != C:
+        raise ValueError(f"factors: kept at chunks of {factors['C']}, used at {C}")
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = max(1, triton.cdiv(T, C))
@@ -526,15 +535,18 @@ def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, qg=
     G = torch.empty(B * H * N * C * (K if gate == 2 else 1) if gate else 1, dtype=f32, device=dev)
     Ub = torch.empty(B * H * N * C * V, dtype=st, device=dev)
     W = torch.empty(B * H * N * C * K if delta else 1, dtype=st, device=dev)
-    Tm, Am = (torch.empty(B * H * N * C * C if delta else 1, dtype=f32, device=dev) for _ in range(2))
-    Pm = torch.empty(B * H * N * C * C, dtype=st, device=dev)
+    if factors is not None:
+        Tm, Am, Pm = factors["Tm"], factors["Am"], factors["Pm"]
+    else:
+        Tm, Am = (torch.empty(B * H * N * C * C if delta else 1, dtype=f32, device=dev) for _ in range(2))
+        Pm = torch.empty(B * H * N * C * C, dtype=st, device=dev)
     Kd = torch.empty(B * H * N * C * K if gate and kd else 1, dtype=st, device=dev)
     Dec = torch.empty(B * H * N * (K if gate == 2 else 1) if gate else 1, dtype=f32, device=dev)
     Qg = torch.empty(B * H * N * C * K if gate and qg else 1, dtype=f32, device=dev)
     BK, BV = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
     prec = precision or precision_for(q.dtype)
     out = dict(G=G, Ub=Ub, W=W, Tm=Tm, Am=Am, Pm=Pm, Kd=Kd, Dec=Dec, Qg=Qg, N=N, C=C, gate=gate, kd=kd, store=st)
-    if gate == 2 and key_block and key_block < BK and not ablate:
+    if gate == 2 and key_block and key_block < BK and not ablate and factors is None:
         _intra_kb_kernel[(N, B * H)](
             q, k, v, log_alpha, beta if beta is not None else q, G, Ub, W, Tm, Am, Pm, Kd, Dec, Qg,
             T, H=H, K=K, V=V, N=N, C=C, SC=SC, BK=BK, KB=max(16, triton.next_power_of_2(key_block)), BV=BV,
@@ -545,7 +557,7 @@ def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, qg=
         q, k, v, log_alpha if gate else q, beta if beta is not None else q, G, Ub, W, Tm, Am, Pm, Kd, Dec, Qg,
         T, H=H, K=K, V=V, N=N, C=C, SC=SC, BK=BK, BV=BV, SPREAD=SPREAD,
         GATE=gate, DELTA=delta, HAS_BETA=beta is not None, PREC=prec, QG=bool(qg and gate),
-        KD=kd, ABLATE=ablate,
+        KD=kd, ABLATE=ablate, REUSE=factors is not None,
         num_warps=warps, num_stages=1,
     )
     return out
@@ -578,7 +590,7 @@ def carry(k, x, initial_state, delta: bool, *, V: int, chunks=None, block_v=None
 
 def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunks=None,
                    block_v=None, warps=(4, 4, 4), stages=2, out_block_v=64, precision=None, keep=False, lowp=True,
-                   out_dot16=None, intra_kb=None, carry_halves=None, chunk=None):
+                   out_dot16=None, intra_kb=None, carry_halves=None, chunk=None, keep_factors=None):
     """Chunked forward on [B, T, H, D] tensors. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32),
     plus the intermediates when `keep`. `chunks`: packed sequences laid out chunk-aligned in a batch of one (see
     autograd.py), the int32 table of each sequence's chunks [N_seq + 1]; states are then [N_seq, H, K, V]. Tuning
@@ -589,7 +601,10 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     `carry_halves`: carry's `halves`; both default (None) to on at chunks of 64 and off at 32 / 16 (H200, bf16, B4
     T8192 H16 D128: output kernel 0.545 -> 0.306 ms and carry 0.540 -> 0.454 ms for KDA at 64; at 32 the output kernel
     0.647 -> 0.832 and the carry 0.716 -> 0.849). `intra_kb`: intra's `key_block` (opt-in; slower: 2.26 -> 3.16 ms at
-    32 columns). `chunk`: intra's (tokens per chunk; not with `chunks`, whose layout is aligned to C = 64)."""
+    32 columns). `chunk`: intra's (tokens per chunk; not with `chunks`, whose layout is aligned to C = 64).
+    `keep_factors` (opt-in, not yet measured on a GPU): a tl.dot precision for the first stage ("tf32" as the forward,
+    "tf32x3" as the backward's recompute); the forward then also returns the [C, C] matrices T, A~, P (float32, P in
+    the store dtype) for `backward_triton(factors=...)`, which skips the recompute's Gram strips and inverse."""
     if chunks is not None and chunk_length(chunk) != C:
         raise ValueError(f"chunk: packed sequences (chunks) are laid out in chunks of {C}; got chunk={chunk}")
     B, T, H, K = q.shape
@@ -599,8 +614,8 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     beta = beta.contiguous() if beta is not None else None
     prec = precision or precision_for(q.dtype)
     low = lowp and q.dtype in (torch.bfloat16, torch.float16)
-    x = intra(q, k, v, log_alpha, beta, bool(delta), warps=warps[0], precision=prec, store=q.dtype if low else None,
-              kd=not low, key_block=intra_kb, chunk=chunk)
+    x = intra(q, k, v, log_alpha, beta, bool(delta), warps=warps[0], precision=keep_factors or prec,
+              store=q.dtype if low else None, kd=not low, key_block=None if keep_factors else intra_kb, chunk=chunk)
     long_chunks = x["C"] == C
     carry_halves = long_chunks if carry_halves is None else carry_halves
     out_dot16 = long_chunks if out_dot16 is None else out_dot16
@@ -616,4 +631,6 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     if keep:
         x.update(U=U, Hs=Hs)
         return o, sT, x
+    if keep_factors:
+        return o, sT, dict(Tm=x["Tm"], Am=x["Am"], Pm=x["Pm"], C=x["C"])
     return o, sT
