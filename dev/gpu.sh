@@ -13,7 +13,8 @@
 #            precision (dev/check_precision.py)
 #   decode:  decode, decode1m, decodebench, decodecompile, decodeprofile, sdpa, dial (the chunk dial's GPU numbers)
 #   train:   bench (cells per second, issue 10), grid (a piece of `evict recall --full`: MIN, GRIDARGS, GRID; the runs
-#            of earlier pieces in docs/recall_full/ are restored first: dev/grid_restore.py), proflab (dev/profile_train.py: one cell's step, eager / graphed /
+#            of earlier pieces in docs/recall_full/ are restored first: dev/grid_restore.py), lab (a piece of
+#            `evict lab $LAB --full`, pieces in docs/lab_full/$LAB/ restored first), proflab (dev/profile_train.py: one cell's step, eager / graphed /
 #            compiled, top kernels), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.tcache PYTHONPATH=$PWD
@@ -55,7 +56,7 @@ for what in "$@"; do
     factors) pyt factors.log ${T:-240} tests/ops/test_memory_triton.py -k "kept_factors or dstate_stages" -n 8
              timeout ${TO:-150} python3 dev/check_precision.py channel scalar --factors 2>&1 | grep -v arn | tee $OUT/factors_precision.log
              timeout ${TO:-100} python3 dev/triton_tune.py --shapes 256x512 --heads 4 --dim 32 --variants c16,c16ds2 2>&1 | quiet | tee $OUT/factors_lab.log
-             timeout ${TO:-240} python3 dev/triton_tune.py --shapes 4x8192,1x32768 --variants ${VARS:-v0,fk,fkt,kb64,c32,c32fk,c32fkt,c32ds2,c32fkds2} \
+             timeout ${TO:-240} python3 dev/triton_tune.py --shapes 4x8192,1x32768 --variants ${VARS:-v0,fk,fkt,kb64,c32,c32fk,c32fkt,c32ds2,c32fkds2,c32dk2,c32dkw4} \
                2>&1 | quiet | tee $OUT/factors_time.log ;;
     precision) timeout ${TO:-200} python3 dev/check_precision.py ${GATES:-channel} 2>&1 | tee $OUT/precision.log
                timeout ${TO:-150} python3 dev/triton_tune.py --variants v0,pr3,rc3,rc3t 2>&1 | quiet | tee $OUT/precision_time.log ;;
@@ -72,6 +73,12 @@ for what in "$@"; do
     dial) timeout 90 python3 dev/chunk_dial_gpu.py --out $OUT/chunk_dial_gpu.json 2>&1 | tail -5 ;;
     bench) timeout ${TO:-240} python3 -m evict.cli bench train --arch kda --procs 4 --train-steps ${STEPS:-100} --variants before graphs compiled \
              --out $OUT/bench_train_p4.json 2>&1 | quiet | tee $OUT/bench_train.log ;;
+    lab) for c in docs/lab_full/$LAB/piece*_config.json; do  # LAB: capacity hybrid pairs state stories; MIN, LABARGS
+           [ -e "$c" ] && python3 dev/grid_restore.py --lab $LAB runs/lab_$LAB $c ${c%_config.json}_results.jsonl; done
+         timeout ${TO:-580} python3 -m evict.cli lab $LAB --full --minutes ${MIN:-8} --out runs/lab_$LAB \
+           ${LABARGS:-} 2>&1 | grep -v "it/s\]$" | tail -40 | tee $OUT/lab_$LAB.log
+         cp runs/lab_$LAB/config.json $OUT/lab_config.json; cp runs/lab_$LAB/*.md runs/lab_$LAB/*.png runs/lab_$LAB/*.json* $OUT/ 2>/dev/null
+         python3 -c "import glob, json, sys; sys.stdout.write(''.join(json.dumps({**json.load(open(f)), 'dir': f.split('/')[-2]}) + chr(10) for f in sorted(glob.glob('runs/lab_$LAB/runs/*/result.json'))))" > $OUT/lab_results.jsonl ;;
     proflab) timeout ${TO:-300} python3 dev/profile_train.py --arch ${ARCHS:-kda deltanet attention} --compile 2>&1 | grep -v "^---" | tee $OUT/proflab.log ;;
     grid) for c in docs/recall_full/piece*_config.json; do
             [ -e "$c" ] && python3 dev/grid_restore.py ${GRID:-runs/grid} $c ${c%_config.json}_results.jsonl; done

@@ -1,6 +1,11 @@
-"""Put finished runs of earlier `evict recall --full` pieces back into a sweep folder, so the next piece skips them.
+"""Put finished runs of earlier `evict recall --full` (or `evict lab NAME --full`) pieces back into a sweep folder,
+so the next piece skips them.
 
     python3 dev/grid_restore.py runs/grid docs/recall_full/piece1_config.json docs/recall_full/piece1_results.jsonl ...
+    python3 dev/grid_restore.py --lab state runs/lab_state docs/lab_full/state/piece1_config.json ...results.jsonl
+
+For a lab (`--lab`: capacity, hybrid, pairs, state, stories), a row is restored only when its config equals the target
+sweep's (config.json, or the lab's FULL preset for a folder not yet started) in every field but `workers`.
 
 The device machine starts bare on every call, so a piece's result.json files come back as one JSONL (`bash dev/gpu.sh
 grid`) and are committed under docs/recall_full/. Each JSONL sits beside the config its runs were trained with; a row
@@ -12,23 +17,25 @@ are left alone. Prints how many rows it restored.
 """
 
 import dataclasses
+import importlib
 import json
 import sys
 from pathlib import Path
 
-from evict.lab.recall import FULL
-
 WHICH = {"archs", "settings", "d_models", "lrs", "lr_order", "seeds", "workers", "chunk_size"}
+LABS = {"capacity": "capacity", "hybrid": "hybrid", "pairs": "pairs", "state": "state", "stories": "switch"}
 
 
-def main(target: str, pairs: list[str]) -> None:
+def main(target: str, pairs: list[str], lab: str = "recall") -> None:
+    module = importlib.import_module(f"evict.lab.{LABS.get(lab, 'recall')}")
+    which = WHICH if lab == "recall" else {"workers"}
     root = Path(target)
     cfg = root / "config.json"
-    want = json.loads(cfg.read_text()) if cfg.exists() else json.loads(json.dumps(dataclasses.asdict(FULL)))
+    want = json.loads(cfg.read_text()) if cfg.exists() else json.loads(json.dumps(dataclasses.asdict(module.FULL)))
     restored = 0
     for cfg_path, rows_path in zip(pairs[::2], pairs[1::2]):
         got = json.loads(Path(cfg_path).read_text())
-        differ = sorted(k for k in set(want) | set(got) if k not in WHICH and want.get(k) != got.get(k))
+        differ = sorted(k for k in set(want) | set(got) if k not in which and want.get(k) != got.get(k))
         if differ:
             sys.exit(f"{cfg_path}: trained with another config ({', '.join(differ)} differ); its runs are not restored")
         for line in Path(rows_path).read_text().splitlines():
@@ -43,6 +50,10 @@ def main(target: str, pairs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 4 or len(sys.argv) % 2:
-        sys.exit("usage: python3 dev/grid_restore.py SWEEP_DIR CONFIG.json RESULTS.jsonl [CONFIG.json RESULTS.jsonl ...]")
-    main(sys.argv[1], sys.argv[2:])
+    args, lab = sys.argv[1:], "recall"
+    if args[:1] == ["--lab"]:
+        lab, args = args[1], args[2:]
+    if len(args) < 3 or len(args) % 2 == 0 or lab not in {"recall", *LABS}:
+        sys.exit("usage: python3 dev/grid_restore.py [--lab NAME] SWEEP_DIR CONFIG.json RESULTS.jsonl [CONFIG.json "
+                 "RESULTS.jsonl ...]")
+    main(args[0], args[1:], lab)

@@ -197,13 +197,16 @@ def add_lab_parser(lab_sub, name: str, *, help: str, quick: str, full: str, seed
     s.set_defaults(lab_modes=tuple(modes or ()))
     s.add_argument("--steps", type=positive_int)
     s.add_argument("--lr", type=positive_float)
+    s.add_argument("--minutes", type=positive_float,
+                   help="stop after about this long (runs in flight checkpoint); the same command with --out continues")
     add_sweep_flags(s, seeds_help=seeds_help)
     return s
 
 
 def run_lab(args, lab, overrides: dict) -> None:
     """Run module `lab`'s sweep (lab.run_sweep on lab.QUICK, lab.FULL or the preset of a lab's own mode) with the
-    flags given laid over it: the shared ones of add_lab_parser and `overrides` (field -> value, None = not given).
+    flags given laid over it: the shared ones of add_lab_parser and `overrides` (field -> value, None = not given);
+    --minutes makes the run a timed piece (sweep.with_deadline).
     A bad value is a user error."""
     from dataclasses import replace
 
@@ -215,6 +218,6 @@ def run_lab(args, lab, overrides: dict) -> None:
         for m in getattr(args, "lab_modes", ()):
             if getattr(args, m):
                 base = getattr(lab, m.upper())
-        lab.run_sweep(replace(base, **given), out=args.out)
+        lab.run_sweep(replace(base, **given), out=args.out, minutes=args.minutes)
     except ValueError as e:
         raise UserError(str(e)) from None

@@ -48,7 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import check_at_least_one, check_distinct, check_names, from_json, run_grid, seeds_phrase
+from evict.lab.sweep import (check_at_least_one, check_distinct, check_names, from_json, out_of_time, run_grid,
+                              seeds_phrase)
 from evict.ops.memory import memory
 from evict.tasks.capacity import CapacityBatch, make_batch
 from evict.train import resolve_device
@@ -147,9 +148,12 @@ def _batch_to(batch: CapacityBatch, device: torch.device) -> CapacityBatch:
     return CapacityBatch(*(getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)))
 
 
-def run_one(job: dict) -> dict:
-    """Train one (rule, overwrite, S, seed) model with Adam; module-level so worker processes can run it."""
+def run_one(job: dict) -> dict | None:
+    """Train one (rule, overwrite, S, seed) model with Adam; module-level so worker processes can run it. A run is
+    short (no checkpoint): in a timed piece it starts only while the piece lasts."""
     logging.getLogger("evict").setLevel(logging.WARNING)
+    if out_of_time(job):
+        return None
     sweep = from_json(CapacitySweep, job["sweep"])
     S, seed, overwrite, d = job["S"], job["seed"], job["overwrite"], job["d_key"]
     device = resolve_device(sweep.device)
@@ -379,7 +383,8 @@ def validate(sweep: CapacitySweep) -> None:
     check_at_least_one(sweep, ("steps", "batch_size", "eval_batches", "seeds", "workers"))
 
 
-def run_sweep(sweep: CapacitySweep, out: str | Path | None = None) -> Path:
+def run_sweep(sweep: CapacitySweep, out: str | Path | None = None, minutes: float | None = None) -> Path:
     """Run (or resume, when `out` already holds part of it) the sweep; write and print the results."""
     validate(sweep)
-    return run_grid("capacity", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot)
+    return run_grid("capacity", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot,
+                    minutes=minutes)

@@ -35,7 +35,7 @@ import torch
 
 from evict.bench.common import markdown_table
 from evict.lab import recall
-from evict.lab.sweep import from_json, run_grid, seeds_phrase
+from evict.lab.sweep import from_json, out_of_time, piece_fields, run_grid, seeds_phrase
 from evict.models import LM, ModelConfig, accounting
 from evict.tasks.mqar import MQARConfig, MQARTask
 from evict.tasks.text import TextTask, corpus_files
@@ -225,9 +225,11 @@ def make_task(sweep: HybridSweep, task: str, seed: int):
     return TextTask(corpus=sweep.corpus, tokenizer="char", seq_len=sweep.text_seq_len, seed=seed)
 
 
-def run_one(job: dict) -> dict:
+def run_one(job: dict) -> dict | None:
     """Train one (variant, task, seed) run; module-level so worker processes can run it."""
     logging.getLogger("evict").setLevel(logging.WARNING)
+    if out_of_time(job):
+        return None  # a timed piece is over: left for the next one
     sweep = from_json(HybridSweep, job["sweep"])
     v = from_json(Variant, job["variant"])
     seed = job["seed"]
@@ -238,8 +240,11 @@ def run_one(job: dict) -> dict:
     tc = TrainConfig(steps=sweep.steps, batch_size=sweep.batch_size, lr=sweep.lr, weight_decay=0.1, warmup_steps=0,
                      eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, seed=seed, device=sweep.device,
                      out_dir=job["dir"], progress=False, log_every=50, graphs=on_gpu,
+                     **piece_fields(job, sweep.eval_every),
                      target_accuracy=0.99 if job["task"] == "mqar" else None)
     res = train(model, task, tc)
+    if res.interrupted:
+        return None  # stopped at the piece's end: its checkpoint resumes it
     score = ({"accuracy": res.best_val_accuracy, "final_accuracy": res.final_val_accuracy} if job["task"] == "mqar"
              else {"val_loss": res.final_val_loss, "val_ppl": math.exp(res.final_val_loss)})
     shown = f"acc {score['accuracy']:.3f}" if job["task"] == "mqar" else f"loss {score['val_loss']:.3f}"
@@ -420,9 +425,9 @@ def validate(sweep: HybridSweep) -> None:
                              f"{PARAM_TOLERANCE:.0%} (off by {gap:+.1%}); raise d_ff or d_model")
 
 
-def run_sweep(sweep: HybridSweep, out: str | Path | None = None) -> Path:
+def run_sweep(sweep: HybridSweep, out: str | Path | None = None, minutes: float | None = None) -> Path:
     """Run (or resume, when `out` already holds part of it) the sweep; write and print the results."""
     validate(sweep)
     if "text" in sweep.tasks:
         make_task(sweep, "text", sweep.seed)  # the corpus is read and its tokens cached once, before any worker starts
-    return run_grid("hybrid", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot)
+    return run_grid("hybrid", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot, minutes=minutes)

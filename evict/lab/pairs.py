@@ -75,30 +75,35 @@ def recall_sweep(sweep: PairsSweep, d: int) -> recall.RecallSweep:
     )
 
 
-def _rung(job: dict, rsweep: dict, K: int, lr: float, L: int) -> dict:
-    """One training run of the recall lab's cell; a finished one is read back from its result.json."""
+def _rung(job: dict, rsweep: dict, K: int, lr: float, L: int) -> dict | None:
+    """One training run of the recall lab's cell; a finished one is read back from its result.json. None: stopped at
+    the end of a timed piece (the job's stop_at; its checkpoint resumes it)."""
     folder = Path(job["dir"]) / f"K{K}_lr{lr:g}"
     done = folder / "result.json"
     if done.exists():
         return json.loads(done.read_text())
     folder.mkdir(parents=True, exist_ok=True)
     res = recall.run_one({"arch": job["rule"], "seq_len": L, "pairs": K, "d_model": rsweep["d_models"][0], "lr": lr,
-                          "seed": job["seed"], "dir": str(folder), "sweep": rsweep})
-    if res is None:  # recall.run_one leaves a cell unfinished only past its stop_at, and this job sets none
-        raise RuntimeError(f"pairs: the run in {folder} stopped before it finished")
+                          "seed": job["seed"], "dir": str(folder), "sweep": rsweep, "stop_at": job.get("stop_at")})
+    if res is None:
+        return None
     done.write_text(json.dumps(res, indent=2))
     return res
 
 
-def run_one(job: dict) -> dict:
-    """Climb one (rule, d, seed) ladder; module-level so worker processes can run it."""
+def run_one(job: dict) -> dict | None:
+    """Climb one (rule, d, seed) ladder; module-level so worker processes can run it. None: a rung stopped at the end
+    of a timed piece (the finished rungs stay in their folders; the next piece climbs on from there)."""
     logging.getLogger("evict").setLevel(logging.WARNING)
     sweep = from_json(PairsSweep, job["sweep"])
     rsweep = dataclasses.asdict(recall_sweep(sweep, job["d"]))
     rungs, best_k, seconds = [], 0, 0.0
     for K in sorted(sweep.pairs):
         L = seq_len(sweep, K)
-        runs = [_rung(job, rsweep, K, lr, L) for lr in sweep.lrs]
+        got = [_rung(job, rsweep, K, lr, L) for lr in sweep.lrs]
+        runs = [r for r in got if r is not None]
+        if len(runs) < len(got):
+            return None
         top = max(runs, key=lambda r: r["accuracy"])
         seconds += sum(r["seconds"] for r in runs)
         rungs.append({"pairs": K, "seq_len": L, "accuracy": top["accuracy"], "lr": top["lr"], "steps": top["steps"],
@@ -247,7 +252,7 @@ def validate(sweep: PairsSweep) -> None:
             recall.model_config(r, d, recall_sweep(sweep, d), seq_len(sweep, max(sweep.pairs)))  # validates widths
 
 
-def run_sweep(sweep: PairsSweep, out: str | Path | None = None) -> Path:
+def run_sweep(sweep: PairsSweep, out: str | Path | None = None, minutes: float | None = None) -> Path:
     """Run (or resume, when `out` already holds part of it) the sweep; write and print the results."""
     validate(sweep)
-    return run_grid("pairs", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot)
+    return run_grid("pairs", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot, minutes=minutes)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import from_json, run_jobs, sweep_folder, write_results
+from evict.lab.sweep import from_json, out_of_time, run_jobs, stopped_message, sweep_folder, with_deadline, write_results
 from evict.models import LM, presets
 from evict.tasks.mqar import MQARConfig, MQARTask
 from evict.train import TrainConfig, resolve_device, train
@@ -148,7 +148,7 @@ def run_one(job: dict) -> dict | None:
                 "state_size": state_size, "params": params, "label": f"{job['arch']} K={K} skipped (cell solved)"}
     task = MQARTask(MQARConfig(vocab_size=sweep.vocab_size, seq_len=L, num_pairs=K, simple=sweep.simple, train_seed=seed))
     stop_at = job.get("stop_at")
-    if stop_at is not None and time.time() >= stop_at:
+    if out_of_time(job):
         return None  # out of time before it started: left for the next piece
     if stop_at is not None and not (Path(job["dir"]) / "checkpoint.pt").exists():
         need = expected_seconds(job, sweep.steps)
@@ -388,9 +388,7 @@ def run_sweep(sweep: RecallSweep, out: str | Path | None = None, minutes: float 
     root = sweep_folder("recall", sweep, out, defaults=json.loads(json.dumps(dataclasses.asdict(RecallSweep()))))
     jobs = jobs_for(sweep, root)
     print(f"recall sweep: {len(jobs)} runs (seeds {', '.join(map(str, seeds_of(sweep)))}) -> {root}")
-    if minutes is not None:
-        stop_at = time.time() + 60 * minutes
-        jobs = [{**job, "stop_at": stop_at} for job in jobs]
+    jobs = with_deadline(jobs, minutes)
     results = run_jobs(run_one, jobs, workers=sweep.workers, desc="recall")
     left = sum(r is None for r in results)
     if left:
@@ -398,9 +396,7 @@ def run_sweep(sweep: RecallSweep, out: str | Path | None = None, minutes: float 
         head = (f"Partial: {len(jobs) - left} of {len(jobs)} runs finished; — = a cell whose best over lr is not known "
                 f"yet. MQAR accuracy (best over lr {list(sweep.lrs)}), {sweep.n_layers} layers, vocab {sweep.vocab_size}")
         (root / "partial_table.md").write_text(f"{head}\n\n{tables}\n")
-        print(f"stopped after {minutes:g} min: {len(jobs) - left} of {len(jobs)} runs finished, {left} left "
-              f"(unfinished ones resume from their checkpoints); the cells known so far are in "
-              f"{root / 'partial_table.md'}; run the same command with --out {root} to continue")
+        print(f"{stopped_message(minutes, jobs, left, root)}; the cells known so far are in {root / 'partial_table.md'}")
         return root
     finished = [r for r in results if r is not None]  # all of them (none left)
     rows = [{**r, "seed": job["seed"]} for r, job in zip(finished, jobs)]  # results of older runs lack the seed

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import from_json, run_grid
+from evict.lab.sweep import from_json, out_of_time, piece_fields, run_grid
 from evict.models import LM, presets
 from evict.tasks.state import TASKS, StateConfig, StateTask, scaled_accuracy
 from evict.train import TrainConfig, resolve_device, train
@@ -104,9 +104,11 @@ def beyond_accuracy(model: LM, task: StateTask, sweep: StateSweep) -> float:
     return (hits[0] / hits[1].clamp_min(1)).item()
 
 
-def run_one(job: dict) -> dict:
+def run_one(job: dict) -> dict | None:
     """Train one (task, model, seed) run; module-level so worker processes can run it."""
     logging.getLogger("evict").setLevel(logging.WARNING)
+    if out_of_time(job):
+        return None  # a timed piece is over: left for the next one
     sweep = from_json(StateSweep, job["sweep"])
     seed = job["seed"]
     task = _task(job["task"], sweep, seed)
@@ -115,8 +117,11 @@ def run_one(job: dict) -> dict:
     on_gpu = resolve_device(sweep.device).type == "cuda"
     tc = TrainConfig(steps=sweep.steps, batch_size=sweep.batch_size, lr=sweep.lr, weight_decay=0.1, warmup_steps=0,
                      eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, seed=seed, device=sweep.device,
-                     out_dir=job["dir"], progress=False, log_every=50, graphs=on_gpu)
+                     out_dir=job["dir"], progress=False, log_every=50, graphs=on_gpu,
+                     **piece_fields(job, sweep.eval_every))
     res = train(model, task, tc)
+    if res.interrupted:
+        return None  # stopped at the piece's end: its checkpoint resumes it
     classes = task.cfg.classes
     scaled = scaled_accuracy(res.best_val_accuracy, classes)
     beyond = beyond_accuracy(model, task, sweep)
@@ -216,7 +221,7 @@ def validate(sweep: StateSweep) -> None:
         _task(t, sweep, sweep.seed)  # validates the lengths
 
 
-def run_sweep(sweep: StateSweep, out: str | Path | None = None) -> Path:
+def run_sweep(sweep: StateSweep, out: str | Path | None = None, minutes: float | None = None) -> Path:
     """Run (or resume, when `out` already holds part of it) the sweep; write and print the results."""
     validate(sweep)
-    return run_grid("state", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot)
+    return run_grid("state", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot, minutes=minutes)

@@ -7,6 +7,7 @@ import datetime
 import json
 import multiprocessing as mp
 import os
+import time
 from pathlib import Path
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -77,6 +78,33 @@ def run_jobs(fn: Callable[[dict], dict | None], jobs: list[dict], *, workers: in
     return [results.get(i) for i in range(len(jobs))]
 
 
+def with_deadline(jobs: list[dict], minutes: float | None) -> list[dict]:
+    """The jobs of a timed piece (`--minutes`): each gets a wall-clock `stop_at` that many minutes from now, which its
+    run honours (out_of_time before it starts, piece_fields while it trains). None: the jobs as they are."""
+    if minutes is None:
+        return jobs
+    if not minutes > 0:
+        raise ValueError(f"minutes: expected a positive number, got {minutes}")
+    stop_at = time.time() + 60 * minutes
+    return [{**job, "stop_at": stop_at} for job in jobs]
+
+
+def out_of_time(job: dict) -> bool:
+    """Whether a job's piece is over (a run that has not started is left for the next piece)."""
+    return job.get("stop_at") is not None and time.time() >= job["stop_at"]
+
+
+def piece_fields(job: dict, every: int) -> dict:
+    """TrainConfig fields of a run in a timed piece: stop at the job's stop_at, checkpointing every `every` steps so the
+    next piece resumes it where it stopped (train() then returns interrupted, and the run's fn returns None)."""
+    return {} if job.get("stop_at") is None else {"stop_at": job["stop_at"], "checkpoint_every": every}
+
+
+def stopped_message(minutes: float | None, jobs: list, left: int, root: Path) -> str:
+    return (f"stopped after {minutes:g} min: {len(jobs) - left} of {len(jobs)} runs finished, {left} left (unfinished "
+            f"ones resume from their checkpoints); run the same command with --out {root} to continue")
+
+
 def sweep_folder(kind: str, sweep, out: str | Path | None, *, defaults: dict | None = None) -> Path:
     """The folder of a sweep (a dataclass): `out`, or runs/<kind>/<timestamp>/, with the sweep's config.json. A folder
     that already holds another config is refused; `defaults` (the config's fields at their defaults) fills in fields
@@ -123,14 +151,22 @@ def check_at_least_one(sweep, fields: tuple) -> None:
 
 
 def run_grid(kind: str, sweep, out: str | Path | None, *, jobs_for: Callable, run_one: Callable, report: Callable,
-             plot: Callable) -> Path:
+             plot: Callable, minutes: float | None = None) -> Path:
     """Run (or resume) a lab's validated sweep (a dataclass) in `sweep_folder(kind, sweep, out)`: jobs_for(sweep,
     root) through run_jobs, then results.jsonl, table.md = report(sweep, results) and plot(sweep, results,
-    root / "<kind>.png"); prints the table; returns root."""
+    root / "<kind>.png"); prints the table; returns root. `minutes`: a timed piece (with_deadline) — when runs are
+    left, nothing but their own folders is written and the message says how to continue."""
+    if minutes is not None and not minutes > 0:
+        raise ValueError(f"minutes: expected a positive number, got {minutes}")
     root = sweep_folder(kind, sweep, out)
-    jobs = jobs_for(sweep, root)
+    jobs = with_deadline(jobs_for(sweep, root), minutes)
     print(f"{kind} sweep: {len(jobs)} runs -> {root}")
-    results = [r for r in run_jobs(run_one, jobs, workers=sweep.workers, desc=kind) if r is not None]
+    outs = run_jobs(run_one, jobs, workers=sweep.workers, desc=kind)
+    left = sum(r is None for r in outs)
+    if left:
+        print(stopped_message(minutes, jobs, left, root))
+        return root
+    results = [r for r in outs if r is not None]
     write_results(root, results)
     table = report(sweep, results)
     (root / "table.md").write_text(table + "\n")

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import check_at_least_one, check_names, from_json, run_grid
+from evict.lab.sweep import check_at_least_one, check_names, from_json, out_of_time, piece_fields, run_grid
 from evict.layers import memory_mixer
 from evict.models import LM, presets
 from evict.stories import fade_curve, twin_boards
@@ -211,9 +211,11 @@ def read_memory(model: LM, task: SwitchTask, sweep: StoriesSweep) -> dict:
     }
 
 
-def run_one(job: dict) -> dict:
+def run_one(job: dict) -> dict | None:
     """Train one (model, seed) run and read its memory; module-level so worker processes can run it."""
     logging.getLogger("evict").setLevel(logging.WARNING)
+    if out_of_time(job):
+        return None  # a timed piece is over: left for the next one
     sweep = from_json(StoriesSweep, job["sweep"])
     seed = job["seed"]
     task = SwitchTask(task_config(sweep, seed))
@@ -222,8 +224,11 @@ def run_one(job: dict) -> dict:
     on_gpu = resolve_device(sweep.device).type == "cuda"
     tc = TrainConfig(steps=sweep.steps, batch_size=sweep.batch_size, lr=sweep.lr, weight_decay=0.1, warmup_steps=0,
                      eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, seed=seed, device=sweep.device,
-                     out_dir=job["dir"], progress=False, log_every=50, graphs=on_gpu)
+                     out_dir=job["dir"], progress=False, log_every=50, graphs=on_gpu,
+                     **piece_fields(job, sweep.eval_every))
     res = train(model, task, tc)
+    if res.interrupted:
+        return None  # stopped at the piece's end: its checkpoint resumes it
     mem = read_memory(model, task, sweep)
     return {
         "model": job["model"], "seed": seed, "accuracy": res.final_val_accuracy, "best_accuracy": res.best_val_accuracy,
@@ -365,11 +370,11 @@ def validate(sweep: StoriesSweep) -> None:
         model_config(m, sweep, task.vocab_size, task.seq_len)  # validates the widths
 
 
-def run_sweep(sweep: StoriesSweep, out: str | Path | None = None) -> Path:
+def run_sweep(sweep: StoriesSweep, out: str | Path | None = None, minutes: float | None = None) -> Path:
     """Run (or resume, when `out` already holds part of it) the sweep; write and print the results, and the lesson's
     d = 4 figures (lesson.json, lesson.png) beside them."""
     validate(sweep)
-    root = run_grid("stories", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot)
+    root = run_grid("stories", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot, minutes=minutes)
     (root / "lesson.json").write_text(json.dumps({"fade_curve": fade_curve(), "twin_boards": twin_boards()}))
     print(f"wrote {root / 'lesson.json'}, {lesson_plot(root / 'lesson.png')}")
     return root

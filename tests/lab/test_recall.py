@@ -99,6 +99,7 @@ def test_sweep_in_pieces_equals_one_piece(tmp_path, capsys, monkeypatch):
     import time
 
     from evict.lab import recall
+    from evict.lab import sweep as sweep_mod
 
     sweep = replace(MICRO, archs=("deltanet",), settings=((16, 2),), lrs=(3e-3,), steps=8, eval_every=2)
     whole = run_sweep(sweep, out=tmp_path / "whole")
@@ -106,9 +107,12 @@ def test_sweep_in_pieces_equals_one_piece(tmp_path, capsys, monkeypatch):
     assert "0 of 1 runs finished, 1 left" in capsys.readouterr().out and not list(late.glob("runs/*"))
     assert "| deltanet | — | — |" in (late / "partial_table.md").read_text()
     # the lab's clock says "start", the training loop's real clock says "stop": one step, a checkpoint, no result
-    monkeypatch.setattr(recall, "time", type("Clock", (), {"time": staticmethod(lambda: 0.0)}))
+    clock = type("Clock", (), {"time": staticmethod(lambda: 0.0)})
+    monkeypatch.setattr(recall, "time", clock)
+    monkeypatch.setattr(sweep_mod, "time", clock)
     piece = run_sweep(sweep, out=tmp_path / "pieces", minutes=1e-9)
     monkeypatch.setattr(recall, "time", time)
+    monkeypatch.setattr(sweep_mod, "time", time)
     assert "0 of 1 runs finished, 1 left" in capsys.readouterr().out
     assert not (piece / "table.md").exists() and not list(piece.glob("runs/*/result.json"))
     assert (next(piece.glob("runs/*")) / "checkpoint.pt").exists()

@@ -1,0 +1,80 @@
+"""Timed pieces of every lab sweep (`--minutes`, evict/lab/sweep.py): a run in flight checkpoints and stops, the
+runs not started wait, nothing but the runs' own folders is written, and the same command continues to the results
+of one uninterrupted sweep."""
+
+import json
+import time
+from dataclasses import replace
+
+import pytest
+
+from evict.cli import main
+from evict.lab import capacity, pairs, state
+from evict.lab import sweep as sweep_mod
+from evict.lab.sweep import out_of_time, piece_fields, with_deadline
+
+from .test_capacity import MICRO as CAPACITY
+from .test_pairs import MICRO as PAIRS
+from .test_state import MICRO as STATE
+
+CLOCK = type("Clock", (), {"time": staticmethod(lambda: 0.0)})  # the lab's clock says "start"; train()'s real one "stop"
+
+
+def test_deadline_helpers():
+    jobs = [{"dir": "a"}, {"dir": "b"}]
+    assert with_deadline(jobs, None) is jobs and not out_of_time(jobs[0]) and piece_fields(jobs[0], 5) == {}
+    timed = with_deadline(jobs, 2.0)
+    assert len({j["stop_at"] for j in timed}) == 1 and 119 < timed[0]["stop_at"] - time.time() <= 120
+    assert not out_of_time(timed[0]) and piece_fields(timed[0], 5) == {"stop_at": timed[0]["stop_at"], "checkpoint_every": 5}
+    assert out_of_time({"stop_at": time.time() - 1})
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="minutes: expected a positive number"):
+            with_deadline(jobs, bad)
+
+
+def _rows(root):
+    return [json.loads(x) for x in (root / "results.jsonl").read_text().splitlines()]
+
+
+def test_state_lab_in_pieces_equals_one_piece(tmp_path, capsys, monkeypatch):
+    sweep = replace(STATE, tasks=("parity",), models=("deltanet",), steps=6, eval_every=2)
+    whole = state.run_sweep(sweep, out=tmp_path / "whole")
+    late = state.run_sweep(sweep, out=tmp_path / "late", minutes=1e-9)  # over before the run starts: nothing runs
+    assert "0 of 1 runs finished, 1 left" in capsys.readouterr().out
+    assert not list(late.glob("runs/*")) and not (late / "table.md").exists() and not (late / "results.jsonl").exists()
+    monkeypatch.setattr(sweep_mod, "time", CLOCK)
+    piece = state.run_sweep(sweep, out=tmp_path / "piece", minutes=1e-9)  # starts, stops after a step, checkpointed
+    monkeypatch.setattr(sweep_mod, "time", time)
+    assert "0 of 1 runs finished, 1 left" in capsys.readouterr().out
+    assert not (piece / "table.md").exists() and not list(piece.glob("runs/*/result.json"))
+    assert (next(piece.glob("runs/*")) / "checkpoint.pt").exists()
+    state.run_sweep(sweep, out=piece)
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+    assert strip(_rows(piece)) == strip(_rows(whole)) and (piece / "table.md").exists()
+
+
+def test_pairs_lab_piece_keeps_finished_rungs(tmp_path, capsys, monkeypatch):
+    sweep = replace(PAIRS, rules=("deltanet",), dims=(4,), pairs=(1, 2), steps=4, eval_every=2)
+    whole = pairs.run_sweep(sweep, out=tmp_path / "whole")
+    monkeypatch.setattr(sweep_mod, "time", CLOCK)
+    piece = pairs.run_sweep(sweep, out=tmp_path / "piece", minutes=1e-9)
+    monkeypatch.setattr(sweep_mod, "time", time)
+    assert "0 of 1 runs finished, 1 left" in capsys.readouterr().out and not (piece / "table.md").exists()
+    assert list(piece.glob("runs/*/*/checkpoint.pt")) and not list(piece.glob("runs/*/*/result.json"))
+    pairs.run_sweep(sweep, out=piece)
+    strip = lambda rows: [(r["rule"], r["d"], r["max_pairs"], [g["accuracy"] for g in r["rungs"]]) for r in rows]
+    assert strip(_rows(piece)) == strip(_rows(whole))
+
+
+def test_capacity_lab_piece_starts_nothing_after_its_end(tmp_path, capsys):
+    sweep = replace(CAPACITY, rules=("delta",), sizes=(2,), overwrite=(False,), seeds=1)
+    root = capacity.run_sweep(sweep, out=tmp_path / "c", minutes=1e-9)
+    assert "0 of 1 runs finished, 1 left" in capsys.readouterr().out and not (root / "table.md").exists()
+    capacity.run_sweep(sweep, out=root)
+    assert len(_rows(root)) == 1 and (root / "table.md").exists()
+
+
+def test_cli_minutes_flag(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["lab", "state", "--minutes", "0", "--out", str(tmp_path / "x")])
+    assert e.value.code != 0 and "--minutes" in capsys.readouterr().err and not (tmp_path / "x").exists()
