@@ -56,7 +56,7 @@ for what in "$@"; do
     factors) pyt factors.log ${T:-240} tests/ops/test_memory_triton.py -k "kept_factors or dstate_stages" -n 8
              timeout ${TO:-150} python3 dev/check_precision.py channel scalar --factors 2>&1 | grep -v arn | tee $OUT/factors_precision.log
              timeout ${TO:-100} python3 dev/triton_tune.py --shapes 256x512 --heads 4 --dim 32 --variants c16,c16ds2 2>&1 | quiet | tee $OUT/factors_lab.log
-             timeout ${TO:-240} python3 dev/triton_tune.py --shapes 4x8192,1x32768 --variants ${VARS:-v0,fk,fkt,kb64,c32,c32fk,c32fkt,c32ds2,c32fkds2,c32dk2,c32dkw4} \
+             timeout ${TO:-300} python3 dev/triton_tune.py --shapes 4x8192,1x32768 --variants ${VARS:-v0,fk,fkt,kb64,c32,c32fk,c32fkt,c32ds2,c32fkds2,c32dk2,c32dkw4,c32bv64,c32bv16,c32st3} \
                2>&1 | quiet | tee $OUT/factors_time.log ;;
     precision) timeout ${TO:-200} python3 dev/check_precision.py ${GATES:-channel} 2>&1 | tee $OUT/precision.log
                timeout ${TO:-150} python3 dev/triton_tune.py --variants v0,pr3,rc3,rc3t 2>&1 | quiet | tee $OUT/precision_time.log ;;

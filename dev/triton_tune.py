@@ -84,6 +84,9 @@ VARIANTS = {  # name -> (forward knobs, backward knobs); a* = ablations (timing 
     "c32fkds2": (dict(chunk=32, keep_factors="tf32x3"), dict(chunk=32, dstate_stages=2)),
     "c32dk2": (dict(chunk=32), dict(chunk=32, split=True)),  # scalar gates' key kernel in two launches at C 32
     "c32dkw4": (dict(chunk=32), dict(chunk=32, warps=(4, 8, 4))),  # the key kernel at 4 warps
+    "c32bv64": (dict(chunk=32, block_v=64), dict(chunk=32, block_v=64)),  # the sequential kernels' V columns at C 32
+    "c32bv16": (dict(chunk=32, block_v=16), dict(chunk=32, block_v=16)),
+    "c32st3": (dict(chunk=32, stages=3), dict(chunk=32, stages=3)),  # the carry's software pipelining
     "kb64": (dict(intra_kb=64), dict(intra_kb=64)),  # session 10's defaults plus key blocks at C 64
     "c32all": (dict(chunk=32, intra_kb=32, out_dot16=True, carry_halves=True),
                dict(chunk=32, intra_kb=32, halves=True, dkey_block=32)),

@@ -539,16 +539,25 @@ def _opt_in_errors(gate, delta, dtype, T, K, V, strong, fwd_kw, bwd_kw):
     return [rel(o, o_ref), rel(s, s_ref), *[rel(a, b) for a, b in zip([t for t in got if t is not None], ref)]]
 
 
+HEADS_128 = ((333, 128, 64, False), (130, 128, 96, True), (75, 96, 32, False))  # (T, K, V, strong): odd T, a masked K
+HEADS_32_TO_128 = ((333, 32, 32, False), (130, 128, 96, True), (75, 64, 32, False))  # the lab's heads of 32 too
+
+
+def _check_opt_in(gate, delta, dtype, fwd_kw, bwd_kw, cases=HEADS_128):
+    """Every case's output, state and gradients within the dtype's tolerance of float64 (_opt_in_errors)."""
+    for T, K, V, strong in cases:
+        errs = _opt_in_errors(gate, delta, dtype, T, K, V, strong, fwd_kw, bwd_kw)
+        assert max(errs) <= TOL[dtype], (T, K, strong, errs)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("delta", [False, True])
 @pytest.mark.parametrize("kb", [32, 64])
 def test_gpu_intra_key_blocks_match_reference(dtype, delta, kb):
-    """`intra_kb` (opt-in until measured): per-channel gates' first stage by key blocks, in the forward and the
+    """`intra_kb` (opt-in): per-channel gates' first stage by key blocks, in the forward and the
     backward's recompute, against float64 (output, state, every gradient), odd T, strong decay, a masked key block."""
-    for T, K, V, strong in ((333, 128, 64, False), (130, 128, 96, True), (75, 96, 32, False)):
-        errs = _opt_in_errors("channel", delta, dtype, T, K, V, strong, dict(intra_kb=kb), dict(intra_kb=kb))
-        assert max(errs) <= TOL[dtype], (T, K, strong, errs)
+    _check_opt_in("channel", delta, dtype, dict(intra_kb=kb), dict(intra_kb=kb))
 
 
 @pytest.mark.gpu
@@ -556,21 +565,17 @@ def test_gpu_intra_key_blocks_match_reference(dtype, delta, kb):
 @pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
 @pytest.mark.parametrize("chunk", [32, 16])
 def test_gpu_shorter_chunks_match_reference(dtype, gate, delta, chunk):
-    """`chunk` 32 / 16 (opt-in until measured): forward and backward against float64, odd T, the lab's heads of 32
-    and heads of 128, strong decay."""
-    for T, K, V, strong in ((333, 32, 32, False), (130, 128, 96, True), (75, 64, 32, False)):
-        errs = _opt_in_errors(gate, delta, dtype, T, K, V, strong, dict(chunk=chunk), dict(chunk=chunk))
-        assert max(errs) <= TOL[dtype], (T, K, strong, errs)
+    """`chunk` 32 / 16 (auto_chunk's picks by shape): forward and backward against float64, odd T, the lab's heads of
+    32 and heads of 128, strong decay."""
+    _check_opt_in(gate, delta, dtype, dict(chunk=chunk), dict(chunk=chunk), HEADS_32_TO_128)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("delta", [False, True])
 def test_gpu_dkey_block_32_matches_reference(dtype, delta):
-    """`dkey_block=32` (opt-in until measured): the split key kernel with 32-column tiles, per-channel gates."""
-    for T, K, V, strong in ((333, 128, 64, False), (130, 128, 96, True), (75, 96, 32, False)):
-        errs = _opt_in_errors("channel", delta, dtype, T, K, V, strong, {}, dict(dkey_block=32))
-        assert max(errs) <= TOL[dtype], (T, K, strong, errs)
+    """`dkey_block=32` (opt-in; slower on the H200): the split key kernel with 32-column tiles, per-channel gates."""
+    _check_opt_in("channel", delta, dtype, {}, dict(dkey_block=32))
 
 
 @pytest.mark.gpu
@@ -580,10 +585,7 @@ def test_gpu_dkey_block_32_matches_reference(dtype, delta):
 def test_gpu_kept_factors_match_reference(dtype, gate, delta, prec, chunk):
     """`keep_factors` / `factors` (opt-in until measured): the backward takes the forward's T, A~, P (first stage at
     `prec`), against float64 (output, state, every gradient), odd T, strong decay, K 128 and a masked K 96."""
-    for T, K, V, strong in ((333, 128, 64, False), (130, 128, 96, True), (75, 96, 32, False)):
-        errs = _opt_in_errors(gate, delta, dtype, T, K, V, strong, dict(keep_factors=prec, chunk=chunk),
-                              dict(chunk=chunk))
-        assert max(errs) <= TOL[dtype], (T, K, strong, errs)
+    _check_opt_in(gate, delta, dtype, dict(keep_factors=prec, chunk=chunk), dict(chunk=chunk))
 
 
 @pytest.mark.gpu
@@ -593,9 +595,7 @@ def test_gpu_kept_factors_match_reference(dtype, gate, delta, prec, chunk):
 def test_gpu_dstate_stages_match_reference(dtype, gate, delta, chunk):
     """`dstate_stages=2` (opt-in until measured): the state gradient kernel pipelined, against float64, odd T, strong
     decay, the lab's heads of 32 and heads of 128."""
-    for T, K, V, strong in ((333, 32, 32, False), (130, 128, 96, True), (75, 64, 32, False)):
-        errs = _opt_in_errors(gate, delta, dtype, T, K, V, strong, dict(chunk=chunk), dict(chunk=chunk, dstate_stages=2))
-        assert max(errs) <= TOL[dtype], (T, K, strong, errs)
+    _check_opt_in(gate, delta, dtype, dict(chunk=chunk), dict(chunk=chunk, dstate_stages=2), HEADS_32_TO_128)
 
 
 @pytest.mark.gpu
@@ -605,9 +605,7 @@ def test_gpu_one_tile_states_match_reference(dtype, gate, delta):
     """`carry_halves=False` / `halves=False`: the state and its gradient as one tile of key rows (the two-tile forms
     are the default at K >= 64 and covered by the default tests), against float64, odd T, strong decay, K 128 and a
     masked K 96."""
-    for T, K, V, strong in ((333, 128, 64, False), (130, 128, 96, True), (75, 96, 32, False)):
-        errs = _opt_in_errors(gate, delta, dtype, T, K, V, strong, dict(carry_halves=False), dict(halves=False))
-        assert max(errs) <= TOL[dtype], (T, K, strong, errs)
+    _check_opt_in(gate, delta, dtype, dict(carry_halves=False), dict(halves=False))
 
 
 @pytest.mark.gpu
