@@ -3,7 +3,7 @@
 # modes run in order. The GPU box has no package index: fastapi / uvicorn / httpx and fla (the optional oracle)
 # install from the carried ./.whl.
 # Timeouts: T (tests), TO (benches); every mode writes its log under $OUT. Modes:
-#   tests:   optests (memory op), alltests (every `gpu` test), verify (distributed + fast training), mptests
+#   tests:   optests (memory op, default forms), formtests (its opt-in forms), alltests (every `gpu` test), verify (distributed + fast training), mptests
 #            (mixed precision), bwtests (the memory op's gradient tests), convtests (the short conv's Triton form + mixed precision), traintests, decodetests
 #   kernels: opsfwd (bench ops without fla's slowly autotuned backward), ops (all of it), tune (TUNE=args),
 #            tunefwd / tunebwd (session 5's variant sets), split (the key kernel in one launch or two), factors (session 10's kept
@@ -23,11 +23,13 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import fastapi, uvicorn, httpx" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl/serve fastapi uvicorn httpx
 python3 -c "import fla" 2>/dev/null || python3 -m pip install -q --no-index --no-deps .whl/fla/*.whl
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+FORMS="kept_factors or dstate_stages or intra_key_blocks or dkey_block or one_tile or float32_operands"  # opt-in knobs' tests
 quiet() { grep -v "Warning\|warn\|^  \|^$"; }
 pyt() { local log=$1 t=$2; shift 2; timeout $t python3 -m pytest "$@" -m gpu -rf -p no:cacheprovider 2>&1 | tee $OUT/$log | quiet | tail -30; }
 for what in "$@"; do
   case $what in
-    optests) pyt optests.log ${T:-480} tests/ops/test_memory_triton.py -n 8 ;;
+    optests) pyt optests.log ${T:-480} tests/ops/test_memory_triton.py -n 8 -k "not ($FORMS)" ;;  # the default forms (119 tests)
+    formtests) pyt formtests.log ${T:-420} tests/ops/test_memory_triton.py -n 8 -k "$FORMS" ;;  # the opt-in forms (90)
     alltests) pyt alltests.log ${T:-420} tests -n 8 --durations=15 ;;
     verify) pyt verify.log ${T:-300} tests/test_distributed_gpu.py tests/test_train_fast.py -n 4 ;;
     bwtests) pyt bwtests.log ${T:-300} tests/ops/test_memory_triton.py -k "gradients_match or packed or hard_resets or strong_decay" -n 8 ;;
