@@ -400,6 +400,17 @@ def test_backward_precision_tuple_length_is_checked():
         backward_triton(x, x, x, None, None, None, x, None, delta=True, scale=0.25, precision=("tf32",) * 3)
 
 
+def test_factors_kept_at_another_chunk_are_refused():
+    """`factors` from a forward at chunks of 64 cannot serve a backward at 32: refused before a kernel runs."""
+    pytest.importorskip("triton")
+    from evict.ops.memory.triton.backward import backward_triton
+
+    x = torch.zeros(1, 4, 1, 16)
+    kept = {"Tm": x, "Am": x, "Pm": x, "C": 64}
+    with pytest.raises(ValueError, match="factors: kept at chunks of 64, used at 32"):
+        backward_triton(x, x, x, None, None, None, x, None, delta=True, scale=0.25, chunk=32, factors=kept)
+
+
 # -- GPU -------------------------------------------------------------------------------------------------------
 
 def _cuda(x, dtype):
