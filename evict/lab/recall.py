@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import from_json, out_of_time, run_jobs, stopped_message, sweep_folder, with_deadline, write_results
+from evict.lab.sweep import (check_minutes, from_json, out_of_time, run_jobs, stopped_message, sweep_folder,
+                             with_deadline, write_results)
 from evict.models import LM, presets
 from evict.tasks.mqar import MQARConfig, MQARTask
 from evict.train import TrainConfig, resolve_device, train
@@ -375,8 +376,7 @@ def run_sweep(sweep: RecallSweep, out: str | Path | None = None, minutes: float 
     finished runs of its (L, K, d) say would not end in time (expected_seconds; a later, smaller job goes instead) — and
     say how much is left; the same command (same `out`) continues. Tables and plots are written once every run has finished;
     a stopped sweep writes partial_table.md with the cells known so far (known_rows)."""
-    if minutes is not None and not minutes > 0:
-        raise ValueError(f"minutes: expected a positive number, got {minutes}")
+    check_minutes(minutes)
     unknown = [a for a in sweep.archs if a not in presets.FAMILIES]
     if unknown:
         raise ValueError(f"archs: unknown architecture(s) {unknown}; expected names from {list(presets.FAMILIES)}")

@@ -78,13 +78,18 @@ def run_jobs(fn: Callable[[dict], dict | None], jobs: list[dict], *, workers: in
     return [results.get(i) for i in range(len(jobs))]
 
 
+def check_minutes(minutes: float | None) -> None:
+    """A timed piece's length: None or a positive number (checked before a sweep writes anything)."""
+    if minutes is not None and not minutes > 0:
+        raise ValueError(f"minutes: expected a positive number, got {minutes}")
+
+
 def with_deadline(jobs: list[dict], minutes: float | None) -> list[dict]:
     """The jobs of a timed piece (`--minutes`): each gets a wall-clock `stop_at` that many minutes from now, which its
     run honours (out_of_time before it starts, piece_fields while it trains). None: the jobs as they are."""
+    check_minutes(minutes)
     if minutes is None:
         return jobs
-    if not minutes > 0:
-        raise ValueError(f"minutes: expected a positive number, got {minutes}")
     stop_at = time.time() + 60 * minutes
     return [{**job, "stop_at": stop_at} for job in jobs]
 
@@ -101,8 +106,10 @@ def piece_fields(job: dict, every: int) -> dict:
 
 
 def stopped_message(minutes: float | None, jobs: list, left: int, root: Path) -> str:
-    return (f"stopped after {minutes:g} min: {len(jobs) - left} of {len(jobs)} runs finished, {left} left (unfinished "
-            f"ones resume from their checkpoints); run the same command with --out {root} to continue")
+    """What a sweep with runs left says: how many finished, and how to continue."""
+    after = f" after {minutes:g} min" if minutes is not None else ""
+    return (f"stopped{after}: {len(jobs) - left} of {len(jobs)} runs finished, {left} left (unfinished ones resume "
+            f"from their checkpoints); run the same command with --out {root} to continue")
 
 
 def sweep_folder(kind: str, sweep, out: str | Path | None, *, defaults: dict | None = None) -> Path:
@@ -156,8 +163,7 @@ def run_grid(kind: str, sweep, out: str | Path | None, *, jobs_for: Callable, ru
     root) through run_jobs, then results.jsonl, table.md = report(sweep, results) and plot(sweep, results,
     root / "<kind>.png"); prints the table; returns root. `minutes`: a timed piece (with_deadline) — when runs are
     left, nothing but their own folders is written and the message says how to continue."""
-    if minutes is not None and not minutes > 0:
-        raise ValueError(f"minutes: expected a positive number, got {minutes}")
+    check_minutes(minutes)
     root = sweep_folder(kind, sweep, out)
     jobs = with_deadline(jobs_for(sweep, root), minutes)
     print(f"{kind} sweep: {len(jobs)} runs -> {root}")
