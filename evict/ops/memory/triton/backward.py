@@ -435,8 +435,9 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     final state's gradient (or None). Recomputes the forward's per-chunk factors and start states. `chunks`: packed
     sequences' chunk table, as forward_triton's. `precision`: tl.dot's input precision, one for every kernel or a tuple
     (recompute, dstate, dvalue, dkey) or (recompute's first stage, recompute's carry, dstate, dvalue, dkey); default:
-    16-bit inputs ("tf32x3", "tf32", "tf32", "tf32x3"), float32 inputs "tf32x3" everywhere. `split`: the key kernel in two (phases 1-2 per chunk, then phase 3 per sub-chunk strip) with
-    [C, dkey_block]-column tiles; default (None): per-channel gates with K > 64, where
+    16-bit inputs ("tf32x3", "tf32", "tf32", "tf32x3"), float32 inputs "tf32x3" everywhere. `split`: the key kernel
+    in two (phases 1-2 per chunk, then phase 3 per sub-chunk strip) with [C, dkey_block]-column tiles; default (None):
+    per-channel gates with K > 64, where
     the one kernel spills on sm_90 and the split measured 8.9 ms against its 12.7 (H200, B4 T8192 H16 D128 bf16;
     scalar gates: 7.2 against 5.7). At K <= 64 neither form spills; one kernel, as before (not compared there).
     `intra_kb`: the recompute's `key_block` (forward.intra; opt-in, slower on the H200). `halves` (default on; padded
