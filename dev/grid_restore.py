@@ -32,7 +32,7 @@ def main(target: str, pairs: list[str], lab: str = "recall") -> None:
     root = Path(target)
     cfg = root / "config.json"
     want = json.loads(cfg.read_text()) if cfg.exists() else json.loads(json.dumps(dataclasses.asdict(module.FULL)))
-    restored = 0
+    restored = markers = 0
     for cfg_path, rows_path in zip(pairs[::2], pairs[1::2]):
         got = json.loads(Path(cfg_path).read_text())
         differ = sorted(k for k in set(want) | set(got) if k not in which and want.get(k) != got.get(k))
@@ -41,12 +41,29 @@ def main(target: str, pairs: list[str], lab: str = "recall") -> None:
         for line in Path(rows_path).read_text().splitlines():
             row = json.loads(line)
             out = root / "runs" / row.pop("dir") / "result.json"
+            if lab == "recall":
+                markers += _solved(root, row, want.get("target_accuracy", 0.99))
             if out.exists():
                 continue
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(row, indent=2))
             restored += 1
-    print(f"restored {restored} finished runs into {root / 'runs'}")
+    print(f"restored {restored} finished runs into {root / 'runs'}" + (f", {markers} solved-cell markers" if markers else ""))
+
+
+def _solved(root: Path, row: dict, target: float) -> int:
+    """The cell's solved marker (recall.solved_marker) for a restored run that reached the target, so the next piece
+    skips or stops the cell's other learning rates as the piece that solved it would have; 1 when written."""
+    from evict.lab.recall import solved_marker
+
+    if (row.get("accuracy") or 0) < target:
+        return 0
+    marker = solved_marker({**row, "seed": row.get("seed", 0), "seq_len": row["seq_len"], "solved_dir": str(root / "solved")})
+    if marker is None or marker.exists():
+        return 0
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(f"lr={row['lr']:g} (restored)\n")
+    return 1
 
 
 if __name__ == "__main__":

@@ -123,6 +123,23 @@ def expected_seconds(job: dict, steps: int) -> float | None:
     return None if not rates else rates[len(rates) // 2] * steps
 
 
+def left_estimate(jobs: list[dict], results: list, steps: int) -> tuple[float, int, int]:
+    """What a stopped sweep has left: (seconds, runs estimated, runs without an estimate) — the expected_seconds of
+    every unfinished run whose cell is not solved yet, at the full `steps` (an upper bound: runs stop at the target).
+    Runs of cells with no finished run of >= 1,000 steps have no estimate."""
+    total, known, unknown = 0.0, 0, 0
+    for job, res in zip(jobs, results):
+        marker = solved_marker(job)
+        if res is not None or (marker is not None and marker.exists()):
+            continue
+        need = expected_seconds(job, steps)
+        if need is None:
+            unknown += 1
+        else:
+            total, known = total + need, known + 1
+    return total, known, unknown
+
+
 def run_one(job: dict) -> dict | None:
     """Train one (arch, L, K, d, lr) cell; module-level so worker processes can run it.
 
@@ -397,6 +414,11 @@ def run_sweep(sweep: RecallSweep, out: str | Path | None = None, minutes: float 
                 f"yet. MQAR accuracy (best over lr {list(sweep.lrs)}), {sweep.n_layers} layers, vocab {sweep.vocab_size}")
         (root / "partial_table.md").write_text(f"{head}\n\n{tables}\n")
         print(f"{stopped_message(minutes, jobs, left, root)}; the cells known so far are in {root / 'partial_table.md'}")
+        seconds, known, unknown = left_estimate(jobs, results, sweep.steps)
+        if known:
+            print(f"left, at most: {seconds / 60 / max(1, sweep.workers):.0f} min with {sweep.workers} workers for the "
+                  f"{known} runs whose cells have timed runs (full steps; runs stop at {sweep.target_accuracy:g}), "
+                  f"{unknown} runs more without an estimate")
         return root
     finished = [r for r in results if r is not None]  # all of them (none left)
     rows = [{**r, "seed": job["seed"]} for r, job in zip(finished, jobs)]  # results of older runs lack the seed

@@ -151,6 +151,31 @@ def test_a_piece_does_not_start_a_run_it_cannot_finish(tmp_path):
     assert row is not None and row["steps"] == 4
 
 
+def test_left_estimate_counts_unfinished_runs_of_unsolved_cells(tmp_path):
+    """left_estimate: expected_seconds summed over the unfinished runs (full steps), runs of solved cells skipped, runs
+    of cells without a timed run counted apart."""
+    from evict.lab.recall import left_estimate, solved_marker
+
+    jobs = jobs_for(replace(MICRO, steps=2000), tmp_path)
+    timed = next(j for j in jobs if j["arch"] == "deltanet" and j["pairs"] == 2)
+    f = tmp_path / "runs" / "done" / "result.json"  # a finished run of that cell: 0.05 s per step
+    f.parent.mkdir(parents=True)
+    f.write_text(json.dumps(dict(arch="deltanet", seq_len=timed["seq_len"], pairs=2, d_model=timed["d_model"],
+                                 steps=1000, seconds=50.0)))
+    results = [None] * len(jobs)
+    same_cell = [i for i, j in enumerate(jobs) if (j["seq_len"], j["pairs"], j["d_model"]) == (timed["seq_len"], 2, timed["d_model"])]
+    seconds, known, unknown = left_estimate(jobs, results, 2000)
+    assert known == len(same_cell) and unknown == len(jobs) - known and seconds == pytest.approx(100.0 * known)
+    results[same_cell[0]] = {"accuracy": 0.5}  # finished
+    marker = solved_marker(jobs[same_cell[1]])  # its cell solved: its other lrs will be skipped
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text("lr=1e-3")
+    cell = lambda j: (j["arch"], j["seq_len"], j["pairs"], j["d_model"])
+    solved = sum(cell(jobs[i]) == cell(jobs[same_cell[1]]) for i in same_cell[1:])
+    _, known2, _ = left_estimate(jobs, results, 2000)
+    assert known2 == known - 1 - solved
+
+
 def test_a_solved_cell_stops_its_other_learning_rates(tmp_path):
     """Zoology's early stop at the target, per cell: once one lr reaches it, the cell's best over lr is known to be at
     least the target, so a later lr of that cell is not trained (accuracy None, skipped) and the table uses the winner."""
