@@ -1,0 +1,52 @@
+"""dev/grid_restore.py: the finished runs of earlier GPU pieces (committed JSONL) go back into a sweep folder with
+their cells' solved markers, so the next piece on a bare machine trains only what is left."""
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from evict.lab import recall, state
+
+SPEC = importlib.util.spec_from_file_location("grid_restore", Path(__file__).parents[2] / "dev" / "grid_restore.py")
+grid_restore = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(grid_restore)
+
+
+def _piece(tmp_path, config: dict, rows: list[dict]) -> list[str]:
+    cfg, res = tmp_path / "piece_config.json", tmp_path / "piece_results.jsonl"
+    cfg.write_text(json.dumps(config))
+    res.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [str(cfg), str(res)]
+
+
+def test_recall_rows_and_solved_markers_are_restored(tmp_path):
+    full = json.loads(json.dumps(dataclasses.asdict(recall.FULL)))
+    solved = dict(arch="kda", seq_len=128, pairs=8, d_model=64, lr=2.2e-3, seed=0, accuracy=0.995, steps=900,
+                  dir="kda_L128_K8_d64_lr0.0022")
+    open_cell = dict(arch="linear", seq_len=128, pairs=8, d_model=64, lr=2.2e-3, seed=0, accuracy=0.4, steps=8000,
+                     dir="linear_L128_K8_d64_lr0.0022")
+    files = _piece(tmp_path, {**full, "archs": ["kda", "linear"]}, [solved, open_cell])  # `archs` may differ
+    root = tmp_path / "sweep"
+    grid_restore.main(str(root), files)
+    assert json.loads((root / "runs" / solved["dir"] / "result.json").read_text())["accuracy"] == 0.995
+    marker = recall.solved_marker({**solved, "solved_dir": str(root / "solved")})
+    assert marker.exists() and len(list((root / "solved").iterdir())) == 1  # only the solved cell
+    # the solved cell's other lr is then skipped, as in the piece that solved it
+    job = {**solved, "lr": 1e-2, "dir": str(root / "runs" / "kda_L128_K8_d64_lr0.01"), "solved_dir": str(root / "solved"),
+           "sweep": dataclasses.asdict(recall.FULL)}
+    assert recall.run_one(job)["skipped"].startswith("cell solved first by lr=0.0022")
+
+
+def test_another_config_is_refused_and_labs_compare_every_field(tmp_path):
+    full = json.loads(json.dumps(dataclasses.asdict(recall.FULL)))
+    with pytest.raises(SystemExit, match="steps differ"):
+        grid_restore.main(str(tmp_path / "a"), _piece(tmp_path, {**full, "steps": 100}, []))
+    lab = json.loads(json.dumps(dataclasses.asdict(state.FULL)))
+    row = dict(task="parity", model="kda", seed=0, accuracy=1.0, dir="parity_kda_s0")
+    grid_restore.main(str(tmp_path / "s"), _piece(tmp_path, {**lab, "workers": 1}, [row]), lab="state")
+    assert (tmp_path / "s" / "runs" / "parity_kda_s0" / "result.json").exists() and not (tmp_path / "s" / "solved").exists()
+    with pytest.raises(SystemExit, match="models differ"):
+        grid_restore.main(str(tmp_path / "t"), _piece(tmp_path, {**lab, "models": ["kda"]}, [row]), lab="state")
