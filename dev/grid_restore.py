@@ -31,10 +31,12 @@ def main(target: str, pairs: list[str], lab: str = "recall") -> None:
     which = WHICH if lab == "recall" else {"workers"}
     root = Path(target)
     cfg = root / "config.json"
-    want = json.loads(cfg.read_text()) if cfg.exists() else json.loads(json.dumps(dataclasses.asdict(module.FULL)))
+    # fields a saved config predates take their defaults (as sweep_folder does), e.g. recall's gate_dt
+    defaults = json.loads(json.dumps(dataclasses.asdict(type(module.FULL)())))
+    want = {**defaults, **(json.loads(cfg.read_text()) if cfg.exists() else json.loads(json.dumps(dataclasses.asdict(module.FULL))))}
     restored = markers = 0
     for cfg_path, rows_path in zip(pairs[::2], pairs[1::2]):
-        got = json.loads(Path(cfg_path).read_text())
+        got = {**defaults, **json.loads(Path(cfg_path).read_text())}
         differ = sorted(k for k in set(want) | set(got) if k not in which and want.get(k) != got.get(k))
         if differ:
             sys.exit(f"{cfg_path}: trained with another config ({', '.join(differ)} differ); its runs are not restored")

@@ -47,6 +47,7 @@ class PairsSweep:
     eval_every: int = 100
     eval_batches: int = 2
     chunk_size: int | None = 16  # None: the memory op picks by shape (CUDA: auto_chunk; CPU: 64)
+    gate_dt: tuple = (1e-3, 1e-1)  # the decay gates' initial dt range (one head per layer: one draw per layer)
     seed: int = 0
     seeds: int = 1
     workers: int = 2
@@ -72,6 +73,7 @@ def recall_sweep(sweep: PairsSweep, d: int) -> recall.RecallSweep:
         n_layers=sweep.n_layers,
         vocab_size=sweep.vocab_size, steps=sweep.steps, chunk_size=sweep.chunk_size, batch_size=sweep.batch_size,
         eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, seed=sweep.seed, device=sweep.device, workers=1,
+        gate_dt=tuple(sweep.gate_dt),
     )
 
 
@@ -238,6 +240,9 @@ def validate(sweep: PairsSweep) -> None:
         raise ValueError(f"threshold: expected a number in (0, 1], got {sweep.threshold}")
     if sweep.len_per_pair < 4:
         raise ValueError(f"len_per_pair: expected >= 4 (MQAR needs L >= 4K), got {sweep.len_per_pair}")
+    lo, hi = (tuple(sweep.gate_dt) + (0, 0))[:2]
+    if len(sweep.gate_dt) != 2 or not 0 < lo <= hi:
+        raise ValueError(f"gate_dt: expected MIN MAX with 0 < MIN <= MAX, got {list(sweep.gate_dt)}")
     if not sweep.lrs or not all(lr > 0 for lr in sweep.lrs):
         raise ValueError(f"lrs: expected learning rates > 0, got {list(sweep.lrs)}")
     check_at_least_one(sweep, ("steps", "batch_size", "eval_every", "eval_batches", "seeds", "workers", "min_len",

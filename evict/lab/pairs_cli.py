@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from evict.cli_args import add_lab_parser, positive_int, run_lab, unit_interval
+from evict.cli_args import add_lab_parser, positive_float, positive_int, run_lab, unit_interval
 
 
 def run_pairs(args) -> None:
@@ -12,7 +12,8 @@ def run_pairs(args) -> None:
     run_lab(args, pairs, {"rules": tuple(args.rules) if args.rules else None,
                           "dims": tuple(args.dims) if args.dims else None,
                           "pairs": tuple(args.pairs) if args.pairs else None,
-                          "lrs": lrs, "threshold": args.threshold, "d_model": args.d_model})
+                          "lrs": lrs, "threshold": args.threshold, "d_model": args.d_model,
+                          "gate_dt": tuple(args.gate_dt) if args.gate_dt else None})
 
 
 def add_parser(lab_sub) -> None:
@@ -29,4 +30,6 @@ def add_parser(lab_sub) -> None:
     s.add_argument("--d-model", type=positive_int, metavar="W", help="the models' width, the same for every d (quick 32, full 256)")
     s.add_argument("--pairs", nargs="+", type=positive_int, metavar="K", help="the ladder of pair counts")
     s.add_argument("--threshold", type=unit_interval, help="accuracy a rung must reach (default 0.9)")
+    s.add_argument("--gate-dt", nargs=2, type=positive_float, metavar=("MIN", "MAX"),
+                   help="the decay gates' initial dt range, log-uniform (default 1e-3 1e-1); the rate is A dt, A ~ U(1, 16)")
     s.set_defaults(fn=run_pairs)

@@ -66,6 +66,7 @@ class RecallSweep:
     workers: int = 2
     device: str = "cpu"
     compile: bool = False  # CUDA: each block through torch.compile inside the step's CUDA graph (BENCHMARKS.md)
+    gate_dt: tuple = (1e-3, 1e-1)  # the decay gates' initial dt range (ModelConfig.gate_dt_min / gate_dt_max)
     notes: dict = field(default_factory=dict)
 
 
@@ -90,7 +91,8 @@ def model_config(arch: str, d_model: int, sweep: RecallSweep, seq_len: int):
         arch, size="tiny", vocab_size=sweep.vocab_size, d_model=d_model, n_layers=sweep.n_layers,
         n_heads=sweep.n_heads or d_model // hd, head_dim=hd, d_ff=2 * d_model, moe=None, attn_res=False,
         short_conv=True, kv_lora_rank=max(16, d_model // 2), qk_nope_dim=hd, qk_rope_dim=max(2, hd // 2), v_head_dim=hd,
-        chunk_size=sweep.chunk_size, max_seq_len=max(seq_len, 64),
+        chunk_size=sweep.chunk_size, max_seq_len=max(seq_len, 64), gate_dt_min=sweep.gate_dt[0],
+        gate_dt_max=sweep.gate_dt[-1],
     )
 
 

@@ -49,6 +49,7 @@ class MemoryMixer(nn.Module):
         H, D, d = cfg.n_heads, cfg.head_size, cfg.d_model
         self.H, self.D, self.chunk_size = H, D, cfg.chunk_size
         self.gate_form, self.neg_eigval = cfg.gate_form, cfg.neg_eigval
+        self.gate_dt = (cfg.gate_dt_min, cfg.gate_dt_max)
         self.wqkv = nn.Linear(d, 3 * H * D, bias=False)
         self.conv = ShortConv(3 * H * D, cfg.conv_size) if use_conv else None
         self.wo = nn.Linear(H * D, d, bias=False)
@@ -82,10 +83,11 @@ class MemoryMixer(nn.Module):
         reset_children(self)
 
     def reset_gate(self) -> None:
-        """A_log = log U(1, 16); dt_bias so the initial per-step decay rate A·dt has dt log-uniform in [1e-3, 1e-1]."""
+        """A_log = log U(1, 16); dt_bias so the initial per-step decay rate A·dt has dt log-uniform in cfg's
+        [gate_dt_min, gate_dt_max] (default [1e-3, 1e-1], Mamba-2's and Gated DeltaNet's)."""
         with torch.no_grad():
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
-            dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)))
+            dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(*map(math.log, self.gate_dt)))
             if self.gate_form == "softplus":
                 self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
             else:  # bounded: -5 sigmoid(A (g + b)) = -A dt at g = 0

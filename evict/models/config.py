@@ -68,6 +68,9 @@ class ModelConfig:
     # linear / delta family
     conv_size: int = 4
     gate_form: str = "softplus"  # "softplus" (Kimi Linear) | "bounded" (K3: log alpha in [-5, 0])
+    # the decay gate's initial per-step rate A dt (A ~ U(1, 16)): dt log-uniform in [gate_dt_min, gate_dt_max]
+    gate_dt_min: float = 1e-3
+    gate_dt_max: float = 1e-1
     neg_eigval: bool = False  # beta = 2 sigmoid(.) in (0, 2)
     out_gate_rank: int | None = 0  # sigmoid output gate: 0 = head dim (low rank), None = full rank
     chunk_size: int | None = None  # the memory op's chunk; None: each form's own (memory(): 64 on the CPU, auto_chunk on CUDA)
@@ -148,6 +151,10 @@ class ModelConfig:
         for name in ("bias", "short_conv", "neg_eigval", "mla_rope", "mla_gate", "attn_res", "tie_embeddings"):
             need(isinstance(getattr(self, name), bool), f"{name}: expected True or False, got {getattr(self, name)!r}")
         _real("rope_theta", self.rope_theta, positive=True)
+        _real("gate_dt_min", self.gate_dt_min, positive=True)
+        _real("gate_dt_max", self.gate_dt_max, positive=True)
+        need(self.gate_dt_min <= self.gate_dt_max,
+             f"gate_dt_max: expected >= gate_dt_min={self.gate_dt_min}, got {self.gate_dt_max!r}")
         _real("norm_eps", self.norm_eps, positive=True)
         _real("init_std", self.init_std, positive=False)
         need(isinstance(self.extra, dict), f"extra: expected a dict, got {type(self.extra).__name__}")

@@ -98,3 +98,18 @@ def test_micro_sweep_on_cuda(tmp_path):
     root = run_sweep(replace(MICRO, device="cuda", steps=4, eval_every=2), out=tmp_path / "gpu")
     rows = [json.loads(line) for line in (root / "results.jsonl").read_text().splitlines()]
     assert len(rows) == len(MICRO.rules) * len(MICRO.dims) and all(r["rungs"] for r in rows)
+
+
+def test_gate_dt_reaches_the_models_and_is_validated(tmp_path, capsys):
+    """--gate-dt: the decay gates' initial dt range goes through the recall sweep into every model's config; a range
+    that is not 0 < MIN <= MAX is one line and nothing written."""
+    from evict.lab import recall
+
+    rs = pairs.recall_sweep(replace(MICRO, gate_dt=(1e-4, 2e-4)), 4)
+    cfg = recall.model_config("kda", MICRO.d_model, rs, 16)
+    assert (cfg.gate_dt_min, cfg.gate_dt_max) == (1e-4, 2e-4)
+    with pytest.raises(SystemExit) as e:
+        main(["lab", "pairs", "--gate-dt", "1e-2", "1e-3", "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "gate_dt: expected MIN MAX with 0 < MIN <= MAX" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists()

@@ -111,3 +111,30 @@ def test_activation_checkpointing_per_block_keeps_gradients():
         torch.nn.functional.cross_entropy(m(tok).flatten(0, 1), tok.flatten()).backward()
         grads.append([p.grad.clone() for p in m.parameters()])
     assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("name,form", [("gated_deltanet", "softplus"), ("kda", "softplus"), ("kda", "bounded")])
+def test_gate_dt_range_sets_the_initial_decay_rate(name, form):
+    """gate_dt_min / gate_dt_max: the decay gate's initial per-step rate is A dt with dt log-uniform in that range
+    (at f_gate(x) = 0): the default [1e-3, 1e-1], a slow start [1e-4, 1e-3], a single value."""
+    import torch.nn.functional as F
+
+    from evict.layers.memory_mixer import MemoryMixer
+
+    for lo, hi in ((1e-3, 1e-1), (1e-4, 1e-3), (2e-3, 2e-3)):
+        torch.manual_seed(0)
+        m = LM(presets.get(name, size="tiny", gate_form=form, gate_dt_min=lo, gate_dt_max=hi))
+        for mix in (x for x in m.modules() if isinstance(x, MemoryMixer)):
+            A = mix.A_log.exp().repeat_interleave(mix.dt_bias.numel() // mix.H)
+            rate = A * F.softplus(mix.dt_bias) if form == "softplus" else 5 * torch.sigmoid(A * mix.dt_bias)
+            dt = (rate / A).detach()
+            assert dt.min() >= lo * (1 - 1e-4) and dt.max() <= hi * (1 + 1e-4), (lo, hi, dt.min(), dt.max())
+            if lo < hi and dt.numel() >= 16:  # per-channel gates: spread over the range, not one value
+                assert dt.max() / dt.min() > (hi / lo) ** 0.5
+
+
+@pytest.mark.parametrize("lo,hi,msg", [(0.0, 1e-1, "gate_dt_min"), (1e-2, 1e-3, "gate_dt_max: expected >= gate_dt_min"),
+                                       (1e-3, float("inf"), "gate_dt_max")])
+def test_gate_dt_range_is_validated(lo, hi, msg):
+    with pytest.raises(ValueError, match=msg):
+        presets.get("kda", size="tiny", gate_dt_min=lo, gate_dt_max=hi)
