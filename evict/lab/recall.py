@@ -416,11 +416,11 @@ def run_sweep(sweep: RecallSweep, out: str | Path | None = None, minutes: float 
                 f"yet. MQAR accuracy (best over lr {list(sweep.lrs)}), {sweep.n_layers} layers, vocab {sweep.vocab_size}")
         (root / "partial_table.md").write_text(f"{head}\n\n{tables}\n")
         print(f"{stopped_message(minutes, jobs, left, root)}; the cells known so far are in {root / 'partial_table.md'}")
-        seconds, known, unknown = left_estimate(jobs, results, sweep.steps)
-        if known:
+        seconds, timed, untimed = left_estimate(jobs, results, sweep.steps)
+        if timed:
             print(f"left, at most: {seconds / 60 / max(1, sweep.workers):.0f} min with {sweep.workers} workers for the "
-                  f"{known} runs whose cells have timed runs (full steps; runs stop at {sweep.target_accuracy:g}), "
-                  f"{unknown} runs more without an estimate")
+                  f"{timed} runs whose cells have timed runs (full steps; runs stop at {sweep.target_accuracy:g}), "
+                  f"{untimed} runs more without an estimate")
         return root
     finished = [r for r in results if r is not None]  # all of them (none left)
     rows = [{**r, "seed": job["seed"]} for r, job in zip(finished, jobs)]  # results of older runs lack the seed
