@@ -240,9 +240,6 @@ def validate(sweep: PairsSweep) -> None:
         raise ValueError(f"threshold: expected a number in (0, 1], got {sweep.threshold}")
     if sweep.len_per_pair < 4:
         raise ValueError(f"len_per_pair: expected >= 4 (MQAR needs L >= 4K), got {sweep.len_per_pair}")
-    lo, hi = (tuple(sweep.gate_dt) + (0, 0))[:2]
-    if len(sweep.gate_dt) != 2 or not 0 < lo <= hi:
-        raise ValueError(f"gate_dt: expected MIN MAX with 0 < MIN <= MAX, got {list(sweep.gate_dt)}")
     if not sweep.lrs or not all(lr > 0 for lr in sweep.lrs):
         raise ValueError(f"lrs: expected learning rates > 0, got {list(sweep.lrs)}")
     check_at_least_one(sweep, ("steps", "batch_size", "eval_every", "eval_batches", "seeds", "workers", "min_len",

@@ -91,9 +91,16 @@ def model_config(arch: str, d_model: int, sweep: RecallSweep, seq_len: int):
         arch, size="tiny", vocab_size=sweep.vocab_size, d_model=d_model, n_layers=sweep.n_layers,
         n_heads=sweep.n_heads or d_model // hd, head_dim=hd, d_ff=2 * d_model, moe=None, attn_res=False,
         short_conv=True, kv_lora_rank=max(16, d_model // 2), qk_nope_dim=hd, qk_rope_dim=max(2, hd // 2), v_head_dim=hd,
-        chunk_size=sweep.chunk_size, max_seq_len=max(seq_len, 64), gate_dt_min=sweep.gate_dt[0],
-        gate_dt_max=sweep.gate_dt[-1],
+        chunk_size=sweep.chunk_size, max_seq_len=max(seq_len, 64), **gate_dt_fields(sweep.gate_dt),
     )
+
+
+def gate_dt_fields(gate_dt) -> dict:
+    """ModelConfig's gate_dt_min / gate_dt_max from a sweep's `gate_dt` (MIN, MAX), checked here so that a bad range
+    names the sweep's field (pairs: --gate-dt; validate builds every model config)."""
+    if len(gate_dt) != 2 or not 0 < gate_dt[0] <= gate_dt[1]:
+        raise ValueError(f"gate_dt: expected MIN MAX with 0 < MIN <= MAX, got {list(gate_dt)}")
+    return {"gate_dt_min": gate_dt[0], "gate_dt_max": gate_dt[1]}
 
 
 def solved_marker(job: dict) -> Path | None:
