@@ -24,6 +24,9 @@ python3 -c "import fastapi, uvicorn, httpx" 2>/dev/null || python3 -m pip instal
 python3 -c "import fla" 2>/dev/null || python3 -m pip install -q --no-index --no-deps .whl/fla/*.whl
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 FORMS="kept_factors or dstate_stages or intra_key_blocks or dkey_block or one_tile or float32_operands"  # opt-in knobs' tests
+# a sweep folder's finished runs as one JSONL (each result.json plus its run folder's name as "dir"): what a piece
+# brings back, to commit and restore (dev/grid_restore.py) on the next bare machine
+finished() { python3 -c "import glob, json, sys; sys.stdout.write(''.join(json.dumps({**json.load(open(f)), 'dir': f.split('/')[-2]}) + chr(10) for f in sorted(glob.glob(sys.argv[1] + '/runs/*/result.json'))))" "$1"; }
 quiet() { grep -v "Warning\|warn\|^  \|^$"; }
 pyt() { local log=$1 t=$2; shift 2; timeout $t python3 -m pytest "$@" -m gpu -rf -p no:cacheprovider 2>&1 | tee $OUT/$log | quiet | tail -30; }
 for what in "$@"; do
@@ -80,14 +83,14 @@ for what in "$@"; do
          timeout ${TO:-580} python3 -m evict.cli lab $LAB --full --minutes ${MIN:-8} --out runs/lab_$LAB \
            ${LABARGS:-} 2>&1 | grep -v "it/s\]$" | tail -40 | tee $OUT/lab_$LAB.log
          cp runs/lab_$LAB/config.json $OUT/lab_config.json; cp runs/lab_$LAB/*.md runs/lab_$LAB/*.png runs/lab_$LAB/*.json* $OUT/ 2>/dev/null
-         python3 -c "import glob, json, sys; sys.stdout.write(''.join(json.dumps({**json.load(open(f)), 'dir': f.split('/')[-2]}) + chr(10) for f in sorted(glob.glob('runs/lab_$LAB/runs/*/result.json'))))" > $OUT/lab_results.jsonl ;;
+         finished runs/lab_$LAB > $OUT/lab_results.jsonl ;;
     proflab) timeout ${TO:-300} python3 dev/profile_train.py --arch ${ARCHS:-kda deltanet attention} --compile 2>&1 | grep -v "^---" | tee $OUT/proflab.log ;;
     grid) for c in docs/recall_full/piece*_config.json; do
             [ -e "$c" ] && python3 dev/grid_restore.py ${GRID:-runs/grid} $c ${c%_config.json}_results.jsonl; done
           timeout ${TO:-560} python3 -m evict.cli recall --full --minutes ${MIN:-8} --out ${GRID:-runs/grid} ${GRIDARGS:-} 2>&1 \
             | grep -v "it/s\]$" | tail -60 | tee $OUT/grid.log
           cp ${GRID:-runs/grid}/config.json $OUT/grid_config.json; cp ${GRID:-runs/grid}/*.md ${GRID:-runs/grid}/*.png $OUT/ 2>/dev/null
-          python3 -c "import glob, json, os, sys; sys.stdout.write(''.join(json.dumps({**json.load(open(f)), 'dir': f.split('/')[-2]}) + chr(10) for f in sorted(glob.glob('${GRID:-runs/grid}/runs/*/result.json'))))" > $OUT/grid_results.jsonl ;;
+          finished ${GRID:-runs/grid} > $OUT/grid_results.jsonl ;;
     dist) (OUT=/tmp/dist STEPS=${STEPS:-30} PY=python3 timeout ${TO:-330} bash dev/dist_bench.sh 2>&1 | quiet | tail -40) | tee $OUT/dist.log
           mkdir -p $OUT/dist && cp /tmp/dist/dist_bench.json $OUT/dist/ 2>/dev/null
           for r in /tmp/dist/gpu*; do mkdir -p $OUT/dist/${r##*/}; cp $r/run.json $r/metrics.jsonl $OUT/dist/${r##*/}/ 2>/dev/null; done ;;
