@@ -148,7 +148,8 @@ def test_interpreter_float16_inputs(interpreted, gate):
         if name.startswith("d") or name in ("o", "S"):
             assert err <= TOL[torch.float16], (name, err)
     # `out_dot16` (the default at chunks of 64): the output kernel's 16-bit dots, against the reference (float16
-    # rounding) and against the float32 operand form (out_dot16=False) (Q e^g rounded to float16 once more: observed 1.8e-4, about a float16 ulp)
+    # rounding) and against the float32-operand form, out_dot16=False (Q e^g rounded to float16 once more: observed
+    # 1.8e-4, about a float16 ulp)
     vs_ref, vs_f32_operands = r["out_dot16"]
     assert vs_ref <= TOL[torch.float16] and vs_f32_operands <= 2e-3, r["out_dot16"]
 
