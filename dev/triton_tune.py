@@ -87,7 +87,15 @@ VARIANTS = {  # name -> (forward knobs, backward knobs); a* = ablations (timing 
     "c32bv64": (dict(chunk=32, block_v=64), dict(chunk=32, block_v=64)),  # the sequential kernels' V columns at C 32
     "c32bv16": (dict(chunk=32, block_v=16), dict(chunk=32, block_v=16)),
     "c32st3": (dict(chunk=32, stages=3), dict(chunk=32, stages=3)),  # the carry's software pipelining
-    "kb64": (dict(intra_kb=64), dict(intra_kb=64)),  # session 10's defaults plus key blocks at C 64
+    "kb64": (dict(intra_kb=64), dict(intra_kb=64)),
+    # session 11: the forward's tf32 factors kept (fkt, measured best) with the key kernel at 4 warps (c32dkw4: 8.75 ->
+    # 5.45 ms at C 32), and at the lab's chunk of 16
+    "w4": (dict(), dict(warps=(4, 8, 4))),
+    "fktw4": (dict(keep_factors="tf32"), dict(warps=(4, 8, 4))),
+    "c32fktw4": (dict(chunk=32, keep_factors="tf32"), dict(chunk=32, warps=(4, 8, 4))),
+    "c32fktw444": (dict(chunk=32, keep_factors="tf32"), dict(chunk=32, warps=(4, 4, 4))),
+    "c16fkt": (dict(chunk=16, keep_factors="tf32"), dict(chunk=16)),
+    "c16fktds2": (dict(chunk=16, keep_factors="tf32"), dict(chunk=16, dstate_stages=2)),  # session 10's defaults plus key blocks at C 64
     "c32all": (dict(chunk=32, intra_kb=32, out_dot16=True, carry_halves=True),
                dict(chunk=32, intra_kb=32, halves=True, dkey_block=32)),
 }

@@ -44,6 +44,7 @@ def _op(**kw):
     (dict(delta="no"), r"^delta: expected True or False"),
     (dict(delta=torch.tensor(True)), r"^delta: expected True or False"),
     (dict(output_final_state=1), r"^output_final_state: expected True or False"),
+    (dict(keep_factors="tf32"), r"^keep_factors: expected True or False"),
     (dict(q=torch.randn(1, 5, 2, 0), k=torch.randn(1, 5, 2, 0)), r"^q: expected a key dim Dk >= 1"),
 ])
 def test_memory_op_arguments(kw, match):

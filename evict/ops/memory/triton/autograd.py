@@ -1,7 +1,8 @@
 """The Triton forward and backward behind torch.autograd: `memory_triton(...)` is what `memory(impl="triton")` calls.
 
-The forward keeps only its inputs; the backward recomputes the per-chunk factors and chunk start states (two of the
-forward's three kernels) and runs the three backward kernels (backward.py). Chunks are 16, 32 or 64 tokens
+The forward keeps its inputs and its per-chunk [C, C] factors (`keep_factors`); the backward recomputes the gates, W,
+U and the chunk start states (the rest of the forward's first stage and its carry kernel) and runs the three backward
+kernels (backward.py). Chunks are 16, 32 or 64 tokens
 (`auto_chunk` by shape unless the caller gives one; packed sequences 64).
 
 Packed sequences (`offsets`) run chunk-aligned: each sequence is copied to a multiple of C rows of one padded row
@@ -16,13 +17,15 @@ import torch
 import torch.nn.functional as F
 
 from .backward import backward_triton
-from .forward import CHUNKS, C, forward_triton
+from .forward import CHUNKS, C, forward_triton, precision_for
 
 
 class _MemoryTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, log_alpha, beta, initial_state, delta, scale, chunks, chunk, keep_factors):
-        keep = keep_factors if any(ctx.needs_input_grad[:6]) else None
+        keep = None
+        if keep_factors is not False and any(ctx.needs_input_grad[:6]):
+            keep = keep_factors if isinstance(keep_factors, str) else precision_for(q.dtype)
         o, S, *kept = forward_triton(q, k, v, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale,
                                      initial_state=initial_state, chunks=chunks, chunk=chunk, keep_factors=keep)
         factors = kept[0] if kept else {}
@@ -84,10 +87,13 @@ def memory_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, ini
     query channel reads nothing from it, and a zero log-decay there touches only that (zero) row; the padded rows of
     the final state are dropped and the gradients of the padding never reach the inputs.
     `chunk_size`: the kernels' tokens per chunk where it is one of CHUNKS (16, 32, 64), else 64; None: `auto_chunk`.
-    Packed sequences always run in chunks of 64 (their layout). `keep_factors` (opt-in, not yet measured on a GPU):
-    when a gradient is needed, the forward runs its first stage at that tl.dot precision and keeps the [C, C] matrices
-    T, A~, P for the backward, which then skips their recompute (memory: 2 C float32 + C 16-bit values per token and
-    head, against the recompute's time)."""
+    Packed sequences always run in chunks of 64 (their layout). `keep_factors`: when a gradient is needed, the forward
+    keeps its [C, C] matrices T, A~, P for the backward, which then skips their recompute (the Gram strips and the
+    inverse). Default (None / True): kept, formed at the forward's own tl.dot precision (`precision_for`: tf32 for
+    16-bit inputs, tf32x3 for float32); a string: that precision; False: recomputed, saving 2 C float32 + C 16-bit
+    values per token and head (C 64: 640 B, next to 768 B of bf16 q, k, v at D 128). Measured (H200, bf16, session
+    11): KDA's forward + backward kernels at B4 T8192 H16 D128 21.8 -> 17.0 ms at chunks of 64, the lab's B256 T512 H4
+    D32 3.29 -> 2.57 ms; log alpha's gradient under strong decay 2.1e-3 either way (dev/check_precision.py)."""
     B, _, H, K = q.shape
     packed = offsets is not None
     if chunk_size is None:

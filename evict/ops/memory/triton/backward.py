@@ -430,7 +430,7 @@ def _revcumsum_kernel(x, last, out, cu, T, H: tl.constexpr, K: tl.constexpr, C: 
 def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, scale, chunks=None, block_v=None,
                     warps=None, value_block=64, key_block=32, stages=2, fwd_warps=(4, 4), precision=None, ablate=(0, 0),
                     split=None, intra_kb=None, halves=True, dkey_block=64, chunk=None, factors=None,
-                    dstate_stages=1):
+                    dstate_stages=None):
     """Gradients (dq, dk, dv, dlog_alpha, dbeta, dinitial_state) of the chunked forward, given dO (or None) and the
     final state's gradient (or None). Recomputes the forward's per-chunk factors and start states. `chunks`: packed
     sequences' chunk table, as forward_triton's. `precision`: tl.dot's input precision, one for every kernel or a tuple
@@ -444,14 +444,17 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     K >= 64): the recompute's carry and the state gradient as two tiles of key rows — at tf32x3 the one-tile forms
     spill (carry 528 B, dstate 1,024 B per thread), and halves cut KDA's backward at B4 T8192 H16 D128 bf16 by 2.3 ms
     at chunks of 64 and 0.9 ms at 32 (H200, session 10). `dkey_block`: the split key kernel's key columns per tile (64;
-    32 spills less at tf32x3 but measured slower: 8.9 -> 13.0 ms). `warps` (dstate, dvalue, dkey):
-    default (4, 8, 8), or (4, 4, 4) for key dims <= 32, which cut KDA's backward at the lab's largest cell (B256 T512
-    H4 D32 bf16) from 5.92 to 4.80 ms per layer (H200, session 7). `chunk`: the forward's tokens per chunk (opt-in,
-    not with `chunks`; forward.intra). `factors` (opt-in, not yet measured on a GPU): the [C, C] matrices the forward
-    kept (`forward_triton(keep_factors=...)`): the recompute then forms only the gates, W and U_bar. `dstate_stages`:
-    the state gradient kernel's software pipelining (opt-in, not yet measured: 2 stages fit shared memory at chunks
-    of 32 or 16 with two tiles of key rows — sm_90 at K 128, tf32: 100 KB, no spills against 196 B at one stage —
-    and exceed it at 64, 258 KB)."""
+    32 spills less at tf32x3 but measured slower: 8.9 -> 13.0 ms). `warps` (dstate, dvalue, dkey): (4, 4, 4) for key
+    dims <= 32, which cut KDA's backward at the lab's largest cell (B256 T512 H4 D32 bf16) from 5.92 to 4.80 ms per
+    layer (H200, session 7); above, the key kernel at 4 warps except in one launch at chunks of 64, and the value
+    kernel at 4 at chunks <= 32, else 8 (H200, bf16, B4 T8192 H16 D128, session 11: KDA's split key kernel 8.93 ->
+    5.73 ms at chunks of 64 and 8.74 -> 5.44 at 32; Gated DeltaNet's one launch 5.77 -> 7.51 at 64 but 6.17 -> 5.00 at
+    32; the value kernel 1.11 -> 0.65 at 32; 4 warps at 64 not measured). `chunk`: the forward's tokens per chunk
+    (opt-in, not with `chunks`; forward.intra). `factors`: the [C, C] matrices the forward kept
+    (`forward_triton(keep_factors=...)`, autograd.py's default): the recompute then forms only the gates, W and U_bar.
+    `dstate_stages`: the state gradient kernel's software pipelining; default 2 at chunks of 16 (the lab's B256 T512
+    H4 D32: 0.32 -> 0.22 ms for KDA, 0.32 -> 0.20 for Gated DeltaNet), else 1 (2 was slower at 32, D 128: 2.12 ->
+    2.26 ms; at 64 its two stages of [C, K] float32 tiles exceed shared memory, 258 KB)."""
     if chunks is not None and chunk_length(chunk) != chunk_length(None):
         raise ValueError(f"chunk: packed sequences (chunks) are laid out in chunks of {chunk_length(None)}; got chunk={chunk}")
     B, T, H, K = q.shape
@@ -481,7 +484,8 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     split = (gate == 2 and K > 64) if split is None else bool(split)
     seqs, varlen = sT.shape[0], chunks is not None
     BK, BVf = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
-    warps = warps or ((4, 4, 4) if BK <= 32 else (4, 8, 8))
+    warps = warps or ((4, 4, 4) if BK <= 32 else (4, 4 if C <= 32 else 8, 8 if C == 64 and not split else 4))
+    dstate_stages = dstate_stages or (2 if C <= 16 else 1)
     do = torch.zeros(B, T, H, V, dtype=q.dtype, device=dev) if do is None else do.contiguous()
     dU = torch.empty(B * H * N * C * V, dtype=f32, device=dev)
     dHs = torch.empty_like(Hs)

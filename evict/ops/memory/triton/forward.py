@@ -519,7 +519,7 @@ def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, qg=
     columns at a time, when fewer than the padded key dim. `chunk`: tokens per chunk (CHUNKS; default C = 64), kept in
     the result as "C" for the kernels after this one (shorter chunks halve the per-token work of this kernel's [C, C]
     products and tiles, which do not shrink with the head dim; `auto_chunk` picks them by shape).
-    `factors` (opt-in, not yet measured on a GPU): the [C, C] matrices T, A~ and P that a forward kept
+    `factors` (the memory op's default when a gradient is needed): the [C, C] matrices T, A~ and P that a forward kept
     (`forward_triton(keep_factors=...)`); the kernel then skips the Gram strips and the inverse and forms only the
     gates, W and U_bar (T from the stored one) — the backward's recompute without its costliest part."""
     C = chunk_length(chunk)
@@ -602,9 +602,10 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     T8192 H16 D128: output kernel 0.545 -> 0.306 ms and carry 0.540 -> 0.454 ms for KDA at 64; at 32 the output kernel
     0.647 -> 0.832 and the carry 0.716 -> 0.849). `intra_kb`: intra's `key_block` (opt-in; slower: 2.26 -> 3.16 ms at
     32 columns). `chunk`: intra's (tokens per chunk; not with `chunks`, whose layout is aligned to C = 64).
-    `keep_factors` (opt-in, not yet measured on a GPU): a tl.dot precision for the first stage ("tf32" as the forward,
-    "tf32x3" as the backward's recompute); the forward then also returns the [C, C] matrices T, A~, P (float32, P in
-    the store dtype) for `backward_triton(factors=...)`, which skips the recompute's Gram strips and inverse."""
+    `keep_factors`: a tl.dot precision for the first stage ("tf32" as the forward, "tf32x3" as the backward's
+    recompute); the forward then also returns the [C, C] matrices T, A~, P (float32, P in the store dtype) for
+    `backward_triton(factors=...)`, which skips the recompute's Gram strips and inverse (autograd.py keeps them by
+    default, at the forward's precision)."""
     if chunks is not None and chunk_length(chunk) != C:
         raise ValueError(f"chunk: packed sequences (chunks) are laid out in chunks of {C}; got chunk={chunk}")
     B, T, H, K = q.shape
