@@ -7,7 +7,8 @@
 #            (mixed precision), bwtests (the memory op's gradient tests), convtests (the short conv's Triton form + mixed precision), traintests, decodetests
 #   kernels: opsfwd (bench ops without fla's slowly autotuned backward), ops (all of it), tune (TUNE=args),
 #            tunefwd / tunebwd (session 5's variant sets), split (the key kernel in one launch or two), factors (session 10's kept
-#            first-stage factors: GPU tests, precision rows, timings), prep / prepbwd (session 6's prepared forms
+#            first-stage factors: GPU tests, precision rows, timings), close12 (session 11's leftovers: the opt-in forms'
+#            GPU tests under the new warps; the value kernel at 4 warps at C 64; the recompute's carry at tf32), prep / prepbwd (session 6's prepared forms
 #            at chunks 64 and 32: their GPU tests and forward timings / forward + backward; VARS), chunks (GPU tests of
 #            `chunk` 32 / 16), tunelab (the kernels at the lab's full-grid shape, D 32),
 #            precision (dev/check_precision.py)
@@ -28,7 +29,9 @@ FORMS="kept_factors or dstate_stages or intra_key_blocks or dkey_block or one_ti
 # brings back, to commit and restore (dev/grid_restore.py) on the next bare machine
 finished() { python3 -c "import glob, json, sys; sys.stdout.write(''.join(json.dumps({**json.load(open(f)), 'dir': f.split('/')[-2]}) + chr(10) for f in sorted(glob.glob(sys.argv[1] + '/runs/*/result.json'))))" "$1"; }
 quiet() { grep -v "Warning\|warn\|^  \|^$"; }
-pyt() { local log=$1 t=$2; shift 2; timeout $t python3 -m pytest "$@" -m gpu -rf -p no:cacheprovider 2>&1 | tee $OUT/$log | quiet | tail -30; }
+# the screen keeps the summary line ("N passed, M warnings"), which `quiet` would drop
+pyt() { local log=$1 t=$2; shift 2; timeout $t python3 -m pytest "$@" -m gpu -rf --tb=line -p no:cacheprovider 2>&1 | tee $OUT/$log \
+          | grep -v "Warning\|^  \|^$" | tail -30; }
 for what in "$@"; do
   case $what in
     optests) pyt optests.log ${T:-480} tests/ops/test_memory_triton.py -n 8 -k "not ($FORMS)" ;;  # the default forms (119 tests)
@@ -63,6 +66,9 @@ for what in "$@"; do
              timeout ${TO:-100} python3 dev/triton_tune.py --shapes 256x512 --heads 4 --dim 32 --variants c16,c16ds2 2>&1 | quiet | tee $OUT/factors_lab.log
              timeout ${TO:-300} python3 dev/triton_tune.py --shapes 4x8192,1x32768 --variants ${VARS:-v0,fk,fkt,kb64,c32,c32fk,c32fkt,c32ds2,c32fkds2,c32dk2,c32dkw4,c32bv64,c32bv16,c32st3} \
                2>&1 | quiet | tee $OUT/factors_time.log ;;
+    close12) pyt close12.log ${T:-300} tests/ops/test_memory_triton.py -n 14 -k "$FORMS or test_gpu_auto or packed"  # the opt-in forms under session 11's warps
+             timeout ${TO:-200} python3 dev/triton_tune.py --shapes 4x8192,1x32768 --variants ${VARS:-fkt,fktw4,fktw444,fkrc,c32fkt,c32fktw444,c32fkrc} \
+               2>&1 | quiet | tee $OUT/close12_time.log ;;
     precision) timeout ${TO:-200} python3 dev/check_precision.py ${GATES:-channel} 2>&1 | tee $OUT/precision.log
                timeout ${TO:-150} python3 dev/triton_tune.py --variants v0,pr3,rc3,rc3t 2>&1 | quiet | tee $OUT/precision_time.log ;;
     decode) timeout ${TO:-240} python3 -m evict.cli bench decode --device cuda --paths before graph compiled --batch1-only \

@@ -95,6 +95,12 @@ VARIANTS = {  # name -> (forward knobs, backward knobs); a* = ablations (timing 
     "c32fktw4": (dict(chunk=32, keep_factors="tf32"), dict(chunk=32, warps=(4, 8, 4))),
     "c32fktw444": (dict(chunk=32, keep_factors="tf32"), dict(chunk=32, warps=(4, 4, 4))),
     "c16fkt": (dict(chunk=16, keep_factors="tf32"), dict(chunk=16)),
+    # session 11, for the next device session: the value kernel at 4 warps at C 64 too (today's default there: 8), and
+    # what fla's precision would buy — the recompute's carry at tf32 (log alpha's strong-decay gradient 2.1e-3 ->
+    # 9.7e-3, session 10), on top of today's defaults (factors kept; these pass them explicitly)
+    "fktw444": (dict(keep_factors="tf32"), dict(warps=(4, 4, 4))),
+    "fkrc": (dict(keep_factors="tf32"), dict(precision=("tf32x3", "tf32", "tf32", "tf32", "tf32x3"))),
+    "c32fkrc": (dict(chunk=32, keep_factors="tf32"), dict(chunk=32, precision=("tf32x3", "tf32", "tf32", "tf32", "tf32x3"))),
     "c16fktds2": (dict(chunk=16, keep_factors="tf32"), dict(chunk=16, dstate_stages=2)),  # session 10's defaults plus key blocks at C 64
     "c32all": (dict(chunk=32, intra_kb=32, out_dot16=True, carry_halves=True),
                dict(chunk=32, intra_kb=32, halves=True, dkey_block=32)),
