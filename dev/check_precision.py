@@ -6,7 +6,8 @@ recompute's first stage (a) and carry (b) apart.
     python dev/check_precision.py [GATE ...] [--factors]
         GATE: channel / scalar (default both). Each precision compiles every kernel anew (~10 s), so one gate's rows
         take about a minute and a half. --factors: only the rows at the default precision, with the first stage's
-        factors recomputed (today's backward) or kept by the forward at tf32 / tf32x3.
+        factors recomputed or kept by the forward at tf32 / tf32x3 (the default since session 11), or every
+        intermediate kept (`keep_states`).
 """
 
 import sys
@@ -40,13 +41,16 @@ for gate in [a for a in sys.argv[1:] if not a.startswith("--")] or ("channel", "
             print(gate, "strong" if strong else "normal", name, " ".join(f"{n}:{e:.1e}" for n, e in errs.items()), flush=True)
         # the backward at its default precision, taking the forward's [C, C] factors (first stage at kf) instead of
         # recomputing them (`keep_factors` / `factors`, session 10)
-        for kf in (None, "tf32", "tf32x3"):
-            fac = None
+        # session 11's `keep_states` rows: every intermediate kept (first stage at kf, carry at ks), no recompute
+        for kf, ks in ((None, None), ("tf32", None), ("tf32x3", None), ("tf32", "tf32x3"), ("tf32x3", "tf32x3")):
+            kept = {}
             if kf:
-                fac = forward_triton(xd["q"], xd["k"], xd["v"], log_alpha=xd["log_alpha"], beta=xd["beta"], delta=True,
-                                     scale=128 ** -0.5, initial_state=xd["initial_state"], keep_factors=kf)[2]
+                res = forward_triton(xd["q"], xd["k"], xd["v"], log_alpha=xd["log_alpha"], beta=xd["beta"], delta=True,
+                                     scale=128 ** -0.5, initial_state=xd["initial_state"], keep_factors=kf, keep_states=ks)
+                kept = {"states" if ks else "factors": res[2]}
             got = backward_triton(xd["q"], xd["k"], xd["v"], xd["log_alpha"], xd["beta"], xd["initial_state"],
-                                  do.to(torch.bfloat16), ds.float(), delta=True, scale=128 ** -0.5, factors=fac)
+                                  do.to(torch.bfloat16), ds.float(), delta=True, scale=128 ** -0.5, **kept)
             errs = {n: rel(gg, ref[n]) for n, gg in zip(("q", "k", "v", "log_alpha", "beta", "initial_state"), got)}
-            print(gate, "strong" if strong else "normal", f"default, factors {kf or 'recomputed'}",
+            what = f"states kept (first stage {kf}, carry {ks})" if ks else f"factors {kf or 'recomputed'}"
+            print(gate, "strong" if strong else "normal", f"default, {what}",
                   " ".join(f"{n}:{e:.1e}" for n, e in errs.items()), flush=True)

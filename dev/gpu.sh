@@ -8,7 +8,8 @@
 #   kernels: opsfwd (bench ops without fla's slowly autotuned backward), ops (all of it), tune (TUNE=args),
 #            tunefwd / tunebwd (session 5's variant sets), split (the key kernel in one launch or two), factors (session 10's kept
 #            first-stage factors: GPU tests, precision rows, timings), close12 (session 11's leftovers: the opt-in forms'
-#            GPU tests under the new warps; the value kernel at 4 warps at C 64; the recompute's carry at tf32), prep / prepbwd (session 6's prepared forms
+#            GPU tests under the new warps; the value kernel at 4 warps at C 64; the recompute's carry at tf32; every
+#            intermediate kept, keep_states: GPU tests, precision rows, timings), prep / prepbwd (session 6's prepared forms
 #            at chunks 64 and 32: their GPU tests and forward timings / forward + backward; VARS), chunks (GPU tests of
 #            `chunk` 32 / 16), tunelab (the kernels at the lab's full-grid shape, D 32),
 #            precision (dev/check_precision.py)
@@ -24,7 +25,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import fastapi, uvicorn, httpx" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl/serve fastapi uvicorn httpx
 python3 -c "import fla" 2>/dev/null || python3 -m pip install -q --no-index --no-deps .whl/fla/*.whl
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-FORMS="kept_factors or dstate_stages or intra_key_blocks or dkey_block or one_tile or float32_operands"  # opt-in knobs' tests
+FORMS="kept_factors or kept_states or dstate_stages or intra_key_blocks or dkey_block or one_tile or float32_operands"  # opt-in knobs' tests
 # a sweep folder's finished runs as one JSONL (each result.json plus its run folder's name as "dir"): what a piece
 # brings back, to commit and restore (dev/grid_restore.py) on the next bare machine
 finished() { python3 -c "import glob, json, sys; sys.stdout.write(''.join(json.dumps({**json.load(open(f)), 'dir': f.split('/')[-2]}) + chr(10) for f in sorted(glob.glob(sys.argv[1] + '/runs/*/result.json'))))" "$1"; }
@@ -67,8 +68,10 @@ for what in "$@"; do
              timeout ${TO:-300} python3 dev/triton_tune.py --shapes 4x8192,1x32768 --variants ${VARS:-v0,fk,fkt,kb64,c32,c32fk,c32fkt,c32ds2,c32fkds2,c32dk2,c32dkw4,c32bv64,c32bv16,c32st3} \
                2>&1 | quiet | tee $OUT/factors_time.log ;;
     close12) pyt close12.log ${T:-300} tests/ops/test_memory_triton.py -n 14 -k "$FORMS or test_gpu_auto or packed"  # the opt-in forms under session 11's warps
-             timeout ${TO:-200} python3 dev/triton_tune.py --shapes 4x8192,1x32768 --variants ${VARS:-fkt,fktw4,fktw444,fkrc,c32fkt,c32fktw444,c32fkrc} \
-               2>&1 | quiet | tee $OUT/close12_time.log ;;
+             timeout ${TO:-100} python3 dev/check_precision.py channel scalar --factors 2>&1 | grep -v arn | tee $OUT/close12_precision.log
+             timeout ${TO:-120} python3 dev/triton_tune.py --shapes 4x8192,1x32768 --variants ${VARS:-fkt,fktw4,fktw444,ks,fkrc,c32fktw444,c32ks,c32fkrc} \
+               2>&1 | quiet | tee $OUT/close12_time.log
+             timeout 40 python3 dev/triton_tune.py --shapes 256x512 --heads 4 --dim 32 --variants c16fktds2,c16ks 2>&1 | quiet | tee $OUT/close12_lab.log ;;
     precision) timeout ${TO:-200} python3 dev/check_precision.py ${GATES:-channel} 2>&1 | tee $OUT/precision.log
                timeout ${TO:-150} python3 dev/triton_tune.py --variants v0,pr3,rc3,rc3t 2>&1 | quiet | tee $OUT/precision_time.log ;;
     decode) timeout ${TO:-240} python3 -m evict.cli bench decode --device cuda --paths before graph compiled --batch1-only \

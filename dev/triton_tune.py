@@ -100,6 +100,10 @@ VARIANTS = {  # name -> (forward knobs, backward knobs); a* = ablations (timing 
     # 9.7e-3, session 10), on top of today's defaults (factors kept; these pass them explicitly)
     "fktw444": (dict(keep_factors="tf32"), dict(warps=(4, 4, 4))),
     "fkrc": (dict(keep_factors="tf32"), dict(precision=("tf32x3", "tf32", "tf32", "tf32", "tf32x3"))),
+    # session 11, prepared: every intermediate kept by the forward (carry at tf32x3), the backward recomputes nothing
+    "ks": (dict(keep_factors="tf32", keep_states="tf32x3"), dict()),
+    "c32ks": (dict(chunk=32, keep_factors="tf32", keep_states="tf32x3"), dict(chunk=32)),
+    "c16ks": (dict(chunk=16, keep_factors="tf32", keep_states="tf32x3"), dict(chunk=16)),
     "c32fkrc": (dict(chunk=32, keep_factors="tf32"), dict(chunk=32, precision=("tf32x3", "tf32", "tf32", "tf32", "tf32x3"))),
     "c16fktds2": (dict(chunk=16, keep_factors="tf32"), dict(chunk=16, dstate_stages=2)),  # session 10's defaults plus key blocks at C 64
     "c32all": (dict(chunk=32, intra_kb=32, out_dot16=True, carry_halves=True),
@@ -128,7 +132,9 @@ def main():
                 def run():
                     res = forward_triton(q, k, v, log_alpha=la, beta=beta, delta=True, scale=a.dim ** -0.5, **fk)
                     if not a.fwd_only:
-                        kept = dict(factors=res[2]) if fk.get("keep_factors") else {}  # the forward's [C, C] factors
+                        kept = {}  # the forward's [C, C] factors, or every intermediate (keep_states)
+                        if fk.get("keep_factors"):
+                            kept = {"states" if fk.get("keep_states") else "factors": res[2]}
                         backward_triton(q, k, v, la, beta, None, do, None, delta=True, scale=a.dim ** -0.5, **bk, **kept)
                     torch.cuda.synchronize()
                 try:

@@ -204,6 +204,15 @@ for name, gate, delta, T, K, V, strong in json.loads(sys.argv[1]):
     o_a, s_a = memory_triton(lv["q"], lv["k"], lv["v"], log_alpha=lv.get("log_alpha"), beta=lv.get("beta"), delta=delta,
                              scale=K ** -0.5, initial_state=lv["initial_state"], keep_factors="tf32x3")
     gr_a = torch.autograd.grad((o_a.double() * do).sum() + (s_a.double() * ds).sum(), list(lv.values()))
+    # every intermediate kept (`keep_states` / `states`): the backward recomputes nothing; directly and through autograd
+    o_s, s_s, kept = forward_triton(*args, **kw, carry_halves=False, keep_factors="tf32x3", keep_states="tf32x3")
+    gr_s = backward_triton(*args, x["log_alpha"], x["beta"], x["initial_state"], do.float(), ds.float(), delta=delta,
+                           scale=K ** -0.5, split=True, halves=False, states=kept)
+    res_s = [o_s, s_s, *[t for t in gr_s if t is not None]]
+    lv = {n: t.clone().requires_grad_(True) for n, t in x.items() if t is not None}
+    o_sa, s_sa = memory_triton(lv["q"], lv["k"], lv["v"], log_alpha=lv.get("log_alpha"), beta=lv.get("beta"),
+                               delta=delta, scale=K ** -0.5, initial_state=lv["initial_state"], keep_states=True)
+    gr_sa = torch.autograd.grad((o_sa.double() * do).sum() + (s_sa.double() * ds).sum(), list(lv.values()))
     # the split key kernel with 16-column tiles (`dkey_block`; 64 by default)
     gr_d = backward_triton(*args, x["log_alpha"], x["beta"], x["initial_state"], do.float(), ds.float(), delta=delta,
                            scale=K ** -0.5, split=True, dkey_block=16, halves=False)
@@ -229,6 +238,11 @@ for name, gate, delta, T, K, V, strong in json.loads(sys.argv[1]):
                  "factors_vs_recompute": [rel(a, b) for a, b in zip(res_f, res[True])],
                  "factors_autograd_vs_reference": [rel(o_a, o_ref), rel(s_a, s_ref),
                                                    *[rel(a, b) for a, b in zip(gr_a, ref)]],
+                 "states_vs_reference": [rel(res_s[0], o_ref), rel(res_s[1], s_ref),
+                                         *[rel(a, b) for a, b in zip(res_s[2:], ref)]],
+                 "states_vs_recompute": [rel(a, b) for a, b in zip(res_s, res[True])],
+                 "states_autograd_vs_reference": [rel(o_sa, o_ref), rel(s_sa, s_ref),
+                                                  *[rel(a, b) for a, b in zip(gr_sa, ref)]],
                  "dkey16_vs_reference": [rel(a, b) for a, b in zip(res_d[2:], ref)],
                  "dkey16_vs_64": [rel(a, b) for a, b in zip(res_d, res[True])],
                  "chunk32_vs_reference": res_c[32], "chunk16_vs_reference": res_c[16]}
@@ -283,6 +297,29 @@ def test_interpreter_kept_factors_match_reference(interpreted_split, case):
     r = interpreted_split[case]
     _check_form(r, case, r["factors_vs_reference"], [r["factors_vs_recompute"]])
     _check_form(r, case, r["factors_autograd_vs_reference"], [])
+
+
+@pytest.mark.parametrize("case", [c[0] for c in SPLIT_CASES])
+def test_interpreter_kept_states_match_reference(interpreted_split, case):
+    """`forward_triton(keep_states=...)` / `backward_triton(states=...)`: the forward keeps every intermediate (float32)
+    and its chunk start states, the backward recomputes nothing — against float64 (the recompute's bounds) and
+    against the recompute (`_same_as_default`); and through autograd (`memory_triton(keep_states=True)`)."""
+    r = interpreted_split[case]
+    _check_form(r, case, r["states_vs_reference"], [r["states_vs_recompute"]])
+    _check_form(r, case, r["states_autograd_vs_reference"], [])
+
+
+def test_kept_states_need_kept_factors_and_their_chunk():
+    """`keep_states` without `keep_factors`, and states kept at one chunk used at another: refused before a kernel
+    runs, one line each."""
+    from evict.ops.memory.triton.backward import backward_triton
+    from evict.ops.memory.triton.forward import forward_triton
+
+    x = torch.zeros(1, 8, 1, 32)
+    with pytest.raises(ValueError, match="^keep_states: needs keep_factors"):
+        forward_triton(x, x, x, scale=0.25, keep_states="tf32x3")
+    with pytest.raises(ValueError, match="^states: kept at chunks of 64, used at 32"):
+        backward_triton(x, x, x, None, None, None, x, None, delta=True, scale=0.25, chunk=32, states=dict(C=64))
 
 
 @pytest.mark.parametrize("case", [c[0] for c in SPLIT_CASES])
@@ -544,8 +581,8 @@ def _opt_in_errors(gate, delta, dtype, T, K, V, strong, fwd_kw, bwd_kw):
     args = (xd["q"], xd["k"], xd["v"])
     o, s, *kept = forward_triton(*args, log_alpha=xd["log_alpha"], beta=xd["beta"], delta=delta, scale=K ** -0.5,
                                  initial_state=xd["initial_state"], **fwd_kw)
-    if kept:  # keep_factors: the forward's [C, C] factors go to the backward
-        bwd_kw = {**bwd_kw, "factors": kept[0]}
+    if kept:  # keep_factors: the forward's [C, C] factors go to the backward (keep_states: every intermediate)
+        bwd_kw = {**bwd_kw, ("states" if fwd_kw.get("keep_states") else "factors"): kept[0]}
     got = backward_triton(*args, xd["log_alpha"], xd["beta"], xd["initial_state"], do.to(dtype), ds.float(),
                           delta=delta, scale=K ** -0.5, **bwd_kw)
     return [rel(o, o_ref), rel(s, s_ref), *[rel(a, b) for a, b in zip([t for t in got if t is not None], ref)]]
@@ -599,6 +636,18 @@ def test_gpu_kept_factors_match_reference(dtype, prec, gate, delta, chunk):
     T, A~, P (first stage at `prec`), against float64 (output, state, every gradient), odd T, strong decay, K 128 and
     a masked K 96. float32 inputs keep tf32x3 factors: tf32 ones missed their 1e-3 (1.0e-3, 1.1e-3; H200, session 11)."""
     _check_opt_in(gate, delta, dtype, dict(keep_factors=prec, chunk=chunk), dict(chunk=chunk))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,prec", [(torch.float32, "tf32x3"), (torch.bfloat16, "tf32"), (torch.bfloat16, "tf32x3")])
+@pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
+@pytest.mark.parametrize("chunk", [None, 32, 16])
+def test_gpu_kept_states_match_reference(dtype, prec, gate, delta, chunk):
+    """`keep_states` (opt-in until measured): the backward takes every intermediate of the forward (first stage at
+    `prec`, carry at tf32x3) and recomputes nothing, against float64 (output, state, every gradient), odd T, strong
+    decay, the lab's heads of 32 and heads of 128."""
+    _check_opt_in(gate, delta, dtype, dict(keep_factors=prec, keep_states="tf32x3", chunk=chunk), dict(chunk=chunk),
+                  HEADS_32_TO_128)
 
 
 @pytest.mark.gpu

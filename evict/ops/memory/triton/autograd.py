@@ -22,26 +22,31 @@ from .forward import CHUNKS, C, forward_triton, precision_for
 
 class _MemoryTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, log_alpha, beta, initial_state, delta, scale, chunks, chunk, keep_factors):
-        keep = None
+    def forward(ctx, q, k, v, log_alpha, beta, initial_state, delta, scale, chunks, chunk, keep_factors, keep_states):
+        keep = states = None
         if keep_factors is not False and any(ctx.needs_input_grad[:6]):
             keep = keep_factors if isinstance(keep_factors, str) else precision_for(q.dtype)
+            states = (keep_states if isinstance(keep_states, str) else "tf32x3") if keep_states else None
         o, S, *kept = forward_triton(q, k, v, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale,
-                                     initial_state=initial_state, chunks=chunks, chunk=chunk, keep_factors=keep)
-        factors = kept[0] if kept else {}
-        ctx.save_for_backward(q, k, v, log_alpha, beta, initial_state, *(factors.get(n) for n in ("Tm", "Am", "Pm")))
-        ctx.delta, ctx.scale, ctx.chunks, ctx.chunk, ctx.kept = delta, scale, chunks, chunk, bool(kept)
+                                     initial_state=initial_state, chunks=chunks, chunk=chunk, keep_factors=keep,
+                                     keep_states=states)
+        kept = kept[0] if kept else {}
+        ctx.names = [n for n, t in kept.items() if isinstance(t, torch.Tensor)]
+        ctx.meta = {n: t for n, t in kept.items() if not isinstance(t, torch.Tensor)}
+        ctx.save_for_backward(q, k, v, log_alpha, beta, initial_state, *(kept[n] for n in ctx.names))
+        ctx.delta, ctx.scale, ctx.chunks, ctx.chunk, ctx.states = delta, scale, chunks, chunk, bool(states)
         return o, S
 
     @staticmethod
     def backward(ctx, do, dS):
-        q, k, v, la, beta, s0, Tm, Am, Pm = ctx.saved_tensors
-        factors = dict(Tm=Tm, Am=Am, Pm=Pm, C=ctx.chunk) if ctx.kept else None
-        dq, dk, dv, dla, dbeta, ds0 = backward_triton(q, k, v, la, beta, s0, do, dS, delta=ctx.delta, scale=ctx.scale,
-                                                      chunks=ctx.chunks, chunk=ctx.chunk, factors=factors)
+        q, k, v, la, beta, s0, *saved = ctx.saved_tensors
+        kept = {**ctx.meta, **dict(zip(ctx.names, saved))} if ctx.names else None
+        dq, dk, dv, dla, dbeta, ds0 = backward_triton(
+            q, k, v, la, beta, s0, do, dS, delta=ctx.delta, scale=ctx.scale, chunks=ctx.chunks, chunk=ctx.chunk,
+            factors=None if ctx.states else kept, states=kept if ctx.states else None)
         need = ctx.needs_input_grad
         grads = (dq, dk, dv, dla, dbeta, ds0)
-        return (*(g if need[i] else None for i, g in enumerate(grads)), None, None, None, None, None)
+        return (*(g if need[i] else None for i, g in enumerate(grads)), None, None, None, None, None, None)
 
 
 MIN_K = 32  # key dims below this are zero-padded: the delta backward faults at K = 16 on an H200 (dev/LOG.md)
@@ -79,7 +84,7 @@ def _pad_rows(x, rows, length):
 
 
 def memory_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunk_size=None,
-                  offsets=None, keep_factors=None):
+                  offsets=None, keep_factors=None, keep_states=None):
     """o [B, T, H, V] in q's dtype and the final state [B, H, K, V] float32, differentiable.
     With `offsets` (host ints [N + 1], validated: packed sequences, B = 1) the states are [N, H, K, V].
 
@@ -93,7 +98,10 @@ def memory_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, ini
     16-bit inputs, tf32x3 for float32); a string: that precision; False: recomputed, saving 2 C float32 + C 16-bit
     values per token and head (C 64: 640 B, next to 768 B of bf16 q, k, v at D 128). Measured (H200, bf16, session
     11): KDA's forward + backward kernels at B4 T8192 H16 D128 21.8 -> 17.0 ms at chunks of 64, the lab's B256 T512 H4
-    D32 3.29 -> 2.57 ms; log alpha's gradient under strong decay 2.1e-3 either way (dev/check_precision.py)."""
+    D32 3.29 -> 2.57 ms; log alpha's gradient under strong decay 2.1e-3 either way (dev/check_precision.py).
+    `keep_states` (opt-in, not yet measured on a GPU; True or the carry's tl.dot precision, default "tf32x3"): the
+    forward also keeps every other intermediate in float32 and its chunk start states, and the backward recomputes
+    nothing (`forward_triton(keep_states=...)`: several KB per token and head — for small models)."""
     B, _, H, K = q.shape
     packed = offsets is not None
     if chunk_size is None:
@@ -112,7 +120,7 @@ def memory_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, ini
         rows, chunks, length = _packing(offsets, q.device)
         q, k, v, log_alpha, beta = (_pad_rows(x, rows, length) for x in (q, k, v, log_alpha, beta))
     o, S = _MemoryTriton.apply(q, k, v, log_alpha, beta, initial_state, bool(delta), float(scale), chunks, chunk,
-                               keep_factors)
+                               keep_factors, keep_states)
     if offsets is not None:
         o = o.index_select(1, rows)
     return o, (S[:, :, :K] if pad else S)

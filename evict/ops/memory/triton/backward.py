@@ -430,7 +430,7 @@ def _revcumsum_kernel(x, last, out, cu, T, H: tl.constexpr, K: tl.constexpr, C: 
 def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, scale, chunks=None, block_v=None,
                     warps=None, value_block=64, key_block=32, stages=2, fwd_warps=(4, 4), precision=None, ablate=(0, 0),
                     split=None, intra_kb=None, halves=True, dkey_block=64, chunk=None, factors=None,
-                    dstate_stages=None):
+                    dstate_stages=None, states=None):
     """Gradients (dq, dk, dv, dlog_alpha, dbeta, dinitial_state) of the chunked forward, given dO (or None) and the
     final state's gradient (or None). Recomputes the forward's per-chunk factors and start states. `chunks`: packed
     sequences' chunk table, as forward_triton's. `precision`: tl.dot's input precision, one for every kernel or a tuple
@@ -454,7 +454,8 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     (`forward_triton(keep_factors=...)`, autograd.py's default): the recompute then forms only the gates, W and U_bar.
     `dstate_stages`: the state gradient kernel's software pipelining; default 2 at chunks of 16 (the lab's B256 T512
     H4 D32: 0.32 -> 0.22 ms for KDA, 0.32 -> 0.20 for Gated DeltaNet), else 1 (2 was slower at 32, D 128: 2.12 ->
-    2.26 ms; at 64 its two stages of [C, K] float32 tiles exceed shared memory, 258 KB)."""
+    2.26 ms; at 64 its two stages of [C, K] float32 tiles exceed shared memory, 258 KB). `states` (opt-in, not yet
+    measured on a GPU): every intermediate the forward kept (`forward_triton(keep_states=...)`): no recompute at all."""
     if chunks is not None and chunk_length(chunk) != chunk_length(None):
         raise ValueError(f"chunk: packed sequences (chunks) are laid out in chunks of {chunk_length(None)}; got chunk={chunk}")
     B, T, H, K = q.shape
@@ -476,10 +477,15 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
         raise ValueError(f"precision: expected one value or a tuple of 4 or 5, got {precision!r}")
     # 5 values: the recompute split into its first stage and its carry (intra, carry, dstate, dvalue, dkey)
     carry_prec, precs = (precs[1], (precs[0], *precs[2:])) if len(precs) == 5 else (precs[0], precs)
-    x = intra(q, k, v, log_alpha, beta, delta, warps=fwd_warps[0], precision=precs[0], qg=True, ablate=ablate[0],
-              key_block=intra_kb, chunk=chunk, factors=factors)
-    U, Hs, sT = carry(k, x, initial_state, delta, V=V, chunks=chunks, block_v=block_v, warps=fwd_warps[1], stages=stages,
-                      precision=carry_prec, halves=halves)
+    if states is not None:  # the forward's own intermediates, states and final state: nothing to recompute
+        if states["C"] != chunk_length(chunk):
+            raise ValueError(f"states: kept at chunks of {states['C']}, used at {chunk_length(chunk)}")
+        x, U, Hs, sT = states, states["U"], states["Hs"], states["sT"]
+    else:
+        x = intra(q, k, v, log_alpha, beta, delta, warps=fwd_warps[0], precision=precs[0], qg=True, ablate=ablate[0],
+                  key_block=intra_kb, chunk=chunk, factors=factors)
+        U, Hs, sT = carry(k, x, initial_state, delta, V=V, chunks=chunks, block_v=block_v, warps=fwd_warps[1],
+                          stages=stages, precision=carry_prec, halves=halves)
     N, C, gate = x["N"], x["C"], x["gate"]
     split = (gate == 2 and K > 64) if split is None else bool(split)
     seqs, varlen = sT.shape[0], chunks is not None

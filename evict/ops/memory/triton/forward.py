@@ -590,7 +590,7 @@ def carry(k, x, initial_state, delta: bool, *, V: int, chunks=None, block_v=None
 
 def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunks=None,
                    block_v=None, warps=(4, 4, 4), stages=2, out_block_v=64, precision=None, keep=False, lowp=True,
-                   out_dot16=None, intra_kb=None, carry_halves=None, chunk=None, keep_factors=None):
+                   out_dot16=None, intra_kb=None, carry_halves=None, chunk=None, keep_factors=None, keep_states=None):
     """Chunked forward on [B, T, H, D] tensors. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32),
     plus the intermediates when `keep`. `chunks`: packed sequences laid out chunk-aligned in a batch of one (see
     autograd.py), the int32 table of each sequence's chunks [N_seq + 1]; states are then [N_seq, H, K, V]. Tuning
@@ -605,7 +605,11 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     `keep_factors`: a tl.dot precision for the first stage ("tf32" as the forward, "tf32x3" as the backward's
     recompute); the forward then also returns the [C, C] matrices T, A~, P (float32, P in the store dtype) for
     `backward_triton(factors=...)`, which skips the recompute's Gram strips and inverse (autograd.py keeps them by
-    default, at the forward's precision)."""
+    default, at the forward's precision). `keep_states` (opt-in, not yet measured on a GPU; with `keep_factors`): a
+    tl.dot precision for the carry ("tf32x3" as the backward's recompute); the forward then stores every intermediate
+    in float32 (its first stage also forms Q e^g) and returns them with U, the chunk start states Hs and the final
+    state, for `backward_triton(states=...)`, which then skips its recompute altogether (memory: at D 128 and chunks
+    of 32 about 5 KB per token and head, against 768 B of bf16 q, k, v — a trade for small models)."""
     if chunks is not None and chunk_length(chunk) != C:
         raise ValueError(f"chunk: packed sequences (chunks) are laid out in chunks of {C}; got chunk={chunk}")
     B, T, H, K = q.shape
@@ -614,14 +618,17 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     log_alpha = log_alpha.contiguous() if log_alpha is not None else None
     beta = beta.contiguous() if beta is not None else None
     prec = precision or precision_for(q.dtype)
-    low = lowp and q.dtype in (torch.bfloat16, torch.float16)
+    if keep_states and not keep_factors:
+        raise ValueError("keep_states: needs keep_factors (the backward then takes every intermediate from the forward)")
+    low = lowp and q.dtype in (torch.bfloat16, torch.float16) and not keep_states
     x = intra(q, k, v, log_alpha, beta, bool(delta), warps=warps[0], precision=keep_factors or prec,
-              store=q.dtype if low else None, kd=not low, key_block=None if keep_factors else intra_kb, chunk=chunk)
+              store=q.dtype if low else None, kd=not low, key_block=None if keep_factors else intra_kb, chunk=chunk,
+              qg=bool(keep_states))
     long_chunks = x["C"] == C
     carry_halves = long_chunks if carry_halves is None else carry_halves
     out_dot16 = long_chunks if out_dot16 is None else out_dot16
     U, Hs, sT = carry(k, x, initial_state, bool(delta), V=V, chunks=chunks, block_v=block_v, warps=warps[1], stages=stages,
-                      precision=prec, halves=carry_halves)
+                      precision=keep_states or prec, halves=carry_halves)
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
     BK = max(16, triton.next_power_of_2(K))
     BV = min(max(16, triton.next_power_of_2(V)), out_block_v)
@@ -632,6 +639,8 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     if keep:
         x.update(U=U, Hs=Hs)
         return o, sT, x
+    if keep_states:
+        return o, sT, {**x, "U": U, "Hs": Hs, "sT": sT}
     if keep_factors:
         return o, sT, dict(Tm=x["Tm"], Am=x["Am"], Pm=x["Pm"], C=x["C"])
     return o, sT
