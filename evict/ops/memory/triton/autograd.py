@@ -15,12 +15,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from .backward import backward_triton
-from .forward import CHUNKS, C, forward_triton, precision_for
+from .forward import CHUNKS, C, _gate, forward_triton, precision_for
+
+
+FACTORS = ("Tm", "Am", "Pm")  # what `keep_factors` saves for the backward; `keep_states`: all of STATES
+STATES = ("G", "Ub", "W", "Tm", "Am", "Pm", "Kd", "Dec", "Qg", "U", "Hs", "sT")
 
 
 class _MemoryTriton(torch.autograd.Function):
+    # The context holds tensors (saved) and plain ints / bools only, as torch.compile's tracing of it expects.
     @staticmethod
     def forward(ctx, q, k, v, log_alpha, beta, initial_state, delta, scale, chunks, chunk, keep_factors, keep_states):
         keep = states = None
@@ -30,20 +36,23 @@ class _MemoryTriton(torch.autograd.Function):
         o, S, *kept = forward_triton(q, k, v, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale,
                                      initial_state=initial_state, chunks=chunks, chunk=chunk, keep_factors=keep,
                                      keep_states=states)
-        kept = kept[0] if kept else {}
-        ctx.names = [n for n, t in kept.items() if isinstance(t, torch.Tensor)]
-        ctx.meta = {n: t for n, t in kept.items() if not isinstance(t, torch.Tensor)}
-        ctx.save_for_backward(q, k, v, log_alpha, beta, initial_state, *(kept[n] for n in ctx.names))
-        ctx.delta, ctx.scale, ctx.chunks, ctx.chunk, ctx.states = delta, scale, chunks, chunk, bool(states)
+        names = STATES if states else FACTORS if keep else ()
+        ctx.save_for_backward(q, k, v, log_alpha, beta, initial_state, *(kept[0][n] for n in names))
+        ctx.delta, ctx.scale, ctx.chunks, ctx.chunk = delta, scale, chunks, chunk
+        ctx.mode = 2 if states else 1 if keep else 0  # 0: recompute, 1: factors kept, 2: every intermediate kept
         return o, S
 
     @staticmethod
     def backward(ctx, do, dS):
         q, k, v, la, beta, s0, *saved = ctx.saved_tensors
-        kept = {**ctx.meta, **dict(zip(ctx.names, saved))} if ctx.names else None
-        dq, dk, dv, dla, dbeta, ds0 = backward_triton(
-            q, k, v, la, beta, s0, do, dS, delta=ctx.delta, scale=ctx.scale, chunks=ctx.chunks, chunk=ctx.chunk,
-            factors=None if ctx.states else kept, states=kept if ctx.states else None)
+        factors = states = None
+        if ctx.mode == 1:
+            factors = dict(zip(FACTORS, saved), C=ctx.chunk)
+        elif ctx.mode == 2:
+            states = dict(zip(STATES, saved), C=ctx.chunk, N=max(1, triton.cdiv(q.shape[1], ctx.chunk)), gate=_gate(la), kd=True,
+                          store=torch.float32)
+        dq, dk, dv, dla, dbeta, ds0 = backward_triton(q, k, v, la, beta, s0, do, dS, delta=ctx.delta, scale=ctx.scale,
+                                                      chunks=ctx.chunks, chunk=ctx.chunk, factors=factors, states=states)
         need = ctx.needs_input_grad
         grads = (dq, dk, dv, dla, dbeta, ds0)
         return (*(g if need[i] else None for i, g in enumerate(grads)), None, None, None, None, None, None)
