@@ -123,10 +123,10 @@ def _dvalue_kernel(
         m_h = (cv < V)[None, :]
         don = _rows(do + tok * V, t0, rc, T, H * V, cv, V)
         dun = tl.load(dU + h_off, mask=m_h, other=0.0)
-        dP += tl.dot(don, tl.trans(tl.load(U + h_off, mask=m_h, other=0.0)), input_precision=PREC)
+        dP += tl.dot(don, tl.trans(tl.load(U + h_off, mask=m_h, other=0.0).to(tl.float32)), input_precision=PREC)
         if DELTA:
             dR = tl.dot(tl.trans(Tc), dun, input_precision=PREC)
-            dA -= tl.dot(dR, tl.trans(tl.load(Ub + h_off, mask=m_h, other=0.0)), input_precision=PREC)
+            dA -= tl.dot(dR, tl.trans(tl.load(Ub + h_off, mask=m_h, other=0.0).to(tl.float32)), input_precision=PREC)
         else:
             dR = dun
         if HAS_BETA:
@@ -186,10 +186,10 @@ def _v_contractions(Hs, dHs, do, U, dU, tok, hm, h_off, t0, ck, nv, T, H: tl.con
         cv = v0 + tl.arange(0, BV)
         mv = cv < V
         s_off = h_off + ck[None, :] * V + cv[:, None]  # [BV, BK]: S^T
-        St = tl.load(Hs + s_off, mask=mv[:, None] & mk[None, :], other=0.0)
+        St = tl.load(Hs + s_off, mask=mv[:, None] & mk[None, :], other=0.0).to(tl.float32)
         dSt = tl.load(dHs + s_off, mask=mv[:, None] & mk[None, :], other=0.0)
         don = _rows(do + tok * V, t0, rc, T, H * V, cv, V)
-        un = tl.load(U + (hm + t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0)
+        un = tl.load(U + (hm + t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0).to(tl.float32)
         xq += tl.dot(don, St, input_precision=PREC)
         xc += tl.dot(un, dSt, input_precision=PREC)
         if DELTA:
@@ -455,7 +455,11 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     `dstate_stages`: the state gradient kernel's software pipelining; default 2 at chunks of 16 (the lab's B256 T512
     H4 D32: 0.32 -> 0.22 ms for KDA, 0.32 -> 0.20 for Gated DeltaNet), else 1 (2 was slower at 32, D 128: 2.12 ->
     2.26 ms; at 64 its two stages of [C, K] float32 tiles exceed shared memory, 258 KB). `states` (opt-in, not yet
-    measured on a GPU): every intermediate the forward kept (`forward_triton(keep_states=...)`): no recompute at all."""
+    measured on a GPU): every intermediate the forward kept (`forward_triton(keep_states=...)`): no recompute at all.
+    The recompute stores its intermediates and states in float32 even for 16-bit inputs (fla stores 16-bit ones):
+    with float32 products, 16-bit storage multiplies log alpha's gradient error under strong decay by 1.0-11x (all of
+    it) and 3-69x (the chunk start states alone), and q's and k's by ~1.8x (dev/store16_precision.py, interpreter,
+    3 draws, session 11). Every load of them is widened to float32 all the same."""
     if chunks is not None and chunk_length(chunk) != chunk_length(None):
         raise ValueError(f"chunk: packed sequences (chunks) are laid out in chunks of {chunk_length(None)}; got chunk={chunk}")
     B, T, H, K = q.shape
@@ -494,7 +498,7 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     dstate_stages = dstate_stages or (2 if C <= 16 else 1)
     do = torch.zeros(B, T, H, V, dtype=q.dtype, device=dev) if do is None else do.contiguous()
     dU = torch.empty(B * H * N * C * V, dtype=f32, device=dev)
-    dHs = torch.empty_like(Hs)
+    dHs = torch.empty(Hs.shape, dtype=f32, device=dev)  # float32 whatever Hs is stored in
     ds0 = torch.empty(seqs, H, K, V, dtype=f32, device=dev)
     BVs = min(BVf, block_v or state_block_v(seqs, H, V, dev))
     _dstate_kernel[(triton.cdiv(V, BVs), seqs * H)](
