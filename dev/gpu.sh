@@ -27,7 +27,7 @@ python3 -c "import fla" 2>/dev/null || python3 -m pip install -q --no-index --no
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 FORMS="kept_factors or kept_states or dstate_stages or intra_key_blocks or dkey_block or one_tile or float32_operands"  # opt-in knobs' tests
 # a sweep folder's finished runs as one JSONL (each result.json plus its run folder's name as "dir"): what a piece
-# brings back, to commit and restore (dev/grid_restore.py) on the next bare machine
+# brings back, to commit (dev/grid_piece.py FILES_AT) and restore (dev/grid_restore.py) on the next bare machine
 finished() { python3 -c "import glob, json, sys; sys.stdout.write(''.join(json.dumps({**json.load(open(f)), 'dir': f.split('/')[-2]}) + chr(10) for f in sorted(glob.glob(sys.argv[1] + '/runs/*/result.json'))))" "$1"; }
 quiet() { grep -v "Warning\|warn\|^  \|^$"; }
 # the screen keeps the summary line ("N passed, M warnings"), which `quiet` would drop

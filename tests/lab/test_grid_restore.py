@@ -50,3 +50,33 @@ def test_another_config_is_refused_and_labs_compare_every_field(tmp_path):
     assert (tmp_path / "s" / "runs" / "parity_kda_s0" / "result.json").exists() and not (tmp_path / "s" / "solved").exists()
     with pytest.raises(SystemExit, match="models differ"):
         grid_restore.main(str(tmp_path / "t"), _piece(tmp_path, {**lab, "models": ["kda"]}, [row]), lab="state")
+
+
+PIECE_SPEC = importlib.util.spec_from_file_location("grid_piece", Path(__file__).parents[2] / "dev" / "grid_piece.py")
+grid_piece = importlib.util.module_from_spec(PIECE_SPEC)
+PIECE_SPEC.loader.exec_module(grid_piece)
+
+
+def test_a_piece_commits_only_its_new_runs_and_the_lab_writes_the_table(tmp_path):
+    """dev/grid_piece.py: a device call's rows that no committed piece holds become the next piece (config beside
+    them); a call with nothing new writes nothing; the partial table is the lab's own, from every piece."""
+    committed = Path(__file__).parents[2] / "docs" / "recall_full"  # the first GPU piece: real rows and config
+    config = (committed / "piece1_config.json").read_text()
+    old, new = [json.loads(line) for line in (committed / "piece1_results.jsonl").read_text().splitlines()[:2]]
+    docs, at = tmp_path / "docs", tmp_path / "files_at"
+    docs.mkdir(), at.mkdir()
+    (docs / "piece1_config.json").write_text(config)
+    (docs / "piece1_results.jsonl").write_text(json.dumps(old) + "\n")
+    (at / "grid_config.json").write_text(config)
+    (at / "grid_results.jsonl").write_text(json.dumps(old) + "\n" + json.dumps(new) + "\n")
+    out = grid_piece.main(str(at), docs=str(docs))
+    assert out == docs / "piece2_results.jsonl" and (docs / "piece2_config.json").exists()
+    assert [json.loads(line)["dir"] for line in out.read_text().splitlines()] == [new["dir"]]
+    table = (docs / "partial_table.md").read_text()
+    assert table.startswith("Partial: 2 of 336 runs finished")
+    assert grid_piece.main(str(at), docs=str(docs)) is None and not (docs / "piece3_results.jsonl").exists()
+    (at / "grid_results.jsonl").write_text("{not json\n")
+    with pytest.raises(SystemExit, match="grid_results.jsonl: line 1 is not JSON"):
+        grid_piece.main(str(at), docs=str(docs))
+    with pytest.raises(SystemExit, match="grid_config.json: not found"):
+        grid_piece.main(str(tmp_path / "nowhere"), docs=str(docs))
