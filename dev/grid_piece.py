@@ -38,6 +38,10 @@ def _read_rows(path: Path) -> list[dict]:
     return rows
 
 
+def _number(piece: Path) -> int:
+    return int(re.findall(r"\d+", piece.name)[0])
+
+
 def main(files_at: str, lab: str = "recall", docs: str | None = None, table: bool = True) -> Path | None:
     """Write the new piece; returns its results file (None when nothing was new)."""
     if lab != "recall" and lab not in grid_restore.LABS:
@@ -53,13 +57,13 @@ def main(files_at: str, lab: str = "recall", docs: str | None = None, table: boo
         sys.exit(f"{cfg}: not JSON")
     rows = _read_rows(res)
     folder = Path(docs) if docs else ROOT / "docs" / ("recall_full" if lab == "recall" else f"lab_full/{lab}")
-    pieces = sorted(folder.glob("piece*_results.jsonl"), key=lambda p: int(re.findall(r"\d+", p.name)[0]))
+    pieces = sorted(folder.glob("piece*_results.jsonl"), key=_number)
     known = {r["dir"] for p in pieces for r in _read_rows(p)}
     new = [r for r in rows if r["dir"] not in known]
     if not new:
         print(f"no new runs: all {len(rows)} rows of {res} are committed already")
         return None
-    n = 1 + max((int(re.findall(r"\d+", p.name)[0]) for p in pieces), default=0)
+    n = 1 + max(map(_number, pieces), default=0)
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / f"piece{n}_results.jsonl"
     shutil.copyfile(cfg, folder / f"piece{n}_config.json")

@@ -589,10 +589,10 @@ def carry(k, x, initial_state, delta: bool, *, V: int, chunks=None, block_v=None
 
 
 def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunks=None,
-                   block_v=None, warps=(4, 4, 4), stages=2, out_block_v=64, precision=None, keep=False, lowp=True,
+                   block_v=None, warps=(4, 4, 4), stages=2, out_block_v=64, precision=None, lowp=True,
                    out_dot16=None, intra_kb=None, carry_halves=None, chunk=None, keep_factors=None, keep_states=None):
     """Chunked forward on [B, T, H, D] tensors. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32),
-    plus the intermediates when `keep`. `chunks`: packed sequences laid out chunk-aligned in a batch of one (see
+    plus what the backward may take from it (`keep_factors` / `keep_states`, below). `chunks`: packed sequences laid out chunk-aligned in a batch of one (see
     autograd.py), the int32 table of each sequence's chunks [N_seq + 1]; states are then [N_seq, H, K, V]. Tuning
     knobs: `warps` per kernel (intra, carry, out), `block_v` / `stages` of the carry kernel (V columns per program,
     software pipelining), `out_block_v` of the output kernel. `lowp` (16-bit inputs only): intermediates stored in the
@@ -636,9 +636,6 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
         q, x["G"], U, x["Pm"], Hs, o, float(scale), T, H=H, K=K, V=V, N=x["N"], C=x["C"], BK=BK, BV=BV,
         GATE=x["gate"], PREC=prec, DOT16=bool(out_dot16 and low), KB=min(64, BK), num_warps=warps[2], num_stages=2,
     )
-    if keep:
-        x.update(U=U, Hs=Hs)
-        return o, sT, x
     if keep_states:
         return o, sT, {**x, "U": U, "Hs": Hs, "sT": sT}
     if keep_factors:
