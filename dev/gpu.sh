@@ -14,7 +14,8 @@
 #            `chunk` 32 / 16), tunelab (the kernels at the lab's full-grid shape, D 32),
 #            precision (dev/check_precision.py)
 #   decode:  decode, decode1m, decodebench, decodecompile, decodeprofile, sdpa, dial (the chunk dial's GPU numbers)
-#   train:   bench (cells per second, issue 10), grid (a piece of `evict recall --full`: MIN, GRIDARGS, GRID; the runs
+#   train:   bench (cells per second, issue 10), learns (dev/learns_gpu.py: session 12's two MQAR-learns failures over
+#            seeds and op forms), grid (a piece of `evict recall --full`: MIN, GRIDARGS, GRID; the runs
 #            of earlier pieces in docs/recall_full/ are restored first: dev/grid_restore.py), lab (a piece of
 #            `evict lab $LAB --full`, pieces in docs/lab_full/$LAB/ restored first), proflab (dev/profile_train.py: one cell's step, eager / graphed /
 #            compiled, top kernels), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
@@ -93,6 +94,8 @@ for what in "$@"; do
            ${LABARGS:-} 2>&1 | grep -v "it/s\]$" | tail -40 | tee $OUT/lab_$LAB.log
          cp runs/lab_$LAB/config.json $OUT/lab_config.json; cp runs/lab_$LAB/*.md runs/lab_$LAB/*.png runs/lab_$LAB/*.json* $OUT/ 2>/dev/null
          finished runs/lab_$LAB > $OUT/lab_results.jsonl ;;
+    learns) timeout ${TO:-240} python3 dev/learns_gpu.py --archs ${ARCHS:-gated_deltanet gla kda} --seeds 0 1 2 --out $OUT/learns.json 2>&1 \
+              | quiet | tee $OUT/learns.log ;;  # test_mqar_learns_on_cuda over seeds: graphed / eager / chunked / C 64 / factors recomputed
     proflab) timeout ${TO:-300} python3 dev/profile_train.py --arch ${ARCHS:-kda deltanet attention} --compile 2>&1 | grep -v "^---" | tee $OUT/proflab.log ;;
     grid) for c in docs/recall_full/piece*_config.json; do
             [ -e "$c" ] && python3 dev/grid_restore.py ${GRID:-runs/grid} $c ${c%_config.json}_results.jsonl; done
