@@ -25,6 +25,7 @@ import dataclasses
 import inspect
 from typing import Any
 import json
+import logging
 import math
 import os
 import random
@@ -41,6 +42,8 @@ from tqdm.auto import tqdm
 
 from . import distributed
 from .tasks.base import Task
+
+logger = logging.getLogger(__name__)
 
 _AMP = ("auto", "bf16", "none")
 FIXED_ON_RESUME = ("seed", "batch_size")  # a resumed run must keep these: they decide the data of every step
@@ -158,6 +161,7 @@ class TrainResult:
     history: list[dict] = field(default_factory=list)  # one dict per evaluation
     stopped_early: bool = False
     interrupted: bool = False  # stopped at cfg.stop_at before the end; the checkpoint resumes it
+    diverged_at: int | None = None  # the step whose logged training loss was not finite; the run stopped there
 
 
 class WarmupCosine:
@@ -428,6 +432,7 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
         out.mkdir(parents=True, exist_ok=True)
 
     step, history, best, stopped_early, interrupted, segments = 0, [], 0.0, False, False, []
+    diverged: int | None = None
     if ck is not None:
         if "sharded" in ck:
             distributed.load_sharded(out / ck["sharded"], model, opt)
@@ -438,6 +443,7 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
         _set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0], device)
         step, history, best = ck["step"], ck["history"], ck["best_val_accuracy"]
         segments = ck.get("segments", [])
+        diverged = ck.get("diverged")  # a run that diverged stays stopped: its weights are not finite
         # a run that reached its target stays stopped unless the target changed; one that ran out of steps goes on
         stopped_early = ck["stopped_early"] and cfg.target_accuracy is not None and best >= cfg.target_accuracy
         if lead and metrics_path is not None:  # a checkpoint was read, so there is an out_dir
@@ -445,7 +451,7 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
         del ck
     elif metrics_path is not None and lead and metrics_path.exists():
         metrics_path.unlink()
-    done = stopped_early or step >= cfg.steps
+    done = stopped_early or diverged is not None or step >= cfg.steps
     session: dict[str, Any] = {"steps": [step, step], "world_size": world, "per_rank_batch": cfg.batch_size // world,
                                "micro_batch": cfg.batch_size // world // cfg.grad_accum, "train": dataclasses.asdict(cfg)}
     segments.append(session)
@@ -475,7 +481,8 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
         else:
             rngs = [rng]
         state: dict[str, Any] = {"step": step, "rng": rngs, "history": history, "best_val_accuracy": best,
-                                 "done": done, "stopped_early": stopped_early, "config": dataclasses.asdict(cfg),
+                                 "done": done, "stopped_early": stopped_early, "diverged": diverged,
+                                 "config": dataclasses.asdict(cfg),
                                  "segments": segments, "record": record}
         if distributed.active():  # each rank its shards, into a folder named by the step; checkpoint.pt points at it
             state["sharded"] = f"checkpoint-{step}.dcp"
@@ -491,7 +498,8 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
             if record is not None:
                 write_json(out / "run.json", {**record, "train": dataclasses.asdict(cfg), "steps_done": step,
                                               "world_size": world, "per_rank_batch": cfg.batch_size // world,
-                                              "segments": segments})
+                                              "segments": segments,
+                                              **({} if diverged is None else {"diverged_at": diverged})})
         if distributed.active():
             dist.barrier()
 
@@ -600,8 +608,13 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
                 bar.set_postfix(post)
                 window_loss.zero_()
                 window_steps, window_t = 0, time.perf_counter()
+                if not math.isfinite(mean_loss):  # every rank sees the same all-reduced mean
+                    diverged, done = step, True
+                    if lead:
+                        logger.warning(f"train: the training loss is not finite by step {step} (lr {cfg.lr:g}); stopped "
+                                       f"there, best validation accuracy so far {best:.4f}")
 
-            if step % cfg.eval_every == 0 or step == cfg.steps:
+            if not done and (step % cfg.eval_every == 0 or step == cfg.steps):
                 last_val = {"split": "val", "step": step, **evaluate(model, task, cfg, device, autocast),
                             "seconds": time.perf_counter() - t0}
                 history.append(last_val)
@@ -630,5 +643,5 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
     return TrainResult(
         steps_done=step, best_val_accuracy=best, final_val_loss=last_val["loss"] if last_val else math.nan,
         final_val_accuracy=last_val["accuracy"] if last_val else math.nan, wall_seconds=time.perf_counter() - t0,
-        history=history, stopped_early=stopped_early, interrupted=interrupted,
+        history=history, stopped_early=stopped_early, interrupted=interrupted, diverged_at=diverged,
     )

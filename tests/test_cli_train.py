@@ -154,3 +154,33 @@ def test_bench_decode_end_to_end(tmp_path, capsys):
     assert all(r["ms_per_token"] > 0 for r in rows)
     assert out.with_suffix(".png").is_file()
     assert "| hybrid | 32 |" in capsys.readouterr().out
+
+
+def test_a_diverged_run_saves_no_model_and_exits_with_one_line(corpus, tmp_path, monkeypatch):
+    """A training loss that stops being finite (a NaN weight injected after step 2) ends `evict train` with a one-line
+    message naming --lr and the step, a non-zero exit, and no model or summary — only the metrics and checkpoint of
+    what ran."""
+    from evict import train as train_mod
+
+    real = train_mod.train
+
+    def breaking(model, task, cfg, *args, **kw):
+        n = []
+
+        def after_step():
+            n.append(1)
+            if len(n) == 2:
+                with torch.no_grad():
+                    next(model.parameters()).fill_(math.nan)
+
+        model.after_step = after_step
+        return real(model, task, cfg, *args, **kw)
+
+    monkeypatch.setattr("evict.lab.train_cli.train", breaking)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        _train(corpus, out, steps=6)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("--lr ") and "not finite by step" in msg and "no model saved" in msg
+    assert not (out / "model").exists() and not (out / "summary.json").exists()
+    assert (out / "checkpoint.pt").exists() and json.loads((out / "run.json").read_text())["diverged_at"] >= 3

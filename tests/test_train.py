@@ -200,3 +200,31 @@ def test_stop_file_ends_the_run_at_the_next_evaluation(tmp_path):
     flag.write_text("lr=0.01\n")
     res = train(Tiny(), CopyTask(), _cfg(tmp_path / "b", steps=12, eval_every=5, stop_file=str(flag)))
     assert res.steps_done == 5 and res.stopped_early and not res.interrupted and len(res.history) == 1
+
+
+def test_a_loss_that_stops_being_finite_stops_the_run_and_says_so(tmp_path, caplog):
+    """A NaN weight after step 7: the loss logged at step 10 is not finite, so the run stops there (no evaluation of
+    the broken weights), keeps the best accuracy it had, records the step in its result, run.json and checkpoint,
+    prints one line, and a resume does not train on."""
+
+    class Breaks(Tiny):
+        steps = 0
+
+        def after_step(self):
+            self.steps += 1
+            if self.steps == 7:
+                with torch.no_grad():
+                    self.head.weight[0, 0] = math.nan
+
+    out = tmp_path / "run"
+    cfg = _cfg(out, steps=30, eval_every=5, log_every=5)
+    res = train(Breaks(), CopyTask(), cfg, record={"what": "test"})
+    assert res.diverged_at == 10 and res.steps_done == 10 and not res.stopped_early
+    assert [h["step"] for h in res.history] == [5] and res.best_val_accuracy == res.history[0]["accuracy"]
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "not finite by step 10" in warning and "lr 0.01" in warning
+    assert json.loads((out / "run.json").read_text())["diverged_at"] == 10
+    again = train(Breaks(), CopyTask(), cfg, record={"what": "test"})
+    assert again.diverged_at == 10 and again.steps_done == 10 and again.history == res.history
+    fine = train(Tiny(), CopyTask(), _cfg(steps=10, eval_every=5, log_every=5))
+    assert fine.diverged_at is None and fine.steps_done == 10

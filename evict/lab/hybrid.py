@@ -35,7 +35,7 @@ import torch
 
 from evict.bench.common import markdown_table
 from evict.lab import recall
-from evict.lab.sweep import from_json, out_of_time, piece_fields, run_grid, seeds_phrase
+from evict.lab.sweep import diverged, from_json, out_of_time, piece_fields, run_grid, seeds_phrase
 from evict.models import LM, ModelConfig, accounting
 from evict.tasks.mqar import MQARConfig, MQARTask
 from evict.tasks.text import TextTask, corpus_files
@@ -251,7 +251,7 @@ def run_one(job: dict) -> dict | None:
     return {"variant": v.name, "kind": v.kind, "ratio": v.ratio, "placement": v.placement, "pattern": v.pattern,
             "task": job["task"], "seed": seed, **score, "steps": res.steps_done, "seconds": round(res.wall_seconds, 1),
             "total_params": sum(p.numel() for p in model.parameters()), **accountant(sweep, v.pattern),
-            "label": f"{v.label} {job['task']} {shown}"}
+            **diverged(res), "label": f"{v.label} {job['task']} {shown}"}
 
 
 def seeds_of(sweep: HybridSweep) -> list[int]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import (check_minutes, from_json, out_of_time, run_jobs, stopped_message, sweep_folder,
+from evict.lab.sweep import (check_minutes, diverged, from_json, out_of_time, run_jobs, stopped_message, sweep_folder,
                              with_deadline, write_results)
 from evict.models import LM, presets
 from evict.tasks.mqar import MQARConfig, MQARTask
@@ -200,6 +200,8 @@ def run_one(job: dict) -> dict | None:
            "label": f"{job['arch']} K={K} acc={res.best_val_accuracy:.2f}"}
     if res.stopped_early and not solved and marker is not None:
         out["stopped"] = f"cell solved first by {marker.read_text().strip()}"
+    if res.diverged_at is not None:  # accuracy: the best before the loss stopped being finite
+        out.update(diverged(res), label=out["label"] + f" (diverged at step {res.diverged_at})")
     return out
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import from_json, out_of_time, piece_fields, run_grid
+from evict.lab.sweep import diverged, from_json, out_of_time, piece_fields, run_grid
 from evict.models import LM, presets
 from evict.tasks.state import TASKS, StateConfig, StateTask, scaled_accuracy
 from evict.train import TrainConfig, resolve_device, train
@@ -131,7 +131,8 @@ def run_one(job: dict) -> dict | None:
         "final_scaled_accuracy": scaled_accuracy(res.final_val_accuracy, classes), "classes": classes,
         "beyond_accuracy": beyond, "beyond_scaled_accuracy": scaled_accuracy(beyond, classes),
         "steps": res.steps_done, "seconds": round(res.wall_seconds, 1),
-        "params": sum(p.numel() for p in model.parameters()), "label": f"{job['task']} {job['model']} {scaled:.2f}",
+        "params": sum(p.numel() for p in model.parameters()), **diverged(res),
+        "label": f"{job['task']} {job['model']} {scaled:.2f}",
     }
 
 

@@ -105,6 +105,12 @@ def piece_fields(job: dict, every: int) -> dict:
     return {} if job.get("stop_at") is None else {"stop_at": job["stop_at"], "checkpoint_every": every}
 
 
+def diverged(res) -> dict:
+    """A lab row's note when its run stopped because the training loss was no longer finite (`TrainResult.diverged_at`):
+    the row's numbers come from the evaluations before that step."""
+    return {} if res.diverged_at is None else {"diverged": f"training loss not finite by step {res.diverged_at}"}
+
+
 def stopped_message(minutes: float | None, jobs: list, left: int, root: Path) -> str:
     """What a sweep with runs left says: how many finished, and how to continue."""
     after = f" after {minutes:g} min" if minutes is not None else ""

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import check_at_least_one, check_names, from_json, out_of_time, piece_fields, run_grid
+from evict.lab.sweep import check_at_least_one, check_names, diverged, from_json, out_of_time, piece_fields, run_grid
 from evict.layers import memory_mixer
 from evict.models import LM, presets
 from evict.stories import fade_curve, twin_boards
@@ -233,7 +233,7 @@ def run_one(job: dict) -> dict | None:
     return {
         "model": job["model"], "seed": seed, "accuracy": res.final_val_accuracy, "best_accuracy": res.best_val_accuracy,
         **mem, "steps": res.steps_done, "seconds": round(res.wall_seconds, 1),
-        "params": sum(p.numel() for p in model.parameters()),
+        "params": sum(p.numel() for p in model.parameters()), **diverged(res),
         "label": f"{job['model']} fact {mem['fact_accuracy']:.2f} new {mem['new_accuracy']:.2f}",
     }
 

@@ -260,6 +260,9 @@ def run_train(args) -> dict | None:
             torch.distributed.destroy_process_group()
     if not lead:
         return None
+    if result.diverged_at is not None:  # nothing to save: the weights are not finite
+        raise SystemExit(f"--lr {tcfg.lr:g}: the training loss is not finite by step {result.diverged_at}; no model "
+                         f"saved (metrics and the checkpoint up to there are in {out}); try a lower --lr or --warmup")
     if state is not None:  # FSDP2 left the model sharded: save a whole copy
         model = LM(cfg)
         model.load_state_dict(state)

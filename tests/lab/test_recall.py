@@ -4,6 +4,7 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
 
 from evict.cli import main
 from evict.lab.recall import (FULL, QUICK, Cell, best_over_lr, jobs_for, known_rows, lr_rounds, model_config, over_seeds,
@@ -232,3 +233,30 @@ def test_partial_report_shows_only_cells_whose_best_is_known(tmp_path):
     tables, _ = report(sweep, rows)
     assert "| attention | 0.700 | 11 |" in tables and "| deltanet | 0.995 | 11 |" in tables
     assert "| linear | — | — |" in tables
+
+
+def test_a_run_whose_loss_stops_being_finite_is_marked_diverged(tmp_path, monkeypatch):
+    """A run whose weights turn NaN (injected after step 3) stops at its next logged loss; its row keeps the best
+    accuracy it reached before and says where it diverged (an unmarked 0.000 after thousands of steps otherwise)."""
+    from evict.lab import recall
+
+    real = recall.train
+
+    def breaking(model, task, cfg, *args, **kw):
+        seen = []
+
+        def after_step():
+            seen.append(1)
+            if len(seen) == 3:
+                with torch.no_grad():
+                    next(model.parameters()).fill_(float("nan"))
+
+        model.after_step = after_step
+        return real(model, task, cfg, *args, **kw)
+
+    monkeypatch.setattr(recall, "train", breaking)
+    sweep = replace(MICRO, archs=("attention",), settings=((16, 2),), lrs=(1e-3,), steps=8, eval_every=2)
+    root = run_sweep(sweep, out=tmp_path / "s")
+    (row,) = map(json.loads, (root / "results.jsonl").read_text().splitlines())
+    assert row["steps"] == 8 and row["diverged"] == "training loss not finite by step 8"
+    assert row["accuracy"] is not None and "diverged at step 8" in row["label"]
