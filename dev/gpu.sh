@@ -94,8 +94,8 @@ for what in "$@"; do
            ${LABARGS:-} 2>&1 | grep -v "it/s\]$" | tail -40 | tee $OUT/lab_$LAB.log
          cp runs/lab_$LAB/config.json $OUT/lab_config.json; cp runs/lab_$LAB/*.md runs/lab_$LAB/*.png runs/lab_$LAB/*.json* $OUT/ 2>/dev/null
          finished runs/lab_$LAB > $OUT/lab_results.jsonl ;;
-    learns) timeout ${TO:-240} python3 dev/learns_gpu.py --archs ${ARCHS:-gated_deltanet gla kda} --seeds 0 1 2 --out $OUT/learns.json 2>&1 \
-              | quiet | tee $OUT/learns.log ;;  # test_mqar_learns_on_cuda over seeds: graphed / eager / chunked / C 64 / factors recomputed
+    learns) timeout ${TO:-300} python3 dev/learns_gpu.py --archs ${ARCHS:-gated_deltanet gla} --seeds 0 1 2 --out $OUT/learns.json 2>&1 \
+              | quiet | tee $OUT/learns.log ;;  # test_mqar_learns_on_cuda over seeds: graphed / eager / fp32 / chunked / C 64 / factors recomputed
     proflab) timeout ${TO:-300} python3 dev/profile_train.py --arch ${ARCHS:-kda deltanet attention} --compile 2>&1 | grep -v "^---" | tee $OUT/proflab.log ;;
     grid) for c in docs/recall_full/piece*_config.json; do
             [ -e "$c" ] && python3 dev/grid_restore.py ${GRID:-runs/grid} $c ${c%_config.json}_results.jsonl; done
