@@ -14,7 +14,7 @@
 #            `chunk` 32 / 16), tunelab (the kernels at the lab's full-grid shape, D 32),
 #            precision (dev/check_precision.py)
 #   decode:  decode, decode1m, decodebench, decodecompile, decodeprofile, sdpa, dial (the chunk dial's GPU numbers)
-#   train:   bench (cells per second, issue 10), learns (dev/learns_gpu.py: session 12's two MQAR-learns failures over
+#   train:   bench (cells per second, issue 10), mpsbench (the same, compiled, PROCS each with and without MPS), learns (dev/learns_gpu.py: session 12's two MQAR-learns failures over
 #            seeds and op forms), grid (a piece of `evict recall --full`: MIN, GRIDARGS, GRID; the runs
 #            of earlier pieces in docs/recall_full/ are restored first: dev/grid_restore.py), lab (a piece of
 #            `evict lab $LAB --full`, pieces in docs/lab_full/$LAB/ restored first), proflab (dev/profile_train.py: one cell's step, eager / graphed /
@@ -30,6 +30,10 @@ FORMS="kept_factors or kept_states or dstate_stages or intra_key_blocks or dkey_
 # a sweep folder's finished runs as one JSONL (each result.json plus its run folder's name as "dir"): what a piece
 # brings back, to commit (dev/grid_piece.py FILES_AT) and restore (dev/grid_restore.py) on the next bare machine
 finished() { python3 -c "import glob, json, sys; sys.stdout.write(''.join(json.dumps({**json.load(open(f)), 'dir': f.split('/')[-2]}) + chr(10) for f in sorted(glob.glob(sys.argv[1] + '/runs/*/result.json'))))" "$1"; }
+# CUDA MPS (the card's multi-process service): kernels of the sweep's worker processes then run side by side instead
+# of taking turns (session 13: 4 compiled kda cells 69.2 -> 85.9 cell-steps/s). MPS=0 switches it off.
+mps_on() { [ "${MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d && echo "MPS on"; }
+mps_off() { echo quit | nvidia-cuda-mps-control 2>/dev/null; sleep 1; }
 quiet() { grep -v "Warning\|warn\|^  \|^$"; }
 # the screen keeps the summary line ("N passed, M warnings"), which `quiet` would drop
 pyt() { local log=$1 t=$2; shift 2; timeout $t python3 -m pytest "$@" -m gpu -rf --tb=line -p no:cacheprovider 2>&1 | tee $OUT/$log \
@@ -86,6 +90,9 @@ for what in "$@"; do
     decodeprofile) timeout 120 python3 dev/profile_decode.py 2>&1 | tee $OUT/decode_profile.log | grep -v "^-" | head -80 ;;
     sdpa) timeout 60 python3 dev/sdpa_check.py 2>&1 | grep -v "^$" | tail -12 ;;
     dial) timeout 90 python3 dev/chunk_dial_gpu.py --out $OUT/chunk_dial_gpu.json 2>&1 | tail -5 ;;
+    mpsbench) for p in ${PROCS:-4 8}; do for m in 0 1; do MPS=$m; mps_on; timeout ${TO:-150} python3 -m evict.cli bench train \
+                --arch kda --procs $p --train-steps ${STEPS:-300} --variants compiled --out $OUT/bench_train_p${p}_mps$m.json 2>&1 \
+                | quiet | grep "^| kda" | sed "s/^/MPS=$m /"; mps_off; done; done ;;  # cell-steps/s with and without MPS
     bench) timeout ${TO:-240} python3 -m evict.cli bench train --arch kda --procs 4 --train-steps ${STEPS:-100} --variants before graphs compiled \
              --out $OUT/bench_train_p4.json 2>&1 | quiet | tee $OUT/bench_train.log ;;
     lab) for c in docs/lab_full/$LAB/piece*_config.json; do  # LAB: capacity hybrid pairs state stories; MIN, LABARGS
@@ -99,8 +106,10 @@ for what in "$@"; do
     proflab) timeout ${TO:-300} python3 dev/profile_train.py --arch ${ARCHS:-kda deltanet attention} --compile 2>&1 | grep -v "^---" | tee $OUT/proflab.log ;;
     grid) for c in docs/recall_full/piece*_config.json; do
             [ -e "$c" ] && python3 dev/grid_restore.py ${GRID:-runs/grid} $c ${c%_config.json}_results.jsonl; done
+          mps_on
           timeout ${TO:-560} python3 -m evict.cli recall --full --minutes ${MIN:-8} --out ${GRID:-runs/grid} ${GRIDARGS:-} 2>&1 \
             | grep -v "it/s\]$" | tail -60 | tee $OUT/grid.log
+          mps_off
           cp ${GRID:-runs/grid}/config.json $OUT/grid_config.json; cp ${GRID:-runs/grid}/*.md ${GRID:-runs/grid}/*.png $OUT/ 2>/dev/null
           finished ${GRID:-runs/grid} > $OUT/grid_results.jsonl ;;
     dist) (OUT=/tmp/dist STEPS=${STEPS:-30} PY=python3 timeout ${TO:-330} bash dev/dist_bench.sh 2>&1 | quiet | tail -40) | tee $OUT/dist.log

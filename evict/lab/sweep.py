@@ -126,10 +126,18 @@ def sweep_folder(kind: str, sweep, out: str | Path | None, *, defaults: dict | N
     root.mkdir(parents=True, exist_ok=True)
     cfg_path = root / "config.json"
     want = json.loads(json.dumps(dataclasses.asdict(sweep)))
-    if cfg_path.exists() and {**(defaults or {}), **json.loads(cfg_path.read_text())} != want:
+    if cfg_path.exists() and _identity({**(defaults or {}), **json.loads(cfg_path.read_text())}) != _identity(want):
         raise ValueError(f"out: {root} holds a sweep with another config; use a new folder or the same options")
     cfg_path.write_text(json.dumps(want, indent=2))
     return root
+
+
+# fields that say how a sweep runs, not what its runs train: a sweep resumes with other values of them
+EXECUTION_FIELDS = ("workers",)
+
+
+def _identity(cfg: dict) -> dict:
+    return {k: v for k, v in cfg.items() if k not in EXECUTION_FIELDS}
 
 
 def write_results(root: Path, results: list[dict]) -> None:

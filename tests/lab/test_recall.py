@@ -31,6 +31,10 @@ def test_sweep_runs_resumes_and_writes_outputs(tmp_path, capsys):
     assert stamps == {p: p.stat().st_mtime_ns for p in (root / "runs").glob("*/result.json")}
     with pytest.raises(ValueError, match=r"^out: .* holds a sweep with another config"):
         run_sweep(replace(MICRO, steps=5), out=root)
+    # the worker count says how the sweep runs, not what it trains: a resume may use another (and records it)
+    run_sweep(replace(MICRO, workers=MICRO.workers + 1), out=root)
+    assert json.loads((root / "config.json").read_text())["workers"] == MICRO.workers + 1
+    assert stamps == {p: p.stat().st_mtime_ns for p in (root / "runs").glob("*/result.json")}
 
 
 def test_best_over_lr_and_state_sizes():
