@@ -112,8 +112,13 @@ def diverged(res) -> dict:
 
 
 def stopped_message(minutes: float | None, jobs: list, left: int, root: Path) -> str:
-    """What a sweep with runs left says: how many finished, and how to continue."""
-    after = f" after {minutes:g} min" if minutes is not None else ""
+    """What a sweep with runs left says: how many finished, how long the piece took, and how to continue. A piece
+    ends before its `minutes` when no run left would finish in time (expected_seconds), so the time is measured."""
+    after = ""
+    stop_at = next((j["stop_at"] for j in jobs if j.get("stop_at") is not None), None)
+    if minutes is not None and stop_at is not None:
+        took = max(0.0, time.time() - (stop_at - 60 * minutes)) / 60
+        after = f" after {took:.1f} min (a piece of at most {minutes:g} min)"
     return (f"stopped{after}: {len(jobs) - left} of {len(jobs)} runs finished, {left} left (unfinished ones resume "
             f"from their checkpoints); run the same command with --out {root} to continue")
 

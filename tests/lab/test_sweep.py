@@ -78,3 +78,16 @@ def test_cli_minutes_flag(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["lab", "state", "--minutes", "0", "--out", str(tmp_path / "x")])
     assert e.value.code != 0 and "--minutes" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_stopped_message_says_the_time_the_piece_took(monkeypatch, tmp_path):
+    """A piece that ends early (no run left would finish in time) says how long it took, not its budget."""
+    from evict.lab import sweep as sweep_mod
+
+    now = [1000.0]
+    monkeypatch.setattr(sweep_mod, "time", type("Clock", (), {"time": staticmethod(lambda: now[0])}))
+    jobs = sweep_mod.with_deadline([{"dir": "a"}, {"dir": "b"}], 10)
+    now[0] += 90  # 1.5 of the piece's 10 minutes
+    msg = sweep_mod.stopped_message(10, jobs, 1, tmp_path)
+    assert msg.startswith("stopped after 1.5 min (a piece of at most 10 min): 1 of 2 runs finished, 1 left"), msg
+    assert sweep_mod.stopped_message(None, [{"dir": "a"}], 1, tmp_path).startswith("stopped: 0 of 1 runs finished")
