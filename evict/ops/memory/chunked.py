@@ -155,7 +155,7 @@ def memory_chunked(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     xs = (q, k) if delta else (q,)
     if g is not None and g.dim() < k.dim():
         P, *A = _scalar_decayed_dots(xs, k, g, seg)
-    elif g is not None and (q.device.type != "cpu" or bool((seg[..., -1, :] > 0).any())):
+    elif g is not None and seg is not None and (q.device.type != "cpu" or bool((seg[..., -1, :] > 0).any())):
         # per channel: off the CPU always the exact sub-chunked form (no host sync: a CUDA graph can capture it);
         # on the CPU that form only where a chunk holds a hard reset, else _decayed_dots picks (one cheap sync)
         P, *A = _channel_decayed_dots(xs, k, g, seg)
