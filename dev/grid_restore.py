@@ -22,13 +22,15 @@ import json
 import sys
 from pathlib import Path
 
-WHICH = {"archs", "settings", "d_models", "lrs", "lr_order", "seeds", "workers", "chunk_size"}
+from evict.lab.sweep import EXECUTION_FIELDS  # workers: how a sweep runs, not what it trains
+
+WHICH = {"archs", "settings", "d_models", "lrs", "lr_order", "seeds", "chunk_size", *EXECUTION_FIELDS}
 LABS = {"capacity": "capacity", "hybrid": "hybrid", "pairs": "pairs", "state": "state", "stories": "switch"}
 
 
 def main(target: str, pairs: list[str], lab: str = "recall") -> None:
     module = importlib.import_module(f"evict.lab.{LABS.get(lab, 'recall')}")
-    which = WHICH if lab == "recall" else {"workers"}
+    which = WHICH if lab == "recall" else set(EXECUTION_FIELDS)
     root = Path(target)
     cfg = root / "config.json"
     # fields a saved config predates take their defaults (as sweep_folder does), e.g. recall's gate_dt

@@ -78,8 +78,8 @@ def test_mqar_learns_on_cuda(arch):
     spread in every form of the op (`dev/learns_gpu.py`, dev/LOG.md session 13)."""
     best = []
     for seed in (0, 1, 2):
-        best.append(_learns(arch, "cuda", graphs=True, seed=seed, check=False))
-        if best[-1] >= (0.9 if arch == "attention" else 0.05):
+        best.append(_learns(arch, "cuda", graphs=True, seed=seed))
+        if best[-1] >= _floor(arch):
             return
     pytest.fail(f"{arch}: best accuracy per seed {best}")
 
@@ -87,10 +87,17 @@ def test_mqar_learns_on_cuda(arch):
 @pytest.mark.slow
 def test_mqar_learns_on_cpu_under_autocast():
     """The same run on the CPU under bf16 autocast (about 1.5 min on 2 cores): attention 0.83 at step 100, 0.99 at 150."""
-    _learns("attention", "cpu", graphs=False)
+    best = _learns("attention", "cpu", graphs=False)
+    assert best >= _floor("attention"), best
 
 
-def _learns(arch, device, graphs, seed=0, check=True):
+def _floor(arch):
+    """The best validation accuracy a learns test asks for: attention 0.9, every other mixer 0.05 (chance 1/64)."""
+    return 0.9 if arch == "attention" else 0.05
+
+
+def _learns(arch, device, graphs, seed=0):
+    """Best validation accuracy of 200 MQAR steps (L 64, K 4) from the model init of `seed`."""
     sweep = RecallSweep(vocab_size=128, head_dim=16)
     torch.manual_seed(seed)
     model = LM(model_config(arch, 64, sweep, 64))
@@ -99,7 +106,4 @@ def _learns(arch, device, graphs, seed=0, check=True):
     lr = 3e-3 if arch == "kimi_linear" else 1e-2
     cfg = TrainConfig(steps=200, batch_size=64, lr=lr, eval_every=50, eval_batches=4, device=device, amp="bf16",
                       progress=False, graphs=graphs)
-    res = train(model, task, cfg)
-    if check:
-        assert res.best_val_accuracy >= (0.9 if arch == "attention" else 0.05), res.best_val_accuracy
-    return res.best_val_accuracy
+    return train(model, task, cfg).best_val_accuracy

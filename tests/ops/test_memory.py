@@ -105,9 +105,7 @@ def test_gpu_chunked_captures_in_a_cuda_graph(gate, delta, reset):
     o_ref, s_ref = run(x64, delta, impl="reference")
     g_ref = _grads(x64, delta, impl="reference")
     leaves = {n: t.float().cuda().requires_grad_(True) for n, t in x64.items() if t is not None}
-    g = torch.Generator().manual_seed(1)  # the weights of _grads' loss
-    wo = torch.randn(o_ref.shape, generator=g, dtype=torch.float64).float().cuda()
-    ws = torch.randn(s_ref.shape, generator=g, dtype=torch.float64).float().cuda()
+    wo, ws = (w.float().cuda() for w in _loss_weights(o_ref, s_ref))
 
     def step():
         o, s = run(leaves, delta, impl="chunked", chunk_size=32, check=False)  # check=True syncs (value checks)
@@ -128,12 +126,17 @@ def test_gpu_chunked_captures_in_a_cuda_graph(gate, delta, reset):
         assert torch.isfinite(gr).all() and rel(gr.cpu(), g_ref[name]) <= 1e-4, name
 
 
+def _loss_weights(o, s):
+    """The fixed random weights of the gradient tests' loss sum(o * wo) + sum(s * ws), in o's and s's dtypes."""
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(o.shape, generator=g, dtype=o.dtype), torch.randn(s.shape, generator=g, dtype=s.dtype)
+
+
 def _grads(x, delta, **kw):
     leaves = {n: t.clone().requires_grad_(True) for n, t in x.items() if t is not None}
     o, s = run(leaves, delta, **kw)
-    g = torch.Generator().manual_seed(1)
-    loss = (o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum() + (s * torch.randn(s.shape, generator=g, dtype=s.dtype)).sum()
-    return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+    wo, ws = _loss_weights(o, s)
+    return dict(zip(leaves, torch.autograd.grad((o * wo).sum() + (s * ws).sum(), list(leaves.values()))))
 
 
 @pytest.mark.parametrize("gate,delta,beta_max", list(itertools.product(GATES, (False, True), (1.0, 2.0))))
