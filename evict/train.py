@@ -157,11 +157,12 @@ class TrainResult:
     best_val_accuracy: float
     final_val_loss: float
     final_val_accuracy: float
-    wall_seconds: float
+    wall_seconds: float  # this session's (a resumed run's earlier sessions: total_seconds)
     history: list[dict] = field(default_factory=list)  # one dict per evaluation
     stopped_early: bool = False
     interrupted: bool = False  # stopped at cfg.stop_at before the end; the checkpoint resumes it
     diverged_at: int | None = None  # the step whose logged training loss was not finite; the run stopped there
+    total_seconds: float = 0.0  # wall seconds over every session of the run (each checkpoint's segments say theirs)
 
 
 class WarmupCosine:
@@ -474,6 +475,7 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
     def checkpoint(out: Path, ckpt_path: Path) -> None:
         """Every rank calls this (collectives under torch.distributed); rank 0 writes checkpoint.pt, then run.json."""
         session["steps"][1] = step
+        session["seconds"] = round(time.perf_counter() - t0, 3)
         rng = _rng_state(device)
         rngs: list[Any] = [None] * world
         if world > 1:
@@ -640,8 +642,10 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
         if writer is not None:
             writer.close()
 
+    wall = time.perf_counter() - t0
     return TrainResult(
         steps_done=step, best_val_accuracy=best, final_val_loss=last_val["loss"] if last_val else math.nan,
-        final_val_accuracy=last_val["accuracy"] if last_val else math.nan, wall_seconds=time.perf_counter() - t0,
+        final_val_accuracy=last_val["accuracy"] if last_val else math.nan, wall_seconds=wall,
         history=history, stopped_early=stopped_early, interrupted=interrupted, diverged_at=diverged,
+        total_seconds=wall + sum(s.get("seconds", 0.0) for s in segments[:-1]),  # older checkpoints lack "seconds"
     )

@@ -181,11 +181,14 @@ def test_stop_at_checkpoints_and_resumes_exactly(tmp_path):
     cfg = dict(steps=12, log_every=1, eval_every=5, warmup_steps=2, min_lr_ratio=0.1)
     ref_model = Tiny()
     train(ref_model, CopyTask(), _cfg(tmp_path / "ref", **cfg))
-    res = train(Tiny(), CopyTask(), _cfg(tmp_path / "run", stop_at=0.0, **cfg))  # long past: one step, then stop
-    assert res.interrupted and res.steps_done == 1 and (tmp_path / "run" / "checkpoint.pt").exists()
+    first = train(Tiny(), CopyTask(), _cfg(tmp_path / "run", stop_at=0.0, **cfg))  # long past: one step, then stop
+    assert first.interrupted and first.steps_done == 1 and (tmp_path / "run" / "checkpoint.pt").exists()
+    assert first.total_seconds == first.wall_seconds > 0
     model = Tiny(seed=9)
     res = train(model, CopyTask(), _cfg(tmp_path / "run", **cfg))
     assert not res.interrupted and res.steps_done == 12
+    # total_seconds: both sessions, the first as its last checkpoint recorded it (just before it returned)
+    assert 0 < res.total_seconds - res.wall_seconds <= first.wall_seconds
     got, ref = (_rows(tmp_path / d / "metrics.jsonl", "train") for d in ("run", "ref"))
     assert [r["loss"] for r in got] == [r["loss"] for r in ref]
     for a, b in zip(model.parameters(), ref_model.parameters()):

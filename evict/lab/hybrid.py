@@ -249,7 +249,7 @@ def run_one(job: dict) -> dict | None:
              else {"val_loss": res.final_val_loss, "val_ppl": math.exp(res.final_val_loss)})
     shown = f"acc {score['accuracy']:.3f}" if job["task"] == "mqar" else f"loss {score['val_loss']:.3f}"
     return {"variant": v.name, "kind": v.kind, "ratio": v.ratio, "placement": v.placement, "pattern": v.pattern,
-            "task": job["task"], "seed": seed, **score, "steps": res.steps_done, "seconds": round(res.wall_seconds, 1),
+            "task": job["task"], "seed": seed, **score, "steps": res.steps_done, "seconds": round(res.total_seconds, 1),
             "total_params": sum(p.numel() for p in model.parameters()), **accountant(sweep, v.pattern),
             **diverged(res), "label": f"{v.label} {job['task']} {shown}"}
 

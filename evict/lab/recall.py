@@ -132,6 +132,24 @@ def expected_seconds(job: dict, steps: int) -> float | None:
     return None if not rates else rates[len(rates) // 2] * steps
 
 
+def longer_than_a_piece(job: dict, steps: int) -> bool:
+    """Whether a run of a timed piece's job is expected to take longer than a whole piece (expected_seconds): it
+    can only finish over several pieces, resuming from its checkpoint, on a machine that keeps the sweep's folder."""
+    need = expected_seconds(job, steps)
+    return need is not None and job.get("piece_seconds") is not None and need > job["piece_seconds"]
+
+
+def starts_now(job: dict, steps: int) -> bool:
+    """Whether a timed piece starts this job's run now: when it is expected to finish before the piece's stop_at (or
+    nothing is known yet), or, for a run longer than a whole piece (which would otherwise never start), while at least
+    half the piece is left, so it trains that long before its checkpoint; else a later, smaller job goes first."""
+    need = expected_seconds(job, steps)
+    left = job["stop_at"] - time.time()
+    if need is None or need <= left:
+        return True
+    return longer_than_a_piece(job, steps) and left >= job["piece_seconds"] / 2
+
+
 def left_estimate(jobs: list[dict], results: list, steps: int) -> tuple[float, int, int]:
     """What a stopped sweep has left: (seconds, runs estimated, runs without an estimate) — the expected_seconds of
     every unfinished run whose cell is not solved yet, at the full `steps` (an upper bound: runs stop at the target).
@@ -177,10 +195,8 @@ def run_one(job: dict) -> dict | None:
     stop_at = job.get("stop_at")
     if out_of_time(job):
         return None  # out of time before it started: left for the next piece
-    if stop_at is not None and not (Path(job["dir"]) / "checkpoint.pt").exists():
-        need = expected_seconds(job, sweep.steps)
-        if need is not None and time.time() + need > stop_at:
-            return None  # would not finish in this piece: the worker takes a later (smaller) job instead
+    if stop_at is not None and not (Path(job["dir"]) / "checkpoint.pt").exists() and not starts_now(job, sweep.steps):
+        return None  # would not finish in this piece: the worker takes a later (smaller) job instead
     tc = TrainConfig(steps=sweep.steps, batch_size=sweep.batch_size, lr=job["lr"], weight_decay=0.1, warmup_steps=0,
                      eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, target_accuracy=sweep.target_accuracy,
                      seed=seed, device=sweep.device, out_dir=job["dir"], progress=False, log_every=50,
@@ -196,7 +212,7 @@ def run_one(job: dict) -> dict | None:
         tmp.write_text(f"lr={job['lr']:g} at step {res.steps_done}\n")
         tmp.replace(marker)
     out = {**row, "accuracy": res.best_val_accuracy, "final_accuracy": res.final_val_accuracy, "steps": res.steps_done,
-           "seconds": round(res.wall_seconds, 1), "state_size": state_size, "params": params,
+           "seconds": round(res.total_seconds, 1), "state_size": state_size, "params": params,
            "label": f"{job['arch']} K={K} acc={res.best_val_accuracy:.2f}"}
     if res.stopped_early and not solved and marker is not None:
         out["stopped"] = f"cell solved first by {marker.read_text().strip()}"
@@ -401,7 +417,8 @@ def run_sweep(sweep: RecallSweep, out: str | Path | None = None, minutes: float 
     """Run (or resume, when `out` already holds part of it) the sweep; write and print the results.
 
     `minutes`: stop after about this long — runs in flight checkpoint and stop, no new run starts, nor one that the
-    finished runs of its (L, K, d) say would not end in time (expected_seconds; a later, smaller job goes instead) — and
+    finished runs of its (L, K, d) say would not end in time but would in a fresh piece (starts_now; a later, smaller job
+    goes instead; a run longer than a whole piece starts in a piece's first half and resumes in the next) — and
     say how much is left; the same command (same `out`) continues. Tables and plots are written once every run has finished;
     a stopped sweep writes partial_table.md with the cells known so far (known_rows)."""
     check_minutes(minutes)
@@ -430,6 +447,10 @@ def run_sweep(sweep: RecallSweep, out: str | Path | None = None, minutes: float 
             print(f"left, at most: {seconds / 60 / max(1, sweep.workers):.0f} min with {sweep.workers} workers for the "
                   f"{timed} runs whose cells have timed runs (full steps; runs stop at {sweep.target_accuracy:g}), "
                   f"{untimed} runs more without an estimate")
+        long = sum(r is None and longer_than_a_piece(j, sweep.steps) for j, r in zip(jobs, results))
+        if long:
+            print(f"{long} of the runs left take longer than one piece of {minutes:g} min: they finish over several "
+                  f"pieces, resuming from their checkpoints, so keep {root} between pieces")
         return root
     finished = [r for r in results if r is not None]  # all of them (none left)
     rows = [{**r, "seed": job["seed"]} for r, job in zip(finished, jobs)]  # results of older runs lack the seed

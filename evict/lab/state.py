@@ -130,7 +130,7 @@ def run_one(job: dict) -> dict | None:
         "final_accuracy": res.final_val_accuracy, "scaled_accuracy": scaled,
         "final_scaled_accuracy": scaled_accuracy(res.final_val_accuracy, classes), "classes": classes,
         "beyond_accuracy": beyond, "beyond_scaled_accuracy": scaled_accuracy(beyond, classes),
-        "steps": res.steps_done, "seconds": round(res.wall_seconds, 1),
+        "steps": res.steps_done, "seconds": round(res.total_seconds, 1),
         "params": sum(p.numel() for p in model.parameters()), **diverged(res),
         "label": f"{job['task']} {job['model']} {scaled:.2f}",
     }

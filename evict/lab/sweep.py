@@ -86,12 +86,13 @@ def check_minutes(minutes: float | None) -> None:
 
 def with_deadline(jobs: list[dict], minutes: float | None) -> list[dict]:
     """The jobs of a timed piece (`--minutes`): each gets a wall-clock `stop_at` that many minutes from now, which its
-    run honours (out_of_time before it starts, piece_fields while it trains). None: the jobs as they are."""
+    run honours (out_of_time before it starts, piece_fields while it trains), and the piece's length (`piece_seconds`,
+    for a run's start rule). None: the jobs as they are."""
     check_minutes(minutes)
     if minutes is None:
         return jobs
     stop_at = time.time() + 60 * minutes
-    return [{**job, "stop_at": stop_at} for job in jobs]
+    return [{**job, "stop_at": stop_at, "piece_seconds": 60 * minutes} for job in jobs]
 
 
 def out_of_time(job: dict) -> bool:

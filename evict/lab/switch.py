@@ -232,7 +232,7 @@ def run_one(job: dict) -> dict | None:
     mem = read_memory(model, task, sweep)
     return {
         "model": job["model"], "seed": seed, "accuracy": res.final_val_accuracy, "best_accuracy": res.best_val_accuracy,
-        **mem, "steps": res.steps_done, "seconds": round(res.wall_seconds, 1),
+        **mem, "steps": res.steps_done, "seconds": round(res.total_seconds, 1),
         "params": sum(p.numel() for p in model.parameters()), **diverged(res),
         "label": f"{job['model']} fact {mem['fact_accuracy']:.2f} new {mem['new_accuracy']:.2f}",
     }

@@ -156,6 +156,29 @@ def test_a_piece_does_not_start_a_run_it_cannot_finish(tmp_path):
     assert row is not None and row["steps"] == 4
 
 
+def test_a_run_longer_than_a_whole_piece_starts_in_the_pieces_first_half(tmp_path):
+    """starts_now: a run expected to outlast a whole piece would never start under "finish in this piece", so it
+    starts while at least half the piece is left (and resumes in the next piece); one that fits a fresh piece waits."""
+    import time
+
+    from evict.lab.recall import longer_than_a_piece, starts_now
+
+    jobs = jobs_for(replace(MICRO, steps=2000), tmp_path)
+    job = next(j for j in jobs if j["arch"] == "deltanet" and j["pairs"] == 2)
+    f = tmp_path / "runs" / "done" / "result.json"  # 0.5 s per step: a 2,000-step run takes 1,000 s
+    f.parent.mkdir(parents=True)
+    f.write_text(json.dumps(dict(arch="deltanet", seq_len=job["seq_len"], pairs=2, d_model=job["d_model"], steps=1000,
+                                 seconds=500.0)))
+    now = time.time()
+    piece = lambda length, left: {**job, "stop_at": now + left, "piece_seconds": length}
+    assert longer_than_a_piece(piece(600, 600), 2000) and not longer_than_a_piece(piece(1200, 600), 2000)
+    assert not longer_than_a_piece(job, 2000)  # not a timed piece
+    assert starts_now(piece(600, 590), 2000) and starts_now(piece(600, 310), 2000)  # outlasts any piece: first half
+    assert not starts_now(piece(600, 290), 2000)  # second half: the next piece starts it
+    assert not starts_now(piece(1200, 900), 2000)  # fits a fresh piece, not this one's rest: waits
+    assert starts_now(piece(1200, 1100), 2000)  # fits what is left
+
+
 def test_left_estimate_counts_unfinished_runs_of_unsolved_cells(tmp_path):
     """left_estimate: expected_seconds summed over the unfinished runs (full steps), runs of solved cells skipped, runs
     of cells without a timed run counted apart."""
