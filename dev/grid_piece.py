@@ -8,14 +8,19 @@ The rows no committed piece holds yet (by run folder) become docs/recall_full/pi
 the piece's config as piece<N>_config.json (docs/lab_full/NAME/ for a lab), N the next free number; nothing is
 written when every row is already committed. For recall it then rewrites docs/recall_full/partial_table.md from every
 piece: restored into a scratch folder (dev/grid_restore.py), then `evict recall --full --minutes 0.000001`, which
-trains nothing and writes the table of every cell whose best over lr is known. `--docs DIR` writes elsewhere.
+trains nothing and writes the table of every cell whose best over lr is known. Once every run of the grid has a
+result that command writes the finished sweep's outputs instead, and they replace the partial table: table.md,
+scorecard.md, results.jsonl (every run, with its seed) and the two plots, recall_vs_pairs.png and
+recall_vs_state.png. `--docs DIR` writes elsewhere.
 """
 
 import argparse
+import contextlib
+import dataclasses
+import io
 import json
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -42,8 +47,10 @@ def _number(piece: Path) -> int:
     return int(re.findall(r"\d+", piece.name)[0])
 
 
-def main(files_at: str, lab: str = "recall", docs: str | None = None, table: bool = True) -> Path | None:
-    """Write the new piece; returns its results file (None when nothing was new)."""
+def main(files_at: str, lab: str = "recall", docs: str | None = None, table: bool = True,
+         target: dict | None = None) -> Path | None:
+    """Write the new piece; returns its results file (None when nothing was new). `target`: the recall sweep the
+    pieces belong to, as its config dict (default `evict recall --full`'s, recall.FULL)."""
     if lab != "recall" and lab not in grid_restore.LABS:
         sys.exit(f"--lab: expected one of {sorted(grid_restore.LABS)}, got {lab!r}")
     stem = "grid" if lab == "recall" else "lab"
@@ -70,22 +77,40 @@ def main(files_at: str, lab: str = "recall", docs: str | None = None, table: boo
     out.write_text("".join(json.dumps(r) + "\n" for r in new))
     print(f"wrote {out} ({len(new)} new runs of {len(rows)}) and its config")
     if table and lab == "recall":
-        _table(folder)
+        _table(folder, target)
     return out
 
 
-def _table(folder: Path) -> None:
-    """docs/.../partial_table.md from every committed piece, written by the lab itself."""
+FINISHED = ("table.md", "scorecard.md", "results.jsonl", "recall_vs_pairs.png", "recall_vs_state.png")
+
+
+def _table(folder: Path, target: dict | None = None) -> None:
+    """docs/.../partial_table.md from every committed piece, written by the lab itself (`run_sweep` over a scratch
+    folder holding every piece's runs, with a piece of no time: it trains nothing); once no run is left, the
+    finished sweep's outputs (FINISHED) instead."""
+    from evict.lab.recall import FULL, RecallSweep, run_sweep
+    from evict.lab.sweep import from_json
+
+    config = target if target is not None else json.loads(json.dumps(dataclasses.asdict(FULL)))
+    sweep = dataclasses.replace(from_json(RecallSweep, config), workers=1)  # nothing trains: no worker processes
     with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config, indent=2))
         pairs = []
         for res in sorted(folder.glob("piece*_results.jsonl")):
             pairs += [str(res).replace("_results.jsonl", "_config.json"), str(res)]
         grid_restore.main(tmp, pairs)
-        done = subprocess.run([sys.executable, "-m", "evict.cli", "recall", "--full", "--out", tmp, "--minutes",
-                               "0.000001"], cwd=ROOT, capture_output=True, text=True)
+        said = io.StringIO()
+        with contextlib.redirect_stdout(said):
+            run_sweep(sweep, out=tmp, minutes=1e-9)
+        if (Path(tmp) / "table.md").exists():
+            for name in FINISHED:
+                shutil.copyfile(Path(tmp) / name, folder / name)
+            (folder / "partial_table.md").unlink(missing_ok=True)
+            print(f"the grid is finished: wrote {', '.join(FINISHED)} in {folder} (partial_table.md removed)")
+            return
         table = Path(tmp) / "partial_table.md"
         if not table.exists():
-            sys.exit(f"evict recall wrote no partial table: {done.stderr.strip().splitlines()[-1:]}")
+            sys.exit(f"evict recall wrote no partial table: {said.getvalue().strip().splitlines()[-1:]}")
         shutil.copyfile(table, folder / "partial_table.md")
         print(f"wrote {folder / 'partial_table.md'}: {table.read_text().splitlines()[0][:80]}")
 

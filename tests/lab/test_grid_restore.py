@@ -80,3 +80,30 @@ def test_a_piece_commits_only_its_new_runs_and_the_lab_writes_the_table(tmp_path
         grid_piece.main(str(at), docs=str(docs))
     with pytest.raises(SystemExit, match="grid_config.json: not found"):
         grid_piece.main(str(tmp_path / "nowhere"), docs=str(docs))
+
+
+def test_the_last_piece_writes_the_finished_grid(tmp_path):
+    """dev/grid_piece.py: while runs are left it writes the partial table; once every run of the grid is committed, the
+    finished sweep's own outputs (table, scorecard, every run's row, both plots) replace it — the same table the sweep
+    wrote where it ran."""
+    micro = dataclasses.replace(recall.QUICK, archs=("attention", "deltanet"), settings=((16, 2), (24, 4)),
+                                d_models=(32,), lrs=(1e-3, 3e-3), steps=4, batch_size=4, eval_every=2, eval_batches=1,
+                                workers=1, vocab_size=32, seeds=1)
+    ran = recall.run_sweep(micro, out=tmp_path / "device")  # where the pieces ran, all at once here
+    config = json.loads((ran / "config.json").read_text())
+    rows = [{**json.loads(f.read_text()), "dir": f.parent.name} for f in sorted((ran / "runs").glob("*/result.json"))]
+    assert len(rows) == 8
+    docs, at = tmp_path / "docs", tmp_path / "files_at"
+    at.mkdir()
+    (at / "grid_config.json").write_text(json.dumps(config))
+    for n in (3, 8):  # two device calls: the first brings 3 runs back, the second all of them
+        (at / "grid_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:n]))
+        grid_piece.main(str(at), docs=str(docs), target=config)
+        if n == 3:
+            assert (docs / "partial_table.md").read_text().startswith("Partial: 3 of 8 runs finished")
+            assert not (docs / "table.md").exists()
+    assert not (docs / "partial_table.md").exists()
+    assert (docs / "table.md").read_text() == (ran / "table.md").read_text()
+    assert (docs / "scorecard.md").read_text() == (ran / "scorecard.md").read_text()
+    assert len((docs / "results.jsonl").read_text().splitlines()) == 8
+    assert all((docs / png).stat().st_size > 0 for png in ("recall_vs_pairs.png", "recall_vs_state.png"))
