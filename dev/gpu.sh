@@ -17,7 +17,7 @@
 #   train:   bench (cells per second, issue 10), mpsbench (the same, compiled, PROCS each with and without MPS), learns (dev/learns_gpu.py: session 12's two MQAR-learns failures over
 #            seeds and op forms), grid (a piece of `evict recall --full`: MIN, GRIDARGS, GRID; the runs
 #            of earlier pieces in docs/recall_full/ are restored first: dev/grid_restore.py), lab (a piece of
-#            `evict lab $LAB --full`, pieces in docs/lab_full/$LAB/ restored first), proflab (dev/profile_train.py: one cell's step, eager / graphed /
+#            `evict lab $LAB --full` under MPS, pieces in docs/lab_full/$LAB/ restored first; CALL below), proflab (dev/profile_train.py: one cell's step, eager / graphed /
 #            compiled, top kernels), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.tcache PYTHONPATH=$PWD
@@ -35,6 +35,14 @@ finished() { python3 -c "import glob, json, sys; sys.stdout.write(''.join(json.d
 mps_on() { [ "${MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d && echo "MPS on"; }
 mps_off() { echo quit | nvidia-cuda-mps-control 2>/dev/null; sleep 1; }
 quiet() { grep -v "Warning\|warn\|^  \|^$"; }
+# CALL=S: the whole call may take S seconds. Each timed piece (grid, lab) then runs for min(MIN, what is left less
+# 60 s for its start and results) minutes under a timeout of what is left less 15 s, and is skipped with under a
+# minute to go: `CALL=570 MIN=8.5 bash dev/gpu.sh grid lab` gives the rest of a call that finishes the grid to a lab.
+T0=$(date +%s)
+piece_min() { python3 -c "import sys; m, call, used = map(float, sys.argv[1:]); print(f'{m if call <= 0 else min(m, (call - used - 60) / 60):.2f}')" \
+                ${MIN:-8} ${CALL:-0} $(( $(date +%s) - T0 )); }
+piece_to() { [ "${CALL:-0}" = 0 ] && echo ${TO:-$1} || echo $(( CALL - ($(date +%s) - T0) - 15 )); }
+too_late() { python3 -c "import sys; sys.exit(0 if float(sys.argv[1]) < 1 else 1)" $(piece_min) && echo "dev/gpu.sh: $1 skipped, under a minute of CALL left"; }
 # the screen keeps the summary line ("N passed, M warnings"), which `quiet` would drop
 pyt() { local log=$1 t=$2; shift 2; timeout $t python3 -m pytest "$@" -m gpu -rf --tb=line -p no:cacheprovider 2>&1 | tee $OUT/$log \
           | grep -v "Warning\|^  \|^$" | tail -30; }
@@ -95,22 +103,26 @@ for what in "$@"; do
                 | quiet | grep "^| kda" | sed "s/^/MPS=$m /"; mps_off; done; done ;;  # cell-steps/s with and without MPS
     bench) timeout ${TO:-240} python3 -m evict.cli bench train --arch kda --procs 4 --train-steps ${STEPS:-100} --variants before graphs compiled \
              --out $OUT/bench_train_p4.json 2>&1 | quiet | tee $OUT/bench_train.log ;;
-    lab) for c in docs/lab_full/$LAB/piece*_config.json; do  # LAB: capacity hybrid pairs state stories; MIN, LABARGS
+    lab) too_late lab && continue
+         for c in docs/lab_full/$LAB/piece*_config.json; do  # LAB: capacity hybrid pairs state stories; MIN, LABARGS
            [ -e "$c" ] && python3 dev/grid_restore.py --lab $LAB runs/lab_$LAB $c ${c%_config.json}_results.jsonl; done
-         timeout ${TO:-580} python3 -m evict.cli lab $LAB --full --minutes ${MIN:-8} --out runs/lab_$LAB \
+         mps_on
+         timeout $(piece_to 580) python3 -m evict.cli lab $LAB --full --minutes $(piece_min) --out runs/lab_$LAB \
            ${LABARGS:-} 2>&1 | grep -v "it/s\]$" | tail -40 | tee $OUT/lab_$LAB.log
-         cp runs/lab_$LAB/config.json $OUT/lab_config.json; cp runs/lab_$LAB/*.md runs/lab_$LAB/*.png runs/lab_$LAB/*.json* $OUT/ 2>/dev/null
+         mps_off
+         cp runs/lab_$LAB/config.json $OUT/lab_config.json  # tables and plots: dev/grid_piece.py --lab writes them here
          finished runs/lab_$LAB > $OUT/lab_results.jsonl ;;
     learns) timeout ${TO:-300} python3 dev/learns_gpu.py --archs ${ARCHS:-gated_deltanet gla} --seeds 0 1 2 --out $OUT/learns.json 2>&1 \
               | quiet | tee $OUT/learns.log ;;  # test_mqar_learns_on_cuda over seeds: graphed / eager / fp32 / chunked / C 64 / factors recomputed
     proflab) timeout ${TO:-300} python3 dev/profile_train.py --arch ${ARCHS:-kda deltanet attention} --compile 2>&1 | grep -v "^---" | tee $OUT/proflab.log ;;
-    grid) for c in docs/recall_full/piece*_config.json; do
+    grid) too_late grid && continue
+          for c in docs/recall_full/piece*_config.json; do
             [ -e "$c" ] && python3 dev/grid_restore.py ${GRID:-runs/grid} $c ${c%_config.json}_results.jsonl; done
           mps_on
-          timeout ${TO:-560} python3 -m evict.cli recall --full --minutes ${MIN:-8} --out ${GRID:-runs/grid} ${GRIDARGS:-} 2>&1 \
+          timeout $(piece_to 560) python3 -m evict.cli recall --full --minutes $(piece_min) --out ${GRID:-runs/grid} ${GRIDARGS:-} 2>&1 \
             | grep -v "it/s\]$" | tail -60 | tee $OUT/grid.log
           mps_off
-          cp ${GRID:-runs/grid}/config.json $OUT/grid_config.json; cp ${GRID:-runs/grid}/*.md ${GRID:-runs/grid}/*.png $OUT/ 2>/dev/null
+          cp ${GRID:-runs/grid}/config.json $OUT/grid_config.json  # tables and plots: dev/grid_piece.py writes them here
           finished ${GRID:-runs/grid} > $OUT/grid_results.jsonl ;;
     dist) (OUT=/tmp/dist STEPS=${STEPS:-30} PY=python3 timeout ${TO:-330} bash dev/dist_bench.sh 2>&1 | quiet | tail -40) | tee $OUT/dist.log
           mkdir -p $OUT/dist && cp /tmp/dist/dist_bench.json $OUT/dist/ 2>/dev/null

@@ -6,17 +6,18 @@
 `FILES_AT` is the `run` tool's folder of the call's $OUT (`bash dev/gpu.sh grid` / `lab` write those files there).
 The rows no committed piece holds yet (by run folder) become docs/recall_full/piece<N>_results.jsonl beside a copy of
 the piece's config as piece<N>_config.json (docs/lab_full/NAME/ for a lab), N the next free number; nothing is
-written when every row is already committed. For recall it then rewrites docs/recall_full/partial_table.md from every
-piece: restored into a scratch folder (dev/grid_restore.py), then `evict recall --full --minutes 0.000001`, which
-trains nothing and writes the table of every cell whose best over lr is known. Once every run of the grid has a
-result that command writes the finished sweep's outputs instead, and they replace the partial table: table.md,
-scorecard.md, results.jsonl (every run, with its seed) and the two plots, recall_vs_pairs.png and
-recall_vs_state.png. `--docs DIR` writes elsewhere.
+written when every row is already committed. Then the sweep's outputs are written here, by the lab itself, from every
+committed piece: the runs restored into a scratch folder (dev/grid_restore.py), then the lab's `run_sweep` over it as
+a piece of no time, which trains nothing. While runs are left, recall writes partial_table.md (every cell whose best
+over lr is known; a lab writes nothing). Once every run has a result, the finished sweep's files (table.md,
+results.jsonl with every run, the plots, its config.json; recall's scorecard.md) land beside the pieces and
+partial_table.md goes. `--docs DIR` writes elsewhere.
 """
 
 import argparse
 import contextlib
 import dataclasses
+import importlib
 import io
 import json
 import re
@@ -28,6 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "dev"))
 import grid_restore  # noqa: E402
+
+from evict.lab.sweep import from_json  # noqa: E402
 
 
 def _read_rows(path: Path) -> list[dict]:
@@ -49,8 +52,8 @@ def _number(piece: Path) -> int:
 
 def main(files_at: str, lab: str = "recall", docs: str | None = None, table: bool = True,
          target: dict | None = None) -> Path | None:
-    """Write the new piece; returns its results file (None when nothing was new). `target`: the recall sweep the
-    pieces belong to, as its config dict (default `evict recall --full`'s, recall.FULL)."""
+    """Write the new piece; returns its results file (None when nothing was new). `target`: the sweep the pieces
+    belong to, as its config dict (default the lab's `--full` config, its module's FULL)."""
     if lab != "recall" and lab not in grid_restore.LABS:
         sys.exit(f"--lab: expected one of {sorted(grid_restore.LABS)}, got {lab!r}")
     stem = "grid" if lab == "recall" else "lab"
@@ -76,37 +79,37 @@ def main(files_at: str, lab: str = "recall", docs: str | None = None, table: boo
     shutil.copyfile(cfg, folder / f"piece{n}_config.json")
     out.write_text("".join(json.dumps(r) + "\n" for r in new))
     print(f"wrote {out} ({len(new)} new runs of {len(rows)}) and its config")
-    if table and lab == "recall":
-        _table(folder, target)
+    if table:
+        _table(folder, lab, target)
     return out
 
 
-FINISHED = ("table.md", "scorecard.md", "results.jsonl", "recall_vs_pairs.png", "recall_vs_state.png")
-
-
-def _table(folder: Path, target: dict | None = None) -> None:
-    """docs/.../partial_table.md from every committed piece, written by the lab itself (`run_sweep` over a scratch
-    folder holding every piece's runs, with a piece of no time: it trains nothing); once no run is left, the
-    finished sweep's outputs (FINISHED) instead."""
-    from evict.lab.recall import FULL, RecallSweep, run_sweep
-    from evict.lab.sweep import from_json
-
-    config = target if target is not None else json.loads(json.dumps(dataclasses.asdict(FULL)))
-    sweep = dataclasses.replace(from_json(RecallSweep, config), workers=1)  # nothing trains: no worker processes
+def _table(folder: Path, lab: str = "recall", target: dict | None = None) -> None:
+    """The sweep's outputs from every committed piece, written by the lab itself (a piece of no time over a scratch
+    folder of every piece's runs): recall's partial_table.md while runs are left; every file the finished sweep wrote
+    at its top level once none is."""
+    module = importlib.import_module(f"evict.lab.{grid_restore.LABS.get(lab, 'recall')}")
+    config = target if target is not None else json.loads(json.dumps(dataclasses.asdict(module.FULL)))
+    sweep = dataclasses.replace(from_json(type(module.FULL), config), workers=1)  # nothing trains: no worker processes
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config, indent=2))
         pairs = []
-        for res in sorted(folder.glob("piece*_results.jsonl")):
+        for res in sorted(folder.glob("piece*_results.jsonl"), key=_number):
             pairs += [str(res).replace("_results.jsonl", "_config.json"), str(res)]
-        grid_restore.main(tmp, pairs)
+        grid_restore.main(tmp, pairs, lab=lab)
         said = io.StringIO()
         with contextlib.redirect_stdout(said):
-            run_sweep(sweep, out=tmp, minutes=1e-9)
-        if (Path(tmp) / "table.md").exists():
-            for name in FINISHED:
+            module.run_sweep(sweep, out=tmp, minutes=1e-9)
+        if (Path(tmp) / "table.md").exists():  # every lab writes its table once, when no run is left
+            names = sorted(f.name for f in Path(tmp).iterdir() if f.is_file())
+            for name in names:
                 shutil.copyfile(Path(tmp) / name, folder / name)
             (folder / "partial_table.md").unlink(missing_ok=True)
-            print(f"the grid is finished: wrote {', '.join(FINISHED)} in {folder} (partial_table.md removed)")
+            print(f"the sweep is finished: wrote {', '.join(names)} in {folder}")
+            return
+        stopped = [line for line in said.getvalue().splitlines() if line.startswith("stopped")]
+        if lab != "recall":
+            print(f"{lab}: {stopped[-1].split(';')[0] if stopped else 'runs left'} (the table comes with the last run)")
             return
         table = Path(tmp) / "partial_table.md"
         if not table.exists():

@@ -82,6 +82,23 @@ def test_a_piece_commits_only_its_new_runs_and_the_lab_writes_the_table(tmp_path
         grid_piece.main(str(tmp_path / "nowhere"), docs=str(docs))
 
 
+def _device_calls(tmp_path, ran: Path, stem: str, lab: str, first: int) -> Path:
+    """Commit a sweep that ran in `ran` as two device calls' worth of pieces (grid_piece): `first` runs, then all."""
+    config = json.loads((ran / "config.json").read_text())
+    rows = [{**json.loads(f.read_text()), "dir": f.parent.name} for f in sorted((ran / "runs").glob("*/result.json"))]
+    docs, at = tmp_path / "docs", tmp_path / "files_at"
+    at.mkdir()
+    (at / f"{stem}_config.json").write_text(json.dumps(config))
+    for n in (first, len(rows)):
+        (at / f"{stem}_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:n]))
+        grid_piece.main(str(at), lab=lab, docs=str(docs), target=config)
+        if n == first:
+            assert not (docs / "table.md").exists()
+            if lab == "recall":
+                assert (docs / "partial_table.md").read_text().startswith(f"Partial: {first} of {len(rows)} runs")
+    return docs
+
+
 def test_the_last_piece_writes_the_finished_grid(tmp_path):
     """dev/grid_piece.py: while runs are left it writes the partial table; once every run of the grid is committed, the
     finished sweep's own outputs (table, scorecard, every run's row, both plots) replace it — the same table the sweep
@@ -90,20 +107,22 @@ def test_the_last_piece_writes_the_finished_grid(tmp_path):
                                 d_models=(32,), lrs=(1e-3, 3e-3), steps=4, batch_size=4, eval_every=2, eval_batches=1,
                                 workers=1, vocab_size=32, seeds=1)
     ran = recall.run_sweep(micro, out=tmp_path / "device")  # where the pieces ran, all at once here
-    config = json.loads((ran / "config.json").read_text())
-    rows = [{**json.loads(f.read_text()), "dir": f.parent.name} for f in sorted((ran / "runs").glob("*/result.json"))]
-    assert len(rows) == 8
-    docs, at = tmp_path / "docs", tmp_path / "files_at"
-    at.mkdir()
-    (at / "grid_config.json").write_text(json.dumps(config))
-    for n in (3, 8):  # two device calls: the first brings 3 runs back, the second all of them
-        (at / "grid_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:n]))
-        grid_piece.main(str(at), docs=str(docs), target=config)
-        if n == 3:
-            assert (docs / "partial_table.md").read_text().startswith("Partial: 3 of 8 runs finished")
-            assert not (docs / "table.md").exists()
+    docs = _device_calls(tmp_path, ran, "grid", "recall", first=3)
     assert not (docs / "partial_table.md").exists()
     assert (docs / "table.md").read_text() == (ran / "table.md").read_text()
     assert (docs / "scorecard.md").read_text() == (ran / "scorecard.md").read_text()
     assert len((docs / "results.jsonl").read_text().splitlines()) == 8
     assert all((docs / png).stat().st_size > 0 for png in ("recall_vs_pairs.png", "recall_vs_state.png"))
+
+
+def test_a_labs_last_piece_writes_its_finished_sweep(tmp_path):
+    """The same for a research lab (`--lab`): nothing but the pieces while runs are left, then the lab's own table,
+    rows and plot."""
+    from evict.lab import capacity
+
+    micro = dataclasses.replace(capacity.QUICK, sizes=(4, 6), steps=3, batch_size=4, eval_batches=1, workers=1)
+    ran = capacity.run_sweep(micro, out=tmp_path / "device")
+    docs = _device_calls(tmp_path, ran, "lab", "capacity", first=2)
+    assert (docs / "table.md").read_text() == (ran / "table.md").read_text()
+    assert (docs / "results.jsonl").read_text() == (ran / "results.jsonl").read_text()
+    assert (docs / "capacity.png").stat().st_size > 0 and json.loads((docs / "config.json").read_text())["sizes"] == [4, 6]
