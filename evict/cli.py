@@ -114,7 +114,7 @@ def _recall(args) -> None:
         "d_models": tuple(args.d_model) if args.d_model else None,
         "lrs": tuple(args.lr) if args.lr else None,
         "steps": args.steps, "seeds": args.seeds, "workers": args.workers, "device": args.device, "vocab_size": args.vocab,
-        "compile": False if args.no_compile else None,
+        "compile": False if args.no_compile else None, "train_examples": args.train_examples,
     }.items() if v is not None}
     sweep = replace(sweep, **overrides)  # a ValueError is a user error: main() makes it one line, exit 2
     _check_recall_models(sweep)
@@ -174,6 +174,8 @@ def build_parser() -> Parser:
     r.add_argument("--lr", type=positive_float, nargs="+")
     r.add_argument("--steps", type=positive_int)
     r.add_argument("--vocab", type=positive_int)
+    r.add_argument("--train-examples", type=positive_int, metavar="N",
+                   help="train on one fixed set of N examples, reshuffled each epoch (Zoology's regime; default: fresh batches)")
     add_sweep_flags(r, seeds_help="seeds per cell; the table shows mean and range (default 2 quick, 1 full)")
     r.add_argument("--minutes", type=positive_float, help="stop after about this long (runs checkpoint); rerun to continue")
     r.add_argument("--no-compile", action="store_true", help="CUDA: skip torch.compile of the blocks (--full compiles them)")

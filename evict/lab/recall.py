@@ -61,6 +61,7 @@ class RecallSweep:
     eval_batches: int = 4
     target_accuracy: float = 0.99
     simple: bool = False
+    train_examples: int | None = None  # None: fresh training batches; N: one fixed set of N, in epochs (MQARConfig)
     seed: int = 0
     seeds: int = 1  # runs seeds seed, seed+1, …: model init and training batches differ, the val set is shared
     workers: int = 2
@@ -191,7 +192,8 @@ def run_one(job: dict) -> dict | None:
     if marker is not None and marker.exists() and not (Path(job["dir"]) / "checkpoint.pt").exists():
         return {**row, "accuracy": None, "skipped": f"cell solved first by {marker.read_text().strip()}", "steps": 0,
                 "state_size": state_size, "params": params, "label": f"{job['arch']} K={K} skipped (cell solved)"}
-    task = MQARTask(MQARConfig(vocab_size=sweep.vocab_size, seq_len=L, num_pairs=K, simple=sweep.simple, train_seed=seed))
+    task = MQARTask(MQARConfig(vocab_size=sweep.vocab_size, seq_len=L, num_pairs=K, simple=sweep.simple, train_seed=seed,
+                               train_examples=sweep.train_examples))
     stop_at = job.get("stop_at")
     if out_of_time(job):
         return None  # out of time before it started: left for the next piece
@@ -413,6 +415,12 @@ def report(sweep: RecallSweep, results: list[dict]) -> tuple[str, str]:
     return "\n\n".join(blocks), scorecard(sweep, cells)
 
 
+def data_note(sweep: RecallSweep) -> str:
+    """What a table's title says about the training data: nothing for fresh batches (the default)."""
+    n = sweep.train_examples
+    return "" if n is None else f", trained on one fixed set of {n:,} examples (epochs of {n / sweep.batch_size:g} steps)"
+
+
 def run_sweep(sweep: RecallSweep, out: str | Path | None = None, minutes: float | None = None) -> Path:
     """Run (or resume, when `out` already holds part of it) the sweep; write and print the results.
 
@@ -428,7 +436,8 @@ def run_sweep(sweep: RecallSweep, out: str | Path | None = None, minutes: float 
     if sweep.seeds < 1:
         raise ValueError(f"seeds: expected >= 1, got {sweep.seeds}")
     for L, K in sweep.settings:
-        MQARConfig(vocab_size=sweep.vocab_size, seq_len=L, num_pairs=K, simple=sweep.simple)  # validates
+        MQARConfig(vocab_size=sweep.vocab_size, seq_len=L, num_pairs=K, simple=sweep.simple,
+                   train_examples=sweep.train_examples)  # validates
     # fields added since an older config.json was written take their defaults, so an old sweep resumes
     root = sweep_folder("recall", sweep, out, defaults=json.loads(json.dumps(dataclasses.asdict(RecallSweep()))))
     jobs = jobs_for(sweep, root)
@@ -439,7 +448,8 @@ def run_sweep(sweep: RecallSweep, out: str | Path | None = None, minutes: float 
     if left:
         tables, _ = report(sweep, known_rows(sweep, jobs, results))
         head = (f"Partial: {len(jobs) - left} of {len(jobs)} runs finished; — = a cell whose best over lr is not known "
-                f"yet. MQAR accuracy (best over lr {list(sweep.lrs)}), {sweep.n_layers} layers, vocab {sweep.vocab_size}")
+                f"yet. MQAR accuracy (best over lr {list(sweep.lrs)}), {sweep.n_layers} layers, vocab {sweep.vocab_size}"
+                f"{data_note(sweep)}")
         (root / "partial_table.md").write_text(f"{head}\n\n{tables}\n")
         print(f"{stopped_message(minutes, jobs, left, root)}; the cells known so far are in {root / 'partial_table.md'}")
         seconds, timed, untimed = left_estimate(jobs, results, sweep.steps)
@@ -459,7 +469,8 @@ def run_sweep(sweep: RecallSweep, out: str | Path | None = None, minutes: float 
     (root / "table.md").write_text(tables + "\n")
     (root / "scorecard.md").write_text(card + "\n")
     pngs = plots(sweep, over_seeds(best_over_lr(rows)), root)
-    print(f"\nMQAR accuracy (best over lr {list(sweep.lrs)}), {sweep.n_layers} layers, vocab {sweep.vocab_size}\n\n{tables}\n")
+    print(f"\nMQAR accuracy (best over lr {list(sweep.lrs)}), {sweep.n_layers} layers, vocab {sweep.vocab_size}"
+          f"{data_note(sweep)}\n\n{tables}\n")
     print(f"{card}\n")
     print("wrote " + ", ".join(str(p) for p in [root / "table.md", root / "scorecard.md", *pngs]))
     return root

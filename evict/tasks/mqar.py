@@ -45,6 +45,9 @@ class MQARConfig:
     random_filler: bool = False
     train_seed: int = 0
     test_seed: int = 1_000_003
+    # None: every training batch is fresh. N: training cycles through one fixed set of N examples (Zoology's regime:
+    # a finite training set seen for several epochs), reshuffled every epoch; the val batches stay fresh either way.
+    train_examples: int | None = None
 
     def __post_init__(self) -> None:
         V, L, K = self.vocab_size, self.seq_len, self.num_pairs
@@ -61,6 +64,11 @@ class MQARConfig:
             raise ValueError(f"seq_len={L} too short for num_pairs={K}: needs seq_len >= {need}")
         if not self.power_a > 0:
             raise ValueError(f"power_a must be > 0, got {self.power_a}")
+        if self.train_examples is not None and (isinstance(self.train_examples, bool) or not isinstance(
+                self.train_examples, int) or self.train_examples < 1):
+            raise ValueError(f"train_examples: expected None or an integer >= 1, got {self.train_examples!r}")
+        if self.train_examples is not None and V > 1 << 15:
+            raise ValueError(f"train_examples: the fixed set is held as int16, so vocab_size must be <= 32768, got {V}")
         check_split_seeds(self)
 
     @property
@@ -154,8 +162,18 @@ def batch_seed(split: str, base_seed: int, step: int) -> int:
     return (_SPLITS[split] << 31) | ((_mix31(base_seed) + step) % _SEED_SPAN)
 
 
+_BLOCK = 4096  # rows of the fixed training set made from one seed
+
+
 class MQARTask:
-    """MQAR as a Task: train batch `step` from (train_seed, step), val batch from (test_seed, step)."""
+    """MQAR as a Task: train batch `step` from (train_seed, step), val batch from (test_seed, step).
+
+    With `train_examples` = N the training batches instead walk one fixed set of N examples: example i is row
+    i mod 4096 of the block made from batch_seed("train", train_seed, i // 4096), and the stream visits the set in a
+    fresh order each epoch (epoch e's order from batch_seed("train", train_seed ^ 1, e)): batch `step` holds stream
+    positions step·B … step·B + B − 1, position p being example order_{p // N}[p mod N]. The set is made once, on the
+    first training batch, and held as int16 (4 bytes per token with its targets).
+    """
 
     def __init__(self, cfg: MQARConfig | None = None) -> None:
         self.cfg = cfg if cfg is not None else MQARConfig()
@@ -164,8 +182,43 @@ class MQARTask:
         self.vocab_size = c.vocab_size
         self.seq_len = c.seq_len
         self.labels_per_row = c.num_pairs  # every example labels exactly K positions (the training loop may use it)
+        self._fixed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._orders: dict[int, torch.Tensor] = {}
+
+    def fixed_set(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fixed training set (train_examples = N): inputs, targets [N, L] int16."""
+        n = self.cfg.train_examples
+        if n is None:
+            raise ValueError("fixed_set: this task has no fixed training set (train_examples is None)")
+        if self._fixed is None:
+            xs, ys = [], []
+            for b in range(0, n, _BLOCK):
+                x, y = make_mqar(self.cfg, min(_BLOCK, n - b), batch_seed("train", self.cfg.train_seed, b // _BLOCK))
+                xs.append(x.to(torch.int16))
+                ys.append(y.to(torch.int16))
+            self._fixed = torch.cat(xs), torch.cat(ys)
+        return self._fixed
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._orders:
+            if len(self._orders) > 2:
+                self._orders.clear()
+            g = torch.Generator().manual_seed(batch_seed("train", self.cfg.train_seed ^ 1, epoch))
+            self._orders[epoch] = torch.randperm(self.cfg.train_examples, generator=g)
+        return self._orders[epoch]
 
     def get_batch(self, split: str, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if split == "train" and self.cfg.train_examples is not None:
+            if not 0 <= step < _SEED_SPAN:
+                raise ValueError(f"step must be in [0, 2**31), got {step}")
+            n, (x, y) = self.cfg.train_examples, self.fixed_set()
+            pos = step * batch_size + torch.arange(batch_size)  # [B] stream positions
+            epochs = pos // n
+            idx = torch.empty(batch_size, dtype=torch.int64)
+            for e in epochs.unique().tolist():  # one epoch, or two where the batch crosses an epoch's end
+                at = epochs == e
+                idx[at] = self._order(e)[pos[at] % n]
+            return x[idx].long(), y[idx].long()
         base = self.cfg.train_seed if split == "train" else self.cfg.test_seed
         return make_mqar(self.cfg, batch_size, batch_seed(split, base, step))
 

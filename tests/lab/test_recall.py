@@ -37,6 +37,24 @@ def test_sweep_runs_resumes_and_writes_outputs(tmp_path, capsys):
     assert stamps == {p: p.stat().st_mtime_ns for p in (root / "runs").glob("*/result.json")}
 
 
+def test_a_sweep_on_a_fixed_training_set(tmp_path, capsys, monkeypatch):
+    """--train-examples N: every run trains on one fixed set of N examples in epochs (Zoology's regime), the table's
+    title says so, and a bad N is refused before the sweep folder exists."""
+    from evict.tasks.mqar import MQARTask
+
+    made = []
+    fixed_set = MQARTask.fixed_set
+    monkeypatch.setattr(MQARTask, "fixed_set", lambda self: made.append(self.cfg.train_examples) or fixed_set(self))
+    sweep = replace(MICRO, archs=("deltanet",), settings=((16, 2),), lrs=(1e-3,), train_examples=6)
+    root = run_sweep(sweep, out=tmp_path / "fixed")
+    assert made and set(made) == {6}  # 4 steps of batch 4: 16 stream positions, past two epochs of 6
+    assert json.loads((root / "config.json").read_text())["train_examples"] == 6
+    assert "trained on one fixed set of 6 examples (epochs of 1.5 steps)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="train_examples"):
+        run_sweep(replace(sweep, train_examples=0), out=tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_best_over_lr_and_state_sizes():
     jobs = jobs_for(MICRO, __import__("pathlib").Path("/nonexistent"))
     assert len(jobs) == 12

@@ -147,6 +147,10 @@ def test_vectorised_speed():
         ({"power_a": 0.0}, "power_a"),
         ({"train_seed": -1}, "train_seed"),
         ({"test_seed": 2**32}, "test_seed"),
+        ({"train_examples": 0}, "train_examples"),
+        ({"train_examples": 2.5}, "train_examples"),
+        ({"train_examples": True}, "train_examples"),
+        ({"train_examples": 10, "vocab_size": 1 << 16}, "train_examples"),
     ],
 )
 def test_validation(kwargs, word):
@@ -164,3 +168,34 @@ def test_call_validation():
         task.get_batch("test", 0, 4)
     with pytest.raises(ValueError, match="step"):
         task.get_batch("train", -1, 4)
+
+
+def test_a_fixed_training_set_is_walked_in_epochs():
+    """train_examples = N: the training batches visit one fixed set of N examples, each exactly once per epoch, in a
+    new order each epoch (a batch may cross an epoch's end); the set is made from seeded blocks of 4,096 rows, is
+    the same for the same config, and the val batches are the fresh ones."""
+    cfg = MQARConfig(vocab_size=64, seq_len=16, num_pairs=2, train_examples=10, train_seed=5)
+    task = MQARTask(cfg)
+    x, y = task.fixed_set()
+    assert x.shape == y.shape == (10, 16) and x.dtype == torch.int16
+    ref = make_mqar(cfg, 10, batch_seed("train", 5, 0))
+    assert torch.equal(x.long(), ref[0]) and torch.equal(y.long(), ref[1])
+    batches = [task.get_batch("train", s, 4) for s in range(5)]  # 20 stream positions: two epochs
+    xs = torch.cat([b[0] for b in batches])
+    ys = torch.cat([b[1] for b in batches])
+    rows = lambda t: sorted(map(tuple, t.tolist()))
+    for e in (0, 1):
+        assert rows(xs[10 * e: 10 * e + 10]) == rows(x.long()) and rows(ys[10 * e: 10 * e + 10]) == rows(y.long())
+    assert not torch.equal(xs[:10], xs[10:])  # another order in epoch 1
+    again = MQARTask(cfg)
+    assert all(torch.equal(a, b) for a, b in zip(again.get_batch("train", 3, 4), batches[3]))
+    fresh = MQARTask(MQARConfig(vocab_size=64, seq_len=16, num_pairs=2, train_seed=5))
+    assert all(torch.equal(a, b) for a, b in zip(task.get_batch("val", 2, 4), fresh.get_batch("val", 2, 4)))
+    assert not torch.equal(task.get_batch("train", 7, 4)[0], fresh.get_batch("train", 7, 4)[0])
+    big = MQARTask(MQARConfig(vocab_size=64, seq_len=16, num_pairs=2, train_examples=4100))
+    tail = make_mqar(big.cfg, 4, batch_seed("train", 0, 1))  # rows 4096 … 4099: the second block's seed
+    assert torch.equal(big.fixed_set()[0][4096:].long(), tail[0])
+    with pytest.raises(ValueError, match="step"):
+        task.get_batch("train", -1, 4)
+    with pytest.raises(ValueError, match="fixed_set"):
+        fresh.fixed_set()
