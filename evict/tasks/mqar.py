@@ -199,12 +199,13 @@ class MQARTask:
             self._fixed = torch.cat(xs), torch.cat(ys)
         return self._fixed
 
-    def _order(self, epoch: int) -> torch.Tensor:
+    def _order(self, epoch: int, n: int) -> torch.Tensor:
+        """Epoch `epoch`'s order of the fixed set's n examples (the last few epochs' orders are kept)."""
         if epoch not in self._orders:
             if len(self._orders) > 2:
                 self._orders.clear()
             g = torch.Generator().manual_seed(batch_seed("train", self.cfg.train_seed ^ 1, epoch))
-            self._orders[epoch] = torch.randperm(self.cfg.train_examples, generator=g)
+            self._orders[epoch] = torch.randperm(n, generator=g)
         return self._orders[epoch]
 
     def get_batch(self, split: str, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,7 +218,7 @@ class MQARTask:
             idx = torch.empty(batch_size, dtype=torch.int64)
             for e in epochs.unique().tolist():  # one epoch, or two where the batch crosses an epoch's end
                 at = epochs == e
-                idx[at] = self._order(e)[pos[at] % n]
+                idx[at] = self._order(e, n)[pos[at] % n]
             return x[idx].long(), y[idx].long()
         base = self.cfg.train_seed if split == "train" else self.cfg.test_seed
         return make_mqar(self.cfg, batch_size, batch_seed(split, base, step))
