@@ -18,7 +18,7 @@
 #            seeds and op forms), grid (a piece of `evict recall --full`: MIN, GRIDARGS, GRID; the runs
 #            of earlier pieces in docs/recall_full/ are restored first: dev/grid_restore.py), lab (a piece of
 #            `evict lab $LAB --full` under MPS, pieces in docs/lab_full/$LAB/ restored first; CALL below), proflab (dev/profile_train.py: one cell's step, eager / graphed /
-#            compiled, top kernels), finite (the grid's (512, 64) deltanet / gla cells on one fixed set of 100,000 examples: FINITEARGS), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
+#            compiled, top kernels), side (a side experiment of the grid: SIDE=finite | mla, SIDEARGS), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.tcache PYTHONPATH=$PWD
 mkdir -p .tcache "${OUT:=/tmp/out}"
@@ -124,14 +124,20 @@ for what in "$@"; do
           mps_off
           cp ${GRID:-runs/grid}/config.json $OUT/grid_config.json  # tables and plots: dev/grid_piece.py writes them here
           finished ${GRID:-runs/grid} > $OUT/grid_results.jsonl ;;
-    finite) too_late finite && continue  # issue 10's state-axis question: the grid's regime (fresh batches) against
-            # Zoology's (one fixed set of 100,000 examples, ~20 epochs in 8,000 steps) at the grid's best lrs; nothing restored
-            mps_on
-            timeout $(piece_to 560) python3 -m evict.cli recall --full --minutes $(piece_min) --out runs/finite \
-              ${FINITEARGS:---archs deltanet gla --setting 512 64 --d-model 64 128 --lr 2.2e-3 1e-2 --train-examples 100000} 2>&1 \
-              | grep -v "it/s\]$" | tail -40 | tee $OUT/finite.log
-            mps_off
-            cp runs/finite/config.json $OUT/finite_config.json; finished runs/finite > $OUT/finite_results.jsonl ;;
+    side) too_late side && continue  # a side experiment of the grid (SIDE; folder runs/$SIDE, nothing restored into it):
+          # finite: the grid's (512, 64) deltanet / gla cells at their best lrs on one fixed set of 100,000 examples
+          #   (Zoology's regime, ~20 epochs in 8,000 steps) against the grid's fresh batches;
+          # mla: MLA alone in the cells where kimi_linear (KDA + MLA) stays at chance at the large lrs
+          case ${SIDE:=finite} in
+            finite) args="--archs deltanet gla --setting 512 64 --d-model 64 128 --lr 2.2e-3 1e-2 --train-examples 100000" ;;
+            mla) args="--archs mla --setting 512 64 --d-model 64 128 --lr 2.2e-3 1e-2" ;;
+            *) echo "dev/gpu.sh: SIDE=$SIDE: expected finite or mla"; continue ;;
+          esac
+          mps_on
+          timeout $(piece_to 560) python3 -m evict.cli recall --full --minutes $(piece_min) --out runs/$SIDE ${SIDEARGS:-$args} 2>&1 \
+            | grep -v "it/s\]$" | tail -40 | tee $OUT/$SIDE.log
+          mps_off
+          cp runs/$SIDE/config.json $OUT/${SIDE}_config.json; finished runs/$SIDE > $OUT/${SIDE}_results.jsonl ;;
     dist) (OUT=/tmp/dist STEPS=${STEPS:-30} PY=python3 timeout ${TO:-330} bash dev/dist_bench.sh 2>&1 | quiet | tail -40) | tee $OUT/dist.log
           mkdir -p $OUT/dist && cp /tmp/dist/dist_bench.json $OUT/dist/ 2>/dev/null
           for r in /tmp/dist/gpu*; do mkdir -p $OUT/dist/${r##*/}; cp $r/run.json $r/metrics.jsonl $OUT/dist/${r##*/}/ 2>/dev/null; done ;;
