@@ -42,7 +42,7 @@ T0=$(date +%s)
 piece_min() { python3 -c "import sys; m, call, used = map(float, sys.argv[1:]); print(f'{m if call <= 0 else min(m, (call - used - 60) / 60):.2f}')" \
                 ${MIN:-8} ${CALL:-0} $(( $(date +%s) - T0 )); }
 piece_to() { [ "${CALL:-0}" = 0 ] && echo ${TO:-$1} || echo $(( CALL - ($(date +%s) - T0) - 15 )); }
-too_late() { python3 -c "import sys; sys.exit(0 if float(sys.argv[1]) < 1 else 1)" $(piece_min) && echo "dev/gpu.sh: $1 skipped, under a minute of CALL left"; }
+too_late() { [ "${CALL:-0}" != 0 ] && python3 -c "import sys; sys.exit(0 if float(sys.argv[1]) < 1 else 1)" $(piece_min) && echo "dev/gpu.sh: $1 skipped, under a minute of CALL left"; }
 # the screen keeps the summary line ("N passed, M warnings"), which `quiet` would drop
 pyt() { local log=$1 t=$2; shift 2; timeout $t python3 -m pytest "$@" -m gpu -rf --tb=line -p no:cacheprovider 2>&1 | tee $OUT/$log \
           | grep -v "Warning\|^  \|^$" | tail -30; }
