@@ -86,7 +86,8 @@ def _rung(job: dict, rsweep: dict, K: int, lr: float, L: int) -> dict | None:
         return json.loads(done.read_text())
     folder.mkdir(parents=True, exist_ok=True)
     res = recall.run_one({"arch": job["rule"], "seq_len": L, "pairs": K, "d_model": rsweep["d_models"][0], "lr": lr,
-                          "seed": job["seed"], "dir": str(folder), "sweep": rsweep, "stop_at": job.get("stop_at")})
+                          "seed": job["seed"], "dir": str(folder), "sweep": rsweep, "stop_at": job.get("stop_at"),
+                          "piece_seconds": job.get("piece_seconds")})
     if res is None:
         return None
     done.write_text(json.dumps(res, indent=2))

@@ -113,3 +113,13 @@ def test_gate_dt_reaches_the_models_and_is_validated(tmp_path, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and "gate_dt: expected MIN MAX with 0 < MIN <= MAX" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()
+
+
+def test_a_rung_runs_with_its_pieces_deadline_and_length(tmp_path, monkeypatch):
+    """A rung is the recall lab's cell: it gets the piece's stop_at and length (piece_seconds), so a rung longer than
+    a whole piece starts in a piece's first half like any recall run (recall.starts_now) instead of never."""
+    seen = []
+    monkeypatch.setattr(pairs.recall, "run_one", lambda job: seen.append(job) or None)
+    job = {**jobs_for(MICRO, tmp_path)[0], "stop_at": 123.0, "piece_seconds": 540.0}
+    assert pairs._rung(job, {"d_models": [8]}, 2, 1e-2, 16) is None  # stopped: no result.json
+    assert seen[0]["stop_at"] == 123.0 and seen[0]["piece_seconds"] == 540.0
