@@ -20,6 +20,7 @@
 #            `evict lab $LAB --full` under MPS, pieces in docs/lab_full/$LAB/ restored first; CALL below), proflab (dev/profile_train.py: one cell's step, eager / graphed /
 #            compiled, top kernels), side (a side experiment of the grid: SIDE=finite | mla, SIDEARGS), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
 set -uo pipefail
+T0=$(date +%s)  # CALL (below) counts from here
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.tcache PYTHONPATH=$PWD
 mkdir -p .tcache "${OUT:=/tmp/out}"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -38,7 +39,6 @@ quiet() { grep -v "Warning\|warn\|^  \|^$"; }
 # CALL=S: the whole call may take S seconds. Each timed piece (grid, lab) then runs for min(MIN, what is left less
 # 60 s for its start and results) minutes under a timeout of what is left less 15 s, and is skipped with under a
 # minute to go: `CALL=570 MIN=8.5 bash dev/gpu.sh grid lab` gives the rest of a call that finishes the grid to a lab.
-T0=$(date +%s)
 piece_min() { python3 -c "import sys; m, call, used = map(float, sys.argv[1:]); print(f'{m if call <= 0 else min(m, (call - used - 60) / 60):.2f}')" \
                 ${MIN:-8} ${CALL:-0} $(( $(date +%s) - T0 )); }
 piece_to() { [ "${CALL:-0}" = 0 ] && echo ${TO:-$1} || echo $(( CALL - ($(date +%s) - T0) - 15 )); }
