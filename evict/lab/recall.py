@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -213,7 +214,9 @@ def run_one(job: dict) -> dict | None:
         tmp = marker.with_suffix(f".{job['lr']:g}.tmp")
         tmp.write_text(f"lr={job['lr']:g} at step {res.steps_done}\n")
         tmp.replace(marker)
-    out = {**row, "accuracy": res.best_val_accuracy, "final_accuracy": res.final_val_accuracy, "steps": res.steps_done,
+    loss = res.final_val_loss  # ln(V/2) when the model guesses uniformly over the values
+    out = {**row, "accuracy": res.best_val_accuracy, "final_accuracy": res.final_val_accuracy,
+           "final_loss": round(loss, 4) if math.isfinite(loss) else None, "steps": res.steps_done,
            "seconds": round(res.total_seconds, 1), "state_size": state_size, "params": params,
            "label": f"{job['arch']} K={K} acc={res.best_val_accuracy:.2f}"}
     if res.stopped_early and not solved and marker is not None:

@@ -21,6 +21,7 @@ def test_sweep_runs_resumes_and_writes_outputs(tmp_path, capsys):
     rows = [json.loads(line) for line in (root / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 3 * 2 * 2
     assert {r["arch"] for r in rows} == set(MICRO.archs)
+    assert all(r["final_loss"] > 0 for r in rows)  # the last evaluation's loss (a plateau at ln(V/2) shows there)
     table = (root / "table.md").read_text()
     assert "| deltanet |" in table and "K=4 (L=24)" in table
     card = (root / "scorecard.md").read_text()
