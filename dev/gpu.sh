@@ -18,7 +18,7 @@
 #            seeds and op forms), grid (a piece of `evict recall --full`: MIN, GRIDARGS, GRID; the runs
 #            of earlier pieces in docs/recall_full/ are restored first: dev/grid_restore.py), lab (a piece of
 #            `evict lab $LAB --full` under MPS, pieces in docs/lab_full/$LAB/ restored first; CALL below), proflab (dev/profile_train.py: one cell's step, eager / graphed /
-#            compiled, top kernels), side (a side experiment of the grid: SIDE=finite | mla, SIDEARGS), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
+#            compiled, top kernels), side (a side experiment of the grid: SIDE=finite | mla | gate, SIDEARGS), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
 set -uo pipefail
 T0=$(date +%s)  # CALL (below) counts from here
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.tcache PYTHONPATH=$PWD
@@ -127,11 +127,14 @@ for what in "$@"; do
     side) too_late side && continue  # a side experiment of the grid (SIDE; folder runs/$SIDE, nothing restored into it):
           # finite: the grid's (512, 64) deltanet / gla cells at their best lrs on one fixed set of 100,000 examples
           #   (Zoology's regime, ~20 epochs in 8,000 steps) against the grid's fresh batches;
-          # mla: MLA alone in the cells where kimi_linear (KDA + MLA) stays at chance at the large lrs
+          # mla: MLA alone in the cells where kimi_linear (KDA + MLA) stays at chance at the large lrs;
+          # gate: the gated rules at d 64 with slower-forgetting gates at init (dt 1e-3..1e-2, not 1e-3..1e-1), where
+          #   Gated DeltaNet (0.908) and KDA (0.837) sit below DeltaNet (0.931), against the published GDN >= DeltaNet
           case ${SIDE:=finite} in
             finite) args="--archs deltanet gla --setting 512 64 --d-model 64 128 --lr 2.2e-3 1e-2 --train-examples 100000" ;;
             mla) args="--archs mla --setting 512 64 --d-model 64 128 --lr 2.2e-3 1e-2" ;;
-            *) echo "dev/gpu.sh: SIDE=$SIDE: expected finite or mla"; continue ;;
+            gate) args="--archs gated_deltanet kda gla --setting 512 64 --d-model 64 --lr 2.2e-3 1e-2 --gate-dt 1e-3 1e-2" ;;
+            *) echo "dev/gpu.sh: SIDE=$SIDE: expected finite, mla or gate"; continue ;;
           esac
           mps_on
           timeout $(piece_to 560) python3 -m evict.cli recall --full --minutes $(piece_min) --out runs/$SIDE ${SIDEARGS:-$args} 2>&1 \

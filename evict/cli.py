@@ -6,8 +6,8 @@ import logging
 import os
 import sys
 
-from evict.cli_args import (Parser, UserError, add_sweep_flags, batch_by_length, device, positive_float, positive_int, writable_dir,
-                            writable_file)
+from evict.cli_args import (Parser, UserError, add_gate_dt_flag, add_sweep_flags, batch_by_length, device, positive_float,
+                            positive_int, writable_dir, writable_file)
 
 
 def _bench(args) -> None:
@@ -104,7 +104,7 @@ def _size(args) -> None:
 def _recall(args) -> None:
     from dataclasses import replace
 
-    from evict.lab.recall import FULL, QUICK, run_sweep
+    from evict.lab.recall import FULL, QUICK, gate_dt_fields, run_sweep
 
     writable_dir(args.out, "--out")
     sweep = FULL if args.full else QUICK
@@ -115,8 +115,10 @@ def _recall(args) -> None:
         "lrs": tuple(args.lr) if args.lr else None,
         "steps": args.steps, "seeds": args.seeds, "workers": args.workers, "device": args.device, "vocab_size": args.vocab,
         "compile": False if args.no_compile else None, "train_examples": args.train_examples,
+        "gate_dt": tuple(args.gate_dt) if args.gate_dt else None,
     }.items() if v is not None}
     sweep = replace(sweep, **overrides)  # a ValueError is a user error: main() makes it one line, exit 2
+    gate_dt_fields(sweep.gate_dt)  # "gate_dt: expected MIN MAX with 0 < MIN <= MAX", before any model is built
     _check_recall_models(sweep)
     run_sweep(sweep, out=args.out, minutes=args.minutes)
 
@@ -176,6 +178,7 @@ def build_parser() -> Parser:
     r.add_argument("--vocab", type=positive_int)
     r.add_argument("--train-examples", type=positive_int, metavar="N",
                    help="train on one fixed set of N examples, reshuffled each epoch (Zoology's regime; default: fresh batches)")
+    add_gate_dt_flag(r)
     add_sweep_flags(r, seeds_help="seeds per cell; the table shows mean and range (default 2 quick, 1 full)")
     r.add_argument("--minutes", type=positive_float, help="stop after about this long (runs checkpoint); rerun to continue")
     r.add_argument("--no-compile", action="store_true", help="CUDA: skip torch.compile of the blocks (--full compiles them)")

@@ -183,6 +183,12 @@ def add_sweep_flags(p: argparse.ArgumentParser, *, seeds_help: str) -> None:
     p.add_argument("--out", help="output folder; an existing one is resumed")
 
 
+def add_gate_dt_flag(p: argparse.ArgumentParser) -> None:
+    """--gate-dt MIN MAX: the decay gates' initial dt range (ModelConfig.gate_dt_min / gate_dt_max), for the labs."""
+    p.add_argument("--gate-dt", nargs=2, type=positive_float, metavar=("MIN", "MAX"),
+                   help="the decay gates' initial dt range, log-uniform (default 1e-3 1e-1); the rate is A dt, A ~ U(1, 16)")
+
+
 def add_lab_parser(lab_sub, name: str, *, help: str, quick: str, full: str, seeds_help: str,
                    modes: dict[str, str] | None = None) -> argparse.ArgumentParser:
     """`evict lab <name>` with the flags every lab sweep has: --quick (the default) or --full (or one of the lab's

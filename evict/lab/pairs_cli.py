@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from evict.cli_args import add_lab_parser, positive_float, positive_int, run_lab, unit_interval
+from evict.cli_args import add_gate_dt_flag, add_lab_parser, positive_int, run_lab, unit_interval
 
 
 def run_pairs(args) -> None:
@@ -30,6 +30,5 @@ def add_parser(lab_sub) -> None:
     s.add_argument("--d-model", type=positive_int, metavar="W", help="the models' width, the same for every d (quick 32, full 256)")
     s.add_argument("--pairs", nargs="+", type=positive_int, metavar="K", help="the ladder of pair counts")
     s.add_argument("--threshold", type=unit_interval, help="accuracy a rung must reach (default 0.9)")
-    s.add_argument("--gate-dt", nargs=2, type=positive_float, metavar=("MIN", "MAX"),
-                   help="the decay gates' initial dt range, log-uniform (default 1e-3 1e-1); the rate is A dt, A ~ U(1, 16)")
+    add_gate_dt_flag(s)
     s.set_defaults(fn=run_pairs)

@@ -306,3 +306,14 @@ def test_a_run_whose_loss_stops_being_finite_is_marked_diverged(tmp_path, monkey
     (row,) = map(json.loads, (root / "results.jsonl").read_text().splitlines())
     assert row["steps"] == 8 and row["diverged"] == "training loss not finite by step 8"
     assert row["accuracy"] is not None and "diverged at step 8" in row["label"]
+
+
+def test_the_recall_command_takes_the_gate_init_and_a_fixed_training_set(tmp_path):
+    """`evict recall --gate-dt MIN MAX --train-examples N` reach the sweep (its config.json) and every run."""
+    out = tmp_path / "s"
+    main(["recall", "--archs", "gated_deltanet", "--setting", "16", "2", "--d-model", "32", "--lr", "1e-2", "--steps", "2",
+          "--vocab", "32", "--seeds", "1", "--workers", "1", "--gate-dt", "1e-3", "1e-2", "--train-examples", "8",
+          "--out", str(out)])
+    config = json.loads((out / "config.json").read_text())
+    assert config["gate_dt"] == [1e-3, 1e-2] and config["train_examples"] == 8
+    assert len((out / "results.jsonl").read_text().splitlines()) == 1
