@@ -124,7 +124,7 @@ for what in "$@"; do
           mps_off
           cp ${GRID:-runs/grid}/config.json $OUT/grid_config.json  # tables and plots: dev/grid_piece.py writes them here
           finished ${GRID:-runs/grid} > $OUT/grid_results.jsonl ;;
-    side) too_late side && continue  # a side experiment of the grid (SIDE; folder runs/$SIDE, nothing restored into it):
+    side) too_late side && continue  # a side experiment of the grid (SIDE; folder runs/$SIDE; pieces in docs/recall_full/side_$SIDE):
           # finite: the grid's (512, 64) deltanet / gla cells at their best lrs on one fixed set of 100,000 examples
           #   (Zoology's regime, ~20 epochs in 8,000 steps) against the grid's fresh batches;
           # mla: MLA alone in the cells where kimi_linear (KDA + MLA) stays at chance at the large lrs;
@@ -136,6 +136,10 @@ for what in "$@"; do
             gate) args="--archs gated_deltanet kda gla --setting 512 64 --d-model 64 --lr 2.2e-3 1e-2 --gate-dt 1e-3 1e-2" ;;
             *) echo "dev/gpu.sh: SIDE=$SIDE: expected finite, mla or gate"; continue ;;
           esac
+          side=docs/recall_full/side_$SIDE; last=$(ls $side/piece*_config.json 2>/dev/null | sort -V | tail -1)
+          [ -n "$last" ] && [ ! -e runs/$SIDE/config.json ] && mkdir -p runs/$SIDE && cp $last runs/$SIDE/config.json
+          for c in $side/piece*_config.json; do  # its committed pieces (dev/grid_piece.py --side), against their own config
+            [ -e "$c" ] && python3 dev/grid_restore.py runs/$SIDE $c ${c%_config.json}_results.jsonl; done
           mps_on
           timeout $(piece_to 560) python3 -m evict.cli recall --full --minutes $(piece_min) --out runs/$SIDE ${SIDEARGS:-$args} 2>&1 \
             | grep -v "it/s\]$" | tail -40 | tee $OUT/$SIDE.log

@@ -2,6 +2,7 @@
 
     python3 dev/grid_piece.py FILES_AT                # recall: FILES_AT/grid_config.json + grid_results.jsonl
     python3 dev/grid_piece.py --lab state FILES_AT    # a lab: FILES_AT/lab_config.json + lab_results.jsonl
+    python3 dev/grid_piece.py --side finite FILES_AT  # a side experiment: FILES_AT/finite_config.json + _results.jsonl
 
 `FILES_AT` is the `run` tool's folder of the call's $OUT (`bash dev/gpu.sh grid` / `lab` write those files there).
 The rows no committed piece holds yet (by run folder) become docs/recall_full/piece<N>_results.jsonl beside a copy of
@@ -51,12 +52,16 @@ def _number(piece: Path) -> int:
 
 
 def main(files_at: str, lab: str = "recall", docs: str | None = None, table: bool = True,
-         target: dict | None = None) -> Path | None:
+         target: dict | None = None, side: str | None = None) -> Path | None:
     """Write the new piece; returns its results file (None when nothing was new). `target`: the sweep the pieces
-    belong to, as its config dict (default the lab's `--full` config, its module's FULL)."""
+    belong to, as its config dict (default the lab's `--full` config, its module's FULL). `side`: a side experiment of
+    the recall grid (`SIDE=NAME bash dev/gpu.sh side`: FILES_AT/NAME_config.json + NAME_results.jsonl), committed to
+    docs/recall_full/side_NAME/ with its own config as the target."""
     if lab != "recall" and lab not in grid_restore.LABS:
         sys.exit(f"--lab: expected one of {sorted(grid_restore.LABS)}, got {lab!r}")
-    stem = "grid" if lab == "recall" else "lab"
+    if side is not None and (lab != "recall" or not re.fullmatch(r"[a-z0-9_]+", side)):
+        sys.exit(f"--side: expected a side experiment's name (letters, digits, _) of the recall grid, got {side!r}")
+    stem = side or ("grid" if lab == "recall" else "lab")
     cfg, res = Path(files_at) / f"{stem}_config.json", Path(files_at) / f"{stem}_results.jsonl"
     for p in (cfg, res):
         if not p.is_file():
@@ -67,6 +72,8 @@ def main(files_at: str, lab: str = "recall", docs: str | None = None, table: boo
         sys.exit(f"{cfg}: not JSON")
     rows = _read_rows(res)
     folder = Path(docs) if docs else ROOT / "docs" / ("recall_full" if lab == "recall" else f"lab_full/{lab}")
+    if side is not None:
+        folder, target = folder / f"side_{side}", target if target is not None else config
     pieces = sorted(folder.glob("piece*_results.jsonl"), key=_number)
     known = {r["dir"] for p in pieces for r in _read_rows(p)}
     new = [r for r in rows if r["dir"] not in known]
@@ -123,5 +130,6 @@ if __name__ == "__main__":
     ap.add_argument("files_at")
     ap.add_argument("--lab", default="recall")
     ap.add_argument("--docs", default=None)
+    ap.add_argument("--side", default=None, help="a side experiment of the recall grid (dev/gpu.sh side: SIDE)")
     a = ap.parse_args()
-    main(a.files_at, a.lab, a.docs)
+    main(a.files_at, a.lab, a.docs, side=a.side)

@@ -126,3 +126,25 @@ def test_a_labs_last_piece_writes_its_finished_sweep(tmp_path):
     assert (docs / "table.md").read_text() == (ran / "table.md").read_text()
     assert (docs / "results.jsonl").read_text() == (ran / "results.jsonl").read_text()
     assert (docs / "capacity.png").stat().st_size > 0 and json.loads((docs / "config.json").read_text())["sizes"] == [4, 6]
+
+
+def test_a_side_experiment_is_committed_beside_the_grid_against_its_own_config(tmp_path):
+    """--side NAME: a side experiment's rows (NAME_config.json + NAME_results.jsonl) go to side_NAME/ and its table is
+    written against its own config (here a fixed training set), not `--full`'s; a bad name is one line."""
+    micro = dataclasses.replace(recall.QUICK, archs=("deltanet",), settings=((16, 2),), d_models=(32,), lrs=(1e-3, 3e-3),
+                                steps=4, batch_size=4, eval_every=2, eval_batches=1, workers=1, vocab_size=32, seeds=1,
+                                train_examples=8)
+    ran = recall.run_sweep(micro, out=tmp_path / "device")
+    rows = [{**json.loads(f.read_text()), "dir": f.parent.name} for f in sorted((ran / "runs").glob("*/result.json"))]
+    at, docs = tmp_path / "at", tmp_path / "docs"
+    at.mkdir()
+    (at / "finite_config.json").write_text((ran / "config.json").read_text())
+    (at / "finite_results.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    grid_piece.main(str(at), docs=str(docs), side="finite")
+    assert (docs / "side_finite" / "partial_table.md").read_text().startswith("Partial: 1 of 2 runs finished")
+    (at / "finite_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    grid_piece.main(str(at), docs=str(docs), side="finite")
+    assert (docs / "side_finite" / "table.md").read_text() == (ran / "table.md").read_text()
+    assert not (docs / "piece1_results.jsonl").exists()  # nothing lands among the grid's own pieces
+    with pytest.raises(SystemExit, match="--side"):
+        grid_piece.main(str(at), docs=str(docs), side="../x")
