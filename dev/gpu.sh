@@ -108,7 +108,7 @@ for what in "$@"; do
            [ -e "$c" ] && python3 dev/grid_restore.py --lab $LAB runs/lab_$LAB $c ${c%_config.json}_results.jsonl; done
          mps_on
          timeout $(piece_to 580) python3 -m evict.cli lab $LAB --full --minutes $(piece_min) --out runs/lab_$LAB \
-           ${LABARGS:-} 2>&1 | grep -v "it/s\]$" | tail -40 | tee $OUT/lab_$LAB.log
+           ${LABARGS:-} 2>&1 | grep -v "it/s\]$" | tail -40  # the log: the reply's output_tail ($OUT holds 8 files)
          mps_off
          cp runs/lab_$LAB/config.json $OUT/lab_config.json  # tables and plots: dev/grid_piece.py --lab writes them here
          finished runs/lab_$LAB > $OUT/lab_results.jsonl ;;
@@ -142,7 +142,7 @@ for what in "$@"; do
             [ -e "$c" ] && python3 dev/grid_restore.py runs/$SIDE $c ${c%_config.json}_results.jsonl; done
           mps_on
           timeout $(piece_to 560) python3 -m evict.cli recall --full --minutes $(piece_min) --out runs/$SIDE ${SIDEARGS:-$args} 2>&1 \
-            | grep -v "it/s\]$" | tail -40 | tee $OUT/$SIDE.log
+            | grep -v "it/s\]$" | tail -40  # the log: the reply's output_tail
           mps_off
           cp runs/$SIDE/config.json $OUT/${SIDE}_config.json; finished runs/$SIDE > $OUT/${SIDE}_results.jsonl ;;
     dist) (OUT=/tmp/dist STEPS=${STEPS:-30} PY=python3 timeout ${TO:-330} bash dev/dist_bench.sh 2>&1 | quiet | tail -40) | tee $OUT/dist.log
