@@ -134,22 +134,25 @@ def expected_seconds(job: dict, steps: int) -> float | None:
     return None if not rates else rates[len(rates) // 2] * steps
 
 
+def _outlasts_a_piece(job: dict, need: float | None) -> bool:
+    return need is not None and job.get("piece_seconds") is not None and need > job["piece_seconds"]
+
+
 def longer_than_a_piece(job: dict, steps: int) -> bool:
     """Whether a run of a timed piece's job is expected to take longer than a whole piece (expected_seconds): it
     can only finish over several pieces, resuming from its checkpoint, on a machine that keeps the sweep's folder."""
-    need = expected_seconds(job, steps)
-    return need is not None and job.get("piece_seconds") is not None and need > job["piece_seconds"]
+    return _outlasts_a_piece(job, expected_seconds(job, steps))
 
 
 def starts_now(job: dict, steps: int) -> bool:
     """Whether a timed piece starts this job's run now: when it is expected to finish before the piece's stop_at (or
     nothing is known yet), or, for a run longer than a whole piece (which would otherwise never start), while at least
     half the piece is left, so it trains that long before its checkpoint; else a later, smaller job goes first."""
-    need = expected_seconds(job, steps)
+    need = expected_seconds(job, steps)  # reads the cell's finished result.json files: once per call
     left = job["stop_at"] - time.time()
     if need is None or need <= left:
         return True
-    return longer_than_a_piece(job, steps) and left >= job["piece_seconds"] / 2
+    return _outlasts_a_piece(job, need) and left >= job["piece_seconds"] / 2
 
 
 def left_estimate(jobs: list[dict], results: list, steps: int) -> tuple[float, int, int]:
