@@ -43,6 +43,21 @@ piece_min() { python3 -c "import sys; m, call, used = map(float, sys.argv[1:]); 
                 ${MIN:-8} ${CALL:-0} $(( $(date +%s) - T0 )); }
 piece_to() { [ "${CALL:-0}" = 0 ] && echo ${TO:-$1} || echo $(( CALL - ($(date +%s) - T0) - 15 )); }
 too_late() { [ "${CALL:-0}" != 0 ] && python3 -c "import sys; sys.exit(0 if float(sys.argv[1]) < 1 else 1)" $(piece_min) && echo "dev/gpu.sh: $1 skipped, under a minute of CALL left"; }
+# A piece of `evict recall --full` (FLAGS) in DIR under MPS, after restoring the runs committed in PIECES; DIR's
+# config and finished runs come back as STEM_config.json / STEM_results.jsonl (dev/grid_piece.py [--side STEM]
+# commits them and writes the tables and plots), the log as STEM.log. The grid's pieces are restored against
+# `--full`'s config (GRIDARGS may narrow which runs exist); a side experiment's against its own last piece's.
+recall_piece() { local dir=$1 pieces=$2 stem=$3 flags=$4 c last
+  last=$(ls $pieces/piece*_config.json 2>/dev/null | sort -V | tail -1)
+  [ $stem != grid ] && [ -n "$last" ] && [ ! -e $dir/config.json ] && mkdir -p $dir && cp $last $dir/config.json
+  for c in $pieces/piece*_config.json; do
+    [ -e "$c" ] && python3 dev/grid_restore.py $dir $c ${c%_config.json}_results.jsonl; done
+  mps_on
+  timeout $(piece_to 560) python3 -m evict.cli recall --full --minutes $(piece_min) --out $dir $flags 2>&1 \
+    | grep -v "it/s\]$" | tail -60 | tee $OUT/$stem.log
+  mps_off
+  cp $dir/config.json $OUT/${stem}_config.json  # tables and plots: dev/grid_piece.py writes them
+  finished $dir > $OUT/${stem}_results.jsonl; }
 # the screen keeps the summary line ("N passed, M warnings"), which `quiet` would drop
 pyt() { local log=$1 t=$2; shift 2; timeout $t python3 -m pytest "$@" -m gpu -rf --tb=line -p no:cacheprovider 2>&1 | tee $OUT/$log \
           | grep -v "Warning\|^  \|^$" | tail -30; }
@@ -116,14 +131,7 @@ for what in "$@"; do
               | quiet | tee $OUT/learns.log ;;  # test_mqar_learns_on_cuda over seeds: graphed / eager / fp32 / chunked / C 64 / factors recomputed
     proflab) timeout ${TO:-300} python3 dev/profile_train.py --arch ${ARCHS:-kda deltanet attention} --compile 2>&1 | grep -v "^---" | tee $OUT/proflab.log ;;
     grid) too_late grid && continue
-          for c in docs/recall_full/piece*_config.json; do
-            [ -e "$c" ] && python3 dev/grid_restore.py ${GRID:-runs/grid} $c ${c%_config.json}_results.jsonl; done
-          mps_on
-          timeout $(piece_to 560) python3 -m evict.cli recall --full --minutes $(piece_min) --out ${GRID:-runs/grid} ${GRIDARGS:-} 2>&1 \
-            | grep -v "it/s\]$" | tail -60 | tee $OUT/grid.log
-          mps_off
-          cp ${GRID:-runs/grid}/config.json $OUT/grid_config.json  # tables and plots: dev/grid_piece.py writes them here
-          finished ${GRID:-runs/grid} > $OUT/grid_results.jsonl ;;
+          recall_piece ${GRID:-runs/grid} docs/recall_full grid "${GRIDARGS:-}" ;;
     side) too_late side && continue  # a side experiment of the grid (SIDE; folder runs/$SIDE; pieces in docs/recall_full/side_$SIDE):
           # finite: the grid's (512, 64) deltanet / gla cells at their best lrs on one fixed set of 100,000 examples
           #   (Zoology's regime, ~20 epochs in 8,000 steps) against the grid's fresh batches;
@@ -136,15 +144,7 @@ for what in "$@"; do
             gate) args="--archs gated_deltanet kda gla --setting 512 64 --d-model 64 --lr 2.2e-3 1e-2 --gate-dt 1e-3 1e-2" ;;
             *) echo "dev/gpu.sh: SIDE=$SIDE: expected finite, mla or gate"; continue ;;
           esac
-          side=docs/recall_full/side_$SIDE; last=$(ls $side/piece*_config.json 2>/dev/null | sort -V | tail -1)
-          [ -n "$last" ] && [ ! -e runs/$SIDE/config.json ] && mkdir -p runs/$SIDE && cp $last runs/$SIDE/config.json
-          for c in $side/piece*_config.json; do  # its committed pieces (dev/grid_piece.py --side), against their own config
-            [ -e "$c" ] && python3 dev/grid_restore.py runs/$SIDE $c ${c%_config.json}_results.jsonl; done
-          mps_on
-          timeout $(piece_to 560) python3 -m evict.cli recall --full --minutes $(piece_min) --out runs/$SIDE ${SIDEARGS:-$args} 2>&1 \
-            | grep -v "it/s\]$" | tail -40  # the log: the reply's output_tail
-          mps_off
-          cp runs/$SIDE/config.json $OUT/${SIDE}_config.json; finished runs/$SIDE > $OUT/${SIDE}_results.jsonl ;;
+          recall_piece runs/$SIDE docs/recall_full/side_$SIDE $SIDE "${SIDEARGS:-$args}" ;;
     dist) (OUT=/tmp/dist STEPS=${STEPS:-30} PY=python3 timeout ${TO:-330} bash dev/dist_bench.sh 2>&1 | quiet | tail -40) | tee $OUT/dist.log
           mkdir -p $OUT/dist && cp /tmp/dist/dist_bench.json $OUT/dist/ 2>/dev/null
           for r in /tmp/dist/gpu*; do mkdir -p $OUT/dist/${r##*/}; cp $r/run.json $r/metrics.jsonl $OUT/dist/${r##*/}/ 2>/dev/null; done ;;
