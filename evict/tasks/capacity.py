@@ -47,9 +47,9 @@ def make_batch(S: int, batch_size: int, *, overwrite: bool, seed: int, step: int
     if overwrite:
         second = (first + torch.randint(1, S, (batch_size, S), generator=g)) % S  # [B, S] never equal to first
         order = _perms(batch_size, 2 * S, g)  # [B, 2S] a random order of two copies of every key
-        keys = order % S  # [B, 2S]
-        seen = torch.nn.functional.one_hot(keys, S).cumsum(dim=1)  # [B, 2S, S] writes of each key so far
-        later = seen.gather(2, keys[..., None])[..., 0] == 2  # [B, 2S] this write is its key's second
+        keys = order % S  # [B, 2S]: key j is written where order holds j and where it holds j + S
+        at = order.argsort(dim=1)  # [B, 2S] the position of each order value
+        later = at.gather(1, (order + S) % (2 * S)) < torch.arange(2 * S)  # [B, 2S] its key's other copy came first
         values = torch.where(later, second.gather(1, keys), first.gather(1, keys))
         latest = second
     else:
