@@ -52,7 +52,7 @@ from evict.lab.sweep import (check_at_least_one, check_distinct, check_names, fr
                               seeds_phrase)
 from evict.ops.memory import memory
 from evict.tasks.capacity import CapacityBatch, make_batch
-from evict.train import resolve_device
+from evict.train import read_checkpoint, resolve_device, save_checkpoint
 
 RULES = {"additive": "additive (β = 1)", "delta": "delta rule (learned β)"}
 PUBLISHED = {  # Schlag et al. (LAB.md): (rule, overwrite) -> {S: loss}
@@ -149,8 +149,10 @@ def _batch_to(batch: CapacityBatch, device: torch.device) -> CapacityBatch:
 
 
 def run_one(job: dict) -> dict | None:
-    """Train one (rule, overwrite, S, seed) model with Adam; module-level so worker processes can run it. A run is
-    short (no checkpoint): in a timed piece it starts only while the piece lasts."""
+    """Train one (rule, overwrite, S, seed) model with Adam; module-level so worker processes can run it. In a timed
+    piece a run starts only while the piece lasts, and one still training at the piece's end saves checkpoint.pt
+    (weights, Adam's state, the curve so far, its seconds) in its folder and returns None; the next piece on that
+    folder resumes it from there to the same result (its batches depend only on (seed, step))."""
     logging.getLogger("evict").setLevel(logging.WARNING)
     if out_of_time(job):
         return None
@@ -160,8 +162,22 @@ def run_one(job: dict) -> dict | None:
     torch.manual_seed(seed)
     model = CapacityModel(S, job["rule"], d).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=sweep.lr)
-    start, curve = time.perf_counter(), []
-    for step in range(sweep.steps):
+    ckpt = Path(job["dir"]) / "checkpoint.pt"
+    first, earlier, curve = 0, 0.0, []
+    if ckpt.exists():
+        saved = read_checkpoint(ckpt)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        first, earlier = saved["step"], saved["seconds"]
+        curve = [(i, torch.tensor(c)) for i, c in saved["curve"]]
+    start = time.perf_counter()
+    for step in range(first, sweep.steps):
+        if step > first and out_of_time(job):  # the piece is over: keep what was trained for the next one
+            ckpt.parent.mkdir(parents=True, exist_ok=True)
+            save_checkpoint(ckpt, {"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                                   "seconds": earlier + time.perf_counter() - start,
+                                   "curve": [(i, c.item()) for i, c in curve]})
+            return None
         batch = _batch_to(make_batch(S, sweep.batch_size, overwrite=overwrite, seed=seed, step=step), device)
         loss = regression_loss(model(batch), batch.targets)
         opt.zero_grad(set_to_none=True)
@@ -175,10 +191,11 @@ def run_one(job: dict) -> dict | None:
                     for i in range(sweep.eval_batches))
         losses = [regression_loss(model(b), b.targets).item() for b in (_batch_to(h, device) for h in held_out)]
     final = sum(losses) / len(losses)
+    ckpt.unlink(missing_ok=True)  # finished: its result.json replaces it
     return {
         "rule": job["rule"], "overwrite": overwrite, "d_key": d, "S": S, "seed": seed, "loss": final,
         "train_curve": [[i, c.item()] for i, c in curve],
-        "steps": sweep.steps, "seconds": round(time.perf_counter() - start, 1),
+        "steps": sweep.steps, "seconds": round(earlier + time.perf_counter() - start, 1),
         "params": sum(p.numel() for p in model.parameters()),
         "label": f"{job['rule']} d={d} S={S}{' ow' if overwrite else ''} {final:.3f}",
     }

@@ -2,6 +2,7 @@
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,6 +110,39 @@ def test_sweep_runs_resumes_and_writes_outputs(tmp_path):
     with pytest.raises(ValueError, match=r"^out: .* holds a sweep with another config"):
         run_sweep(replace(MICRO, steps=4), out=root)
     assert len(jobs_for(replace(MICRO, seeds=2), tmp_path)) == 2 * 2 * 2 * 2
+
+
+@pytest.mark.parametrize("rule, overwrite", [("delta", True), ("additive", False)])
+def test_a_run_stopped_by_its_piece_resumes_to_the_same_result(rule, overwrite, tmp_path, monkeypatch):
+    """Session 15: a --full run (10,000 steps) outlasts its piece; it used to train on past the piece's end (and be
+    killed with the machine). Now it saves checkpoint.pt and returns None, and the next piece finishes it to the
+    uninterrupted run's numbers, bit for bit on the CPU."""
+    import evict.lab.capacity as cap
+
+    sweep = replace(MICRO, rules=(rule,), sizes=(6,), overwrite=(overwrite,), steps=20)
+    whole, = jobs_for(sweep, tmp_path / "whole")
+    split, = jobs_for(sweep, tmp_path / "split")
+    expected = cap.run_one(whole)
+    calls = []
+
+    def piece_over_at_step_7(job):  # calls: the start check, then one before each step after the first
+        calls.append(1)
+        return len(calls) > 7
+
+    monkeypatch.setattr(cap, "out_of_time", piece_over_at_step_7)
+    assert cap.run_one(split) is None
+    ckpt = Path(split["dir"]) / "checkpoint.pt"
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["step"] == 7
+    torch.save({**saved, "seconds": 100.0}, ckpt)  # as if the first piece had trained for 100 s
+    monkeypatch.setattr(cap, "out_of_time", lambda job: False)
+    made = []
+    monkeypatch.setattr(cap, "make_batch", lambda *a, **kw: made.append(kw["step"]) or make_batch(*a, **kw))
+    got = cap.run_one(split)
+    assert made[:13] == list(range(7, 20)) and len(made) == 13 + sweep.eval_batches  # steps 7… only, then the eval
+    assert not ckpt.exists()  # finished: the result replaces it
+    assert got["loss"] == expected["loss"] and got["train_curve"] == expected["train_curve"]
+    assert got["steps"] == 20 and 100 <= got["seconds"] < 160  # both pieces' seconds
 
 
 def test_published_numbers_appear_beside_ours(tmp_path):
