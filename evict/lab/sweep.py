@@ -8,8 +8,10 @@ import json
 import multiprocessing as mp
 import os
 import time
-from pathlib import Path
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 from typing import Any, TypeVar
 
 from tqdm import tqdm
@@ -52,12 +54,12 @@ def run_jobs(fn: Callable[[dict], dict | None], jobs: list[dict], *, workers: in
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc=desc, dynamic_ncols=True)
     payload = [(i, fn, jobs[i], threads) for i in todo]
     outs: Iterator[tuple[int, dict | None]]
+    pool = None
     if workers <= 1:
         outs = (_worker(p) for p in payload)
-        pool = None
-    else:
-        pool = mp.get_context("spawn").Pool(workers)
-        outs = pool.imap_unordered(_worker, payload)
+    else:  # an executor, not mp.Pool: a worker killed by the system breaks it (an error) instead of hanging the sweep
+        pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
+        outs = (f.result() for f in as_completed([pool.submit(_worker, p) for p in payload]))
     try:
         for i, res in outs:
             results[i] = res
@@ -70,11 +72,14 @@ def run_jobs(fn: Callable[[dict], dict | None], jobs: list[dict], *, workers: in
             tmp.replace(out)
             bar.set_postfix_str(res.get("label", ""))
             bar.update(1)
+    except BrokenProcessPool:
+        kept = sum(r is not None for r in results.values())
+        raise MemoryError(f"a worker process of the sweep was killed, most likely by the system for lack of memory; "
+                          f"{kept} of {len(jobs)} runs are finished and kept: run again with fewer workers") from None
     finally:
         bar.close()
         if pool is not None:
-            pool.close()
-            pool.join()
+            pool.shutdown(wait=True, cancel_futures=True)
     return [results.get(i) for i in range(len(jobs))]
 
 

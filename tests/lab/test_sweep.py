@@ -91,3 +91,27 @@ def test_stopped_message_says_the_time_the_piece_took(monkeypatch, tmp_path):
     msg = sweep_mod.stopped_message(10, jobs, 1, tmp_path)
     assert msg.startswith("stopped after 1.5 min (a piece of at most 10 min): 1 of 2 runs finished, 1 left"), msg
     assert sweep_mod.stopped_message(None, [{"dir": "a"}], 1, tmp_path).startswith("stopped: 0 of 1 runs finished")
+
+
+def _square_or_die(job):  # module level: the spawned workers import it from here
+    import os
+    import signal
+
+    if job["n"] == 3:
+        os.kill(os.getpid(), signal.SIGKILL)  # what the system's out-of-memory killer does
+    return {"n": job["n"] ** 2}
+
+
+def test_a_killed_worker_ends_the_sweep_with_an_error_not_a_hang(tmp_path):
+    """Session 15: `evict recall --full` on the CPU had a worker killed for lack of memory, and mp.Pool then waited
+    forever for its job. Now the sweep stops with a MemoryError (one line from the CLI); finished runs are kept."""
+    jobs = [{"n": n, "dir": str(tmp_path / str(n))} for n in range(6)]
+    start = time.time()
+    with pytest.raises(MemoryError, match=r"a worker process of the sweep was killed.* runs are finished and kept"):
+        sweep_mod.run_jobs(_square_or_die, jobs, workers=2)
+    assert time.time() - start < 120
+    for n in range(6):  # whatever finished before the kill is kept, and right
+        done = tmp_path / str(n) / "result.json"
+        assert n != 3 or not done.exists()
+        assert not done.exists() or json.loads(done.read_text()) == {"n": n * n}
+    assert sweep_mod.run_jobs(_square_or_die, jobs[:3], workers=2) == [{"n": 0}, {"n": 1}, {"n": 4}]
