@@ -18,7 +18,7 @@
 #            seeds and op forms), grid (a piece of `evict recall --full`: MIN, GRIDARGS, GRID; the runs
 #            of earlier pieces in docs/recall_full/ are restored first: dev/grid_restore.py), lab (a piece of
 #            `evict lab $LAB --full` under MPS, pieces in docs/lab_full/$LAB/ restored first; CALL below), proflab (dev/profile_train.py: one cell's step, eager / graphed /
-#            compiled, top kernels), side (a side experiment of the grid: SIDE=finite | mla | gate, SIDEARGS), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
+#            compiled, top kernels), side (a side experiment of the grid: SIDE=finite | mla | gate | tied | untied, SIDEARGS), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
 set -uo pipefail
 T0=$(date +%s)  # CALL (below) counts from here
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.tcache PYTHONPATH=$PWD
@@ -138,12 +138,17 @@ for what in "$@"; do
           #   (Zoology's regime, ~20 epochs in 8,000 steps) against the grid's fresh batches;
           # mla: MLA alone in the cells where kimi_linear (KDA + MLA) stays at chance at the large lrs;
           # gate: the gated rules at d 64 with slower-forgetting gates at init (dt 1e-3..1e-2, not 1e-3..1e-1), where
-          #   Gated DeltaNet (0.908) and KDA (0.837) sit below DeltaNet (0.931), against the published GDN >= DeltaNet
+          #   Gated DeltaNet (0.908) and KDA (0.837) sit below DeltaNet (0.931), against the published GDN >= DeltaNet;
+          # tied / untied: Kimi Linear (layer 1 KDA, layer 2 MLA, untied embeddings) stays at chance at (512, 64) d 64 at
+          #   2.2e-3 and 1e-2 where MLA alone (tied) solves it: tied = Kimi Linear with tied embeddings, untied = MLA
+          #   alone untied — which of the two differences holds it there
           case ${SIDE:=finite} in
             finite) args="--archs deltanet gla --setting 512 64 --d-model 64 128 --lr 2.2e-3 1e-2 --train-examples 100000" ;;
             mla) args="--archs mla --setting 512 64 --d-model 64 128 --lr 2.2e-3 1e-2" ;;
             gate) args="--archs gated_deltanet kda gla --setting 512 64 --d-model 64 --lr 2.2e-3 1e-2 --gate-dt 1e-3 1e-2" ;;
-            *) echo "dev/gpu.sh: SIDE=$SIDE: expected finite, mla or gate"; continue ;;
+            tied) args="--archs kimi_linear --setting 512 64 --d-model 64 --lr 2.2e-3 1e-2 --set tie_embeddings=true" ;;
+            untied) args="--archs mla --setting 512 64 --d-model 64 --lr 2.2e-3 1e-2 --set tie_embeddings=false" ;;
+            *) echo "dev/gpu.sh: SIDE=$SIDE: expected finite, mla, gate, tied or untied"; continue ;;
           esac
           recall_piece runs/$SIDE docs/recall_full/side_$SIDE $SIDE "${SIDEARGS:-$args}" ;;
     dist) (OUT=/tmp/dist STEPS=${STEPS:-30} PY=python3 timeout ${TO:-330} bash dev/dist_bench.sh 2>&1 | quiet | tail -40) | tee $OUT/dist.log

@@ -6,8 +6,8 @@ import logging
 import os
 import sys
 
-from evict.cli_args import (Parser, UserError, add_gate_dt_flag, add_sweep_flags, batch_by_length, device, positive_float,
-                            positive_int, writable_dir, writable_file)
+from evict.cli_args import (Parser, UserError, add_gate_dt_flag, add_sweep_flags, batch_by_length, device,
+                            parse_overrides, positive_float, positive_int, writable_dir, writable_file)
 
 
 def _bench(args) -> None:
@@ -115,7 +115,7 @@ def _recall(args) -> None:
         "lrs": tuple(args.lr) if args.lr else None,
         "steps": args.steps, "seeds": args.seeds, "workers": args.workers, "device": args.device, "vocab_size": args.vocab,
         "compile": False if args.no_compile else None, "train_examples": args.train_examples,
-        "gate_dt": tuple(args.gate_dt) if args.gate_dt else None,
+        "gate_dt": tuple(args.gate_dt) if args.gate_dt else None, "model_set": parse_overrides(args.set) or None,
     }.items() if v is not None}
     sweep = replace(sweep, **overrides)  # a ValueError is a user error: main() makes it one line, exit 2
     gate_dt_fields(sweep.gate_dt)  # "gate_dt: expected MIN MAX with 0 < MIN <= MAX", before any model is built
@@ -134,7 +134,9 @@ def _check_recall_models(sweep) -> None:
                 try:
                     model_config(arch, d, sweep, L)
                 except ValueError as e:
-                    raise ValueError(f"--d-model {d} ({arch}): {e}") from None
+                    raise ValueError(f"{'--set' if sweep.model_set else '--d-model'} ({arch}, d {d}): {e}") from None
+                except TypeError as e:  # a --set value of the wrong type
+                    raise ValueError(f"--set ({arch}, d {d}): {e}") from None
 
 
 def build_parser() -> Parser:
@@ -179,6 +181,8 @@ def build_parser() -> Parser:
     r.add_argument("--train-examples", type=positive_int, metavar="N",
                    help="train on one fixed set of N examples, reshuffled each epoch (Zoology's regime; default: fresh batches)")
     add_gate_dt_flag(r)
+    r.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="a ModelConfig field laid over every model of the sweep, e.g. tie_embeddings=true; repeatable")
     add_sweep_flags(r, seeds_help="seeds per cell; the table shows mean and range (default 2 quick, 1 full)")
     r.add_argument("--minutes", type=positive_float, help="stop after about this long (runs checkpoint); rerun to continue")
     r.add_argument("--no-compile", action="store_true", help="CUDA: skip torch.compile of the blocks (--full compiles them)")

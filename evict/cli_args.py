@@ -9,6 +9,7 @@ Lab commands: add_lab_parser (--quick / --full, --steps, --lr and the sweep flag
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import tempfile
@@ -227,3 +228,17 @@ def run_lab(args, lab, overrides: dict) -> None:
         lab.run_sweep(replace(base, **given), out=args.out, minutes=args.minutes)
     except ValueError as e:
         raise UserError(str(e)) from None
+
+
+def parse_overrides(items: list[str] | None) -> dict:
+    """["n_layers=2", "pattern=KKKM"] -> {"n_layers": 2, "pattern": "KKKM"} (values read as JSON, else as text)."""
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set: expected KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out

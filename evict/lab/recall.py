@@ -22,7 +22,7 @@ import torch
 from evict.bench.common import markdown_table
 from evict.lab.sweep import (check_minutes, diverged, from_json, out_of_time, run_jobs, stopped_message, sweep_folder,
                              with_deadline, write_results)
-from evict.models import LM, presets
+from evict.models import LM, ModelConfig, presets
 from evict.tasks.mqar import MQARConfig, MQARTask
 from evict.train import TrainConfig, resolve_device, train
 
@@ -69,6 +69,7 @@ class RecallSweep:
     device: str = "cpu"
     compile: bool = False  # CUDA: each block through torch.compile inside the step's CUDA graph (BENCHMARKS.md)
     gate_dt: tuple = (1e-3, 1e-1)  # the decay gates' initial dt range (ModelConfig.gate_dt_min / gate_dt_max)
+    model_set: dict = field(default_factory=dict)  # ModelConfig fields laid over the lab's models (`--set KEY=VALUE`)
     notes: dict = field(default_factory=dict)
 
 
@@ -89,12 +90,25 @@ def model_config(arch: str, d_model: int, sweep: RecallSweep, seq_len: int):
     measures the memory, not how fast plain attention learns a previous-token head from scratch.
     """
     hd = min(sweep.head_dim, d_model)
-    return presets.get(
-        arch, size="tiny", vocab_size=sweep.vocab_size, d_model=d_model, n_layers=sweep.n_layers,
+    fields = dict(
+        vocab_size=sweep.vocab_size, d_model=d_model, n_layers=sweep.n_layers,
         n_heads=sweep.n_heads or d_model // hd, head_dim=hd, d_ff=2 * d_model, moe=None, attn_res=False,
         short_conv=True, kv_lora_rank=max(16, d_model // 2), qk_nope_dim=hd, qk_rope_dim=max(2, hd // 2), v_head_dim=hd,
         chunk_size=sweep.chunk_size, max_seq_len=max(seq_len, 64), **gate_dt_fields(sweep.gate_dt),
     )
+    return presets.get(arch, size="tiny", **{**fields, **model_set_fields(sweep.model_set)})
+
+
+def model_set_fields(model_set: dict) -> dict:
+    """A sweep's `model_set` (ModelConfig field -> value, laid over the lab's choices), checked: a name that is not a
+    ModelConfig field, or one the lab owns (the vocabulary and width: --vocab, --d-model), is a ValueError."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    for key in model_set:
+        if key not in known:
+            raise ValueError(f"model_set (--set): {key!r} is not a ModelConfig field")
+        if key in ("vocab_size", "d_model"):
+            raise ValueError(f"model_set (--set): {key} is the sweep's own (--vocab / --d-model), not a --set field")
+    return dict(model_set)
 
 
 def gate_dt_fields(gate_dt) -> dict:
@@ -422,9 +436,11 @@ def report(sweep: RecallSweep, results: list[dict]) -> tuple[str, str]:
 
 
 def data_note(sweep: RecallSweep) -> str:
-    """What a table's title says about the training data: nothing for fresh batches (the default)."""
+    """What a table's title says about the training data and any model fields set (`--set`): nothing for fresh
+    batches and the lab's own models (the default)."""
     n = sweep.train_examples
-    return "" if n is None else f", trained on one fixed set of {n:,} examples (epochs of {n / sweep.batch_size:g} steps)"
+    data = "" if n is None else f", trained on one fixed set of {n:,} examples (epochs of {n / sweep.batch_size:g} steps)"
+    return data + "".join(f", {k}={json.dumps(v)}" for k, v in sweep.model_set.items())
 
 
 def run_sweep(sweep: RecallSweep, out: str | Path | None = None, minutes: float | None = None) -> Path:
@@ -472,7 +488,9 @@ def run_sweep(sweep: RecallSweep, out: str | Path | None = None, minutes: float 
     rows = [{**r, "seed": job["seed"]} for r, job in zip(finished, jobs)]  # results of older runs lack the seed
     write_results(root, rows)
     tables, card = report(sweep, rows)
-    (root / "table.md").write_text(tables + "\n")
+    note = data_note(sweep)  # a fixed training set or --set fields: the table says so (the default's table is bare)
+    (root / "table.md").write_text((f"MQAR accuracy (best over lr {list(sweep.lrs)}){note}\n\n" if note else "")
+                                   + tables + "\n")
     (root / "scorecard.md").write_text(card + "\n")
     pngs = plots(sweep, over_seeds(best_over_lr(rows)), root)
     print(f"\nMQAR accuracy (best over lr {list(sweep.lrs)}), {sweep.n_layers} layers, vocab {sweep.vocab_size}"

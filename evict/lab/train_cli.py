@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from evict import distributed
-from evict.cli_args import device, nonneg_float, nonneg_int, positive_float, positive_int, seed, writable_dir
+from evict.cli_args import (device, nonneg_float, nonneg_int, parse_overrides, positive_float, positive_int, seed,
+                            writable_dir)
 from evict.models import LM, presets
 from evict.models.config import ModelConfig
 from evict.plots import plot_metrics
@@ -54,20 +55,6 @@ def tokenizer_arg(text: str) -> str:
     if text in ("char", "byte", "bpe") or Path(text).expanduser().is_file():
         return text
     raise argparse.ArgumentTypeError(f"expected char, byte, bpe or a tokenizer.json file, got {text!r} (no such file)")
-
-
-def parse_overrides(items: list[str] | None) -> dict:
-    """["n_layers=2", "pattern=KKKM"] -> {"n_layers": 2, "pattern": "KKKM"} (values read as JSON, else as text)."""
-    out = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--set: expected KEY=VALUE, got {item!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
 
 
 def _read_config_file(path: str) -> dict:

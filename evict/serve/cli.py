@@ -31,7 +31,7 @@ def preset_config(name: str, size: str, overrides: list[str] | None):
     """A preset's config ('hybrid' = the kda preset in Kimi Linear's KKKM pattern, last layer MLA, dense FFN: the
     same width and depth as 'attention'), with --set KEY=VALUE overrides."""
     from evict.bench.decode import model_configs
-    from evict.lab.train_cli import parse_overrides
+    from evict.cli_args import parse_overrides
     from evict.models import presets
 
     try:

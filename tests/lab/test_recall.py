@@ -317,3 +317,34 @@ def test_the_recall_command_takes_the_gate_init_and_a_fixed_training_set(tmp_pat
     config = json.loads((out / "config.json").read_text())
     assert config["gate_dt"] == [1e-3, 1e-2] and config["train_examples"] == 8
     assert len((out / "results.jsonl").read_text().splitlines()) == 1
+
+
+def test_the_recall_command_sets_model_fields_over_the_labs_models(tmp_path):
+    """`evict recall --set KEY=VALUE` (a side experiment's ablation, e.g. Kimi Linear with tied embeddings) reaches the
+    sweep's config.json, every model it builds, and the table's title."""
+    out = tmp_path / "s"
+    main(["recall", "--archs", "kimi_linear", "--setting", "16", "2", "--d-model", "32", "--lr", "1e-2", "--steps", "2",
+          "--vocab", "32", "--seeds", "1", "--workers", "1", "--set", "tie_embeddings=true", "--set", "pattern=MMMM",
+          "--out", str(out)])
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_set"] == {"tie_embeddings": True, "pattern": "MMMM"}
+    sweep = replace(QUICK, model_set=config["model_set"])
+    cfg = model_config("kimi_linear", 32, sweep, 16)
+    assert cfg.tie_embeddings is True and cfg.pattern == "MMMM" and cfg.moe is None  # the lab's own choices stay
+    assert model_config("kimi_linear", 32, QUICK, 16).tie_embeddings is False  # the preset's, without --set
+    assert "tie_embeddings=true, pattern=\"MMMM\"" in (out / "table.md").read_text().splitlines()[0]
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("no_such_field=1", "'no_such_field' is not a ModelConfig field"),
+    ("d_model=64", "d_model is the sweep's own (--vocab / --d-model)"),
+    ("tie_embeddings", "--set: expected KEY=VALUE"),
+])
+def test_a_bad_set_flag_is_one_line_and_writes_nothing(flag, message, tmp_path, capsys):
+    out = tmp_path / "s"
+    with pytest.raises(SystemExit) as e:
+        main(["recall", "--archs", "kimi_linear", "--setting", "16", "2", "--d-model", "32", "--steps", "2",
+              "--vocab", "32", "--workers", "1", "--set", flag, "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and message in err[0], err
+    assert not out.exists()
