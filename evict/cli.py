@@ -104,7 +104,7 @@ def _size(args) -> None:
 def _recall(args) -> None:
     from dataclasses import replace
 
-    from evict.lab.recall import FULL, QUICK, gate_dt_fields, run_sweep
+    from evict.lab.recall import FULL, QUICK, gate_dt_fields, model_set_fields, run_sweep
 
     writable_dir(args.out, "--out")
     sweep = FULL if args.full else QUICK
@@ -119,6 +119,7 @@ def _recall(args) -> None:
     }.items() if v is not None}
     sweep = replace(sweep, **overrides)  # a ValueError is a user error: main() makes it one line, exit 2
     gate_dt_fields(sweep.gate_dt)  # "gate_dt: expected MIN MAX with 0 < MIN <= MAX", before any model is built
+    model_set_fields(sweep.model_set)  # --set's field names, likewise
     _check_recall_models(sweep)
     run_sweep(sweep, out=args.out, minutes=args.minutes)
 
@@ -133,8 +134,9 @@ def _check_recall_models(sweep) -> None:
             for L, _ in sweep.settings:
                 try:
                     model_config(arch, d, sweep, L)
-                except ValueError as e:
-                    raise ValueError(f"{'--set' if sweep.model_set else '--d-model'} ({arch}, d {d}): {e}") from None
+                except ValueError as e:  # the width, or a --set value, that this model cannot take
+                    with_set = "".join(f", {k}={v!r}" for k, v in sweep.model_set.items())
+                    raise ValueError(f"--d-model {d} ({arch}{with_set}): {e}") from None
                 except TypeError as e:  # a --set value of the wrong type
                     raise ValueError(f"--set ({arch}, d {d}): {e}") from None
 

@@ -467,11 +467,11 @@ def run_sweep(sweep: RecallSweep, out: str | Path | None = None, minutes: float 
     jobs = with_deadline(jobs, minutes)
     results = run_jobs(run_one, jobs, workers=sweep.workers, desc="recall")
     left = sum(r is None for r in results)
+    note = data_note(sweep)
+    title = f"MQAR accuracy (best over lr {list(sweep.lrs)}), {sweep.n_layers} layers, vocab {sweep.vocab_size}{note}"
     if left:
         tables, _ = report(sweep, known_rows(sweep, jobs, results))
-        head = (f"Partial: {len(jobs) - left} of {len(jobs)} runs finished; — = a cell whose best over lr is not known "
-                f"yet. MQAR accuracy (best over lr {list(sweep.lrs)}), {sweep.n_layers} layers, vocab {sweep.vocab_size}"
-                f"{data_note(sweep)}")
+        head = f"Partial: {len(jobs) - left} of {len(jobs)} runs finished; — = a cell whose best over lr is not known yet. {title}"
         (root / "partial_table.md").write_text(f"{head}\n\n{tables}\n")
         print(f"{stopped_message(minutes, jobs, left, root)}; the cells known so far are in {root / 'partial_table.md'}")
         seconds, timed, untimed = left_estimate(jobs, results, sweep.steps)
@@ -488,13 +488,11 @@ def run_sweep(sweep: RecallSweep, out: str | Path | None = None, minutes: float 
     rows = [{**r, "seed": job["seed"]} for r, job in zip(finished, jobs)]  # results of older runs lack the seed
     write_results(root, rows)
     tables, card = report(sweep, rows)
-    note = data_note(sweep)  # a fixed training set or --set fields: the table says so (the default's table is bare)
-    (root / "table.md").write_text((f"MQAR accuracy (best over lr {list(sweep.lrs)}){note}\n\n" if note else "")
-                                   + tables + "\n")
+    # a fixed training set or --set fields: the table's title says so (the default's table is bare)
+    (root / "table.md").write_text((f"{title}\n\n" if note else "") + tables + "\n")
     (root / "scorecard.md").write_text(card + "\n")
     pngs = plots(sweep, over_seeds(best_over_lr(rows)), root)
-    print(f"\nMQAR accuracy (best over lr {list(sweep.lrs)}), {sweep.n_layers} layers, vocab {sweep.vocab_size}"
-          f"{data_note(sweep)}\n\n{tables}\n")
+    print(f"\n{title}\n\n{tables}\n")
     print(f"{card}\n")
     print("wrote " + ", ".join(str(p) for p in [root / "table.md", root / "scorecard.md", *pngs]))
     return root
