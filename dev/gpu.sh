@@ -20,7 +20,7 @@
 #            `evict lab $LAB --full` under MPS, pieces in docs/lab_full/$LAB/ restored first; CALL below), proflab (dev/profile_train.py: one cell's step, eager / graphed /
 #            compiled, top kernels), side (a side experiment of the grid: SIDE=finite | mla | gate | tied | untied, SIDEARGS), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
 set -uo pipefail
-T0=$(date +%s)  # CALL (below) counts from here
+T0=${T0:-$(date +%s)}  # CALL (below) counts from here (a MODE+MODE group passes its own)
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.tcache PYTHONPATH=$PWD
 mkdir -p .tcache "${OUT:=/tmp/out}"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -34,8 +34,9 @@ FORMS="kept_factors or kept_states or dstate_stages or intra_key_blocks or dkey_
 finished() { python3 -c "import glob, json, sys; sys.stdout.write(''.join(json.dumps({**json.load(open(f)), 'dir': f.split('/')[-2]}) + chr(10) for f in sorted(glob.glob(sys.argv[1] + '/runs/*/result.json'))))" "$1"; }
 # CUDA MPS (the card's multi-process service): kernels of the sweep's worker processes then run side by side instead
 # of taking turns (session 13: 4 compiled kda cells 69.2 -> 85.9 cell-steps/s). MPS=0 switches it off.
-mps_on() { [ "${MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d && echo "MPS on"; }
-mps_off() { echo quit | nvidia-cuda-mps-control 2>/dev/null; sleep 1; }
+# MPS_HELD=1 (set by a MODE+MODE group, below): the group holds the daemon, its pieces leave it alone.
+mps_on() { [ "${MPS_HELD:-0}" = 1 ] && return; [ "${MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d && echo "MPS on"; }
+mps_off() { [ "${MPS_HELD:-0}" = 1 ] && return; echo quit | nvidia-cuda-mps-control 2>/dev/null; sleep 1; }
 quiet() { grep -v "Warning\|warn\|^  \|^$"; }
 # CALL=S: the whole call may take S seconds. Each timed piece (grid, lab) then runs for min(MIN, what is left less
 # 60 s for its start and results) minutes under a timeout of what is left less 15 s, and is skipped with under a
@@ -62,7 +63,16 @@ recall_piece() { local dir=$1 pieces=$2 stem=$3 flags=$4 c last
 # the screen keeps the summary line ("N passed, M warnings"), which `quiet` would drop
 pyt() { local log=$1 t=$2; shift 2; timeout $t python3 -m pytest "$@" -m gpu -rf --tb=line -p no:cacheprovider 2>&1 | tee $OUT/$log \
           | grep -v "Warning\|^  \|^$" | tail -30; }
+# MODE+MODE…: those modes at the same time (each in its own `bash dev/gpu.sh MODE`, same CALL clock, one MPS daemon
+# for all), e.g. `grid+side` with SIDE="tied untied": the grid's last long runs and two side sweeps share the card.
+# SIDE may name several experiments; `side` then runs them side by side the same way.
+group() { local pid pids=() m; mps_on  # a member VAR=value:MODE runs MODE with VAR=value
+  for m in "$@"; do if [[ $m == *:* ]]; then env MPS_HELD=1 T0=$T0 "${m%%:*}" bash "$0" ${m#*:} & else MPS_HELD=1 T0=$T0 bash "$0" $m & fi
+    pids+=($!); done
+  for pid in "${pids[@]}"; do wait $pid; done; mps_off; }
 for what in "$@"; do
+  [[ $what == *+* ]] && { group ${what//+/ }; continue; }
+  [ $what = side ] && [[ ${SIDE:-finite} == *" "* ]] && { group $(for s in $SIDE; do echo SIDE=$s:side; done); continue; }
   case $what in
     optests) pyt optests.log ${T:-480} tests/ops/test_memory_triton.py -n 8 -k "not ($FORMS)" ;;  # the default forms (119 tests)
     formtests) pyt formtests.log ${T:-420} tests/ops/test_memory_triton.py -n 8 -k "$FORMS" ;;  # the opt-in forms (90)
