@@ -18,7 +18,7 @@
 #            seeds and op forms), grid (a piece of `evict recall --full`: MIN, GRIDARGS, GRID; the runs
 #            of earlier pieces in docs/recall_full/ are restored first: dev/grid_restore.py), lab (a piece of
 #            `evict lab $LAB --full` under MPS, pieces in docs/lab_full/$LAB/ restored first; CALL below), proflab (dev/profile_train.py: one cell's step, eager / graphed /
-#            compiled, top kernels), side (a side experiment of the grid: SIDE=finite | mla | gate | tied | untied, SIDEARGS), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
+#            compiled, top kernels), side (a side experiment of the grid: SIDE=finite | mla | gate | tied | untied | seeds, SIDEARGS; several names run side by side), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
 set -uo pipefail
 T0=${T0:-$(date +%s)}  # CALL (below) counts from here (a MODE+MODE group passes its own)
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.tcache PYTHONPATH=$PWD
@@ -151,14 +151,17 @@ for what in "$@"; do
           #   Gated DeltaNet (0.908) and KDA (0.837) sit below DeltaNet (0.931), against the published GDN >= DeltaNet;
           # tied / untied: Kimi Linear (layer 1 KDA, layer 2 MLA, untied embeddings) stays at chance at (512, 64) d 64 at
           #   2.2e-3 and 1e-2 where MLA alone (tied) solves it: tied = Kimi Linear with tied embeddings, untied = MLA
-          #   alone untied — which of the two differences holds it there
+          #   alone untied — which of the two differences holds it there;
+          # seeds: the d 64 (512, 64) cell at 1e-2 over seeds 0-2 for deltanet and gated_deltanet (is GDN's 0.908 < 0.931 one
+          #   seed's spread?) and kimi_linear (does the untied model stall at chance on every seed?)
           case ${SIDE:=finite} in
             finite) args="--archs deltanet gla --setting 512 64 --d-model 64 128 --lr 2.2e-3 1e-2 --train-examples 100000" ;;
             mla) args="--archs mla --setting 512 64 --d-model 64 128 --lr 2.2e-3 1e-2" ;;
             gate) args="--archs gated_deltanet kda gla --setting 512 64 --d-model 64 --lr 2.2e-3 1e-2 --gate-dt 1e-3 1e-2" ;;
             tied) args="--archs kimi_linear --setting 512 64 --d-model 64 --lr 2.2e-3 1e-2 --set tie_embeddings=true" ;;
             untied) args="--archs mla --setting 512 64 --d-model 64 --lr 2.2e-3 1e-2 --set tie_embeddings=false" ;;
-            *) echo "dev/gpu.sh: SIDE=$SIDE: expected finite, mla, gate, tied or untied"; continue ;;
+            seeds) args="--archs deltanet gated_deltanet kimi_linear --setting 512 64 --d-model 64 --lr 1e-2 --seeds 3 --workers 6" ;;
+            *) echo "dev/gpu.sh: SIDE=$SIDE: expected finite, mla, gate, tied, untied or seeds"; continue ;;
           esac
           recall_piece runs/$SIDE docs/recall_full/side_$SIDE $SIDE "${SIDEARGS:-$args}" ;;
     dist) (OUT=/tmp/dist STEPS=${STEPS:-30} PY=python3 timeout ${TO:-330} bash dev/dist_bench.sh 2>&1 | quiet | tail -40) | tee $OUT/dist.log
