@@ -111,6 +111,9 @@ def _table(folder: Path, lab: str = "recall", target: dict | None = None) -> Non
             names = sorted(f.name for f in Path(tmp).iterdir() if f.is_file())
             for name in names:
                 shutil.copyfile(Path(tmp) / name, folder / name)
+            written = json.loads((folder / "config.json").read_text())  # the sweep as the pieces ran it, not as the
+            written["workers"] = config["workers"]                        # scratch run of no time (1 worker) did
+            (folder / "config.json").write_text(json.dumps(written, indent=2))
             (folder / "partial_table.md").unlink(missing_ok=True)
             print(f"the sweep is finished: wrote {', '.join(names)} in {folder}")
             return

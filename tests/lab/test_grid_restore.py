@@ -83,8 +83,9 @@ def test_a_piece_commits_only_its_new_runs_and_the_lab_writes_the_table(tmp_path
 
 
 def _device_calls(tmp_path, ran: Path, stem: str, lab: str, first: int) -> Path:
-    """Commit a sweep that ran in `ran` as two device calls' worth of pieces (grid_piece): `first` runs, then all."""
-    config = json.loads((ran / "config.json").read_text())
+    """Commit a sweep that ran in `ran` as two device calls' worth of pieces (grid_piece): `first` runs, then all. The
+    pieces say they ran with 3 workers (the device's count, not the scratch run's one)."""
+    config = {**json.loads((ran / "config.json").read_text()), "workers": 3}
     rows = [{**json.loads(f.read_text()), "dir": f.parent.name} for f in sorted((ran / "runs").glob("*/result.json"))]
     docs, at = tmp_path / "docs", tmp_path / "files_at"
     at.mkdir()
@@ -112,6 +113,7 @@ def test_the_last_piece_writes_the_finished_grid(tmp_path):
     assert (docs / "table.md").read_text() == (ran / "table.md").read_text()
     assert (docs / "scorecard.md").read_text() == (ran / "scorecard.md").read_text()
     assert len((docs / "results.jsonl").read_text().splitlines()) == 8
+    assert json.loads((docs / "config.json").read_text())["workers"] == 3  # as the pieces ran, not as the table's run
     assert all((docs / png).stat().st_size > 0 for png in ("recall_vs_pairs.png", "recall_vs_state.png"))
 
 
@@ -126,6 +128,7 @@ def test_a_labs_last_piece_writes_its_finished_sweep(tmp_path):
     assert (docs / "table.md").read_text() == (ran / "table.md").read_text()
     assert (docs / "results.jsonl").read_text() == (ran / "results.jsonl").read_text()
     assert (docs / "capacity.png").stat().st_size > 0 and json.loads((docs / "config.json").read_text())["sizes"] == [4, 6]
+    assert json.loads((docs / "config.json").read_text())["workers"] == 3
 
 
 def test_a_side_experiment_is_committed_beside_the_grid_against_its_own_config(tmp_path):
