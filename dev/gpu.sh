@@ -170,3 +170,10 @@ for what in "$@"; do
     *) echo "dev/gpu.sh: unknown mode $what"; exit 2 ;;
   esac
 done
+# A call brings back at most 8 files from $OUT: past 8, the logs go into one logs.tar.gz (the results and configs,
+# which dev/grid_piece.py reads, stay files); past 8 even then, everything goes into out.tar.gz (`tar xzf` it first).
+if [ "${MPS_HELD:-0}" != 1 ] && [ "$(find $OUT -type f | wc -l)" -gt 8 ]; then
+  (cd $OUT && ls *.log >/dev/null 2>&1 && tar czf logs.tar.gz *.log && rm -f *.log)
+  [ "$(find $OUT -type f | wc -l)" -gt 8 ] && (cd $OUT && tar czf /tmp/out.tar.gz . && rm -rf ./* && mv /tmp/out.tar.gz .)
+  echo "dev/gpu.sh: over 8 files in \$OUT, packed: $(cd $OUT && ls | tr '\n' ' ')"
+fi
