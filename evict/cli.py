@@ -113,7 +113,8 @@ def _recall(args) -> None:
         "settings": tuple(tuple(s) for s in args.setting) if args.setting else None,
         "d_models": tuple(args.d_model) if args.d_model else None,
         "lrs": tuple(args.lr) if args.lr else None,
-        "steps": args.steps, "seeds": args.seeds, "workers": args.workers, "device": args.device, "vocab_size": args.vocab,
+        "steps": args.steps, "seeds": args.seeds, "seed": args.seed, "workers": args.workers, "device": args.device,
+        "vocab_size": args.vocab,
         "compile": False if args.no_compile else None, "train_examples": args.train_examples,
         "gate_dt": tuple(args.gate_dt) if args.gate_dt else None, "model_set": parse_overrides(args.set) or None,
     }.items() if v is not None}

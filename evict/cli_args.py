@@ -179,6 +179,7 @@ def writable_dir(path: str | os.PathLike | None, flag: str) -> None:
 def add_sweep_flags(p: argparse.ArgumentParser, *, seeds_help: str) -> None:
     """The flags every resumable lab sweep shares: seeds, processes, device, output folder."""
     p.add_argument("--seeds", type=positive_int, help=seeds_help)
+    p.add_argument("--seed", type=seed, help="the first seed (default 0): the runs use seeds SEED … SEED+SEEDS-1")
     p.add_argument("--workers", type=positive_int, help="parallel processes (default 2 quick, 4 full)")
     p.add_argument("--device", type=device, help="cpu, cuda or auto")
     p.add_argument("--out", help="output folder; an existing one is resumed")
@@ -218,7 +219,8 @@ def run_lab(args, lab, overrides: dict) -> None:
     from dataclasses import replace
 
     writable_dir(args.out, "--out")
-    shared = {"steps": args.steps, "lr": args.lr, "seeds": args.seeds, "workers": args.workers, "device": args.device}
+    shared = {"steps": args.steps, "lr": args.lr, "seeds": args.seeds, "seed": args.seed, "workers": args.workers,
+              "device": args.device}
     given = {k: v for k, v in {**overrides, **shared}.items() if v is not None}
     try:
         base = lab.FULL if args.full else lab.QUICK

@@ -49,7 +49,7 @@ from torch import nn
 
 from evict.bench.common import markdown_table
 from evict.lab.sweep import (check_at_least_one, check_distinct, check_names, from_json, out_of_time, run_grid,
-                              seeds_phrase)
+                              seeds_of, seeds_phrase)
 from evict.ops.memory import memory
 from evict.tasks.capacity import CapacityBatch, make_batch
 from evict.train import read_checkpoint, resolve_device, save_checkpoint
@@ -200,9 +200,6 @@ def run_one(job: dict) -> dict | None:
         "label": f"{job['rule']} d={d} S={S}{' ow' if overwrite else ''} {final:.3f}",
     }
 
-
-def seeds_of(sweep: CapacitySweep) -> list[int]:
-    return list(range(sweep.seed, sweep.seed + sweep.seeds))
 
 
 def _name(rule: str, overwrite: bool, d: int, S: int, seed: int) -> str:

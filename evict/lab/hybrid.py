@@ -35,7 +35,7 @@ import torch
 
 from evict.bench.common import markdown_table
 from evict.lab import recall
-from evict.lab.sweep import diverged, from_json, out_of_time, piece_fields, run_grid, seeds_phrase
+from evict.lab.sweep import diverged, from_json, out_of_time, piece_fields, run_grid, seeds_of, seeds_phrase
 from evict.models import LM, ModelConfig, accounting
 from evict.tasks.mqar import MQARConfig, MQARTask
 from evict.tasks.text import TextTask, corpus_files
@@ -253,9 +253,6 @@ def run_one(job: dict) -> dict | None:
             "total_params": sum(p.numel() for p in model.parameters()), **accountant(sweep, v.pattern),
             **diverged(res), "label": f"{v.label} {job['task']} {shown}"}
 
-
-def seeds_of(sweep: HybridSweep) -> list[int]:
-    return list(range(sweep.seed, sweep.seed + sweep.seeds))
 
 
 def jobs_for(sweep: HybridSweep, root: Path) -> list[dict]:

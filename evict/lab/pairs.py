@@ -23,7 +23,7 @@ from pathlib import Path
 
 from evict.bench.common import markdown_table
 from evict.lab import recall
-from evict.lab.sweep import check_at_least_one, check_distinct, check_names, from_json, run_grid
+from evict.lab.sweep import check_at_least_one, check_distinct, check_names, from_json, run_grid, seeds_of
 from evict.tasks.mqar import MQARConfig
 
 RULES = {"linear": "linear attention", "deltanet": "DeltaNet", "gated_deltanet": "Gated DeltaNet", "kda": "KDA",
@@ -119,9 +119,6 @@ def run_one(job: dict) -> dict | None:
             "rungs": rungs, "seconds": round(seconds, 1),
             "label": f"{job['rule']} d={job['d']} K*={'≥' if topped else ''}{best_k}"}
 
-
-def seeds_of(sweep: PairsSweep) -> list[int]:
-    return list(range(sweep.seed, sweep.seed + sweep.seeds))
 
 
 def jobs_for(sweep: PairsSweep, root: Path) -> list[dict]:

@@ -21,7 +21,7 @@ import torch
 
 from evict.bench.common import markdown_table
 from evict.lab.sweep import (check_minutes, diverged, from_json, out_of_time, run_jobs, stopped_message, sweep_folder,
-                             with_deadline, write_results)
+                             seeds_of, with_deadline, write_results)
 from evict.models import LM, ModelConfig, presets
 from evict.tasks.mqar import MQARConfig, MQARTask
 from evict.train import TrainConfig, resolve_device, train
@@ -242,9 +242,6 @@ def run_one(job: dict) -> dict | None:
         out.update(diverged(res), label=out["label"] + f" (diverged at step {res.diverged_at})")
     return out
 
-
-def seeds_of(sweep: RecallSweep) -> list[int]:
-    return list(range(sweep.seed, sweep.seed + sweep.seeds))
 
 
 def jobs_for(sweep: RecallSweep, root: Path) -> list[dict]:

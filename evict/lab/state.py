@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import diverged, from_json, out_of_time, piece_fields, run_grid
+from evict.lab.sweep import diverged, from_json, out_of_time, piece_fields, run_grid, seeds_of
 from evict.models import LM, presets
 from evict.tasks.state import TASKS, StateConfig, StateTask, scaled_accuracy
 from evict.train import TrainConfig, resolve_device, train
@@ -135,9 +135,6 @@ def run_one(job: dict) -> dict | None:
         "label": f"{job['task']} {job['model']} {scaled:.2f}",
     }
 
-
-def seeds_of(sweep: StateSweep) -> list[int]:
-    return list(range(sweep.seed, sweep.seed + sweep.seeds))
 
 
 def jobs_for(sweep: StateSweep, root: Path) -> list[dict]:

@@ -157,6 +157,11 @@ def write_results(root: Path, results: list[dict]) -> None:
             f.write(json.dumps(r) + "\n")
 
 
+def seeds_of(sweep) -> list[int]:
+    """A sweep's seeds: `seeds` of them from its first, `seed` (`--seed`, `--seeds`)."""
+    return list(range(sweep.seed, sweep.seed + sweep.seeds))
+
+
 def seeds_phrase(seeds: list[int]) -> str:
     """`seed 0` or `seeds 0, 1 (mean, min–max)`: how a report's header names the seeds its cells fold."""
     many = len(seeds) > 1

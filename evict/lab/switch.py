@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import check_at_least_one, check_names, diverged, from_json, out_of_time, piece_fields, run_grid
+from evict.lab.sweep import check_at_least_one, check_names, diverged, from_json, out_of_time, piece_fields, run_grid, seeds_of
 from evict.layers import memory_mixer
 from evict.models import LM, presets
 from evict.stories import fade_curve, twin_boards
@@ -237,9 +237,6 @@ def run_one(job: dict) -> dict | None:
         "label": f"{job['model']} fact {mem['fact_accuracy']:.2f} new {mem['new_accuracy']:.2f}",
     }
 
-
-def seeds_of(sweep: StoriesSweep) -> list[int]:
-    return list(range(sweep.seed, sweep.seed + sweep.seeds))
 
 
 def jobs_for(sweep: StoriesSweep, root: Path) -> list[dict]:

@@ -160,6 +160,16 @@ def test_cli_runs_with_flags(tmp_path, monkeypatch):
     assert [(r["rule"], r["overwrite"], r["S"], r["steps"]) for r in rows] == [("delta", True, 3, 2)]
 
 
+def test_the_first_seed_is_a_flag_of_every_lab(tmp_path, monkeypatch):
+    """`--seed S --seeds N` (add_sweep_flags, every lab): the runs use seeds S … S+N-1, the header names them."""
+    monkeypatch.setattr("evict.lab.capacity.QUICK", MICRO)
+    assert main(["lab", "capacity", "--rules", "delta", "--sizes", "3", "--overwrite", "no", "--steps", "1",
+                 "--seed", "5", "--seeds", "2", "--workers", "1", "--out", str(tmp_path / "y")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "y" / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["seed"] for r in rows) == [5, 6] and json.loads((tmp_path / "y" / "config.json").read_text())["seed"] == 5
+    assert "seeds 5, 6" in (tmp_path / "y" / "table.md").read_text()
+
+
 def _rows(losses: dict) -> list[dict]:
     """Hand-made results: (rule, d, S) -> loss, unique keys, one seed."""
     return [{"rule": r, "overwrite": False, "d_key": d, "S": S, "seed": 0, "loss": x} for (r, d, S), x in losses.items()]

@@ -118,6 +118,23 @@ def test_cli_rejects_zero_seeds(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_cli_rejects_a_negative_first_seed(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["recall", "--seed", "-1", "--out", str(tmp_path / "x")])
+    assert e.value.code != 0 and "--seed: expected an integer in [0, 2**32)" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_recall_command_starts_its_seeds_at_seed(tmp_path):
+    """`--seed 1 --seeds 2`: seeds 1 and 2 (a side experiment's other seeds of a cell the grid ran at seed 0)."""
+    out = tmp_path / "s"
+    main(["recall", "--archs", "deltanet", "--setting", "16", "2", "--d-model", "32", "--lr", "1e-2", "--steps", "2",
+          "--vocab", "32", "--seed", "1", "--seeds", "2", "--workers", "1", "--out", str(out)])
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["seed"] for r in rows) == [1, 2] and json.loads((out / "config.json").read_text())["seed"] == 1
+    assert "seeds 1, 2" in (out / "table.md").read_text()
+
+
 def test_sweep_in_pieces_equals_one_piece(tmp_path, capsys, monkeypatch):
     """`--minutes`: runs in flight checkpoint and stop, the rest wait; rerunning continues to the same results."""
     import time
