@@ -22,7 +22,7 @@ def test_fit_recovers_linear_and_square_laws():
     assert fit([(8, 16), (16, 0)]) is None  # K* = 0 carries no power law; one point is no fit
 
 
-def test_ladder_stops_at_the_first_failing_rung_best_over_lr(tmp_path, monkeypatch):
+def test_ladder_stops_at_the_first_failing_rung_and_a_rung_at_its_first_passing_lr(tmp_path, monkeypatch):
     acc = {(1, 0.1): 0.95, (1, 0.2): 0.5, (2, 0.1): 0.3, (2, 0.2): 0.92, (4, 0.1): 0.1, (4, 0.2): 0.89, (8, 0.1): 1.0}
     trained = []
 
@@ -37,7 +37,8 @@ def test_ladder_stops_at_the_first_failing_rung_best_over_lr(tmp_path, monkeypat
     res = pairs.run_one(job)
     assert res["max_pairs"] == 2 and not res["ladder_top"]  # K = 4 fails at both lrs (0.89 < 0.9): K = 8 never runs
     assert [r["pairs"] for r in res["rungs"]] == [1, 2, 4] and [r["lr"] for r in res["rungs"]] == [0.1, 0.2, 0.2]
-    assert (8, 0.1) not in trained
+    # lrs in order, up to the first that passes: K = 1 passes at 0.1 (0.2 never runs); K = 4 fails at both
+    assert trained == [(1, 0.1), (2, 0.1), (2, 0.2), (4, 0.1), (4, 0.2)]
     trained.clear()
     assert pairs.run_one(job) == res and trained == []  # finished rungs are read back, not retrained
     top = pairs.run_one({**job, "dir": str(tmp_path / "top"), "sweep": {**job["sweep"], "pairs": [1, 2]}})
@@ -123,3 +124,5 @@ def test_a_rung_runs_with_its_pieces_deadline_and_length(tmp_path, monkeypatch):
     job = {**jobs_for(MICRO, tmp_path)[0], "stop_at": 123.0, "piece_seconds": 540.0}
     assert pairs._rung(job, {"d_models": [8]}, 2, 1e-2, 16) is None  # stopped: no result.json
     assert seen[0]["stop_at"] == 123.0 and seen[0]["piece_seconds"] == 540.0
+    # and a rung's run stops once it passes: the recall lab's target accuracy is the ladder's threshold
+    assert pairs.recall_sweep(replace(MICRO, threshold=0.75), 4).target_accuracy == 0.75
