@@ -4,6 +4,8 @@
     python3 dev/grid_piece.py --lab state FILES_AT    # a lab: FILES_AT/lab_config.json + lab_results.jsonl
     python3 dev/grid_piece.py --side finite FILES_AT  # a side experiment: FILES_AT/finite_config.json + _results.jsonl
 
+A call packed as FILES_AT/out.tar.gz (more than the 8 files a call brings back: dev/gpu.sh) is read from inside it.
+
 `FILES_AT` is the `run` tool's folder of the call's $OUT (`bash dev/gpu.sh grid` / `lab` write those files there).
 The rows no committed piece holds yet (by run folder) become docs/recall_full/piece<N>_results.jsonl beside a copy of
 the piece's config as piece<N>_config.json (docs/lab_full/NAME/ for a lab), N the next free number; nothing is
@@ -24,6 +26,7 @@ import json
 import re
 import shutil
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -51,6 +54,18 @@ def _number(piece: Path) -> int:
     return int(re.findall(r"\d+", piece.name)[0])
 
 
+def _unpacked(files_at: Path) -> Path:
+    """FILES_AT, or where its out.tar.gz unpacks (dev/gpu.sh packs $OUT into it when a call has more than the 8 files
+    a call brings back)."""
+    packed = files_at / "out.tar.gz"
+    if not packed.is_file():
+        return files_at
+    into = Path(tempfile.mkdtemp(prefix="grid_piece_"))
+    with tarfile.open(packed) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
 def main(files_at: str, lab: str = "recall", docs: str | None = None, table: bool = True,
          target: dict | None = None, side: str | None = None) -> Path | None:
     """Write the new piece; returns its results file (None when nothing was new). `target`: the sweep the pieces
@@ -62,7 +77,8 @@ def main(files_at: str, lab: str = "recall", docs: str | None = None, table: boo
     if side is not None and (lab != "recall" or not re.fullmatch(r"[a-z0-9_]+", side)):
         sys.exit(f"--side: expected a side experiment's name (letters, digits, _) of the recall grid, got {side!r}")
     stem = side or ("grid" if lab == "recall" else "lab")
-    cfg, res = Path(files_at) / f"{stem}_config.json", Path(files_at) / f"{stem}_results.jsonl"
+    files_at = _unpacked(Path(files_at))
+    cfg, res = files_at / f"{stem}_config.json", files_at / f"{stem}_results.jsonl"
     for p in (cfg, res):
         if not p.is_file():
             sys.exit(f"{p}: not found (FILES_AT: the folder a `dev/gpu.sh {stem}` call's files came back to)")

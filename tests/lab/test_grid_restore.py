@@ -151,3 +151,23 @@ def test_a_side_experiment_is_committed_beside_the_grid_against_its_own_config(t
     assert not (docs / "piece1_results.jsonl").exists()  # nothing lands among the grid's own pieces
     with pytest.raises(SystemExit, match="--side"):
         grid_piece.main(str(at), docs=str(docs), side="../x")
+
+
+def test_a_packed_call_is_read_from_its_archive(tmp_path):
+    """A call with more than 8 files in $OUT comes back as out.tar.gz (dev/gpu.sh packs it): grid_piece reads the
+    piece from inside, as from the folder."""
+    import tarfile
+
+    committed = Path(__file__).parents[2] / "docs" / "recall_full"
+    src = tmp_path / "out"
+    src.mkdir()
+    (src / "grid_config.json").write_text((committed / "piece1_config.json").read_text())
+    (src / "grid_results.jsonl").write_text((committed / "piece1_results.jsonl").read_text().splitlines()[0] + "\n")
+    at = tmp_path / "files_at"
+    at.mkdir()
+    with tarfile.open(at / "out.tar.gz", "w:gz") as tar:
+        for f in src.iterdir():
+            tar.add(f, arcname=f"./{f.name}")  # as `tar czf out.tar.gz .` names them
+    docs = tmp_path / "docs"
+    out = grid_piece.main(str(at), docs=str(docs))
+    assert out == docs / "piece1_results.jsonl" and len(out.read_text().splitlines()) == 1
