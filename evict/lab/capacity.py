@@ -201,7 +201,6 @@ def run_one(job: dict) -> dict | None:
     }
 
 
-
 def _name(rule: str, overwrite: bool, d: int, S: int, seed: int) -> str:
     return f"{rule}_{'ow' if overwrite else 'unique'}_d{d}_S{S}_s{seed}"
 

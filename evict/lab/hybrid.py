@@ -254,7 +254,6 @@ def run_one(job: dict) -> dict | None:
             **diverged(res), "label": f"{v.label} {job['task']} {shown}"}
 
 
-
 def jobs_for(sweep: HybridSweep, root: Path) -> list[dict]:
     """Every run; the KDA-heaviest models first (the slowest on a CPU), so the last to finish are short ones."""
     sw = dataclasses.asdict(sweep)

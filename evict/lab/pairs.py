@@ -8,11 +8,12 @@ holds a d × d state, attention a d-dim key and value per token) trained at K = 
 rates. The lrs are tried in the order listed and a rung passes at the first whose run reaches the threshold (its run
 stops there, the recall lab's target accuracy set to the threshold, and the rung's other lrs do not run): since a
 run's accuracy is its best evaluation, K* is the same as when every lr trains to the end and the best is taken; only
-the passing rungs' reported accuracy, lr and steps are the first passing run's. K*(rule, d) is the largest K of the ladder reached before the first failing rung (0 when the
-first fails; "≥ K" when the ladder ran out of rungs). The fit per rule: K* ≈ c · d (least squares through the origin)
-and the slope p of log K* against log d (K* ∝ d^p; p = 1 is linear in d), over the ds where K* was found and was not
-cut off by the ladder's top. Outputs under runs/pairs/<timestamp>/: config.json, results.jsonl (one row per ladder,
-every rung inside), table.md, pairs.png, runs/<rule>_d<d>_s<seed>/K<K>_lr<lr>/ (each rung's training run).
+the passing rungs' reported accuracy, lr and steps are the first passing run's. K*(rule, d) is the largest K of the
+ladder reached before the first failing rung (0 when the first fails; "≥ K" when the ladder ran out of rungs). The
+fit per rule: K* ≈ c · d (least squares through the origin) and the slope p of log K* against log d (K* ∝ d^p; p = 1
+is linear in d), over the ds where K* was found and was not cut off by the ladder's top. Outputs under
+runs/pairs/<timestamp>/: config.json, results.jsonl (one row per ladder, every rung inside), table.md, pairs.png,
+runs/<rule>_d<d>_s<seed>/K<K>_lr<lr>/ (each rung's training run).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class PairsSweep:
     device: str = "cpu"
 
 
-QUICK = PairsSweep()  # 283 s of CPU (README)
+QUICK = PairsSweep()  # 2 min 37 s wall on 2 cores (README, session 16)
 FULL = PairsSweep(  # the lesson's dims; Zoology's lrs and vocabulary; steps and ladder ours (LAB.md gives none); not run yet
     dims=(16, 32, 64, 128, 256), d_model=256, pairs=(4, 8, 16, 32, 64, 128, 256, 512), len_per_pair=8,
     lrs=(2.2e-3, 1e-2, 4.6e-4),  # the recall grid's lr order: 2.2e-3 solved most of its cells first
@@ -125,7 +126,6 @@ def run_one(job: dict) -> dict | None:
     return {"rule": job["rule"], "d": job["d"], "seed": job["seed"], "max_pairs": best_k, "ladder_top": topped,
             "rungs": rungs, "seconds": round(seconds, 1),
             "label": f"{job['rule']} d={job['d']} K*={'≥' if topped else ''}{best_k}"}
-
 
 
 def jobs_for(sweep: PairsSweep, root: Path) -> list[dict]:

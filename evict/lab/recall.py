@@ -243,7 +243,6 @@ def run_one(job: dict) -> dict | None:
     return out
 
 
-
 def jobs_for(sweep: RecallSweep, root: Path) -> list[dict]:
     """Every run of the grid; the costliest settings (most pairs) first, so the last runs to finish are short ones.
 

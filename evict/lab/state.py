@@ -136,7 +136,6 @@ def run_one(job: dict) -> dict | None:
     }
 
 
-
 def jobs_for(sweep: StateSweep, root: Path) -> list[dict]:
     sw = dataclasses.asdict(sweep)
     return [{"task": t, "model": m, "seed": s, "dir": str(root / "runs" / f"{t}_{m}_s{s}"), "sweep": sw}

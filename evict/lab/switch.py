@@ -238,7 +238,6 @@ def run_one(job: dict) -> dict | None:
     }
 
 
-
 def jobs_for(sweep: StoriesSweep, root: Path) -> list[dict]:
     sw = dataclasses.asdict(sweep)
     return [{"model": m, "seed": s, "dir": str(root / "runs" / f"{m}_s{s}"), "sweep": sw}
