@@ -18,6 +18,7 @@ partial_table.md goes. `--docs DIR` writes elsewhere.
 """
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import importlib
@@ -61,6 +62,7 @@ def _unpacked(files_at: Path) -> Path:
     if not packed.is_file():
         return files_at
     into = Path(tempfile.mkdtemp(prefix="grid_piece_"))
+    atexit.register(shutil.rmtree, into, ignore_errors=True)  # read during main(); gone when the script ends
     with tarfile.open(packed) as tar:
         tar.extractall(into, filter="data")
     return into

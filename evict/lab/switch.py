@@ -41,7 +41,8 @@ from pathlib import Path
 import torch
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import check_at_least_one, check_names, diverged, from_json, out_of_time, piece_fields, run_grid, seeds_of
+from evict.lab.sweep import (check_at_least_one, check_names, diverged, from_json, out_of_time, piece_fields, run_grid,
+                              seeds_of)
 from evict.layers import memory_mixer
 from evict.models import LM, presets
 from evict.stories import fade_curve, twin_boards
