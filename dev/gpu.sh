@@ -18,7 +18,8 @@
 #            seeds and op forms), grid (a piece of `evict recall --full`: MIN, GRIDARGS, GRID; the runs
 #            of earlier pieces in docs/recall_full/ are restored first: dev/grid_restore.py), lab (a piece of
 #            `evict lab $LAB --full` under MPS, pieces in docs/lab_full/$LAB/ restored first; CALL below), proflab (dev/profile_train.py: one cell's step, eager / graphed /
-#            compiled, top kernels), side (a side experiment of the grid: SIDE=finite | mla | gate | tied | untied | seeds, SIDEARGS; several names run side by side), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
+#            compiled, top kernels), side (a side experiment of the grid: SIDE=finite | mla | gate | tied | untied | seeds, SIDEARGS; several names run side by side),
+#            hybriddepth (dev/hybrid_depth.py: lab hybrid --full's MQAR models under a longer schedule, side by side), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
 set -uo pipefail
 T0=${T0:-$(date +%s)}  # CALL (below) counts from here (a MODE+MODE group passes its own)
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.tcache PYTHONPATH=$PWD
@@ -164,6 +165,17 @@ for what in "$@"; do
             *) echo "dev/gpu.sh: SIDE=$SIDE: expected finite, mla, gate, tied, untied or seeds"; continue ;;
           esac
           recall_piece runs/$SIDE docs/recall_full/side_$SIDE $SIDE "${SIDEARGS:-$args}" ;;
+    hybriddepth) too_late hybriddepth && continue  # dev/hybrid_depth.py: lab hybrid --full's MQAR models under longer
+          # schedules, one process per (pattern, run) side by side under MPS for MIN minutes: when (if) each leaves chance
+          # (session 17: at 2,000 steps every MQAR run of --full stayed at chance). HDPATTERNS, HDRUNS; the rows come
+          # back as one hybriddepth.json (a list), the logs as hd_logs.tar.gz
+          mps_on; pids=(); n=0
+          for pat in ${HDPATTERNS:-K KKKMKKKMKKKMKKKM}; do for r in ${HDRUNS:-lr=3e-3,steps=8000 lr=1e-3,steps=8000}; do n=$((n + 1))
+            timeout $(piece_to 580) python3 dev/hybrid_depth.py --full --pattern $pat --runs $r --minutes $(piece_min) \
+              --out $OUT/hd_$n.json > $OUT/hd_$n.log 2>&1 & pids+=($!); done; done
+          for pid in "${pids[@]}"; do wait $pid; done; mps_off
+          (cd $OUT && python3 -c "import glob, json; json.dump([r for f in sorted(glob.glob('hd_*.json')) for r in json.load(open(f))], open('hybriddepth.json', 'w'), indent=1)" \
+             && rm -f hd_*.json && cat hybriddepth.json && tail -n 3 hd_*.log && tar czf hd_logs.tar.gz hd_*.log && rm hd_*.log) ;;
     dist) (OUT=/tmp/dist STEPS=${STEPS:-30} PY=python3 timeout ${TO:-330} bash dev/dist_bench.sh 2>&1 | quiet | tail -40) | tee $OUT/dist.log
           mkdir -p $OUT/dist && cp /tmp/dist/dist_bench.json $OUT/dist/ 2>/dev/null
           for r in /tmp/dist/gpu*; do mkdir -p $OUT/dist/${r##*/}; cp $r/run.json $r/metrics.jsonl $OUT/dist/${r##*/}/ 2>/dev/null; done ;;

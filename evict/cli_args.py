@@ -194,8 +194,8 @@ def add_gate_dt_flag(p: argparse.ArgumentParser) -> None:
 def add_lab_parser(lab_sub, name: str, *, help: str, quick: str, full: str, seeds_help: str,
                    modes: dict[str, str] | None = None) -> argparse.ArgumentParser:
     """`evict lab <name>` with the flags every lab sweep has: --quick (the default) or --full (or one of the lab's
-    own `modes`, flag -> help: the preset of that upper-cased name in the lab's module), --steps, --lr, then
-    add_sweep_flags'; the caller adds its own and sets `fn`."""
+    own `modes`, flag -> help: the preset of that upper-cased name in the lab's module), --steps, --batch-size, --lr,
+    then add_sweep_flags'; the caller adds its own and sets `fn`."""
     s = lab_sub.add_parser(name, help=help)
     mode = s.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help=f"the default: {quick}")
@@ -204,6 +204,7 @@ def add_lab_parser(lab_sub, name: str, *, help: str, quick: str, full: str, seed
         mode.add_argument(f"--{flag}", action="store_true", help=text)
     s.set_defaults(lab_modes=tuple(modes or ()))
     s.add_argument("--steps", type=positive_int)
+    s.add_argument("--batch-size", type=positive_int, help="sequences per optimizer step (default: the mode's)")
     s.add_argument("--lr", type=positive_float)
     s.add_argument("--minutes", type=positive_float,
                    help="stop after about this long (runs in flight checkpoint); the same command with --out continues")
@@ -219,8 +220,8 @@ def run_lab(args, lab, overrides: dict) -> None:
     from dataclasses import replace
 
     writable_dir(args.out, "--out")
-    shared = {"steps": args.steps, "lr": args.lr, "seeds": args.seeds, "seed": args.seed, "workers": args.workers,
-              "device": args.device}
+    shared = {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "seeds": args.seeds, "seed": args.seed,
+              "workers": args.workers, "device": args.device}
     given = {k: v for k, v in {**overrides, **shared}.items() if v is not None}
     try:
         base = lab.FULL if args.full else lab.QUICK

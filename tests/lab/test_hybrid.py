@@ -156,11 +156,16 @@ def test_sweep_runs_resumes_and_writes_outputs(tmp_path, single_thread_runs):
 def test_cli_runs_a_micro_sweep(tmp_path, monkeypatch, single_thread_runs):
     (tmp_path / "c.txt").write_text(CORPUS)
     monkeypatch.setattr("evict.lab.hybrid.QUICK", MICRO)  # the flags on top of a micro sweep, not the 5-minute one
+    trained, train = [], hybrid.train
+    monkeypatch.setattr("evict.lab.hybrid.train",
+                        lambda model, task, tc: trained.append(tc.batch_size) or train(model, task, tc))
     argv = ["lab", "hybrid", "--ratios", "3:1", "0:1", "--kinds", "attention", "--tasks", "text", "--corpus",
-            str(tmp_path / "c.txt"), "--steps", "1", "--out", str(tmp_path / "y")]
+            str(tmp_path / "c.txt"), "--steps", "1", "--batch-size", "3", "--out", str(tmp_path / "y")]
     assert main(argv) == 0
     rows = [json.loads(line) for line in (tmp_path / "y" / "results.jsonl").read_text().splitlines()]
     assert sorted(r["pattern"] for r in rows) == ["AAAA", "AKKK", "KKKA"]  # 3:1 keeps the micro sweep's placements
+    assert json.loads((tmp_path / "y" / "config.json").read_text())["batch_size"] == 3  # MICRO's is 4
+    assert trained == [3, 3, 3]  # what each run trained with, not only the config
 
 
 BAD = [
@@ -168,6 +173,7 @@ BAD = [
     ["--tasks", "wiki"], ["--placement-ratios", "1:0"], ["--placement-ratios", "7:1", "--ratios", "3:1"],
     ["--layers", "0"], ["--layers", "6"], ["--d-model", "24"], ["--setting", "10", "8"], ["--steps", "0"],
     ["--corpus", "/no/such.txt"], ["--out", "{file}"], ["--quick", "--full"], ["--workers", "-1"],
+    ["--batch-size", "0"], ["--batch-size", "two"],
 ]
 
 

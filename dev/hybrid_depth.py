@@ -1,0 +1,66 @@
+"""Why the hybrid lab's MQAR runs stay at chance at 16 layers (session 17): one model of the hybrid lab (its
+`model_config`: equal parameters, heads of head_dim, short conv) trained on MQAR with the optimizer knobs the lab
+fixes (warmup 0, one lr, one batch) varied, best validation accuracy per variant.
+
+    python3 dev/hybrid_depth.py --layers 16 --pattern A --runs lr=1e-2 lr=1e-2,warmup=50 lr=3e-3 lr=1e-2,steps=900
+    python3 dev/hybrid_depth.py --full --pattern K --runs steps=8000 --minutes 8 --out k.json   # --full's shapes (GPU)
+
+`--pattern X` is the all-X model (K: KDA, M: MLA, A: attention); a full pattern string (`KKKM…`) is used as given.
+`--minutes M` stops every run M minutes after the script started (the row then says how far it got): the learning
+curve of a long schedule's first part, which is what shows whether and when a model leaves chance. One process runs
+its runs one after another; `bash dev/gpu.sh hybriddepth` runs several processes side by side under MPS.
+"""
+
+import argparse
+import json
+import time
+from dataclasses import replace
+
+import torch
+
+from evict.lab import hybrid
+from evict.models import LM
+from evict.train import TrainConfig, resolve_device, train
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--full", action="store_true", help="hybrid.FULL's shapes (default: hybrid.QUICK's)")
+    p.add_argument("--layers", type=int, default=16, help="depth of a one-letter --pattern")
+    p.add_argument("--pattern", default="A")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--runs", nargs="+", default=["lr=1e-2"], help="KEY=VALUE,… with keys lr, warmup, steps, batch")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--minutes", type=float, default=None, help="stop every run this long after the start")
+    p.add_argument("--out", default=None, help="JSON file for the rows")
+    a = p.parse_args()
+    stop_at = None if a.minutes is None else time.time() + 60 * a.minutes
+    pattern = a.pattern * a.layers if len(a.pattern) == 1 else a.pattern  # a full pattern sets the depth itself
+    sweep = replace(hybrid.FULL if a.full else hybrid.QUICK, n_layers=len(pattern))
+    task = hybrid.make_task(sweep, "mqar", a.seed)
+    on_gpu = resolve_device(sweep.device).type == "cuda"
+    rows = []
+    for spec in a.runs:
+        kv = dict(item.split("=") for item in spec.split(","))
+        lr, warmup = float(kv.get("lr", sweep.lr)), int(kv.get("warmup", 0))
+        steps, batch = int(kv.get("steps", a.steps or sweep.steps)), int(kv.get("batch", sweep.batch_size))
+        torch.manual_seed(a.seed)
+        model = LM(hybrid.model_config(sweep, pattern, task.vocab_size))
+        tc = TrainConfig(steps=steps, batch_size=batch, lr=lr, weight_decay=0.1, warmup_steps=warmup,
+                         eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, seed=a.seed, device=sweep.device,
+                         progress=False, log_every=50, graphs=on_gpu, target_accuracy=0.99, stop_at=stop_at)
+        t0 = time.perf_counter()
+        res = train(model, task, tc)
+        curve = [(h["step"], round(h["accuracy"], 3)) for h in res.history if "accuracy" in h]
+        row = {"pattern": pattern, "lr": lr, "warmup": warmup, "steps": steps, "batch": batch,
+               "best": round(res.best_val_accuracy, 4), "steps_done": res.steps_done, "stopped": res.interrupted,
+               "seconds": round(time.perf_counter() - t0, 1), "curve": curve}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
