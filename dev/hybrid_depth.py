@@ -20,7 +20,7 @@ import torch
 
 from evict.lab import hybrid
 from evict.models import LM
-from evict.train import TrainConfig, resolve_device, train
+from evict.train import train
 
 
 def main() -> None:
@@ -38,7 +38,6 @@ def main() -> None:
     pattern = a.pattern * a.layers if len(a.pattern) == 1 else a.pattern  # a full pattern sets the depth itself
     sweep = replace(hybrid.FULL if a.full else hybrid.QUICK, n_layers=len(pattern))
     task = hybrid.make_task(sweep, "mqar", a.seed)
-    on_gpu = resolve_device(sweep.device).type == "cuda"
     rows = []
     for spec in a.runs:
         kv = dict(item.split("=") for item in spec.split(","))
@@ -46,9 +45,8 @@ def main() -> None:
         steps, batch = int(kv.get("steps", a.steps or sweep.steps)), int(kv.get("batch", sweep.batch_size))
         torch.manual_seed(a.seed)
         model = LM(hybrid.model_config(sweep, pattern, task.vocab_size))
-        tc = TrainConfig(steps=steps, batch_size=batch, lr=lr, weight_decay=0.1, warmup_steps=warmup,
-                         eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, seed=a.seed, device=sweep.device,
-                         progress=False, log_every=50, graphs=on_gpu, target_accuracy=0.99, stop_at=stop_at)
+        tc = hybrid.train_config(sweep, "mqar", a.seed, steps=steps, batch_size=batch, lr=lr, warmup_steps=warmup,
+                                 stop_at=stop_at)  # the lab's run of this model, these knobs changed
         t0 = time.perf_counter()
         res = train(model, task, tc)
         curve = [(h["step"], round(h["accuracy"], 3)) for h in res.history if "accuracy" in h]

@@ -225,6 +225,16 @@ def make_task(sweep: HybridSweep, task: str, seed: int):
     return TextTask(corpus=sweep.corpus, tokenizer="char", seq_len=sweep.text_seq_len, seed=seed)
 
 
+def train_config(sweep: HybridSweep, task: str, seed: int, **fields) -> TrainConfig:
+    """The training knobs every run of the sweep shares for `task` (MQAR stops at 0.99); `fields` (TrainConfig
+    fields) are laid over them: a run's folder and piece, or dev/hybrid_depth.py's lr / schedule / batch."""
+    on_gpu = resolve_device(sweep.device).type == "cuda"
+    shared = dict(steps=sweep.steps, batch_size=sweep.batch_size, lr=sweep.lr, weight_decay=0.1, warmup_steps=0,
+                  eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, seed=seed, device=sweep.device,
+                  progress=False, log_every=50, graphs=on_gpu, target_accuracy=0.99 if task == "mqar" else None)
+    return TrainConfig(**{**shared, **fields})
+
+
 def run_one(job: dict) -> dict | None:
     """Train one (variant, task, seed) run; module-level so worker processes can run it."""
     logging.getLogger("evict").setLevel(logging.WARNING)
@@ -236,13 +246,8 @@ def run_one(job: dict) -> dict | None:
     task = make_task(sweep, job["task"], seed)
     torch.manual_seed(seed)
     model = LM(model_config(sweep, v.pattern, task.vocab_size))
-    on_gpu = resolve_device(sweep.device).type == "cuda"
-    tc = TrainConfig(steps=sweep.steps, batch_size=sweep.batch_size, lr=sweep.lr, weight_decay=0.1, warmup_steps=0,
-                     eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, seed=seed, device=sweep.device,
-                     out_dir=job["dir"], progress=False, log_every=50, graphs=on_gpu,
-                     **piece_fields(job, sweep.eval_every),
-                     target_accuracy=0.99 if job["task"] == "mqar" else None)
-    res = train(model, task, tc)
+    res = train(model, task, train_config(sweep, job["task"], seed, out_dir=job["dir"],
+                                          **piece_fields(job, sweep.eval_every)))
     if res.interrupted:
         return None  # stopped at the piece's end: its checkpoint resumes it
     score = ({"accuracy": res.best_val_accuracy, "final_accuracy": res.final_val_accuracy} if job["task"] == "mqar"
