@@ -4,6 +4,7 @@ fixes (warmup 0, one lr, one batch) varied, best validation accuracy per variant
 
     python3 dev/hybrid_depth.py --layers 16 --pattern A --runs lr=1e-2 lr=1e-2,warmup=50 lr=3e-3 lr=1e-2,steps=900
     python3 dev/hybrid_depth.py --full --pattern K --runs steps=8000 --minutes 8 --out k.json   # --full's shapes (GPU)
+    python3 dev/hybrid_depth.py --pattern K --runs lr=1e-2,steps=1200 --set gate_dt_max=1e-2   # a ModelConfig field
 
 `--pattern X` is the all-X model (K: KDA, M: MLA, A: attention); a full pattern string (`KKKM…`) is used as given.
 `--minutes M` stops every run M minutes after the script started (the row then says how far it got): the learning
@@ -14,10 +15,11 @@ its runs one after another; `bash dev/gpu.sh hybriddepth` runs several processes
 import argparse
 import json
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import torch
 
+from evict.cli_args import parse_overrides
 from evict.lab import hybrid
 from evict.models import LM
 from evict.train import train
@@ -32,25 +34,30 @@ def main() -> None:
     p.add_argument("--runs", nargs="+", default=["lr=1e-2"], help="KEY=VALUE,… with keys lr, warmup, steps, batch")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--minutes", type=float, default=None, help="stop every run this long after the start")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a ModelConfig field laid over the lab's model")
     p.add_argument("--out", default=None, help="JSON file for the rows")
     a = p.parse_args()
     stop_at = None if a.minutes is None else time.time() + 60 * a.minutes
     pattern = a.pattern * a.layers if len(a.pattern) == 1 else a.pattern  # a full pattern sets the depth itself
     sweep = replace(hybrid.FULL if a.full else hybrid.QUICK, n_layers=len(pattern))
     task = hybrid.make_task(sweep, "mqar", a.seed)
+    model_set = parse_overrides(a.set)
+    unknown = set(model_set) - {f.name for f in fields(hybrid.model_config(sweep, pattern, 256))}
+    if unknown:
+        raise SystemExit(f"--set: {sorted(unknown)} not ModelConfig fields")
     rows = []
     for spec in a.runs:
         kv = dict(item.split("=") for item in spec.split(","))
         lr, warmup = float(kv.get("lr", sweep.lr)), int(kv.get("warmup", 0))
         steps, batch = int(kv.get("steps", a.steps or sweep.steps)), int(kv.get("batch", sweep.batch_size))
         torch.manual_seed(a.seed)
-        model = LM(hybrid.model_config(sweep, pattern, task.vocab_size))
+        model = LM(replace(hybrid.model_config(sweep, pattern, task.vocab_size), **model_set))
         tc = hybrid.train_config(sweep, "mqar", a.seed, steps=steps, batch_size=batch, lr=lr, warmup_steps=warmup,
                                  stop_at=stop_at)  # the lab's run of this model, these knobs changed
         t0 = time.perf_counter()
         res = train(model, task, tc)
         curve = [(h["step"], round(h["accuracy"], 3)) for h in res.history if "accuracy" in h]
-        row = {"pattern": pattern, "lr": lr, "warmup": warmup, "steps": steps, "batch": batch,
+        row = {"pattern": pattern, **({"set": model_set} if model_set else {}), "lr": lr, "warmup": warmup, "steps": steps, "batch": batch,
                "best": round(res.best_val_accuracy, 4), "steps_done": res.steps_done, "stopped": res.interrupted,
                "seconds": round(time.perf_counter() - t0, 1), "curve": curve}
         rows.append(row)
