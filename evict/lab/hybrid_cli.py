@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from evict.cli_args import add_lab_parser, positive_int, run_lab
+from evict.cli_args import add_gate_dt_flag, add_lab_parser, positive_int, run_lab
 
 
 def run_hybrid(args) -> None:
@@ -16,7 +16,8 @@ def run_hybrid(args) -> None:
                            "tasks": tuple(args.tasks) if args.tasks else None,
                            "n_layers": args.layers, "d_model": args.d_model,
                            "seq_len": args.setting[0] if args.setting else None,
-                           "pairs": args.setting[1] if args.setting else None, "corpus": args.corpus})
+                           "pairs": args.setting[1] if args.setting else None, "corpus": args.corpus,
+                           "gate_dt": tuple(args.gate_dt) if args.gate_dt else None})
 
 
 def add_parser(lab_sub) -> None:
@@ -36,4 +37,5 @@ def add_parser(lab_sub) -> None:
     s.add_argument("--d-model", type=positive_int)
     s.add_argument("--setting", nargs=2, type=positive_int, metavar=("L", "K"), help="MQAR sequence length and pairs")
     s.add_argument("--corpus", help="text file or folder for the text task (default Shakespeare)")
+    add_gate_dt_flag(s)
     s.set_defaults(fn=run_hybrid)

@@ -158,14 +158,18 @@ def test_cli_runs_a_micro_sweep(tmp_path, monkeypatch, single_thread_runs):
     monkeypatch.setattr("evict.lab.hybrid.QUICK", MICRO)  # the flags on top of a micro sweep, not the 5-minute one
     trained, train = [], hybrid.train
     monkeypatch.setattr("evict.lab.hybrid.train",
-                        lambda model, task, tc: trained.append(tc.batch_size) or train(model, task, tc))
+                        lambda model, task, tc: trained.append((tc.batch_size, model.cfg.gate_dt_min, model.cfg.gate_dt_max))
+                        or train(model, task, tc))
     argv = ["lab", "hybrid", "--ratios", "3:1", "0:1", "--kinds", "attention", "--tasks", "text", "--corpus",
-            str(tmp_path / "c.txt"), "--steps", "1", "--batch-size", "3", "--out", str(tmp_path / "y")]
+            str(tmp_path / "c.txt"), "--steps", "1", "--batch-size", "3", "--gate-dt", "1e-4", "1e-3",
+            "--out", str(tmp_path / "y")]
     assert main(argv) == 0
     rows = [json.loads(line) for line in (tmp_path / "y" / "results.jsonl").read_text().splitlines()]
     assert sorted(r["pattern"] for r in rows) == ["AAAA", "AKKK", "KKKA"]  # 3:1 keeps the micro sweep's placements
-    assert json.loads((tmp_path / "y" / "config.json").read_text())["batch_size"] == 3  # MICRO's is 4
-    assert trained == [3, 3, 3]  # what each run trained with, not only the config
+    config = json.loads((tmp_path / "y" / "config.json").read_text())
+    assert config["batch_size"] == 3 and config["gate_dt"] == [1e-4, 1e-3]  # MICRO's: 4 and the default gates
+    assert trained == [(3, 1e-4, 1e-3)] * 3  # what each run trained with, not only the config
+    assert "KDA gates at init dt 0.0001..0.001" in (tmp_path / "y" / "table.md").read_text()
 
 
 BAD = [
@@ -173,7 +177,7 @@ BAD = [
     ["--tasks", "wiki"], ["--placement-ratios", "1:0"], ["--placement-ratios", "7:1", "--ratios", "3:1"],
     ["--layers", "0"], ["--layers", "6"], ["--d-model", "24"], ["--setting", "10", "8"], ["--steps", "0"],
     ["--corpus", "/no/such.txt"], ["--out", "{file}"], ["--quick", "--full"], ["--workers", "-1"],
-    ["--batch-size", "0"], ["--batch-size", "two"],
+    ["--batch-size", "0"], ["--batch-size", "two"], ["--gate-dt", "1e-2", "1e-3"], ["--gate-dt", "0", "1e-3"],
 ]
 
 
