@@ -169,9 +169,9 @@ for what in "$@"; do
           # schedules, one process per (pattern, run) side by side under MPS for MIN minutes: when (if) each leaves chance
           # (session 17: at 2,000 steps every MQAR run of --full stayed at chance). HDPATTERNS, HDRUNS; the rows come
           # back as one hybriddepth.json (a list), the logs as hd_logs.tar.gz
-          mps_on; pids=(); n=0
+          mps_on; pids=(); n=0; hdset=""; for kv in ${HDSET:-}; do hdset="$hdset --set $kv"; done  # HDSET: ModelConfig KEY=VALUE …
           for pat in ${HDPATTERNS:-K KKKMKKKMKKKMKKKM}; do for r in ${HDRUNS:-lr=3e-3,steps=8000 lr=1e-3,steps=8000}; do n=$((n + 1))
-            timeout $(piece_to 580) python3 dev/hybrid_depth.py --full --pattern $pat --runs $r --minutes $(piece_min) \
+            timeout $(piece_to 580) python3 dev/hybrid_depth.py --full --pattern $pat --runs $r --minutes $(piece_min) $hdset \
               --out $OUT/hd_$n.json > $OUT/hd_$n.log 2>&1 & pids+=($!); done; done
           for pid in "${pids[@]}"; do wait $pid; done; mps_off
           (cd $OUT && python3 -c "import glob, json; json.dump([r for f in sorted(glob.glob('hd_*.json')) for r in json.load(open(f))], open('hybriddepth.json', 'w'), indent=1)" \
