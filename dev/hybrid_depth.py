@@ -15,12 +15,12 @@ its runs one after another; `bash dev/gpu.sh hybriddepth` runs several processes
 import argparse
 import json
 import time
-from dataclasses import fields, replace
+from dataclasses import replace
 
 import torch
 
 from evict.cli_args import parse_overrides
-from evict.lab import hybrid
+from evict.lab import hybrid, recall
 from evict.models import LM
 from evict.train import train
 
@@ -41,10 +41,10 @@ def main() -> None:
     pattern = a.pattern * a.layers if len(a.pattern) == 1 else a.pattern  # a full pattern sets the depth itself
     sweep = replace(hybrid.FULL if a.full else hybrid.QUICK, n_layers=len(pattern))
     task = hybrid.make_task(sweep, "mqar", a.seed)
-    model_set = parse_overrides(a.set)
-    unknown = set(model_set) - {f.name for f in fields(hybrid.model_config(sweep, pattern, 256))}
-    if unknown:
-        raise SystemExit(f"--set: {sorted(unknown)} not ModelConfig fields")
+    try:
+        model_set = recall.model_set_fields(parse_overrides(a.set))  # the recall lab's check of --set names
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     rows = []
     for spec in a.runs:
         kv = dict(item.split("=") for item in spec.split(","))
@@ -57,8 +57,9 @@ def main() -> None:
         t0 = time.perf_counter()
         res = train(model, task, tc)
         curve = [(h["step"], round(h["accuracy"], 3)) for h in res.history if "accuracy" in h]
-        row = {"pattern": pattern, **({"set": model_set} if model_set else {}), "lr": lr, "warmup": warmup, "steps": steps, "batch": batch,
-               "best": round(res.best_val_accuracy, 4), "steps_done": res.steps_done, "stopped": res.interrupted,
+        row = {"pattern": pattern, **({"set": model_set} if model_set else {}), "lr": lr, "warmup": warmup,
+               "steps": steps, "batch": batch, "best": round(res.best_val_accuracy, 4), "steps_done": res.steps_done,
+               "stopped": res.interrupted,
                "seconds": round(time.perf_counter() - t0, 1), "curve": curve}
         rows.append(row)
         print(json.dumps(row), flush=True)

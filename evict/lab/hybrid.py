@@ -48,7 +48,6 @@ PLACEMENTS = ("spread", "early", "late")
 TASKS = ("mqar", "text")
 PUBLISHED = {"3:1": 5.65, "1:1": 5.66, "7:1": 5.70, "15:1": 5.82, "0:1": 5.77}  # Kimi Linear Table 1, val ppl, KDA:MLA
 PARAM_TOLERANCE = 0.01  # every model's parameters (excl. embeddings) within 1 % of the all-KDA model's
-DEFAULT_GATE_DT = (1e-3, 1e-1)  # ModelConfig's (Mamba-2's and Gated DeltaNet's)
 CACHE_BYTES = 2  # bytes per KV / latent / conv number (bf16); KDA's S is float32 (the accountant's rule)
 
 
@@ -71,7 +70,7 @@ class HybridSweep:
     steps: int = 300
     batch_size: int = 32
     lr: float = 3e-3
-    gate_dt: tuple = DEFAULT_GATE_DT  # KDA's decay gates' initial dt range (ModelConfig.gate_dt_min / gate_dt_max)
+    gate_dt: tuple = recall.DEFAULT_GATE_DT  # KDA's decay gates' initial dt range (ModelConfig.gate_dt_min / gate_dt_max)
     eval_every: int = 100
     eval_batches: int = 4
     contexts: tuple = (131_072, 1_048_576)  # decode cost reported at these contexts (the last in the table)
@@ -170,8 +169,9 @@ def variants(sweep: HybridSweep) -> list[Variant]:
 
 
 def _config(sweep: HybridSweep, pattern: str, d_ff: int, vocab_size: int):
+    # the recall lab's model at these sizes, heads of head_dim
     shape = recall.RecallSweep(head_dim=sweep.head_dim, n_layers=sweep.n_layers, vocab_size=sweep.vocab_size,
-                               chunk_size=sweep.chunk_size, gate_dt=tuple(sweep.gate_dt))  # the recall lab's model at these sizes, heads of head_dim
+                               chunk_size=sweep.chunk_size, gate_dt=tuple(sweep.gate_dt))
     base = recall.model_config("kda", sweep.d_model, shape, max(sweep.seq_len, sweep.text_seq_len))
     return replace(base, pattern=pattern, d_ff=d_ff, vocab_size=vocab_size)
 
@@ -311,7 +311,7 @@ def report(sweep: HybridSweep, results: list[dict]) -> str:
         rows.append(row)
     head = (f"{sweep.n_layers} layers, d {sweep.d_model}, heads of {sweep.head_dim}, equal parameters (SwiGLU width solved"
             f" per model); {sweep.steps} steps, batch {sweep.batch_size}, lr {sweep.lr:g}"
-            f"{'' if tuple(sweep.gate_dt) == DEFAULT_GATE_DT else ', KDA gates at init dt %g..%g' % tuple(sweep.gate_dt)}; "
+            f"{'' if tuple(sweep.gate_dt) == recall.DEFAULT_GATE_DT else ', KDA gates at init dt %g..%g' % tuple(sweep.gate_dt)}; "
             f"{seeds_phrase(seeds_of(sweep))}. MQAR: L {sweep.seq_len}, K {sweep.pairs}, vocab "
             f"{sweep.vocab_size}, best evaluation. val loss: next-character "
             f"{'Shakespeare' if sweep.corpus is None else Path(sweep.corpus).name}, nats/char after the last step, "

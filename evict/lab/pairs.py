@@ -51,7 +51,7 @@ class PairsSweep:
     eval_every: int = 100
     eval_batches: int = 2
     chunk_size: int | None = 16  # None: the memory op picks by shape (CUDA: auto_chunk; CPU: 64)
-    gate_dt: tuple = (1e-3, 1e-1)  # the decay gates' initial dt range (one head per layer: one draw per layer)
+    gate_dt: tuple = recall.DEFAULT_GATE_DT  # the decay gates' initial dt range (one head per layer: one draw per layer)
     seed: int = 0
     seeds: int = 1
     workers: int = 2

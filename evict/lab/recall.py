@@ -40,6 +40,9 @@ SCORECARD = [  # (architecture, stores, write, read, eviction, sweep arch measur
 ]
 
 
+DEFAULT_GATE_DT = (ModelConfig.gate_dt_min, ModelConfig.gate_dt_max)  # the labs' gate_dt default: ModelConfig's
+
+
 @dataclass
 class RecallSweep:
     archs: tuple = ARCHS
@@ -68,7 +71,7 @@ class RecallSweep:
     workers: int = 2
     device: str = "cpu"
     compile: bool = False  # CUDA: each block through torch.compile inside the step's CUDA graph (BENCHMARKS.md)
-    gate_dt: tuple = (1e-3, 1e-1)  # the decay gates' initial dt range (ModelConfig.gate_dt_min / gate_dt_max)
+    gate_dt: tuple = DEFAULT_GATE_DT  # the decay gates' initial dt range (ModelConfig.gate_dt_min / gate_dt_max)
     model_set: dict = field(default_factory=dict)  # ModelConfig fields laid over the lab's models (`--set KEY=VALUE`)
     notes: dict = field(default_factory=dict)
 
