@@ -5,6 +5,8 @@ fixes (warmup 0, one lr, one batch) varied, best validation accuracy per variant
     python3 dev/hybrid_depth.py --layers 16 --pattern A --runs lr=1e-2 lr=1e-2,warmup=50 lr=3e-3 lr=1e-2,steps=900
     python3 dev/hybrid_depth.py --full --pattern K --runs steps=8000 --minutes 8 --out k.json   # --full's shapes (GPU)
     python3 dev/hybrid_depth.py --pattern K --runs lr=1e-2,steps=1200 --set gate_dt_max=1e-2   # a ModelConfig field
+    python3 dev/hybrid_depth.py --pattern K --shape seq_len=128 --shape pairs=32   # a HybridSweep field (between
+                                                                                  # the quick and full shapes)
 
 `--pattern X` is the all-X model (K: KDA, M: MLA, A: attention); a full pattern string (`KKKM…`) is used as given.
 `--minutes M` stops every run M minutes after the script started (the row then says how far it got): the learning
@@ -13,6 +15,7 @@ its runs one after another; `bash dev/gpu.sh hybriddepth` runs several processes
 """
 
 import argparse
+import dataclasses
 import json
 import time
 from dataclasses import replace
@@ -35,16 +38,24 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--minutes", type=float, default=None, help="stop every run this long after the start")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a ModelConfig field laid over the lab's model")
+    p.add_argument("--shape", action="append", metavar="KEY=VALUE",
+                   help="a HybridSweep field (seq_len, pairs, vocab_size, d_model, head_dim, …) laid over the mode's")
     p.add_argument("--out", default=None, help="JSON file for the rows")
     a = p.parse_args()
     stop_at = None if a.minutes is None else time.time() + 60 * a.minutes
     pattern = a.pattern * a.layers if len(a.pattern) == 1 else a.pattern  # a full pattern sets the depth itself
-    sweep = replace(hybrid.FULL if a.full else hybrid.QUICK, n_layers=len(pattern))
-    task = hybrid.make_task(sweep, "mqar", a.seed)
     try:
         model_set = recall.model_set_fields(parse_overrides(a.set))  # the recall lab's check of --set names
+        shape = parse_overrides(a.shape)
+        fields = {f.name for f in dataclasses.fields(hybrid.HybridSweep)} - {"n_layers"}
+        for key in shape:
+            if key not in fields:
+                raise ValueError(f"--shape: {key!r} is not a HybridSweep field (n_layers comes from --pattern / --layers)")
+        sweep = replace(hybrid.FULL if a.full else hybrid.QUICK, n_layers=len(pattern), **shape)
+        hybrid.validate(replace(sweep, ratios=("1:0",), placement_ratios=()))  # sizes; the pattern is ours
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    task = hybrid.make_task(sweep, "mqar", a.seed)
     rows = []
     for spec in a.runs:
         kv = dict(item.split("=") for item in spec.split(","))
@@ -57,7 +68,7 @@ def main() -> None:
         t0 = time.perf_counter()
         res = train(model, task, tc)
         curve = [(h["step"], round(h["accuracy"], 3)) for h in res.history if "accuracy" in h]
-        row = {"pattern": pattern, **({"set": model_set} if model_set else {}), "lr": lr, "warmup": warmup,
+        row = {"pattern": pattern, **({"set": model_set} if model_set else {}), **({"shape": shape} if shape else {}), "lr": lr, "warmup": warmup,
                "steps": steps, "batch": batch, "best": round(res.best_val_accuracy, 4), "steps_done": res.steps_done,
                "stopped": res.interrupted,
                "seconds": round(time.perf_counter() - t0, 1), "curve": curve}

@@ -81,8 +81,8 @@ class HybridSweep:
 
 
 QUICK = HybridSweep(  # 4 layers: every CPU second goes to depth (see README "Hybrid ratio"; timing in dev/LOG.md)
-    ratios=("1:0", "3:1", "1:1", "0:1"), placement_ratios=("3:1", "1:1"), n_layers=4, seq_len=32, pairs=8,
-    vocab_size=128, steps=300, lr=1e-2,
+    ratios=("1:0", "3:1", "1:1", "0:1"), placement_ratios=("1:1",), n_layers=4, seq_len=32, pairs=8,
+    vocab_size=128, text_seq_len=32, steps=300, lr=1e-2,
 )
 FULL = HybridSweep(  # the paper's hardest MQAR setting (L 512, K 64, vocab 8192); 16 layers for 15:1; not run yet
     d_model=128, head_dim=32, d_ff=256, chunk_size=None, seq_len=512, pairs=64, vocab_size=8192, text_seq_len=256,

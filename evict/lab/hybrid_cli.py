@@ -25,8 +25,8 @@ def add_parser(lab_sub) -> None:
     from evict.lab.hybrid import KINDS, TASKS
 
     s = add_lab_parser(lab_sub, "hybrid", help="KDA : attention ratio and placement at equal parameters (Kimi Linear Table 1)",
-                       quick="4 layers: ratios 1:0 3:1 1:1 0:1, MLA and attention, placements at 3:1 and 1:1; "
-                       "MQAR L 32 K 8 and Shakespeare; ~5 min on 2 cores",
+                       quick="4 layers: ratios 1:0 3:1 1:1 0:1, MLA and attention, placements at 1:1; "
+                       "MQAR L 32 K 8 and Shakespeare (T 32); ~4.5 min on 2 cores",
                        full="16 layers: ratios 1:0 15:1 7:1 3:1 1:1 0:1, placements at 3:1; MQAR L 512 K 64; GPU",
                        seeds_help="seeds per cell; the table shows mean and range")
     s.add_argument("--ratios", nargs="+", metavar="A:B", help="KDA:attention layers, e.g. 1:0 15:1 7:1 3:1 1:1 0:1")
