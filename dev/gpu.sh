@@ -169,7 +169,10 @@ for what in "$@"; do
           # schedules, one process per (pattern, run) side by side under MPS for MIN minutes: when (if) each leaves chance
           # (session 17: at 2,000 steps every MQAR run of --full stayed at chance). HDPATTERNS, HDRUNS; the rows come
           # back as one hybriddepth.json (a list), the logs as hd_logs.tar.gz
+          # HDDIR=runs/hd: checkpoints there, so the same command on the same warm machine continues each run (its
+          # checkpoints are too large to come back in $OUT: back-to-back calls only)
           mps_on; pids=(); n=0; hdset=""; for kv in ${HDSET:-}; do hdset="$hdset --set $kv"; done  # HDSET: ModelConfig KEY=VALUE …
+          [ -n "${HDDIR:-}" ] && hdset="$hdset --run-dir $HDDIR"
           for pat in ${HDPATTERNS:-K KKKMKKKMKKKMKKKM}; do for r in ${HDRUNS:-lr=3e-3,steps=8000 lr=1e-3,steps=8000}; do n=$((n + 1))
             timeout $(piece_to 580) python3 dev/hybrid_depth.py --full --pattern $pat --runs $r --minutes $(piece_min) $hdset \
               --out $OUT/hd_$n.json > $OUT/hd_$n.log 2>&1 & pids+=($!); done; done

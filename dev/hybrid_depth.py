@@ -12,6 +12,8 @@ fixes (warmup 0, one lr, one batch) varied, best validation accuracy per variant
 `--minutes M` stops every run M minutes after the script started (the row then says how far it got): the learning
 curve of a long schedule's first part, which is what shows whether and when a model leaves chance. One process runs
 its runs one after another; `bash dev/gpu.sh hybriddepth` runs several processes side by side under MPS.
+`--run-dir DIR` keeps each run's checkpoint in DIR/<pattern>_<run>, so the same command continues a long schedule
+where the last one stopped (back-to-back device calls on one warm machine; the curve then covers every call).
 """
 
 import argparse
@@ -40,6 +42,7 @@ def main() -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a ModelConfig field laid over the lab's model")
     p.add_argument("--shape", action="append", metavar="KEY=VALUE",
                    help="a HybridSweep field (seq_len, pairs, vocab_size, d_model, head_dim, …) laid over the mode's")
+    p.add_argument("--run-dir", default=None, help="checkpoint folder: each run resumes from its last stop")
     p.add_argument("--out", default=None, help="JSON file for the rows")
     a = p.parse_args()
     stop_at = None if a.minutes is None else time.time() + 60 * a.minutes
@@ -63,15 +66,16 @@ def main() -> None:
         steps, batch = int(kv.get("steps", a.steps or sweep.steps)), int(kv.get("batch", sweep.batch_size))
         torch.manual_seed(a.seed)
         model = LM(replace(hybrid.model_config(sweep, pattern, task.vocab_size), **model_set))
+        run_dir = None if a.run_dir is None else f"{a.run_dir}/{pattern}_{spec.replace('=', '').replace(',', '_')}"
         tc = hybrid.train_config(sweep, "mqar", a.seed, steps=steps, batch_size=batch, lr=lr, warmup_steps=warmup,
-                                 stop_at=stop_at)  # the lab's run of this model, these knobs changed
+                                 stop_at=stop_at, out_dir=run_dir)  # the lab's run of this model, these knobs changed
         t0 = time.perf_counter()
         res = train(model, task, tc)
         curve = [(h["step"], round(h["accuracy"], 3)) for h in res.history if "accuracy" in h]
         row = {"pattern": pattern, **({"set": model_set} if model_set else {}), **({"shape": shape} if shape else {}), "lr": lr, "warmup": warmup,
                "steps": steps, "batch": batch, "best": round(res.best_val_accuracy, 4), "steps_done": res.steps_done,
                "stopped": res.interrupted,
-               "seconds": round(time.perf_counter() - t0, 1), "curve": curve}
+               "seconds": round(time.perf_counter() - t0, 1), "total_seconds": round(res.total_seconds, 1), "curve": curve}
         rows.append(row)
         print(json.dumps(row), flush=True)
     if a.out:
