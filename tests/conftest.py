@@ -33,16 +33,41 @@ interp._patch_lang_tensor = _patch_lang_tensor
 def run_interpreted(script: str, *args: str, timeout: int = 600) -> dict:
     """Run `script` (after INTERPRETER_PRELUDE) in a subprocess under Triton's CPU interpreter; it prints one line
     "RESULT" + JSON, which is returned. Skips when triton is not installed."""
+    return _interpreted([[*args]], script, timeout)[0]
+
+
+def run_interpreted_cases(script: str, cases: list, processes: int = 2, timeout: int = 600) -> dict:
+    """`run_interpreted(script, json.dumps(cases))` for a script whose RESULT is a dict keyed by case, with the cases
+    dealt round-robin to `processes` interpreter processes at once (the suite itself runs on one core; these few
+    fixtures were most of its time) and their dicts merged."""
+    parts = [cases[i::processes] for i in range(processes) if cases[i::processes]]
+    merged: dict = {}
+    for result in _interpreted([[json.dumps(p)] for p in parts], script, timeout):
+        merged.update(result)
+    return merged
+
+
+def _interpreted(arg_lists: list, script: str, timeout: int) -> list:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     # one BLAS thread: the interpreter runs tl.dot as numpy matmuls, whose threaded sums vary run to run
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
                MKL_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", INTERPRETER_PRELUDE + script, *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
-    assert proc.returncode == 0 and line, proc.stderr[-3000:]
-    return json.loads(line[0][len("RESULT"):])
+    procs = [subprocess.Popen([sys.executable, "-c", INTERPRETER_PRELUDE + script, *args], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in arg_lists]
+    results = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            line = [l for l in stdout.splitlines() if l.startswith("RESULT")]
+            assert proc.returncode == 0 and line, stderr[-3000:]
+            results.append(json.loads(line[0][len("RESULT"):]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
 
 
 def pytest_configure(config):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from evict.ops import memory, memory_step
-from tests.conftest import rel, run_interpreted
+from tests.conftest import rel, run_interpreted, run_interpreted_cases
 from tests.ops.test_memory import GATES, OFFSETS, make_inputs, make_packed, packed_grads, per_sequence, run
 
 TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -267,7 +267,7 @@ def _same_as_default(errs, strong):
 
 @pytest.fixture(scope="module")
 def interpreted_split():
-    return run_interpreted(SPLIT_SCRIPT, json.dumps(SPLIT_CASES))
+    return run_interpreted_cases(SPLIT_SCRIPT, SPLIT_CASES)
 
 
 def _check_form(r, case, vs_reference, vs_default):
@@ -409,7 +409,7 @@ print("RESULT" + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def interpreted_varlen():
-    return run_interpreted(VARLEN_SCRIPT, json.dumps(VARLEN_CASES))
+    return run_interpreted_cases(VARLEN_SCRIPT, VARLEN_CASES)
 
 
 @pytest.mark.parametrize("case", [c[0] for c in VARLEN_CASES])
