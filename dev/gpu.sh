@@ -133,12 +133,14 @@ for what in "$@"; do
     lab) too_late lab && continue
          for c in docs/lab_full/$LAB/piece*_config.json; do  # LAB: capacity hybrid pairs state stories; MIN, LABARGS
            [ -e "$c" ] && python3 dev/grid_restore.py --lab $LAB runs/lab_$LAB $c ${c%_config.json}_results.jsonl; done
-         mps_on
+         mps_on; args=LABARGS_$LAB  # LABARGS_state="--workers 8": that lab's own flags, else LABARGS
          timeout $(piece_to 580) python3 -m evict.cli lab $LAB --full --minutes $(piece_min) --out runs/lab_$LAB \
-           ${LABARGS:-} 2>&1 | grep -v "it/s\]$" | tail -40  # the log: the reply's output_tail ($OUT holds 8 files)
+           ${!args:-${LABARGS:-}} 2>&1 | grep -v "it/s\]$" | tail -40 | sed "s/^/$LAB: /"  # the log: the reply's output_tail ($OUT holds 8 files)
          mps_off
-         cp runs/lab_$LAB/config.json $OUT/lab_config.json  # tables and plots: dev/grid_piece.py --lab writes them here
-         finished runs/lab_$LAB > $OUT/lab_results.jsonl ;;
+         # tables and plots: dev/grid_piece.py --lab writes them; named by lab, so two labs can share a call (lab+lab,
+         # LAB=capacity:lab+LAB=state:lab)
+         cp runs/lab_$LAB/config.json $OUT/lab_${LAB}_config.json
+         finished runs/lab_$LAB > $OUT/lab_${LAB}_results.jsonl ;;
     learns) timeout ${TO:-300} python3 dev/learns_gpu.py --archs ${ARCHS:-gated_deltanet gla} --seeds 0 1 2 --out $OUT/learns.json 2>&1 \
               | quiet | tee $OUT/learns.log ;;  # test_mqar_learns_on_cuda over seeds: graphed / eager / fp32 / chunked / C 64 / factors recomputed
     proflab) timeout ${TO:-300} python3 dev/profile_train.py --arch ${ARCHS:-kda deltanet attention} --compile 2>&1 | grep -v "^---" | tee $OUT/proflab.log ;;

@@ -1,7 +1,7 @@
 """Commit a piece of `evict recall --full` (or of `evict lab NAME --full`) that came back from the device machine.
 
     python3 dev/grid_piece.py FILES_AT                # recall: FILES_AT/grid_config.json + grid_results.jsonl
-    python3 dev/grid_piece.py --lab state FILES_AT    # a lab: FILES_AT/lab_config.json + lab_results.jsonl
+    python3 dev/grid_piece.py --lab state FILES_AT    # a lab: FILES_AT/lab_state_config.json + lab_state_results.jsonl
     python3 dev/grid_piece.py --side finite FILES_AT  # a side experiment: FILES_AT/finite_config.json + _results.jsonl
 
 A call packed as FILES_AT/out.tar.gz (more than the 8 files a call brings back: dev/gpu.sh) is read from inside it.
@@ -78,8 +78,10 @@ def main(files_at: str, lab: str = "recall", docs: str | None = None, table: boo
         sys.exit(f"--lab: expected one of {sorted(grid_restore.LABS)}, got {lab!r}")
     if side is not None and (lab != "recall" or not re.fullmatch(r"[a-z0-9_]+", side)):
         sys.exit(f"--side: expected a side experiment's name (letters, digits, _) of the recall grid, got {side!r}")
-    stem = side or ("grid" if lab == "recall" else "lab")
     files_at = _unpacked(Path(files_at))
+    stem = side or ("grid" if lab == "recall" else f"lab_{lab}")
+    if lab != "recall" and not (files_at / f"{stem}_config.json").exists():
+        stem = "lab"  # calls before session 20 wrote lab_config.json, whatever the lab
     cfg, res = files_at / f"{stem}_config.json", files_at / f"{stem}_results.jsonl"
     for p in (cfg, res):
         if not p.is_file():
