@@ -133,9 +133,9 @@ for what in "$@"; do
     lab) too_late lab && continue
          for c in docs/lab_full/$LAB/piece*_config.json; do  # LAB: capacity hybrid pairs state stories; MIN, LABARGS
            [ -e "$c" ] && python3 dev/grid_restore.py --lab $LAB runs/lab_$LAB $c ${c%_config.json}_results.jsonl; done
-         mps_on; args=LABARGS_$LAB  # LABARGS_state="--workers 8": that lab's own flags, else LABARGS
+         mps_on; own=LABARGS_$LAB  # LABARGS_state="--workers 8": that lab's own flags, else LABARGS
          timeout $(piece_to 580) python3 -m evict.cli lab $LAB --full --minutes $(piece_min) --out runs/lab_$LAB \
-           ${!args:-${LABARGS:-}} 2>&1 | grep -v "it/s\]$" | tail -40 | sed "s/^/$LAB: /"  # the log: the reply's output_tail ($OUT holds 8 files)
+           ${!own:-${LABARGS:-}} 2>&1 | grep -v "it/s\]$" | tail -40 | sed "s/^/$LAB: /"  # the log: the reply's output_tail ($OUT holds 8 files)
          mps_off
          # tables and plots: dev/grid_piece.py --lab writes them; named by lab, so two labs can share a call (lab+lab,
          # LAB=capacity:lab+LAB=state:lab)

@@ -117,7 +117,8 @@ def test_the_last_piece_writes_the_finished_grid(tmp_path):
     assert all((docs / png).stat().st_size > 0 for png in ("recall_vs_pairs.png", "recall_vs_state.png"))
 
 
-def test_a_labs_last_piece_writes_its_finished_sweep(tmp_path):
+@pytest.mark.parametrize("stem", ["lab_capacity", "lab"])
+def test_a_labs_last_piece_writes_its_finished_sweep(tmp_path, stem):
     """The same for a research lab (`--lab`): nothing but the pieces while runs are left, then the lab's own table,
     rows and plot. A call names its files by lab (lab_capacity_config.json: two labs can share a call); the older
     lab_config.json is still read."""
@@ -125,7 +126,7 @@ def test_a_labs_last_piece_writes_its_finished_sweep(tmp_path):
 
     micro = dataclasses.replace(capacity.QUICK, sizes=(4, 6), steps=3, batch_size=4, eval_batches=1, workers=1)
     ran = capacity.run_sweep(micro, out=tmp_path / "device")
-    docs = _device_calls(tmp_path, ran, "lab_capacity", "capacity", first=2)
+    docs = _device_calls(tmp_path, ran, stem, "capacity", first=2)
     assert (docs / "table.md").read_text() == (ran / "table.md").read_text()
     assert (docs / "results.jsonl").read_text() == (ran / "results.jsonl").read_text()
     assert (docs / "capacity.png").stat().st_size > 0 and json.loads((docs / "config.json").read_text())["sizes"] == [4, 6]
