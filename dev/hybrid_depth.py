@@ -63,7 +63,7 @@ def main() -> None:
     for spec in a.runs:
         kv = dict(item.split("=") for item in spec.split(","))
         lr, warmup = float(kv.get("lr", sweep.lr)), int(kv.get("warmup", 0))
-        steps, batch = int(kv.get("steps", a.steps or sweep.steps)), int(kv.get("batch", sweep.batch_size))
+        steps, batch = int(kv.get("steps", a.steps or hybrid.task_steps(sweep, "mqar"))), int(kv.get("batch", sweep.batch_size))
         torch.manual_seed(a.seed)
         model = LM(replace(hybrid.model_config(sweep, pattern, task.vocab_size), **model_set))
         run_dir = None if a.run_dir is None else f"{a.run_dir}/{pattern}_{spec.replace('=', '').replace(',', '_')}"

@@ -17,7 +17,8 @@ def run_hybrid(args) -> None:
                            "n_layers": args.layers, "d_model": args.d_model,
                            "seq_len": args.setting[0] if args.setting else None,
                            "pairs": args.setting[1] if args.setting else None, "corpus": args.corpus,
-                           "gate_dt": tuple(args.gate_dt) if args.gate_dt else None})
+                           "gate_dt": tuple(args.gate_dt) if args.gate_dt else None,
+                           "mqar_steps": args.mqar_steps or args.steps})  # --steps sets both tasks' schedules
 
 
 def add_parser(lab_sub) -> None:
@@ -37,5 +38,7 @@ def add_parser(lab_sub) -> None:
     s.add_argument("--d-model", type=positive_int)
     s.add_argument("--setting", nargs=2, type=positive_int, metavar=("L", "K"), help="MQAR sequence length and pairs")
     s.add_argument("--corpus", help="text file or folder for the text task (default Shakespeare)")
+    s.add_argument("--mqar-steps", type=positive_int, metavar="N",
+                   help="MQAR's schedule length (it stops at 0.99 accuracy; default: --steps, else the mode's: --full 8000)")
     add_gate_dt_flag(s)
     s.set_defaults(fn=run_hybrid)

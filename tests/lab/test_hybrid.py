@@ -172,7 +172,30 @@ def test_cli_runs_a_micro_sweep(tmp_path, monkeypatch, single_thread_runs):
     assert "KDA gates at init dt 0.0001..0.001" in (tmp_path / "y" / "table.md").read_text()
 
 
+def test_mqar_runs_take_their_own_schedule_and_steps_sets_both(tmp_path, monkeypatch, single_thread_runs):
+    (tmp_path / "c.txt").write_text(CORPUS)
+    monkeypatch.setattr("evict.lab.hybrid.QUICK", MICRO)
+    trained, train = [], hybrid.train
+    monkeypatch.setattr("evict.lab.hybrid.train", lambda model, task, tc: trained.append((type(task).__name__, tc.steps))
+                        or train(model, task, tc))
+    base = ["lab", "hybrid", "--ratios", "0:1", "--kinds", "attention", "--corpus", str(tmp_path / "c.txt")]
+    assert main([*base, "--steps", "2", "--mqar-steps", "3", "--out", str(tmp_path / "a")]) == 0
+    assert sorted(trained) == [("MQARTask", 3), ("TextTask", 2)]
+    rows = {json.loads(line)["task"]: json.loads(line) for line in (tmp_path / "a" / "results.jsonl").read_text().splitlines()}
+    assert rows["text"]["steps"] == 2 and rows["mqar"]["steps"] <= 3  # MQAR may stop early at 0.99
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["mqar_steps"] == 3
+    assert "3 steps for MQAR (it stops at 0.99), 2 for text" in (tmp_path / "a" / "table.md").read_text()
+    trained.clear()
+    assert main([*base, "--steps", "1", "--out", str(tmp_path / "b")]) == 0  # --steps alone: both schedules
+    assert sorted(trained) == [("MQARTask", 1), ("TextTask", 1)]
+    assert hybrid.task_steps(FULL, "mqar") == 8000 and hybrid.task_steps(FULL, "text") == FULL.steps == 2000
+    assert hybrid.task_steps(QUICK, "mqar") == QUICK.steps  # QUICK has no MQAR schedule of its own
+    with pytest.raises(ValueError, match=r"^mqar_steps: expected a positive integer or None, got 0$"):
+        hybrid.validate(replace(MICRO, mqar_steps=0))
+
+
 BAD = [
+    ["--mqar-steps", "0"], ["--mqar-steps", "x"],
     ["--ratios", "2:2"], ["--ratios", "x"], ["--ratios", "5:1"], ["--ratios", "3:1", "3:1"], ["--kinds", "rnn"],
     ["--tasks", "wiki"], ["--placement-ratios", "1:0"], ["--placement-ratios", "7:1", "--ratios", "3:1"],
     ["--layers", "0"], ["--layers", "6"], ["--d-model", "24"], ["--setting", "10", "8"], ["--steps", "0"],
