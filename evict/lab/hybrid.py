@@ -88,8 +88,8 @@ QUICK = HybridSweep(  # 4 layers: every CPU second goes to depth (see README "Hy
 FULL = HybridSweep(  # the paper's hardest MQAR setting (L 512, K 64, vocab 8192); 16 layers for 15:1
     d_model=128, head_dim=32, d_ff=256, chunk_size=None, seq_len=512, pairs=64, vocab_size=8192, text_seq_len=256,
     steps=2000, batch_size=64, lr=3e-3, eval_every=250, eval_batches=16, workers=4, device="auto",
-    # 16 KDA layers with the default gates, or any MQAR schedule of <= 4,000 steps, stayed at chance on the card; slow
-    # gates and an 8,000-step schedule took all-KDA, MLA 3:1 and attention 3:1 past it (docs/lab_full/README.md)
+    # on the card every MQAR run of 16 layers with the default gates stayed at chance in 2,000 steps; with slow gates
+    # (and, for the hybrids, an 8,000-step schedule) all-KDA, MLA 3:1 and attention 3:1 left it by step 1,750 (docs/lab_full/README.md)
     gate_dt=(1e-4, 1e-3), mqar_steps=8000,
 )
 
