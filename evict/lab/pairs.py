@@ -63,6 +63,10 @@ FULL = PairsSweep(  # the lesson's dims; Zoology's lrs and vocabulary; steps and
     dims=(16, 32, 64, 128, 256), d_model=256, pairs=(4, 8, 16, 32, 64, 128, 256, 512), len_per_pair=8,
     lrs=(2.2e-3, 1e-2, 4.6e-4),  # the recall grid's lr order: 2.2e-3 solved most of its cells first
     vocab_size=8192, steps=4000, batch_size=256, eval_every=500, eval_batches=8, chunk_size=None, workers=4, device="auto",
+    # decay gates started slow: with one head a layer, Gated DeltaNet's one gate per layer drawn from the default range
+    # (half-lives 1.5-4 tokens on some layer at every seed) capped its K* at d 64; slow, K* grew with d (README, "Why
+    # Gated DeltaNet did not grow with d"). The same start took 16-layer stacks past chance (docs/lab_full/README.md)
+    gate_dt=(1e-4, 1e-3),
 )
 
 
