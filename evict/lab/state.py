@@ -6,7 +6,8 @@ A sweep is a grid of (task, model, seed) runs of `evict.train.train` on `evict.t
 lengths 3–40, evaluate at 40–256. A run's score is its best validation accuracy over evaluations, rescaled
 (scaled accuracy: chance 0, perfect 1); a cell is the best of its seeds, as in the paper. Each run also scores its
 final model at the test positions past the longest training length only (`beyond_scaled_accuracy`): the plain
-score counts every position of a test row, and the first 40 are ones a model that never generalises also fits. Outputs under
+score counts every position of a test row, and the first 40 are ones a model that never generalises also fits; and the
+same per span of positions that doubles (`beyond_scaled_by_position`: 40–79, 80–159, 160–255). Outputs under
 runs/state/<timestamp>/: config.json, results.jsonl (one row per run), table.md, state.png, runs/<name>/result.json.
 """
 
@@ -88,20 +89,36 @@ def _task(name: str, sweep: StateSweep, seed: int) -> StateTask:
                                  train_seed=seed))
 
 
-def beyond_accuracy(model: LM, task: StateTask, sweep: StateSweep) -> float:
+def position_spans(sweep: StateSweep) -> list[tuple[int, int]]:
+    """The test positions past training, in spans that double: [N, 2N), [2N, 4N), … up to the longest test row
+    (N = the longest training length; 40 → 40–79, 80–159, 160–255 at the default lengths)."""
+    lo, end, spans = sweep.train_lengths[1], sweep.test_lengths[1], []
+    while lo < end:
+        spans.append((lo, min(2 * lo, end)))
+        lo *= 2
+    return spans
+
+
+def position_accuracy(model: LM, task: StateTask, sweep: StateSweep) -> tuple[float, dict[str, float]]:
     """Accuracy of `model` at the labelled test positions past every training position (index >= train_lengths[1]),
-    on the same test batches as the training loop's evaluation: how far the state tracking carries, without the
-    first 40 tokens of each row that a model which only fits the training lengths also gets right."""
+    on the same test batches as the training loop's evaluation — how far the state tracking carries, without the
+    first 40 tokens of each row that a model which only fits the training lengths also gets right — and the same
+    per span of position_spans ("40-79": accuracy; spans with no label are left out): where it stops carrying."""
     device = next(model.parameters()).device
+    spans = position_spans(sweep)
     model.eval()
-    hits = torch.zeros(2, dtype=torch.float64)
+    hits = torch.zeros(len(spans), 2, dtype=torch.float64)
     with torch.no_grad():
         for i in range(sweep.eval_batches):
             x, y = task.get_batch("val", i, sweep.batch_size)
             pred = model(x.to(device)).argmax(-1).cpu()  # [B, T]
-            mask = (y != -100) & (torch.arange(y.shape[1]) >= sweep.train_lengths[1])[None, :]  # [B, T]
-            hits += torch.stack([((pred == y) & mask).sum(), mask.sum()]).double()
-    return (hits[0] / hits[1].clamp_min(1)).item()
+            pos = torch.arange(y.shape[1])[None, :]
+            for j, (a, b) in enumerate(spans):
+                mask = (y != -100) & (pos >= a) & (pos < b)  # [B, T]
+                hits[j] += torch.stack([((pred == y) & mask).sum(), mask.sum()]).double()
+    total = hits.sum(0)
+    by_span = {f"{a}-{b - 1}": (h[0] / h[1]).item() for (a, b), h in zip(spans, hits) if h[1] > 0}
+    return (total[0] / total[1].clamp_min(1)).item(), by_span
 
 
 def run_one(job: dict) -> dict | None:
@@ -124,12 +141,13 @@ def run_one(job: dict) -> dict | None:
         return None  # stopped at the piece's end: its checkpoint resumes it
     classes = task.cfg.classes
     scaled = scaled_accuracy(res.best_val_accuracy, classes)
-    beyond = beyond_accuracy(model, task, sweep)
+    beyond, by_span = position_accuracy(model, task, sweep)
     return {
         "task": job["task"], "model": job["model"], "seed": seed, "accuracy": res.best_val_accuracy,
         "final_accuracy": res.final_val_accuracy, "scaled_accuracy": scaled,
         "final_scaled_accuracy": scaled_accuracy(res.final_val_accuracy, classes), "classes": classes,
         "beyond_accuracy": beyond, "beyond_scaled_accuracy": scaled_accuracy(beyond, classes),
+        "beyond_scaled_by_position": {k: scaled_accuracy(v, classes) for k, v in by_span.items()},
         "steps": res.steps_done, "seconds": round(res.total_seconds, 1),
         "params": sum(p.numel() for p in model.parameters()), **diverged(res),
         "label": f"{job['task']} {job['model']} {scaled:.2f}",
@@ -174,8 +192,18 @@ def report(sweep: StateSweep, results: list[dict]) -> str:
             f"d {sweep.d_model}, {sweep.n_heads} heads, {sweep.steps} steps, batch {sweep.batch_size}, lr {sweep.lr:g}. "
             "Published: Grazzi et al. (2 layers, d 128, best of 3 seeds). `past N`: the same run's final model scored "
             "only at test positions beyond every training position (index >= N).")
+    spans = [f"{a}-{b - 1}" for a, b in position_spans(sweep)]
+    pos_rows = [{"model": MODELS[m][2], **{f"{t} {k}": _span(best[(t, m)], k) for t in sweep.tasks for k in spans}}
+                for m in sweep.models]
     return (f"{head}\n\n{markdown_table(rows, ['model', *cols])}\n\nEvery seed ({seeds}), scaled accuracy\n\n"
-            f"{markdown_table(seed_rows, ['model', *sweep.tasks])}")
+            f"{markdown_table(seed_rows, ['model', *sweep.tasks])}\n\nPast {sweep.train_lengths[1]}, by test position "
+            "(the best seed's final model, scaled accuracy; — : no label there, or a run from before these were "
+            f"recorded)\n\n{markdown_table(pos_rows, list(pos_rows[0]))}")
+
+
+def _span(run: dict, span: str) -> str:
+    value = run.get("beyond_scaled_by_position", {}).get(span)
+    return "—" if value is None else f"{value:.3f}"
 
 
 def plot(sweep: StateSweep, results: list[dict], path: Path) -> Path:

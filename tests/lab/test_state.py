@@ -4,9 +4,11 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
 
 from evict.cli import main
-from evict.lab.state import QUICK, best_of_seeds, jobs_for, model_config, run_sweep
+from evict.lab.state import (QUICK, _task, best_of_seeds, jobs_for, model_config, position_accuracy, position_spans,
+                             run_sweep)
 from evict.models import LM
 
 MICRO = replace(QUICK, tasks=("parity", "mod_arith"), models=("deltanet", "deltanet_neg", "attention"), d_model=16,
@@ -26,8 +28,10 @@ def test_sweep_runs_resumes_and_writes_outputs(tmp_path, capsys):
         assert abs(r["scaled_accuracy"] - (r["accuracy"] - chance) / (1 - chance)) < 1e-12
         assert 0 <= r["beyond_accuracy"] <= 1
         assert abs(r["beyond_scaled_accuracy"] - (r["beyond_accuracy"] - chance) / (1 - chance)) < 1e-12
+        assert set(r["beyond_scaled_by_position"]) <= {"8-15", "16-23"} and r["beyond_scaled_by_position"]
     table = (root / "table.md").read_text()
     assert "| DeltaNet β∈[0,2] |" in table and "parity (published)" in table and "parity past 8" in table and "| 1.000 |" in table
+    assert "Past 8, by test position" in table and "| parity 8-15 | parity 16-23 | mod_arith 8-15 |" in table
     stamps = {p: p.stat().st_mtime_ns for p in (root / "runs").glob("*/result.json")}
     run_sweep(MICRO, out=root)  # resuming a finished sweep trains nothing
     assert stamps == {p: p.stat().st_mtime_ns for p in (root / "runs").glob("*/result.json")}
@@ -50,3 +54,31 @@ def test_cli_runs_and_rejects_bad_names(tmp_path, monkeypatch):
     monkeypatch.setattr("evict.lab.state.QUICK", MICRO)  # the flags on top of a micro sweep, not the 4-minute one
     assert main(["lab", "state", "--models", "deltanet_neg", "--steps", "1", "--workers", "1", "--out", str(tmp_path / "y")]) == 0
     assert (tmp_path / "y" / "table.md").exists()
+
+
+class _ParityOracle(torch.nn.Module):
+    """Running parity, right before position `until` and wrong from there on: logits [B, T, 3]."""
+
+    def __init__(self, until: int):
+        super().__init__()
+        self.until, self.w = until, torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        parity = (x * (x < 2)).cumsum(-1) % 2  # PAD (2) counts as no bit
+        wrong = torch.arange(x.shape[1])[None, :] >= self.until
+        return torch.nn.functional.one_hot(torch.where(wrong, 1 - parity, parity), 3).float()
+
+
+def test_position_accuracy_scores_each_span_past_training():
+    sweep = replace(MICRO, train_lengths=(3, 8), test_lengths=(8, 40), batch_size=64, eval_batches=2)
+    assert position_spans(sweep) == [(8, 16), (16, 32), (32, 40)]
+    assert position_spans(QUICK) == [(40, 80), (80, 160), (160, 256)]
+    task = _task("parity", sweep, 0)
+    beyond, spans = position_accuracy(_ParityOracle(10**9), task, sweep)
+    assert beyond == 1.0 and spans == {"8-15": 1.0, "16-31": 1.0, "32-39": 1.0}  # the oracle is the task's labels
+    beyond, spans = position_accuracy(_ParityOracle(16), task, sweep)
+    assert spans == {"8-15": 1.0, "16-31": 0.0, "32-39": 0.0}
+    labelled = [(y != -100) for y in (task.get_batch("val", i, 64)[1] for i in range(2))]
+    pos = torch.arange(labelled[0].shape[1])
+    right = sum((m & (pos >= 8) & (pos < 16)).sum().item() for m in labelled)
+    assert beyond == right / sum((m & (pos >= 8)).sum().item() for m in labelled)  # label-weighted, not span-averaged
