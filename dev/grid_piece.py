@@ -12,9 +12,9 @@ the piece's config as piece<N>_config.json (docs/lab_full/NAME/ for a lab), N th
 written when every row is already committed. Then the sweep's outputs are written here, by the lab itself, from every
 committed piece: the runs restored into a scratch folder (dev/grid_restore.py), then the lab's `run_sweep` over it as
 a piece of no time, which trains nothing. While runs are left, recall writes partial_table.md (every cell whose best
-over lr is known; a lab writes nothing). Once every run has a result, the finished sweep's files (table.md,
-results.jsonl with every run, the plots, its config.json; recall's scorecard.md) land beside the pieces and
-partial_table.md goes. `--docs DIR` writes elsewhere.
+over lr is known), and so do the state and hybrid labs (every cell whose seeds are all in; the other labs write
+nothing). Once every run has a result, the finished sweep's files (table.md, results.jsonl with every run, the plots,
+its config.json; recall's scorecard.md) land beside the pieces and partial_table.md goes. `--docs DIR` writes elsewhere.
 """
 
 import argparse
@@ -113,7 +113,7 @@ def main(files_at: str, lab: str = "recall", docs: str | None = None, table: boo
 
 def _table(folder: Path, lab: str = "recall", target: dict | None = None) -> None:
     """The sweep's outputs from every committed piece, written by the lab itself (a piece of no time over a scratch
-    folder of every piece's runs): recall's partial_table.md while runs are left; every file the finished sweep wrote
+    folder of every piece's runs): the lab's partial_table.md (if it writes one) while runs are left; every file the finished sweep wrote
     at its top level once none is."""
     module = importlib.import_module(f"evict.lab.{grid_restore.LABS.get(lab, 'recall')}")
     config = target if target is not None else json.loads(json.dumps(dataclasses.asdict(module.FULL)))
@@ -138,10 +138,10 @@ def _table(folder: Path, lab: str = "recall", target: dict | None = None) -> Non
             print(f"the sweep is finished: wrote {', '.join(names)} in {folder}")
             return
         stopped = [line for line in said.getvalue().splitlines() if line.startswith("stopped")]
-        if lab != "recall":
+        table = Path(tmp) / "partial_table.md"
+        if lab != "recall" and not table.exists():  # a lab whose report cannot show a partial sweep
             print(f"{lab}: {stopped[-1].split(';')[0] if stopped else 'runs left'} (the table comes with the last run)")
             return
-        table = Path(tmp) / "partial_table.md"
         if not table.exists():
             sys.exit(f"evict recall wrote no partial table: {said.getvalue().strip().splitlines()[-1:]}")
         shutil.copyfile(table, folder / "partial_table.md")

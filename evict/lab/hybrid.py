@@ -17,7 +17,8 @@ Placements for n attention layers of N (ratio a:b, group g = a + b, N a multiple
 A placement whose pattern equals an earlier one (one attention layer: spread = late) is run once.
 
 Outputs under runs/hybrid/<timestamp>/: config.json, results.jsonl (one row per run), table.md, hybrid.png,
-runs/<name>/result.json (resumable with evict.lab.sweep.run_jobs).
+runs/<name>/result.json (resumable with evict.lab.sweep.run_jobs); a timed piece (`--minutes`) that leaves runs
+writes partial_table.md instead (the cells whose every seed is in).
 """
 
 from __future__ import annotations
@@ -281,15 +282,18 @@ def jobs_for(sweep: HybridSweep, root: Path) -> list[dict]:
 # -- report ------------------------------------------------------------------------------------------------------
 
 
-def _cells(results: list[dict]) -> dict:
-    """(variant name, task) -> the runs' scores over seeds (accuracy for MQAR, val loss for text)."""
+def _cells(results: list[dict], seeds: int | None = None) -> dict:
+    """(variant name, task) -> the runs' scores over seeds (accuracy for MQAR, val loss for text). `seeds`: only the
+    cells with that many runs (a partial sweep's cell short of a seed's run is not known yet)."""
     cells: dict = {}
     for r in sorted(results, key=lambda r: r["seed"]):
         cells.setdefault((r["variant"], r["task"]), []).append(r["accuracy"] if r["task"] == "mqar" else r["val_loss"])
-    return cells
+    return {k: xs for k, xs in cells.items() if seeds is None or len(xs) == seeds}
 
 
-def _fmt(xs: list) -> str:
+def _fmt(xs: list | None) -> str:
+    if xs is None:
+        return "—"
     return f"{statistics.fmean(xs):.3f}" + (f" ({min(xs):.3f}–{max(xs):.3f})" if len(xs) > 1 else "")
 
 
@@ -299,22 +303,25 @@ def _rank(values: dict, reverse: bool) -> dict:
 
 
 def report(sweep: HybridSweep, results: list[dict]) -> str:
-    """One row per model (scores, parameters, cache), then the MLA ratios ranked beside Kimi Linear's Table 1."""
-    cells, by = _cells(results), {r["variant"]: r for r in results}
+    """One row per model (scores, parameters, cache), then the MLA ratios ranked beside Kimi Linear's Table 1. A
+    partial sweep's (run_grid's partial_table.md) cells short of a seed's run show —, as do a model's parameters and
+    cache until one of its runs is in; the ranking waits for every ratio's runs."""
+    cells, by = _cells(results, sweep.seeds), {r["variant"]: r for r in results}
     ctx = str(sweep.contexts[-1])
-    full = {k: by[v.name]["decode_bytes"][ctx] for v in variants(sweep) for k in KINDS if v.kind == k and v.ratio == "0:1"}
+    full = {k: by[v.name]["decode_bytes"][ctx] for v in variants(sweep) for k in KINDS
+            if v.kind == k and v.ratio == "0:1" and v.name in by}
     rows = []
     for v in variants(sweep):
-        r = by[v.name]
-        row = {"model": v.label, "pattern": v.pattern, "d_ff": str(r["d_ff"]),
-               "params (Δ vs KDA only)": f"{r['params']:,} ({100 * r['params_gap']:+.2f}%)"}
+        r = by.get(v.name)
+        row = {"model": v.label, "pattern": v.pattern, "d_ff": "—" if r is None else str(r["d_ff"]),
+               "params (Δ vs KDA only)": "—" if r is None else f"{r['params']:,} ({100 * r['params_gap']:+.2f}%)"}
         if "mqar" in sweep.tasks:
-            row["MQAR acc"] = _fmt(cells[(v.name, "mqar")])
+            row["MQAR acc"] = _fmt(cells.get((v.name, "mqar")))
         if "text" in sweep.tasks:
-            row["val loss"] = _fmt(cells[(v.name, "text")])
-        row["cache B/token"] = f"{r['cache_bytes_per_token']:,}"
+            row["val loss"] = _fmt(cells.get((v.name, "text")))
+        row["cache B/token"] = "—" if r is None else f"{r['cache_bytes_per_token']:,}"
         ref = full.get(v.kind)
-        row[f"decode read @{int(ctx):,}"] = accounting.fmt_bytes(r["decode_bytes"][ctx]) + (
+        row[f"decode read @{int(ctx):,}"] = "—" if r is None else accounting.fmt_bytes(r["decode_bytes"][ctx]) + (
             f" ({r['decode_bytes'][ctx] / ref:.2f}×)" if ref else "")
         row["published ppl"] = f"{PUBLISHED[v.ratio]:.2f}" if v.kind == "mla" and v.placement in ("spread", "—") and v.ratio in PUBLISHED else ""
         rows.append(row)
@@ -340,11 +347,16 @@ def _steps_phrase(sweep: HybridSweep) -> str:
 
 def ordering(sweep: HybridSweep, results: list[dict]) -> str:
     """The spread MLA models ranked by our scores beside Kimi Linear's ranking by perplexity."""
-    cells = _cells(results)
+    cells = _cells(results, sweep.seeds)
     names = {v.ratio: v.name for v in variants(sweep) if v.kind == "mla" and v.placement in ("spread", "—")
              and v.ratio in PUBLISHED}
     if not names:
         return "No MLA ratio of Kimi Linear's Table 1 in this sweep."
+    tasks = [t for t in ("text", "mqar") if t in sweep.tasks]
+    known = sum((n, t) in cells for n in names.values() for t in tasks)
+    if known < len(names) * len(tasks):
+        return (f"Ordering beside Kimi Linear's Table 1: once every MLA ratio's runs are in ({known} of "
+                f"{len(names) * len(tasks)} cells so far).")
     pub = _rank({k: PUBLISHED[k] for k in names}, reverse=False)
     cols = ["KDA:MLA", "published ppl (rank)"]
     ranks = {}
@@ -453,4 +465,5 @@ def run_sweep(sweep: HybridSweep, out: str | Path | None = None, minutes: float 
     validate(sweep)
     if "text" in sweep.tasks:
         make_task(sweep, "text", sweep.seed)  # the corpus is read and its tokens cached once, before any worker starts
-    return run_grid("hybrid", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot, minutes=minutes)
+    return run_grid("hybrid", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot, minutes=minutes,
+                    partial=True)

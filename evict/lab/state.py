@@ -8,7 +8,8 @@ lengths 3–40, evaluate at 40–256. A run's score is its best validation accur
 final model at the test positions past the longest training length only (`beyond_scaled_accuracy`): the plain
 score counts every position of a test row, and the first 40 are ones a model that never generalises also fits; and the
 same per span of positions that doubles (`beyond_scaled_by_position`: 40–79, 80–159, 160–255). Outputs under
-runs/state/<timestamp>/: config.json, results.jsonl (one row per run), table.md, state.png, runs/<name>/result.json.
+runs/state/<timestamp>/: config.json, results.jsonl (one row per run), table.md, state.png, runs/<name>/result.json;
+a timed piece (`--minutes`) that leaves runs writes partial_table.md instead (the cells whose every seed is in).
 """
 
 from __future__ import annotations
@@ -160,49 +161,59 @@ def jobs_for(sweep: StateSweep, root: Path) -> list[dict]:
             for t in sweep.tasks for s in seeds_of(sweep) for m in sweep.models]
 
 
-def best_of_seeds(results: list[dict]) -> dict:
-    """(task, model) -> the run with the highest scaled accuracy over seeds."""
+def best_of_seeds(results: list[dict], seeds: int | None = None) -> dict:
+    """(task, model) -> the run with the highest scaled accuracy over seeds. `seeds`: only the cells with that many
+    runs (a partial sweep's cell short of a seed's run has no best of seeds yet)."""
     best: dict = {}
+    count: dict = {}
     for r in results:
         key = (r["task"], r["model"])
+        count[key] = count.get(key, 0) + 1
         if key not in best or r["scaled_accuracy"] > best[key]["scaled_accuracy"]:
             best[key] = r
-    return best
+    return {k: r for k, r in best.items() if seeds is None or count[k] == seeds}
 
 
 def report(sweep: StateSweep, results: list[dict]) -> str:
-    """Best of seeds per (model, task), the published number beside it, then every seed's scaled accuracy."""
-    best = best_of_seeds(results)
+    """Best of seeds per (model, task), the published number beside it, then every seed's scaled accuracy, then the
+    best seed's score past training per span of positions. A partial sweep's (run_grid's partial_table.md) cells
+    short of a seed's run, and its seeds not run yet, show —."""
+    best = best_of_seeds(results, sweep.seeds)
+    by_seed = {(r["task"], r["model"], r["seed"]): r for r in results}
+    past = sweep.train_lengths[1]
     rows, seed_rows = [], []
     for m in sweep.models:
         row, srow = {"model": MODELS[m][2]}, {"model": MODELS[m][2]}
         for t in sweep.tasks:
-            row[t] = f"{best[(t, m)]['scaled_accuracy']:.3f}"
+            row[t] = _score(best.get((t, m)), "scaled_accuracy")
             pub = PUBLISHED.get(m, {}).get(t)
             row[f"{t} (published)"] = f"{pub:.3f}" if pub is not None else "—"
-            row[f"{t} past {sweep.train_lengths[1]}"] = f"{best[(t, m)]['beyond_scaled_accuracy']:.3f}"
-            srow[t] = " / ".join(f"{r['scaled_accuracy']:.3f}" for r in sorted(results, key=lambda r: r["seed"])
-                                 if r["task"] == t and r["model"] == m)
+            row[f"{t} past {past}"] = _score(best.get((t, m)), "beyond_scaled_accuracy")
+            srow[t] = " / ".join(_score(by_seed.get((t, m, s)), "scaled_accuracy") for s in seeds_of(sweep))
         rows.append(row)
         seed_rows.append(srow)
-    cols = [c for t in sweep.tasks for c in (t, f"{t} (published)", f"{t} past {sweep.train_lengths[1]}")]
+    cols = [c for t in sweep.tasks for c in (t, f"{t} (published)", f"{t} past {past}")]
     seeds = ", ".join(map(str, seeds_of(sweep)))
     head = (f"Scaled accuracy (chance 0, perfect 1) at test lengths {sweep.test_lengths[0]}–{sweep.test_lengths[1]} after "
-            f"training at {sweep.train_lengths[0]}–{sweep.train_lengths[1]}; best of seeds {seeds}; {sweep.n_layers} layers, "
+            f"training at {sweep.train_lengths[0]}–{past}; best of seeds {seeds}; {sweep.n_layers} layers, "
             f"d {sweep.d_model}, {sweep.n_heads} heads, {sweep.steps} steps, batch {sweep.batch_size}, lr {sweep.lr:g}. "
             "Published: Grazzi et al. (2 layers, d 128, best of 3 seeds). `past N`: the same run's final model scored "
             "only at test positions beyond every training position (index >= N).")
     spans = [f"{a}-{b - 1}" for a, b in position_spans(sweep)]
-    pos_rows = [{"model": MODELS[m][2], **{f"{t} {k}": _span(best[(t, m)], k) for t in sweep.tasks for k in spans}}
+    pos_rows = [{"model": MODELS[m][2], **{f"{t} {k}": _span(best.get((t, m)), k) for t in sweep.tasks for k in spans}}
                 for m in sweep.models]
     return (f"{head}\n\n{markdown_table(rows, ['model', *cols])}\n\nEvery seed ({seeds}), scaled accuracy\n\n"
-            f"{markdown_table(seed_rows, ['model', *sweep.tasks])}\n\nPast {sweep.train_lengths[1]}, by test position "
+            f"{markdown_table(seed_rows, ['model', *sweep.tasks])}\n\nPast {past}, by test position "
             "(the best seed's final model, scaled accuracy; — : no label there, or a run from before these were "
             f"recorded)\n\n{markdown_table(pos_rows, list(pos_rows[0]))}")
 
 
-def _span(run: dict, span: str) -> str:
-    value = run.get("beyond_scaled_by_position", {}).get(span)
+def _score(run: dict | None, key: str) -> str:
+    return "—" if run is None else f"{run[key]:.3f}"
+
+
+def _span(run: dict | None, span: str) -> str:
+    value = None if run is None else run.get("beyond_scaled_by_position", {}).get(span)
     return "—" if value is None else f"{value:.3f}"
 
 
@@ -249,4 +260,5 @@ def validate(sweep: StateSweep) -> None:
 def run_sweep(sweep: StateSweep, out: str | Path | None = None, minutes: float | None = None) -> Path:
     """Run (or resume, when `out` already holds part of it) the sweep; write and print the results."""
     validate(sweep)
-    return run_grid("state", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot, minutes=minutes)
+    return run_grid("state", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot, minutes=minutes,
+                    partial=True)

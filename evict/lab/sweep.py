@@ -188,21 +188,30 @@ def check_at_least_one(sweep, fields: tuple) -> None:
 
 
 def run_grid(kind: str, sweep, out: str | Path | None, *, jobs_for: Callable, run_one: Callable, report: Callable,
-             plot: Callable, minutes: float | None = None) -> Path:
+             plot: Callable, minutes: float | None = None, partial: bool = False) -> Path:
     """Run (or resume) a lab's validated sweep (a dataclass) in `sweep_folder(kind, sweep, out)`: jobs_for(sweep,
     root) through run_jobs, then results.jsonl, table.md = report(sweep, results) and plot(sweep, results,
     root / "<kind>.png"); prints the table; returns root. `minutes`: a timed piece (with_deadline) — when runs are
-    left, nothing but their own folders is written and the message says how to continue."""
+    left, nothing but their own folders is written and the message says how to continue; with `partial` (a lab whose
+    report shows — for a cell short of a seed's run), also partial_table.md: the report of the runs finished so far,
+    headed as partial (gone once the sweep finishes)."""
     check_minutes(minutes)
     root = sweep_folder(kind, sweep, out)
     jobs = with_deadline(jobs_for(sweep, root), minutes)
     print(f"{kind} sweep: {len(jobs)} runs -> {root}")
     outs = run_jobs(run_one, jobs, workers=sweep.workers, desc=kind)
     left = sum(r is None for r in outs)
-    if left:
-        print(stopped_message(minutes, jobs, left, root))
-        return root
     results = [r for r in outs if r is not None]
+    if left:
+        said = stopped_message(minutes, jobs, left, root)
+        if partial:
+            head = (f"Partial: {len(results)} of {len(jobs)} runs finished; — = a cell not known yet (it waits for "
+                    "every seed's run).")
+            (root / "partial_table.md").write_text(f"{head}\n\n{report(sweep, results)}\n")
+            said += f"; the cells known so far are in {root / 'partial_table.md'}"
+        print(said)
+        return root
+    (root / "partial_table.md").unlink(missing_ok=True)
     write_results(root, results)
     table = report(sweep, results)
     (root / "table.md").write_text(table + "\n")

@@ -95,7 +95,7 @@ def _device_calls(tmp_path, ran: Path, stem: str, lab: str, first: int) -> Path:
         grid_piece.main(str(at), lab=lab, docs=str(docs), target=config)
         if n == first:
             assert not (docs / "table.md").exists()
-            if lab == "recall":
+            if lab in ("recall", "state", "hybrid"):  # the labs whose report shows a partial sweep
                 assert (docs / "partial_table.md").read_text().startswith(f"Partial: {first} of {len(rows)} runs")
     return docs
 
@@ -173,3 +173,17 @@ def test_a_packed_call_is_read_from_its_archive(tmp_path):
     docs = tmp_path / "docs"
     out = grid_piece.main(str(at), docs=str(docs))
     assert out == docs / "piece1_results.jsonl" and len(out.read_text().splitlines()) == 1
+
+
+def test_a_state_piece_commits_the_cells_known_so_far(tmp_path):
+    """The state lab writes a partial table while runs are left (the cells whose every seed is in), and its finished
+    table, rows and plot once the last piece is committed; the partial table then goes."""
+    from evict.lab import state
+
+    micro = dataclasses.replace(state.QUICK, models=("deltanet", "deltanet_neg"), d_model=16, n_heads=2, steps=2,
+                                batch_size=4, eval_every=2, eval_batches=1, train_lengths=(3, 8), test_lengths=(8, 16),
+                                workers=1)
+    ran = state.run_sweep(micro, out=tmp_path / "device")
+    docs = _device_calls(tmp_path, ran, "lab_state", "state", first=1)
+    assert not (docs / "partial_table.md").exists() and (docs / "state.png").stat().st_size > 0
+    assert (docs / "table.md").read_text() == (ran / "table.md").read_text()

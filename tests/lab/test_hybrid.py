@@ -2,6 +2,7 @@
 ordering against Kimi Linear's Table 1, the sweep end to end (micro) and its flags."""
 
 import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -146,11 +147,44 @@ def test_sweep_runs_resumes_and_writes_outputs(tmp_path, single_thread_runs):
     table = (root / "table.md").read_text()
     assert "| mla 3:1 spread = late | KKKM |" in table and "| attention 3:1 early | AKKK |" in table
     assert "published ppl (rank)" in table and "5.65 (1)" in table
+    _stopped_sweep_shows_the_cells_known(sweep, root, table)
     stamps = {p: p.stat().st_mtime_ns for p in (root / "runs").glob("*/result.json")}
     run_sweep(sweep, out=root)  # resuming a finished sweep trains nothing
     assert stamps == {p: p.stat().st_mtime_ns for p in (root / "runs").glob("*/result.json")}
     with pytest.raises(ValueError, match=r"^out: .* holds a sweep with another config"):
         run_sweep(replace(sweep, steps=3), out=root)
+
+
+def _stopped_sweep_shows_the_cells_known(sweep, root, table: str) -> None:
+    """A piece that stops with runs left (out of time before any starts, over a folder holding 3 of the finished
+    sweep's 14 runs) writes partial_table.md: a model whose runs are in has its row as in the whole table, one with
+    only its MQAR run has — for val loss, one with none — everywhere but its name and pattern, and the ranking waits;
+    no table, rows or plot. Once every run is in, the finished sweep's table, and no partial one."""
+    part = root.parent / "part"
+    (part / "runs").mkdir(parents=True)
+    shutil.copyfile(root / "config.json", part / "config.json")
+    first, second, third = (v.name for v in variants(sweep)[:3])
+    for name in (f"{first}_mqar_s0", f"{first}_text_s0", f"{second}_mqar_s0"):
+        shutil.copytree(root / "runs" / name, part / "runs" / name)
+    run_sweep(sweep, out=part, minutes=1e-9)
+    partial = (part / "partial_table.md").read_text()
+    assert partial.startswith("Partial: 3 of 14 runs finished;") and not (part / "table.md").exists()
+    assert not (part / "results.jsonl").exists() and not (part / "hybrid.png").exists()
+    # of the MLA ratios' 4 cells (3:1 and 0:1, MQAR and text) only 3:1's MQAR is in
+    assert "Ordering beside Kimi Linear's Table 1: once every MLA ratio's runs are in (1 of 4 cells so far)." in partial
+    rows = {text: {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
+            for text in (table, partial)}
+    label = {v.name: f"| {v.label}" for v in variants(sweep)}
+    head = rows[table]["| model"]
+    assert rows[partial][label[first]] == rows[table][label[first]]
+    got, want = rows[partial][label[second]], rows[table][label[second]]
+    assert got[head.index("val loss")] == "—" and got[head.index("MQAR acc")] == want[head.index("MQAR acc")]
+    assert {c for c in rows[partial][label[third]][2:-1] if c} == {"—"}  # the published ppl column may be blank
+    for run in (root / "runs").iterdir():
+        if not (part / "runs" / run.name).exists():
+            shutil.copytree(run, part / "runs" / run.name)
+    run_sweep(sweep, out=part)  # every run is in: nothing trains, the finished files replace the partial table
+    assert (part / "table.md").read_text() == table and not (part / "partial_table.md").exists()
 
 
 def test_cli_runs_a_micro_sweep(tmp_path, monkeypatch, single_thread_runs):

@@ -1,6 +1,7 @@
 """The state-tracking lab end to end on a micro configuration: runs, resumes, writes the table, plot and JSON."""
 
 import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -32,11 +33,39 @@ def test_sweep_runs_resumes_and_writes_outputs(tmp_path, capsys):
     table = (root / "table.md").read_text()
     assert "| DeltaNet β∈[0,2] |" in table and "parity (published)" in table and "parity past 8" in table and "| 1.000 |" in table
     assert "Past 8, by test position" in table and "| parity 8-15 | parity 16-23 | mod_arith 8-15 |" in table
+    _stopped_sweep_shows_the_cells_known(root, table)
     stamps = {p: p.stat().st_mtime_ns for p in (root / "runs").glob("*/result.json")}
     run_sweep(MICRO, out=root)  # resuming a finished sweep trains nothing
     assert stamps == {p: p.stat().st_mtime_ns for p in (root / "runs").glob("*/result.json")}
     with pytest.raises(ValueError, match=r"^out: .* holds a sweep with another config"):
         run_sweep(replace(MICRO, steps=4), out=root)
+
+
+def _stopped_sweep_shows_the_cells_known(root, table: str) -> None:
+    """A piece that stops with runs left (here: out of time before any starts, over a folder holding 3 of the finished
+    sweep's 6 runs) writes partial_table.md — the finished runs' cells as in the whole table, — elsewhere — and no
+    table, rows or plot; the piece that finishes the sweep writes those and drops the partial table."""
+    part = root.parent / "part"
+    (part / "runs").mkdir(parents=True)
+    shutil.copyfile(root / "config.json", part / "config.json")
+    kept = ("parity_deltanet_s0", "parity_deltanet_neg_s0", "mod_arith_attention_s0")
+    for name in kept:
+        shutil.copytree(root / "runs" / name, part / "runs" / name)
+    run_sweep(MICRO, out=part, minutes=1e-9)
+    partial = (part / "partial_table.md").read_text()
+    assert partial.startswith("Partial: 3 of 6 runs finished;") and not (part / "table.md").exists()
+    assert not (part / "results.jsonl").exists() and not (part / "state.png").exists()
+    whole_rows, part_rows = {}, {}  # model -> its row of the first table (best of seeds)
+    for text, rows in ((table, whole_rows), (partial, part_rows)):
+        for line in text.splitlines():
+            if line.startswith("| "):
+                rows.setdefault(line.split(" |")[0], line)
+    row = whole_rows["| DeltaNet β∈[0,2]"].split(" | ")  # model | parity | published | past 8 | mod_arith | …
+    assert part_rows["| DeltaNet β∈[0,2]"].split(" | ")[:4] == row[:4]  # its parity cell is known, as in the table
+    assert part_rows["| DeltaNet β∈[0,2]"].split(" | ")[4] == "—"  # its mod_arith run is not in
+    assert part_rows["| attention (RoPE)"].split(" | ")[1] == "—" and part_rows["| attention (RoPE)"].split(" | ")[4] != "—"
+    run_sweep(MICRO, out=part)  # the rest: the finished sweep's files, the same table, no partial one
+    assert (part / "table.md").read_text() == table and not (part / "partial_table.md").exists()
 
 
 def test_neg_eigval_reaches_the_model_and_best_of_seeds():
@@ -45,6 +74,7 @@ def test_neg_eigval_reaches_the_model_and_best_of_seeds():
     assert [layer.mixer.neg_eigval for layer in by["deltanet"].blocks] == [False, False]
     rows = [dict(task="parity", model="deltanet", seed=s, scaled_accuracy=a) for s, a in ((0, 0.1), (1, 0.7), (2, 0.3))]
     assert best_of_seeds(rows)[("parity", "deltanet")]["seed"] == 1
+    assert best_of_seeds(rows, seeds=3)[("parity", "deltanet")]["seed"] == 1 and best_of_seeds(rows[:2], seeds=3) == {}
     assert len(jobs_for(replace(MICRO, seeds=3), __import__("pathlib").Path("/x"))) == 2 * 3 * 3
 
 
