@@ -5,7 +5,9 @@ so the next piece skips them.
     python3 dev/grid_restore.py --lab state runs/lab_state docs/lab_full/state/piece1_config.json ...results.jsonl
 
 For a lab (`--lab`: capacity, hybrid, pairs, state, stories), a row is restored only when its config equals the target
-sweep's (config.json, or the lab's FULL preset for a folder not yet started) in every field but `workers`.
+sweep's (config.json, or the lab's FULL preset for a folder not yet started) in every field but `workers` and the
+fields the lab's module names in WHICH_FIELDS (state: tasks, models, seeds — which runs exist, each row naming its own:
+a sweep that adds a task keeps the runs of the others).
 
 The device machine starts bare on every call, so a piece's result.json files come back as one JSONL (`bash dev/gpu.sh
 grid`) and are committed under docs/recall_full/. Each JSONL sits beside the config its runs were trained with; a row
@@ -30,7 +32,7 @@ LABS = {"capacity": "capacity", "hybrid": "hybrid", "pairs": "pairs", "state": "
 
 def main(target: str, pairs: list[str], lab: str = "recall") -> None:
     module = importlib.import_module(f"evict.lab.{LABS.get(lab, 'recall')}")
-    which = WHICH if lab == "recall" else set(EXECUTION_FIELDS)
+    which = WHICH if lab == "recall" else {*EXECUTION_FIELDS, *getattr(module, "WHICH_FIELDS", ())}
     root = Path(target)
     cfg = root / "config.json"
     # fields a saved config predates take their defaults (as sweep_folder does), e.g. recall's gate_dt

@@ -37,11 +37,13 @@ MODELS = {  # name -> (preset family, neg_eigval, label)
     "attention": ("attention", False, "attention (RoPE)"),
     "linear": ("linear", False, "linear attention"),
 }
-PUBLISHED = {  # Grazzi et al., scaled accuracy, best of 3 seeds (LAB.md): model -> {task: value}
-    "deltanet": {"parity": 0.017, "mod_arith": 0.314},
-    "deltanet_neg": {"parity": 1.000, "mod_arith": 0.971},
-    "attention": {"parity": 0.022, "mod_arith": 0.031},
+PUBLISHED = {  # Grazzi et al., scaled accuracy, best of 3 seeds (LAB.md): model -> {task: value}; their modular
+    # arithmetic is Deletang et al.'s, × before + and − (evict/tasks/state.py): mod_arith_prec, not left-to-right mod_arith
+    "deltanet": {"parity": 0.017, "mod_arith_prec": 0.314},
+    "deltanet_neg": {"parity": 1.000, "mod_arith_prec": 0.971},
+    "attention": {"parity": 0.022, "mod_arith_prec": 0.031},
 }
+WHICH_FIELDS = ("tasks", "models", "seeds")  # they choose which runs exist; each run's row names its own (dev/grid_restore.py)
 
 
 @dataclass

@@ -19,7 +19,7 @@ def add_parser(lab_sub) -> None:
 
     s = add_lab_parser(lab_sub, "state", help="state tracking: parity, mod-5 arithmetic, S3/S5; train short, test long",
                        quick="parity, 6 models, ~4 min on a 2-core CPU",
-                       full="Grazzi et al.'s protocol: 4 tasks, 8 models, 3 seeds; GPU",
+                       full="Grazzi et al.'s protocol: 5 tasks (modular arithmetic left to right and with × first), 8 models, 3 seeds; GPU",
                        seeds_help="seeds per cell; a cell is the best of them")
     s.add_argument("--tasks", nargs="+", choices=TASKS)
     s.add_argument("--models", nargs="+", choices=list(MODELS), help="a _neg suffix: beta in [0, 2] (neg_eigval)")

@@ -8,12 +8,15 @@ own length uniformly from the split's range; positions past it hold the task's P
     parity     bits 0/1                                             running parity, every token   2
     mod_arith  n0 o1 n1 o2 n2 … n(m−1) =   (n in 0…4; + − × = 5,6,7; label only at "=": the   5
                "=" is 8)                                            value of the whole expression
+    mod_arith_prec   the same rows, × before + and −                the same, with precedence     5
     s3, s5     one permutation per token (index into the           running product, every token  6, 120
                lexicographic list of S3 / S5)
 
-Modular arithmetic is evaluated left to right with no operator precedence, mod 5: 3 + 4 × 2 = (3 + 4) × 2 = 4.
-(Deletang et al.'s original generator gives × precedence; the brief of this lab fixes left to right.) Only the
-final answer is labelled, as in Deletang et al. and Grazzi et al. (the model reads the expression and answers at
+`mod_arith` is evaluated left to right with no operator precedence, mod 5: 3 + 4 × 2 = (3 + 4) × 2 = 4 — each
+operator-and-operand pair is a map of the value so far (x ↦ x + n, x − n, x·n), so the state is one of 5 values.
+`mod_arith_prec` gives × precedence over + and −, as Deletang et al.'s generator does (a − b × c = a + (−b) × c;
+the task Grazzi et al. report, via Beck et al.): 3 + 4 × 2 = 3 + 3 = 1; its state is the sum so far and the
+product term being built. Only the final answer is labelled, as in Deletang et al. and Grazzi et al. (the model reads the expression and answers at
 "="), so every row carries exactly one label (`labels_per_row = 1`). A row's length is its token count including
 "=", always even (m operands → 2m tokens): train rows have 2…20 operands (lengths 4…40), test rows 20…128
 (lengths 40…256).
@@ -39,9 +42,10 @@ import torch
 
 from .mqar import batch_seed, check_split_seeds
 
-TASKS = ("parity", "mod_arith", "s3", "s5")
+TASKS = ("parity", "mod_arith", "mod_arith_prec", "s3", "s5")
+ARITH = ("mod_arith", "mod_arith_prec")  # the tasks of expressions answered at "="
 MOD = 5
-PLUS, MINUS, TIMES, EQUALS = 5, 6, 7, 8  # mod_arith's operator and "=" tokens
+PLUS, MINUS, TIMES, EQUALS = 5, 6, 7, 8  # the arithmetic tasks' operator and "=" tokens
 
 
 @dataclass
@@ -61,8 +65,8 @@ class StateConfig:
             lo, hi = getattr(self, name)
             if not (type(lo) is int and type(hi) is int and 1 <= lo <= hi):
                 raise ValueError(f"{name}: expected two integers 1 <= lo <= hi, got {(lo, hi)!r}")
-            if self.task == "mod_arith" and 2 * max(2, (lo + 1) // 2) > hi:
-                raise ValueError(f"{name}: mod_arith rows have an even length >= 4 (two operands and '='); "
+            if self.task in ARITH and 2 * max(2, (lo + 1) // 2) > hi:
+                raise ValueError(f"{name}: {self.task} rows have an even length >= 4 (two operands and '='); "
                                  f"{(lo, hi)!r} holds none")
             setattr(self, name, (lo, hi))
         check_split_seeds(self)
@@ -70,12 +74,12 @@ class StateConfig:
     @property
     def classes(self) -> int:
         """Number of possible answers: chance accuracy is 1 / classes."""
-        return {"parity": 2, "mod_arith": MOD, "s3": 6, "s5": 120}[self.task]
+        return {"parity": 2, "mod_arith": MOD, "mod_arith_prec": MOD, "s3": 6, "s5": 120}[self.task]
 
     @property
     def pad(self) -> int:
         """The PAD token, the last id of the vocabulary."""
-        return {"parity": 2, "mod_arith": 9, "s3": 6, "s5": 120}[self.task]
+        return {"parity": 2, "mod_arith": 9, "mod_arith_prec": 9, "s3": 6, "s5": 120}[self.task]
 
     @property
     def vocab_size(self) -> int:
@@ -110,7 +114,7 @@ def make_state(cfg: StateConfig, n: int, seed: int, lengths: tuple[int, int]) ->
         raise ValueError(f"seed must be in [0, 2**32), got {seed}")
     g = torch.Generator().manual_seed(seed)
     lo, hi = lengths
-    if cfg.task == "mod_arith":
+    if cfg.task in ARITH:
         return _mod_arith(cfg, n, lo, hi, g)
     T = hi
     length = _lengths(n, lo, hi, g)  # [n]
@@ -131,16 +135,25 @@ def make_state(cfg: StateConfig, n: int, seed: int, lengths: tuple[int, int]) ->
 
 
 def _mod_arith(cfg: StateConfig, n: int, lo: int, hi: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows n0 o1 n1 … n(m−1) "=" with m operands, 2m tokens, lo <= 2m <= hi; the label at "=" is the value."""
+    """Rows n0 o1 n1 … n(m−1) "=" with m operands, 2m tokens, lo <= 2m <= hi; the label at "=" is the value (left to
+    right, or with × first for mod_arith_prec)."""
     M = hi // 2  # most operands
     m = torch.randint(max(2, (lo + 1) // 2), M + 1, (n,), generator=g)  # [n] operands per row
     nums = torch.randint(0, MOD, (n, M), generator=g)  # [n, M]
     ops = torch.randint(0, 3, (n, M), generator=g)  # [n, M]; ops[:, j] joins operand j to the value so far (j >= 1)
-    value = torch.empty_like(nums)  # [n, M]: value of the expression's first j+1 operands, left to right
+    value = torch.empty_like(nums)  # [n, M]: value of the expression's first j+1 operands
     value[:, 0] = nums[:, 0]
-    for j in range(1, M):
-        a, b, o = value[:, j - 1], nums[:, j], ops[:, j]
-        value[:, j] = torch.where(o == 0, a + b, torch.where(o == 1, a - b, a * b)) % MOD
+    if cfg.task == "mod_arith":  # left to right
+        for j in range(1, M):
+            a, b, o = value[:, j - 1], nums[:, j], ops[:, j]
+            value[:, j] = torch.where(o == 0, a + b, torch.where(o == 1, a - b, a * b)) % MOD
+    else:  # × first: the sum of the closed terms, and the term being multiplied (signed: a − b × c = a + (−b) × c)
+        total, term = torch.zeros_like(nums[:, 0]), nums[:, 0]
+        for j in range(1, M):
+            b, o = nums[:, j], ops[:, j]
+            total = torch.where(o == 2, total, (total + term) % MOD)
+            term = torch.where(o == 0, b, torch.where(o == 1, (MOD - b) % MOD, (term * b) % MOD))
+            value[:, j] = (total + term) % MOD
     T = 2 * M
     inputs = torch.full((n, T), cfg.pad, dtype=torch.int64)  # [n, T]
     inputs[:, 0::2] = nums
@@ -169,7 +182,7 @@ class StateTask:
         self.name = c.task
         self.vocab_size = c.vocab_size
         self.seq_len = max(c.train_lengths[1], c.test_lengths[1])
-        if c.task == "mod_arith":
+        if c.task in ARITH:
             self.labels_per_row = 1  # exactly one label, at "="
 
     def get_batch(self, split: str, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,8 +48,13 @@ def test_another_config_is_refused_and_labs_compare_every_field(tmp_path):
     row = dict(task="parity", model="kda", seed=0, accuracy=1.0, dir="parity_kda_s0")
     grid_restore.main(str(tmp_path / "s"), _piece(tmp_path, {**lab, "workers": 1}, [row]), lab="state")
     assert (tmp_path / "s" / "runs" / "parity_kda_s0" / "result.json").exists() and not (tmp_path / "s" / "solved").exists()
-    with pytest.raises(SystemExit, match="models differ"):
-        grid_restore.main(str(tmp_path / "t"), _piece(tmp_path, {**lab, "models": ["kda"]}, [row]), lab="state")
+    with pytest.raises(SystemExit, match="lr differ"):
+        grid_restore.main(str(tmp_path / "t"), _piece(tmp_path, {**lab, "lr": 3e-3}, [row]), lab="state")
+    # the fields that choose which runs exist (state.WHICH_FIELDS) may differ: a sweep that adds a task (here: the
+    # committed pieces' four tasks, before mod_arith_prec) keeps every run of the others; each row names its own
+    older = {**lab, "tasks": ["parity", "mod_arith", "s3", "s5"], "models": ["kda"], "seeds": 2}
+    grid_restore.main(str(tmp_path / "u"), _piece(tmp_path, older, [row]), lab="state")
+    assert (tmp_path / "u" / "runs" / "parity_kda_s0" / "result.json").exists()
 
 
 PIECE_SPEC = importlib.util.spec_from_file_location("grid_piece", Path(__file__).parents[2] / "dev" / "grid_piece.py")

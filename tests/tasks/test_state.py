@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from evict.tasks.mqar import batch_seed
-from evict.tasks.state import EQUALS, MINUS, PLUS, TASKS, TIMES, StateConfig, StateTask, compose_table, make_state, scaled_accuracy
+from evict.tasks.state import ARITH, EQUALS, MINUS, PLUS, TASKS, TIMES, StateConfig, StateTask, compose_table, make_state, scaled_accuracy
 
 
 def _rows(x, y, pad):
@@ -37,6 +37,13 @@ def _arith_reference(tokens):
     return value
 
 
+def _precedence_reference(tokens):
+    """× before + and −, mod 5: the expression as Python source, evaluated by Python (whose % is never negative)."""
+    assert tokens[-1] == EQUALS and len(tokens) % 2 == 0
+    return eval("".join({PLUS: "+", MINUS: "-", TIMES: "*"}.get(t, str(t)) if i % 2 else str(t)
+                        for i, t in enumerate(tokens[:-1]))) % 5
+
+
 @pytest.mark.parametrize("task", TASKS)
 def test_labels_match_slow_reference(task):
     cfg = StateConfig(task=task)
@@ -45,8 +52,9 @@ def test_labels_match_slow_reference(task):
         assert 3 <= len(xs) <= 40
         if task == "parity":
             assert ys == [sum(xs[: i + 1]) % 2 for i in range(len(xs))]
-        elif task == "mod_arith":
-            assert ys[:-1] == [-100] * (len(xs) - 1) and ys[-1] == _arith_reference(xs)
+        elif task in ARITH:
+            want = (_arith_reference if task == "mod_arith" else _precedence_reference)(xs)
+            assert ys[:-1] == [-100] * (len(xs) - 1) and ys[-1] == want
             assert all(0 <= t < 5 for t in xs[0:-1:2]) and all(t in (PLUS, MINUS, TIMES) for t in xs[1:-1:2])
         else:
             assert ys == _perm_reference(3 if task == "s3" else 5, xs)
@@ -61,9 +69,16 @@ def test_compose_table_is_composition_and_a_group():
     assert compose_table(3)[1, 2].item() == _perm_reference(3, [1, 2])[-1]
 
 
-def test_arith_is_left_to_right():
-    # 3 + 4 × 2 = (3 + 4) × 2 = 14 = 4 mod 5 (with × first it would be 11 = 1)
+def test_arith_is_left_to_right_and_prec_multiplies_first():
+    # 3 + 4 × 2 = (3 + 4) × 2 = 14 = 4 mod 5 left to right; with × first 3 + 8 = 11 = 1
     assert _arith_reference([3, PLUS, 4, TIMES, 2, EQUALS]) == 4
+    assert _precedence_reference([3, PLUS, 4, TIMES, 2, EQUALS]) == 1
+    assert _precedence_reference([1, MINUS, 2, TIMES, 3, PLUS, 4, EQUALS]) == (1 - 6 + 4) % 5
+    # the two tasks share their rows (same seed, same tokens); with one operator the labels agree, with more they differ
+    for lengths, agree in (((4, 4), lambda r: r == 1), ((20, 40), lambda r: r < 0.5)):
+        x, a = make_state(StateConfig(task="mod_arith"), 256, seed=9, lengths=lengths)
+        x2, b = make_state(StateConfig(task="mod_arith_prec"), 256, seed=9, lengths=lengths)
+        assert torch.equal(x, x2) and agree((a == b)[a != -100].float().mean().item())
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -82,7 +97,7 @@ def test_deterministic_split_lengths_and_shapes(task):
     assert lv.float().std() > 0, "lengths vary within a batch"
     assert xt.max() < t.vocab_size and yt.max() < t.cfg.classes and xv.max() < t.vocab_size
     labelled = (yv != -100).sum(1)
-    if task == "mod_arith":
+    if task in ARITH:
         assert (labelled == 1).all() and t.labels_per_row == 1
         assert (lt % 2 == 0).all() and lt.min() >= 4
     else:
@@ -103,6 +118,7 @@ def test_bad_configs_and_scaled_accuracy():
         StateConfig(task="s4")
     with pytest.raises(ValueError, match="train_lengths"):
         StateConfig(train_lengths=(10, 5))
-    with pytest.raises(ValueError, match="mod_arith"):
-        StateConfig(task="mod_arith", train_lengths=(5, 5))
+    for task in ARITH:
+        with pytest.raises(ValueError, match=f"train_lengths: {task} rows"):
+            StateConfig(task=task, train_lengths=(5, 5))
     assert scaled_accuracy(0.5, 2) == 0.0 and scaled_accuracy(1.0, 120) == 1.0 and abs(scaled_accuracy(0.6, 5) - 0.5) < 1e-12
