@@ -13,7 +13,8 @@ ladder reached before the first failing rung (0 when the first fails; "≥ K" wh
 fit per rule: K* ≈ c · d (least squares through the origin) and the slope p of log K* against log d (K* ∝ d^p; p = 1
 is linear in d), over the ds where K* was found and was not cut off by the ladder's top. Outputs under
 runs/pairs/<timestamp>/: config.json, results.jsonl (one row per ladder, every rung inside), table.md, pairs.png,
-runs/<rule>_d<d>_s<seed>/K<K>_lr<lr>/ (each rung's training run).
+runs/<rule>_d<d>_s<seed>/K<K>_lr<lr>/ (each rung's training run); a timed piece (`--minutes`) that leaves ladders
+writes partial_table.md instead (the cells whose every seed's ladder is in).
 """
 
 from __future__ import annotations
@@ -138,13 +139,14 @@ def jobs_for(sweep: PairsSweep, root: Path) -> list[dict]:
             for s in seeds_of(sweep) for d in sorted(sweep.dims, reverse=True) for r in sweep.rules]
 
 
-def cells(results: list[dict]) -> dict:
-    """(rule, d) -> (K* of every seed, whether any seed ran off the ladder's top)."""
+def cells(results: list[dict], seeds: int | None = None) -> dict:
+    """(rule, d) -> (K* of every seed, whether any seed ran off the ladder's top). `seeds`: only the cells with that
+    many ladders (a partial sweep's cell short of a seed's ladder is not known yet)."""
     out: dict = {}
     for r in sorted(results, key=lambda r: r["seed"]):
         ks, top = out.get((r["rule"], r["d"]), ([], False))
         out[(r["rule"], r["d"])] = (ks + [r["max_pairs"]], top or r["ladder_top"])
-    return out
+    return {k: v for k, v in out.items() if seeds is None or len(v[0]) == seeds}
 
 
 def fit(points: list[tuple[int, float]]) -> dict | None:
@@ -162,10 +164,14 @@ def fit(points: list[tuple[int, float]]) -> dict | None:
 
 
 def fits(sweep: PairsSweep, results: list[dict]) -> dict:
-    """rule -> fit over the ds whose K* (mean over seeds) was found below the ladder's top."""
-    cs = cells(results)
-    out = {}
+    """rule -> fit over the ds whose K* (mean over seeds) was found below the ladder's top; None for a rule with a cell
+    not known yet (a partial sweep)."""
+    cs = cells(results, sweep.seeds)
+    out: dict = {}
     for r in sweep.rules:
+        if any((r, d) not in cs for d in sweep.dims):
+            out[r] = None
+            continue
         pts = [(d, sum(cs[(r, d)][0]) / len(cs[(r, d)][0])) for d in sorted(sweep.dims) if not cs[(r, d)][1]]
         out[r] = fit(pts)
     return out
@@ -177,12 +183,14 @@ def _k_text(ks: list[int], top: bool) -> str:
 
 
 def report(sweep: PairsSweep, results: list[dict]) -> str:
-    cs, fs = cells(results), fits(sweep, results)
+    """K* per (rule, d) over seeds and each rule's fits. A partial sweep's (run_grid's partial_table.md) cells short
+    of a seed's ladder show —, and so do the fits of a rule with such a cell."""
+    cs, fs = cells(results, sweep.seeds), fits(sweep, results)
     dims = sorted(sweep.dims)
     rows = []
     for r in sweep.rules:
         f = fs[r]
-        row = {"rule": RULES[r], **{f"d={d}": _k_text(*cs[(r, d)]) for d in dims},
+        row = {"rule": RULES[r], **{f"d={d}": _k_text(*cs[(r, d)]) if (r, d) in cs else "—" for d in dims},
                "K* ≈ c·d": f"c = {f['c']:.2f}" if f else "—",
                "K* ∝ d^p": f"p = {f['p']:.2f} ({f['points']} dims)" if f else "—"}
         rows.append(row)
@@ -267,4 +275,5 @@ def validate(sweep: PairsSweep) -> None:
 def run_sweep(sweep: PairsSweep, out: str | Path | None = None, minutes: float | None = None) -> Path:
     """Run (or resume, when `out` already holds part of it) the sweep; write and print the results."""
     validate(sweep)
-    return run_grid("pairs", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot, minutes=minutes)
+    return run_grid("pairs", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot, minutes=minutes,
+                    partial=True)

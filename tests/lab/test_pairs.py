@@ -2,6 +2,7 @@
 end to end on a micro grid (real training through the recall lab's cell)."""
 
 import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -57,9 +58,34 @@ def test_sweep_runs_resumes_and_writes_outputs(tmp_path):
         assert r["max_pairs"] == (max(passed) if passed else 0)
     table = (root / "table.md").read_text()
     assert "| rule | d=4 | d=8 | K* ≈ c·d | K* ∝ d^p |" in table
+    _stopped_sweep_shows_the_cells_known(root, table)
     stamps = {p: p.stat().st_mtime_ns for p in (root / "runs").glob("*/result.json")}
     run_sweep(MICRO, out=root)  # resuming a finished sweep trains nothing
     assert stamps == {p: p.stat().st_mtime_ns for p in (root / "runs").glob("*/result.json")}
+
+
+def _stopped_sweep_shows_the_cells_known(root, table: str) -> None:
+    """A piece that stops with ladders left (out of time before any starts, over a folder holding 2 of the finished
+    sweep's 4 ladders: DeltaNet's) writes partial_table.md — DeltaNet's row as in the whole table, attention's all —, no
+    table, rows or plot; the piece that finishes the sweep writes those and drops the partial table."""
+    part = root.parent / "part"
+    (part / "runs").mkdir(parents=True)
+    shutil.copyfile(root / "config.json", part / "config.json")
+    for d in MICRO.dims:
+        shutil.copytree(root / "runs" / f"deltanet_d{d}_s0", part / "runs" / f"deltanet_d{d}_s0")
+    run_sweep(MICRO, out=part, minutes=1e-9)
+    partial = (part / "partial_table.md").read_text()
+    assert partial.startswith("Partial: 2 of 4 runs finished;") and not (part / "table.md").exists()
+    assert not (part / "results.jsonl").exists() and not (part / "pairs.png").exists()
+    rows = {text: {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
+            for text in (table, partial)}
+    assert rows[partial]["| DeltaNet"] == rows[table]["| DeltaNet"]
+    assert rows[partial]["| attention"] == "| attention | — | — | — | — |"
+    for run in (root / "runs").iterdir():
+        if not (part / "runs" / run.name).exists():
+            shutil.copytree(run, part / "runs" / run.name)
+    run_sweep(MICRO, out=part)  # every ladder is in: nothing trains, the finished files replace the partial table
+    assert (part / "table.md").read_text() == table and not (part / "partial_table.md").exists()
 
 
 def test_one_head_of_dim_d_at_a_fixed_width(tmp_path):
