@@ -191,7 +191,10 @@ def report(sweep: StateSweep, results: list[dict]) -> str:
             pub = PUBLISHED.get(m, {}).get(t)
             row[f"{t} (published)"] = f"{pub:.3f}" if pub is not None else "—"
             row[f"{t} past {past}"] = _score(best.get((t, m)), "beyond_scaled_accuracy")
-            srow[t] = " / ".join(_score(by_seed.get((t, m, s)), "scaled_accuracy") for s in seeds_of(sweep))
+            runs = [by_seed.get((t, m, s)) for s in seeds_of(sweep)]
+            srow[t] = " / ".join(_score(r, "scaled_accuracy") for r in runs)
+            if len(runs) > 1 and None not in runs:  # the mean beside the best: best of 3 can favour a lucky seed
+                srow[t] += f" (mean {sum(r['scaled_accuracy'] for r in runs) / len(runs):.3f})"
         rows.append(row)
         seed_rows.append(srow)
     cols = [c for t in sweep.tasks for c in (t, f"{t} (published)", f"{t} past {past}")]
@@ -204,7 +207,7 @@ def report(sweep: StateSweep, results: list[dict]) -> str:
     spans = [f"{a}-{b - 1}" for a, b in position_spans(sweep)]
     pos_rows = [{"model": MODELS[m][2], **{f"{t} {k}": _span(best.get((t, m)), k) for t in sweep.tasks for k in spans}}
                 for m in sweep.models]
-    return (f"{head}\n\n{markdown_table(rows, ['model', *cols])}\n\nEvery seed ({seeds}), scaled accuracy\n\n"
+    return (f"{head}\n\n{markdown_table(rows, ['model', *cols])}\n\nEvery seed ({seeds}), scaled accuracy, and their mean\n\n"
             f"{markdown_table(seed_rows, ['model', *sweep.tasks])}\n\nPast {past}, by test position "
             "(the best seed's final model, scaled accuracy; — : no label there, or a run from before these were "
             f"recorded)\n\n{markdown_table(pos_rows, list(pos_rows[0]))}")

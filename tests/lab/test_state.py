@@ -9,7 +9,7 @@ import torch
 
 from evict.cli import main
 from evict.lab.state import (QUICK, _task, best_of_seeds, jobs_for, model_config, position_accuracy, position_spans,
-                             run_sweep)
+                             report, run_sweep)
 from evict.models import LM
 
 MICRO = replace(QUICK, tasks=("parity", "mod_arith"), models=("deltanet", "deltanet_neg", "attention"), d_model=16,
@@ -75,6 +75,10 @@ def test_neg_eigval_reaches_the_model_and_best_of_seeds():
     rows = [dict(task="parity", model="deltanet", seed=s, scaled_accuracy=a) for s, a in ((0, 0.1), (1, 0.7), (2, 0.3))]
     assert best_of_seeds(rows)[("parity", "deltanet")]["seed"] == 1
     assert best_of_seeds(rows, seeds=3)[("parity", "deltanet")]["seed"] == 1 and best_of_seeds(rows[:2], seeds=3) == {}
+    sweep = replace(MICRO, tasks=("parity",), models=("deltanet",), seeds=3)
+    full = [{**r, "beyond_scaled_accuracy": 0.0} for r in rows]
+    assert "| DeltaNet β∈[0,1] | 0.100 / 0.700 / 0.300 (mean 0.367) |" in report(sweep, full)
+    assert "| DeltaNet β∈[0,1] | 0.100 / 0.700 / — |" in report(sweep, full[:2])  # no mean until every seed is in
     assert len(jobs_for(replace(MICRO, seeds=3), __import__("pathlib").Path("/x"))) == 2 * 3 * 3
 
 
