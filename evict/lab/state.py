@@ -193,8 +193,9 @@ def report(sweep: StateSweep, results: list[dict]) -> str:
             row[f"{t} past {past}"] = _score(best.get((t, m)), "beyond_scaled_accuracy")
             runs = [by_seed.get((t, m, s)) for s in seeds_of(sweep)]
             srow[t] = " / ".join(_score(r, "scaled_accuracy") for r in runs)
-            if len(runs) > 1 and None not in runs:  # the mean beside the best: best of 3 can favour a lucky seed
-                srow[t] += f" (mean {sum(r['scaled_accuracy'] for r in runs) / len(runs):.3f})"
+            known = [r["scaled_accuracy"] for r in runs if r is not None]
+            if len(runs) > 1 and len(known) == len(runs):  # the mean beside the best: best of 3 can favour a lucky seed
+                srow[t] += f" (mean {sum(known) / len(known):.3f})"
         rows.append(row)
         seed_rows.append(srow)
     cols = [c for t in sweep.tasks for c in (t, f"{t} (published)", f"{t} past {past}")]
