@@ -13,8 +13,9 @@ written when every row is already committed. Then the sweep's outputs are writte
 committed piece: the runs restored into a scratch folder (dev/grid_restore.py), then the lab's `run_sweep` over it as
 a piece of no time, which trains nothing. While runs are left, recall writes partial_table.md (every cell whose best
 over lr is known), and so do the state, hybrid and pairs labs (every cell whose seeds are all in; the other
-labs write nothing). Once every run has a result, the finished sweep's files (table.md, results.jsonl with every run, the plots,
-its config.json; recall's scorecard.md) land beside the pieces and partial_table.md goes. `--docs DIR` writes elsewhere.
+labs write nothing). Once every run has a result, the finished sweep's files (table.md, results.jsonl with every
+run, the plots, its config.json; recall's scorecard.md) land beside the pieces and partial_table.md goes. `--docs
+DIR` writes elsewhere.
 """
 
 import argparse
@@ -113,8 +114,8 @@ def main(files_at: str, lab: str = "recall", docs: str | None = None, table: boo
 
 def _table(folder: Path, lab: str = "recall", target: dict | None = None) -> None:
     """The sweep's outputs from every committed piece, written by the lab itself (a piece of no time over a scratch
-    folder of every piece's runs): the lab's partial_table.md (if it writes one) while runs are left; every file the finished sweep wrote
-    at its top level once none is."""
+    folder of every piece's runs): the lab's partial_table.md (if it writes one) while runs are left; every file the
+    finished sweep wrote at its top level once none is."""
     module = importlib.import_module(f"evict.lab.{grid_restore.LABS.get(lab, 'recall')}")
     config = target if target is not None else json.loads(json.dumps(dataclasses.asdict(module.FULL)))
     sweep = dataclasses.replace(from_json(type(module.FULL), config), workers=1)  # nothing trains: no worker processes

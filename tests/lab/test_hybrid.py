@@ -1,8 +1,8 @@
 """The hybrid lab: layer patterns per ratio and placement, equal parameters, the accountant's cache numbers, the
 ordering against Kimi Linear's Table 1, the sweep end to end (micro) and its flags."""
 
+import functools
 import json
-import shutil
 from dataclasses import replace
 
 import pytest
@@ -17,6 +17,8 @@ from evict.layers.memory_mixer import MemoryMixer
 from evict.layers.mla import MLA
 from evict.models import LM, ModelConfig
 from tests.test_bad_input import _cli
+
+from .pieces import finished_piece, stopped_piece
 
 CORPUS = "ROMEO: But soft, what light through yonder window breaks?\nJULIET: Ay me!\n" * 40
 MICRO = replace(QUICK, ratios=("1:0", "3:1", "0:1"), placement_ratios=("3:1",), n_layers=4, d_model=16,
@@ -160,16 +162,10 @@ def _stopped_sweep_shows_the_cells_known(sweep, root, table: str) -> None:
     sweep's 14 runs) writes partial_table.md: a model whose runs are in has its row as in the whole table, one with
     only its MQAR run has — for val loss, one with none — everywhere but its name and pattern, and the ranking waits;
     no table, rows or plot. Once every run is in, the finished sweep's table, and no partial one."""
-    part = root.parent / "part"
-    (part / "runs").mkdir(parents=True)
-    shutil.copyfile(root / "config.json", part / "config.json")
+    run = functools.partial(run_sweep, sweep)
     first, second, third = (v.name for v in variants(sweep)[:3])
-    for name in (f"{first}_mqar_s0", f"{first}_text_s0", f"{second}_mqar_s0"):
-        shutil.copytree(root / "runs" / name, part / "runs" / name)
-    run_sweep(sweep, out=part, minutes=1e-9)
-    partial = (part / "partial_table.md").read_text()
-    assert partial.startswith("Partial: 3 of 14 runs finished;") and not (part / "table.md").exists()
-    assert not (part / "results.jsonl").exists() and not (part / "hybrid.png").exists()
+    kept = [f"{first}_mqar_s0", f"{first}_text_s0", f"{second}_mqar_s0"]
+    part, partial = stopped_piece(root, run, kept, total=14, png="hybrid.png")
     # of the MLA ratios' 4 cells (3:1 and 0:1, MQAR and text) only 3:1's MQAR is in
     assert "Ordering beside Kimi Linear's Table 1: once every MLA ratio's runs are in (1 of 4 cells so far)." in partial
     rows = {text: {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
@@ -180,11 +176,7 @@ def _stopped_sweep_shows_the_cells_known(sweep, root, table: str) -> None:
     got, want = rows[partial][label[second]], rows[table][label[second]]
     assert got[head.index("val loss")] == "—" and got[head.index("MQAR acc")] == want[head.index("MQAR acc")]
     assert {c for c in rows[partial][label[third]][2:-1] if c} == {"—"}  # the published ppl column may be blank
-    for run in (root / "runs").iterdir():
-        if not (part / "runs" / run.name).exists():
-            shutil.copytree(run, part / "runs" / run.name)
-    run_sweep(sweep, out=part)  # every run is in: nothing trains, the finished files replace the partial table
-    assert (part / "table.md").read_text() == table and not (part / "partial_table.md").exists()
+    finished_piece(root, part, run, table)
 
 
 def test_cli_runs_a_micro_sweep(tmp_path, monkeypatch, single_thread_runs):

@@ -1,8 +1,8 @@
 """The pairs-vs-dimension lab: the ladder's rule (first failing rung ends it, best over lr), the fit, and the sweep
 end to end on a micro grid (real training through the recall lab's cell)."""
 
+import functools
 import json
-import shutil
 from dataclasses import replace
 
 import pytest
@@ -10,6 +10,8 @@ import pytest
 from evict.cli import main
 from evict.lab import pairs
 from evict.lab.pairs import QUICK, fit, jobs_for, run_sweep
+
+from .pieces import finished_piece, stopped_piece
 
 MICRO = replace(QUICK, rules=("deltanet", "attention"), dims=(4, 8), d_model=8, pairs=(1, 2), steps=2, eval_every=1,
                 eval_batches=1, batch_size=4, workers=1)
@@ -68,24 +70,14 @@ def _stopped_sweep_shows_the_cells_known(root, table: str) -> None:
     """A piece that stops with ladders left (out of time before any starts, over a folder holding 2 of the finished
     sweep's 4 ladders: DeltaNet's) writes partial_table.md — DeltaNet's row as in the whole table, attention's all —, no
     table, rows or plot; the piece that finishes the sweep writes those and drops the partial table."""
-    part = root.parent / "part"
-    (part / "runs").mkdir(parents=True)
-    shutil.copyfile(root / "config.json", part / "config.json")
-    for d in MICRO.dims:
-        shutil.copytree(root / "runs" / f"deltanet_d{d}_s0", part / "runs" / f"deltanet_d{d}_s0")
-    run_sweep(MICRO, out=part, minutes=1e-9)
-    partial = (part / "partial_table.md").read_text()
-    assert partial.startswith("Partial: 2 of 4 runs finished;") and not (part / "table.md").exists()
-    assert not (part / "results.jsonl").exists() and not (part / "pairs.png").exists()
+    run = functools.partial(run_sweep, MICRO)
+    kept = [f"deltanet_d{d}_s0" for d in MICRO.dims]
+    part, partial = stopped_piece(root, run, kept, total=4, png="pairs.png")
     rows = {text: {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
             for text in (table, partial)}
     assert rows[partial]["| DeltaNet"] == rows[table]["| DeltaNet"]
     assert rows[partial]["| attention"] == "| attention | — | — | — | — |"
-    for run in (root / "runs").iterdir():
-        if not (part / "runs" / run.name).exists():
-            shutil.copytree(run, part / "runs" / run.name)
-    run_sweep(MICRO, out=part)  # every ladder is in: nothing trains, the finished files replace the partial table
-    assert (part / "table.md").read_text() == table and not (part / "partial_table.md").exists()
+    finished_piece(root, part, run, table)
 
 
 def test_one_head_of_dim_d_at_a_fixed_width(tmp_path):

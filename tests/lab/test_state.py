@@ -1,7 +1,7 @@
 """The state-tracking lab end to end on a micro configuration: runs, resumes, writes the table, plot and JSON."""
 
+import functools
 import json
-import shutil
 from dataclasses import replace
 
 import pytest
@@ -11,6 +11,8 @@ from evict.cli import main
 from evict.lab.state import (QUICK, _task, best_of_seeds, jobs_for, model_config, position_accuracy, position_spans,
                              report, run_sweep)
 from evict.models import LM
+
+from .pieces import finished_piece, stopped_piece
 
 MICRO = replace(QUICK, tasks=("parity", "mod_arith"), models=("deltanet", "deltanet_neg", "attention"), d_model=16,
                 n_heads=2, steps=3, batch_size=4, eval_every=2, eval_batches=1, train_lengths=(3, 8),
@@ -45,16 +47,9 @@ def _stopped_sweep_shows_the_cells_known(root, table: str) -> None:
     """A piece that stops with runs left (here: out of time before any starts, over a folder holding 3 of the finished
     sweep's 6 runs) writes partial_table.md — the finished runs' cells as in the whole table, — elsewhere — and no
     table, rows or plot; the piece that finishes the sweep writes those and drops the partial table."""
-    part = root.parent / "part"
-    (part / "runs").mkdir(parents=True)
-    shutil.copyfile(root / "config.json", part / "config.json")
-    kept = ("parity_deltanet_s0", "parity_deltanet_neg_s0", "mod_arith_attention_s0")
-    for name in kept:
-        shutil.copytree(root / "runs" / name, part / "runs" / name)
-    run_sweep(MICRO, out=part, minutes=1e-9)
-    partial = (part / "partial_table.md").read_text()
-    assert partial.startswith("Partial: 3 of 6 runs finished;") and not (part / "table.md").exists()
-    assert not (part / "results.jsonl").exists() and not (part / "state.png").exists()
+    run = functools.partial(run_sweep, MICRO)
+    kept = ["parity_deltanet_s0", "parity_deltanet_neg_s0", "mod_arith_attention_s0"]
+    part, partial = stopped_piece(root, run, kept, total=6, png="state.png")
     whole_rows, part_rows = {}, {}  # model -> its row of the first table (best of seeds)
     for text, rows in ((table, whole_rows), (partial, part_rows)):
         for line in text.splitlines():
@@ -64,8 +59,7 @@ def _stopped_sweep_shows_the_cells_known(root, table: str) -> None:
     assert part_rows["| DeltaNet β∈[0,2]"].split(" | ")[:4] == row[:4]  # its parity cell is known, as in the table
     assert part_rows["| DeltaNet β∈[0,2]"].split(" | ")[4] == "—"  # its mod_arith run is not in
     assert part_rows["| attention (RoPE)"].split(" | ")[1] == "—" and part_rows["| attention (RoPE)"].split(" | ")[4] != "—"
-    run_sweep(MICRO, out=part)  # the rest: the finished sweep's files, the same table, no partial one
-    assert (part / "table.md").read_text() == table and not (part / "partial_table.md").exists()
+    finished_piece(root, part, run, table)
 
 
 def test_neg_eigval_reaches_the_model_and_best_of_seeds():
