@@ -1,8 +1,13 @@
 """Where one MQAR training step's time goes on the GPU (issue 10): data, eager step, graphed step, top kernels.
 
     python3 dev/profile_train.py [--arch kda attention] [--L 512 --K 64 --d 128 --batch 256] [--compile] [--no-timing]
+    python3 dev/profile_train.py --hybrid KKKMKKKMKKKMKKKM KKKKKKKKKKKKKKKK [--compile]   # lab hybrid --full's models
 
 --compile: also time the graphed step with each block through torch.compile, and profile the compiled blocks.
+--hybrid PATTERN …: instead of the recall lab's cells, the hybrid lab's models of these layer patterns at its
+`--full` shapes (hybrid.FULL: L 512, K 64, vocab 8192, batch 64, 16 layers at equal parameters, slow KDA gates), the
+question being how long one of its 8,000-step MQAR runs takes on the card (docs/lab_full/README.md).
+--device cpu: a smoke run of the same code (eager only, CPU activities in the profile) at small --steps.
 """
 
 import argparse
@@ -10,68 +15,94 @@ import time
 
 import torch
 
-from evict.lab.recall import FULL, model_config
+from evict.lab import hybrid, recall
 from evict.models import LM
 from evict.tasks.mqar import MQARConfig, MQARTask
-from evict.train import TrainConfig, train
+from evict.train import TrainConfig, label_positions, train
 
 p = argparse.ArgumentParser()
 p.add_argument("--arch", nargs="+", default=["kda", "attention"])
+p.add_argument("--hybrid", nargs="+", default=None, metavar="PATTERN", help="hybrid.FULL's model of each pattern")
 p.add_argument("--L", type=int, default=512)
 p.add_argument("--K", type=int, default=64)
 p.add_argument("--d", type=int, default=128)
-p.add_argument("--batch", type=int, default=256)
+p.add_argument("--batch", type=int, default=None, help="default: 256 (recall cells), hybrid.FULL's 64 (--hybrid)")
+p.add_argument("--steps", type=int, default=60, help="timed steps per variant")
 p.add_argument("--compile", action="store_true")
 p.add_argument("--no-timing", action="store_true")
 p.add_argument("--rows", type=int, default=25)
+p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
 a = p.parse_args()
-task = MQARTask(MQARConfig(vocab_size=FULL.vocab_size, seq_len=a.L, num_pairs=a.K))
+cuda = a.device == "cuda"
+
+if a.hybrid:
+    sweep = hybrid.FULL
+    for pat in a.hybrid:
+        if len(pat) != sweep.n_layers or set(pat) - {"K", "M", "A"}:
+            p.error(f"--hybrid: expected patterns of {sweep.n_layers} letters K / M / A, got {pat!r}")
+    task = hybrid.make_task(sweep, "mqar", 0)
+    K, batch = sweep.pairs, a.batch or sweep.batch_size
+    models = {pat: (lambda pat=pat: LM(hybrid.model_config(sweep, pat, task.vocab_size)))
+              for pat in a.hybrid}
+else:
+    task = MQARTask(MQARConfig(vocab_size=recall.FULL.vocab_size, seq_len=a.L, num_pairs=a.K))
+    K, batch = a.K, a.batch or 256
+    models = {arch: (lambda arch=arch: LM(recall.model_config(arch, a.d, recall.FULL, a.L))) for arch in a.arch}
 t0 = time.perf_counter()
 for i in range(10):
-    task.get_batch("train", i, a.batch)
-print(f"get_batch (CPU, {torch.get_num_threads()} threads): {(time.perf_counter() - t0) / 10 * 1e3:.1f} ms")
+    task.get_batch("train", i, batch)
+print(f"get_batch (CPU, {torch.get_num_threads()} threads, batch {batch}): {(time.perf_counter() - t0) / 10 * 1e3:.1f} ms")
 
-for arch in a.arch:
-    variants = [dict(graphs=False, prefetch=0), dict(graphs=True, prefetch=2)]
-    variants += [dict(graphs=True, prefetch=2, compile=True)] if a.compile else []
+
+def sync() -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+for name, make in models.items():
+    variants = [dict(graphs=False, prefetch=0)] + ([dict(graphs=True, prefetch=2)] if cuda else [])
+    variants += [dict(graphs=True, prefetch=2, compile=True)] if a.compile and cuda else []
     for variant in [] if a.no_timing else variants:
         torch.manual_seed(0)
-        model = LM(model_config(arch, a.d, FULL, a.L))
-        tc = TrainConfig(steps=60, batch_size=a.batch, lr=2.2e-3, eval_every=60, eval_batches=1, device="cuda",
-                         progress=False, log_every=60, **variant)
-        train(LM(model_config(arch, a.d, FULL, a.L)), task, TrainConfig(**{**tc.__dict__, "steps": 5, "eval_every": 5}))
-        torch.cuda.synchronize()
+        model = make()
+        tc = TrainConfig(steps=a.steps, batch_size=batch, lr=2.2e-3, eval_every=a.steps, eval_batches=1, device=a.device,
+                         progress=False, log_every=a.steps, **variant)
+        train(make(), task, TrainConfig(**{**tc.__dict__, "steps": 5, "eval_every": 5}))  # warm-up (compile, graphs)
+        sync()
         t0 = time.perf_counter()
         train(model, task, tc)
-        torch.cuda.synchronize()
-        print(f"{arch} {variant}: {(time.perf_counter() - t0) / 60 * 1e3:.1f} ms/step (one process, incl. 1 eval)")
+        sync()
+        print(f"{name} {variant}: {(time.perf_counter() - t0) / a.steps * 1e3:.1f} ms/step (one process, incl. 1 eval)")
 
     torch.manual_seed(0)
-    model = LM(model_config(arch, a.d, FULL, a.L)).cuda()
+    model = make().to(a.device)
     if a.compile:
         for blk in model.blocks:
             blk.compile()
-    x, y = (t.cuda() for t in task.get_batch("train", 0, a.batch))
-    from evict.train import label_positions
+    x, y = (t.to(a.device) for t in task.get_batch("train", 0, batch))
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            pos = label_positions(y, a.K)
+        with torch.autocast(a.device, dtype=torch.bfloat16, enabled=cuda):
+            pos = label_positions(y, K)
             logits = model(x, positions=pos)
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.gather(1, pos).flatten())
         loss.backward()
 
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
+    sync()
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(3):
             step()
-        torch.cuda.synchronize()
-    print(f"\n{arch}{' (compiled blocks)' if a.compile else ''}: top CUDA kernels over 3 fwd+bwd steps")
-    try:
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=a.rows, max_name_column_width=90))
-    except (AttributeError, KeyError, ValueError):  # newer torch names the column "device"
-        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=a.rows, max_name_column_width=90))
+        sync()
+    where = "CUDA kernels" if cuda else "CPU ops"
+    print(f"\n{name}{' (compiled blocks)' if a.compile else ''}: top {where} over 3 fwd+bwd steps")
+    key = "self_cpu_time_total"
+    for key in (["self_cuda_time_total", "self_device_time_total"] if cuda else []) + [key]:
+        try:  # newer torch names the CUDA column "device"
+            print(prof.key_averages().table(sort_by=key, row_limit=a.rows, max_name_column_width=90))
+            break
+        except (AttributeError, KeyError, ValueError):
+            continue
