@@ -99,8 +99,7 @@ for name, make in models.items():
         sync()
     where = "CUDA kernels" if cuda else "CPU ops"
     print(f"\n{name}{' (compiled blocks)' if a.compile else ''}: top {where} over 3 fwd+bwd steps")
-    key = "self_cpu_time_total"
-    for key in (["self_cuda_time_total", "self_device_time_total"] if cuda else []) + [key]:
+    for key in (["self_cuda_time_total", "self_device_time_total"] if cuda else []) + ["self_cpu_time_total"]:
         try:  # newer torch names the CUDA column "device"
             print(prof.key_averages().table(sort_by=key, row_limit=a.rows, max_name_column_width=90))
             break
