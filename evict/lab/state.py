@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import diverged, from_json, out_of_time, piece_fields, run_grid, seeds_of
+from evict.lab.sweep import diverged, from_json, lab_train_config, out_of_time, run_grid, seeds_of
 from evict.models import LM, presets
 from evict.tasks.state import TASKS, StateConfig, StateTask, scaled_accuracy
-from evict.train import TrainConfig, resolve_device, train
+from evict.train import train
 
 MODELS = {  # name -> (preset family, neg_eigval, label)
     "deltanet": ("deltanet", False, "DeltaNet β∈[0,1]"),
@@ -134,12 +134,7 @@ def run_one(job: dict) -> dict | None:
     task = _task(job["task"], sweep, seed)
     torch.manual_seed(seed)
     model = LM(model_config(job["model"], sweep, task.vocab_size))
-    on_gpu = resolve_device(sweep.device).type == "cuda"
-    tc = TrainConfig(steps=sweep.steps, batch_size=sweep.batch_size, lr=sweep.lr, weight_decay=0.1, warmup_steps=0,
-                     eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, seed=seed, device=sweep.device,
-                     out_dir=job["dir"], progress=False, log_every=50, graphs=on_gpu,
-                     **piece_fields(job, sweep.eval_every))
-    res = train(model, task, tc)
+    res = train(model, task, lab_train_config(sweep, job, seed))
     if res.interrupted:
         return None  # stopped at the piece's end: its checkpoint resumes it
     classes = task.cfg.classes

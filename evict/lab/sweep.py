@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 from tqdm import tqdm
 
+from evict.train import TrainConfig, resolve_device
+
 
 T = TypeVar("T")
 
@@ -109,6 +111,16 @@ def piece_fields(job: dict, every: int) -> dict:
     """TrainConfig fields of a run in a timed piece: stop at the job's stop_at, checkpointing every `every` steps so the
     next piece resumes it where it stopped (train() then returns interrupted, and the run's fn returns None)."""
     return {} if job.get("stop_at") is None else {"stop_at": job["stop_at"], "checkpoint_every": every}
+
+
+def lab_train_config(sweep: Any, job: dict, seed: int) -> TrainConfig:
+    """The TrainConfig of a lab run at one learning rate (`sweep.lr`): AdamW weight decay 0.1, no warmup, the sweep's
+    steps, batch and evaluations, CUDA graphs on a GPU, and the piece's stop and checkpoints (piece_fields)."""
+    on_gpu = resolve_device(sweep.device).type == "cuda"
+    return TrainConfig(steps=sweep.steps, batch_size=sweep.batch_size, lr=sweep.lr, weight_decay=0.1, warmup_steps=0,
+                       eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, seed=seed, device=sweep.device,
+                       out_dir=job["dir"], progress=False, log_every=50, graphs=on_gpu,
+                       **piece_fields(job, sweep.eval_every))
 
 
 def diverged(res) -> dict:

@@ -11,7 +11,7 @@ import pytest
 from evict.cli import main
 from evict.lab import capacity, pairs, state
 from evict.lab import sweep as sweep_mod
-from evict.lab.sweep import out_of_time, piece_fields, with_deadline
+from evict.lab.sweep import lab_train_config, out_of_time, piece_fields, with_deadline
 
 from .test_capacity import MICRO as CAPACITY
 from .test_pairs import MICRO as PAIRS
@@ -30,6 +30,18 @@ def test_deadline_helpers():
     for bad in (0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="minutes: expected a positive number"):
             with_deadline(jobs, bad)
+
+
+def test_lab_train_config_carries_the_sweep_and_the_piece():
+    """The one TrainConfig of the state and stories labs' runs: the sweep's schedule, the job's folder and seed, and a
+    timed piece's stop and checkpoints; CUDA graphs only where the sweep's device is a GPU (here the CPU)."""
+    sweep = replace(STATE, steps=7, batch_size=5, lr=2e-3, eval_every=3, eval_batches=4)
+    tc = lab_train_config(sweep, {"dir": "runs/x"}, 11)
+    assert (tc.steps, tc.batch_size, tc.lr, tc.eval_every, tc.eval_batches) == (7, 5, 2e-3, 3, 4)
+    assert (tc.seed, tc.out_dir, tc.device, tc.weight_decay, tc.warmup_steps) == (11, "runs/x", "cpu", 0.1, 0)
+    assert not tc.graphs and tc.stop_at is None and not tc.progress
+    timed = lab_train_config(sweep, {"dir": "runs/x", "stop_at": 123.0}, 11)
+    assert (timed.stop_at, timed.checkpoint_every) == (123.0, 3)
 
 
 def _rows(root):
