@@ -32,7 +32,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 FORMS="kept_factors or kept_states or dstate_stages or intra_key_blocks or dkey_block or one_tile or float32_operands"  # opt-in knobs' tests
 # a sweep folder's finished runs as one JSONL (each result.json plus its run folder's name as "dir"): what a piece
 # brings back, to commit (dev/grid_piece.py FILES_AT) and restore (dev/grid_restore.py) on the next bare machine
-finished() { python3 -c "import glob, json, sys; sys.stdout.write(''.join(json.dumps({**json.load(open(f)), 'dir': f.split('/')[-2]}) + chr(10) for f in sorted(glob.glob(sys.argv[1] + '/runs/*/result.json'))))" "$1"; }
+finished() { python3 dev/grid_restore.py --finished "$1"; }  # finished runs (and pairs ladders' finished rungs) as JSONL
 # CUDA MPS (the card's multi-process service): kernels of the sweep's worker processes then run side by side instead
 # of taking turns (session 13: 4 compiled kda cells 69.2 -> 85.9 cell-steps/s). MPS=0 switches it off.
 # MPS_HELD=1 (set by a MODE+MODE group, below): the group holds the daemon, its pieces leave it alone.

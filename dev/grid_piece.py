@@ -9,7 +9,8 @@ A call packed as FILES_AT/out.tar.gz (more than the 8 files a call brings back: 
 `FILES_AT` is the `run` tool's folder of the call's $OUT (`bash dev/gpu.sh grid` / `lab` write those files there).
 The rows no committed piece holds yet (by run folder) become docs/recall_full/piece<N>_results.jsonl beside a copy of
 the piece's config as piece<N>_config.json (docs/lab_full/NAME/ for a lab), N the next free number; nothing is
-written when every row is already committed. Then the sweep's outputs are written here, by the lab itself, from every
+written when every row is already committed. A pairs ladder's finished rungs (rows LADDER/RUNG) are committed too
+while their ladder is unfinished, so the next bare machine climbs on from them. Then the sweep's outputs are written here, by the lab itself, from every
 committed piece: the runs restored into a scratch folder (dev/grid_restore.py), then the lab's `run_sweep` over it as
 a piece of no time, which trains nothing. While runs are left, recall writes partial_table.md (every cell whose best
 over lr is known), and so do the state, hybrid and pairs labs (every cell whose seeds are all in; the other
@@ -97,7 +98,10 @@ def main(files_at: str, lab: str = "recall", docs: str | None = None, table: boo
         folder, target = folder / f"side_{side}", target if target is not None else config
     pieces = sorted(folder.glob("piece*_results.jsonl"), key=_number)
     known = {r["dir"] for p in pieces for r in _read_rows(p)}
-    new = [r for r in rows if r["dir"] not in known]
+    # a pairs ladder's finished rungs (dir LADDER/RUNG) are kept only while their ladder is not finished: then the
+    # next bare machine climbs on from them (dev/grid_restore.py); a finished ladder's row holds its rungs' numbers
+    finished = known | {r["dir"] for r in rows if "/" not in r["dir"]}
+    new = [r for r in rows if r["dir"] not in known and ("/" not in r["dir"] or r["dir"].split("/")[0] not in finished)]
     if not new:
         print(f"no new runs: all {len(rows)} rows of {res} are committed already")
         return None
@@ -106,7 +110,9 @@ def main(files_at: str, lab: str = "recall", docs: str | None = None, table: boo
     out = folder / f"piece{n}_results.jsonl"
     shutil.copyfile(cfg, folder / f"piece{n}_config.json")
     out.write_text("".join(json.dumps(r) + "\n" for r in new))
-    print(f"wrote {out} ({len(new)} new runs of {len(rows)}) and its config")
+    rungs = sum("/" in r["dir"] for r in new)
+    also = f", and {rungs} finished rungs of ladders not finished" if rungs else ""
+    print(f"wrote {out} ({len(new) - rungs} new runs of {sum('/' not in r['dir'] for r in rows)}{also}) and its config")
     if table:
         _table(folder, lab, target)
     return out

@@ -16,6 +16,12 @@ is restored only when that config equals the target sweep's — its config.json,
 settings, d_models, lrs, lr_order, seeds, workers) and chunk_size (the same sums, split at other places): those do
 not change what one run trains. Runs already in the target folder
 are left alone. Prints how many rows it restored.
+
+A pairs ladder's finished rungs come back and are restored too (rows whose `dir` is LADDER/RUNG), so a ladder that a
+device session leaves half-climbed continues on the next bare machine from its first rung not yet trained, instead of
+from the bottom: a ladder at d 256 climbs to L 4,096 and may outlast one session's calls.
+
+    python3 dev/grid_restore.py --finished runs/lab_pairs > rows.jsonl   # what a call sends back (dev/gpu.sh)
 """
 
 import dataclasses
@@ -30,6 +36,22 @@ WHICH = {"archs", "settings", "d_models", "lrs", "lr_order", "seeds", "chunk_siz
 LABS = {"capacity": "capacity", "hybrid": "hybrid", "pairs": "pairs", "state": "state", "stories": "switch"}
 
 
+def finished_rows(root: str | Path) -> list[dict]:
+    """Every finished run under ROOT/runs as a row naming its folder (`dir`, relative to runs/): each run's
+    result.json, and a pairs ladder's finished rungs (runs/LADDER/RUNG/result.json) as rows of dir LADDER/RUNG."""
+    runs = Path(root) / "runs"
+    found = sorted([*runs.glob("*/result.json"), *runs.glob("*/*/result.json")])
+    return [{**json.loads(f.read_text()), "dir": f.parent.relative_to(runs).as_posix()} for f in found]
+
+
+def _folder(root: Path, d: object, where: str) -> Path:
+    """A row's run folder under root/runs: one name, or LADDER/RUNG; never outside runs/."""
+    parts = d.split("/") if isinstance(d, str) else []
+    if not 1 <= len(parts) <= 2 or any(p in ("", ".", "..") or "\\" in p for p in parts):
+        sys.exit(f"{where}: a row's \"dir\" must be a run folder (NAME or LADDER/RUNG), got {d!r}")
+    return root / "runs" / Path(*parts)
+
+
 def main(target: str, pairs: list[str], lab: str = "recall") -> None:
     module = importlib.import_module(f"evict.lab.{LABS.get(lab, 'recall')}")
     which = WHICH if lab == "recall" else {*EXECUTION_FIELDS, *getattr(module, "WHICH_FIELDS", ())}
@@ -38,7 +60,7 @@ def main(target: str, pairs: list[str], lab: str = "recall") -> None:
     # fields a saved config predates take their defaults (as sweep_folder does), e.g. recall's gate_dt
     defaults = json.loads(json.dumps(dataclasses.asdict(type(module.FULL)())))
     want = {**defaults, **(json.loads(cfg.read_text()) if cfg.exists() else json.loads(json.dumps(dataclasses.asdict(module.FULL))))}
-    restored = markers = 0
+    restored = markers = rungs = 0
     for cfg_path, rows_path in zip(pairs[::2], pairs[1::2]):
         got = {**defaults, **json.loads(Path(cfg_path).read_text())}
         differ = sorted(k for k in set(want) | set(got) if k not in which and want.get(k) != got.get(k))
@@ -46,7 +68,8 @@ def main(target: str, pairs: list[str], lab: str = "recall") -> None:
             sys.exit(f"{cfg_path}: trained with another config ({', '.join(differ)} differ); its runs are not restored")
         for line in Path(rows_path).read_text().splitlines():
             row = json.loads(line)
-            out = root / "runs" / row.pop("dir") / "result.json"
+            d = row.pop("dir", None)
+            out = _folder(root, d, rows_path) / "result.json"
             if lab == "recall":
                 markers += _solved(root, row, want.get("target_accuracy", 0.99))
             if out.exists():
@@ -54,7 +77,9 @@ def main(target: str, pairs: list[str], lab: str = "recall") -> None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(row, indent=2))
             restored += 1
-    print(f"restored {restored} finished runs into {root / 'runs'}" + (f", {markers} solved-cell markers" if markers else ""))
+            rungs += "/" in d
+    print(f"restored {restored - rungs} finished runs into {root / 'runs'}" + (f", {markers} solved-cell markers" if markers else "")
+          + (f", {rungs} finished rungs of ladders not finished" if rungs else ""))
 
 
 def _solved(root: Path, row: dict, target: float) -> int:
@@ -73,10 +98,13 @@ def _solved(root: Path, row: dict, target: float) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--finished"] and len(sys.argv) == 3:
+        sys.stdout.write("".join(json.dumps(r) + "\n" for r in finished_rows(sys.argv[2])))
+        sys.exit()
     args, lab = sys.argv[1:], "recall"
     if args[:1] == ["--lab"]:
         lab, args = args[1], args[2:]
     if len(args) < 3 or len(args) % 2 == 0 or lab not in {"recall", *LABS}:
         sys.exit("usage: python3 dev/grid_restore.py [--lab NAME] SWEEP_DIR CONFIG.json RESULTS.jsonl [CONFIG.json "
-                 "RESULTS.jsonl ...]")
+                 "RESULTS.jsonl ...]  |  python3 dev/grid_restore.py --finished SWEEP_DIR")
     main(args[0], args[1:], lab)

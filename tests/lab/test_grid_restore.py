@@ -192,3 +192,53 @@ def test_a_state_piece_commits_the_cells_known_so_far(tmp_path):
     docs = _device_calls(tmp_path, ran, "lab_state", "state", first=1)
     assert not (docs / "partial_table.md").exists() and (docs / "state.png").stat().st_size > 0
     assert (docs / "table.md").read_text() == (ran / "table.md").read_text()
+
+
+def test_a_half_climbed_ladder_climbs_on_from_its_committed_rungs(tmp_path, monkeypatch):
+    """A pairs ladder that a device session leaves half-climbed: its finished rungs come back (finished_rows: rows
+    LADDER/RUNG), are committed (grid_piece) and restored (grid_restore), so the next bare machine trains only the
+    rungs above them; once the ladder is finished its rungs are not committed again (the ladder's row holds them)."""
+    from evict.lab import pairs
+    from evict.lab.sweep import out_of_time
+
+    trained = []
+
+    def fake(job):  # the recall lab's run of one rung: every rung passes; none starts after its piece's end
+        if out_of_time(job):
+            return None
+        trained.append(job["pairs"])
+        return {"accuracy": 0.5 + job["pairs"] / 10, "lr": job["lr"], "steps": 3, "seconds": 1.0, "state_size": 16,
+                "params": 99}
+
+    monkeypatch.setattr(pairs.recall, "run_one", fake)
+    micro = dataclasses.replace(pairs.QUICK, rules=("deltanet",), dims=(4,), d_model=8, pairs=(1, 2, 4), threshold=0.5,
+                                lrs=(1e-2,), workers=1)
+    ran = pairs.run_sweep(micro, out=tmp_path / "device")
+    whole = (ran / "results.jsonl").read_text()
+    ladder = ran / "runs" / "deltanet_d4_s0"
+    (ladder / "result.json").unlink()  # the session ended while the third rung trained
+    (ladder / "K4_lr0.01" / "result.json").unlink()
+    rows = grid_restore.finished_rows(ran)
+    assert [r["dir"] for r in rows] == ["deltanet_d4_s0/K1_lr0.01", "deltanet_d4_s0/K2_lr0.01"]
+    config = json.loads((ran / "config.json").read_text())
+    at, docs = tmp_path / "at", tmp_path / "docs"
+    at.mkdir()
+    (at / "lab_pairs_config.json").write_text(json.dumps(config))
+    (at / "lab_pairs_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    first = grid_piece.main(str(at), lab="pairs", docs=str(docs), target=config)
+    assert len(first.read_text().splitlines()) == 2 and not (docs / "table.md").exists()
+    # the next bare machine
+    nxt = tmp_path / "next"
+    nxt.mkdir()
+    (nxt / "config.json").write_text(json.dumps(config))
+    grid_restore.main(str(nxt), [str(docs / "piece1_config.json"), str(first)], lab="pairs")
+    trained.clear()
+    pairs.run_sweep(micro, out=nxt)
+    assert trained == [4] and (nxt / "results.jsonl").read_text() == whole
+    (at / "lab_pairs_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in grid_restore.finished_rows(nxt)))
+    second = grid_piece.main(str(at), lab="pairs", docs=str(docs), target=config)
+    assert [json.loads(line)["dir"] for line in second.read_text().splitlines()] == ["deltanet_d4_s0"]
+    assert (docs / "results.jsonl").read_text() == whole
+    for bad in ("../x", "a/b/c", "", "a//b"):
+        with pytest.raises(SystemExit, match="must be a run folder"):
+            grid_restore.main(str(nxt), _piece(tmp_path, config, [{"dir": bad, "accuracy": 1.0}]), lab="pairs")
