@@ -18,7 +18,7 @@
 #            seeds and op forms), grid (a piece of `evict recall --full`: MIN, GRIDARGS, GRID; the runs
 #            of earlier pieces in docs/recall_full/ are restored first: dev/grid_restore.py), lab (a piece of
 #            `evict lab $LAB --full` under MPS, pieces in docs/lab_full/$LAB/ restored first; CALL below), proflab (dev/profile_train.py: one cell's step, eager / graphed /
-#            compiled, top kernels; PROFARGS="--hybrid PATTERN …": lab hybrid --full's models), side (a side experiment of the grid: SIDE=finite | mla | gate | tied | untied | seeds, SIDEARGS; several names run side by side),
+#            compiled, top kernels; PROFARGS="--hybrid PATTERN …": lab hybrid --full's models; "--pairs-dim D --arch …": lab pairs --full's top rungs; PROFTAG names the log), side (a side experiment of the grid: SIDE=finite | mla | gate | tied | untied | seeds, SIDEARGS; several names run side by side),
 #            hybriddepth (dev/hybrid_depth.py: lab hybrid --full's MQAR models under a longer schedule, side by side), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
 set -uo pipefail
 T0=${T0:-$(date +%s)}  # CALL (below) counts from here (a MODE+MODE group passes its own)
@@ -143,7 +143,7 @@ for what in "$@"; do
          finished runs/lab_$LAB > $OUT/lab_${LAB}_results.jsonl ;;
     learns) timeout ${TO:-300} python3 dev/learns_gpu.py --archs ${ARCHS:-gated_deltanet gla} --seeds 0 1 2 --out $OUT/learns.json 2>&1 \
               | quiet | tee $OUT/learns.log ;;  # test_mqar_learns_on_cuda over seeds: graphed / eager / fp32 / chunked / C 64 / factors recomputed
-    proflab) timeout ${TO:-300} python3 dev/profile_train.py ${PROFARGS:---arch ${ARCHS:-kda deltanet attention}} --compile 2>&1 | grep -v "^---" | tee $OUT/proflab.log ;;
+    proflab) timeout ${TO:-300} python3 dev/profile_train.py ${PROFARGS:---arch ${ARCHS:-kda deltanet attention}} --compile 2>&1 | grep -v "^---" | tee $OUT/proflab${PROFTAG:-}.log ;;
     grid) too_late grid && continue
           recall_piece ${GRID:-runs/grid} docs/recall_full grid "${GRIDARGS:-}" ;;
     side) too_late side && continue  # a side experiment of the grid (SIDE; folder runs/$SIDE; pieces in docs/recall_full/side_$SIDE):

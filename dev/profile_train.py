@@ -2,11 +2,15 @@
 
     python3 dev/profile_train.py [--arch kda attention] [--L 512 --K 64 --d 128 --batch 256] [--compile] [--no-timing]
     python3 dev/profile_train.py --hybrid KKKMKKKMKKKMKKKM KKKKKKKKKKKKKKKK [--compile]   # lab hybrid --full's models
+    python3 dev/profile_train.py --pairs-dim 256 --arch kda attention [--K 512] [--compile]  # lab pairs --full's rungs
 
 --compile: also time the graphed step with each block through torch.compile, and profile the compiled blocks.
 --hybrid PATTERN …: instead of the recall lab's cells, the hybrid lab's models of these layer patterns at its
 `--full` shapes (hybrid.FULL: L 512, K 64, vocab 8192, batch 64, 16 layers at equal parameters, slow KDA gates), the
 question being how long one of its 8,000-step MQAR runs takes on the card (docs/lab_full/README.md).
+--pairs-dim D: the pairs lab's `--full` rungs at head dim D (pairs.FULL: one head of dim D per layer at width 256,
+vocab 8192, batch 256, slow gates) for --arch's rules at --K pairs (L = 8 K; default the ladder's top, 512 → L 4,096),
+the question being whether its top rungs (4,000 steps) fit inside one device session (docs/lab_full/README.md).
 --device cpu: a smoke run of the same code (eager only, CPU activities in the profile) at small --steps.
 """
 
@@ -15,7 +19,7 @@ import time
 
 import torch
 
-from evict.lab import hybrid, recall
+from evict.lab import hybrid, pairs, recall
 from evict.models import LM
 from evict.tasks.mqar import MQARConfig, MQARTask
 from evict.train import TrainConfig, label_positions, train
@@ -23,10 +27,12 @@ from evict.train import TrainConfig, label_positions, train
 p = argparse.ArgumentParser()
 p.add_argument("--arch", nargs="+", default=["kda", "attention"])
 p.add_argument("--hybrid", nargs="+", default=None, metavar="PATTERN", help="hybrid.FULL's model of each pattern")
+p.add_argument("--pairs-dim", type=int, default=None, metavar="D", help="pairs.FULL's rung models at head dim D")
 p.add_argument("--L", type=int, default=512)
-p.add_argument("--K", type=int, default=64)
+p.add_argument("--K", type=int, default=None, help="default: 64 (recall cells), 512 (--pairs-dim)")
 p.add_argument("--d", type=int, default=128)
-p.add_argument("--batch", type=int, default=None, help="default: 256 (recall cells), hybrid.FULL's 64 (--hybrid)")
+p.add_argument("--batch", type=int, default=None,
+               help="default: 256 (recall cells, --pairs-dim), hybrid.FULL's 64 (--hybrid)")
 p.add_argument("--steps", type=int, default=60, help="timed steps per variant")
 p.add_argument("--compile", action="store_true")
 p.add_argument("--no-timing", action="store_true")
@@ -44,7 +50,17 @@ if a.hybrid:
     K, batch = sweep.pairs, a.batch or sweep.batch_size
     models = {pat: (lambda pat=pat: LM(hybrid.model_config(sweep, pat, task.vocab_size)))
               for pat in a.hybrid}
+elif a.pairs_dim:
+    sweep, K = pairs.FULL, a.K or max(pairs.FULL.pairs)
+    if a.pairs_dim > sweep.d_model:
+        p.error(f"--pairs-dim: expected a head dim <= {sweep.d_model} (pairs.FULL's width), got {a.pairs_dim}")
+    L, rsweep = pairs.seq_len(sweep, K), pairs.recall_sweep(sweep, a.pairs_dim)
+    task = MQARTask(MQARConfig(vocab_size=sweep.vocab_size, seq_len=L, num_pairs=K))
+    batch = a.batch or sweep.batch_size
+    models = {f"{arch} d{a.pairs_dim} L{L}": (lambda arch=arch: LM(recall.model_config(arch, sweep.d_model, rsweep, L)))
+              for arch in a.arch}
 else:
+    a.K = a.K or 64
     task = MQARTask(MQARConfig(vocab_size=recall.FULL.vocab_size, seq_len=a.L, num_pairs=a.K))
     K, batch = a.K, a.batch or 256
     models = {arch: (lambda arch=arch: LM(recall.model_config(arch, a.d, recall.FULL, a.L))) for arch in a.arch}
