@@ -78,7 +78,8 @@ def main(target: str, pairs: list[str], lab: str = "recall") -> None:
             out.write_text(json.dumps(row, indent=2))
             restored += 1
             rungs += "/" in d
-    print(f"restored {restored - rungs} finished runs into {root / 'runs'}" + (f", {markers} solved-cell markers" if markers else "")
+    print(f"restored {restored - rungs} finished runs into {root / 'runs'}"
+          + (f", {markers} solved-cell markers" if markers else "")
           + (f", {rungs} finished rungs of ladders not finished" if rungs else ""))
 
 
