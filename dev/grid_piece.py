@@ -8,15 +8,15 @@ A call packed as FILES_AT/out.tar.gz (more than the 8 files a call brings back: 
 
 `FILES_AT` is the `run` tool's folder of the call's $OUT (`bash dev/gpu.sh grid` / `lab` write those files there).
 The rows no committed piece holds yet (by run folder) become docs/recall_full/piece<N>_results.jsonl beside a copy of
-the piece's config as piece<N>_config.json (docs/lab_full/NAME/ for a lab), N the next free number; nothing is
-written when every row is already committed. A pairs ladder's finished rungs (rows LADDER/RUNG) are committed too
-while their ladder is unfinished, so the next bare machine climbs on from them. Then the sweep's outputs are written
-here, by the lab itself, from every committed piece: the runs restored into a scratch folder (dev/grid_restore.py),
-then the lab's `run_sweep` over it as a piece of no time, which trains nothing. While runs are left, recall writes partial_table.md (every cell whose best
-over lr is known), and so do the state, hybrid and pairs labs (every cell whose seeds are all in; the other
-labs write nothing). Once every run has a result, the finished sweep's files (table.md, results.jsonl with every
-run, the plots, its config.json; recall's scorecard.md) land beside the pieces and partial_table.md goes. `--docs
-DIR` writes elsewhere.
+the piece's config as piece<N>_config.json (docs/lab_full/NAME/ for a lab), N the next free number; nothing is written
+when every row is already committed. A pairs ladder's finished rungs (rows LADDER/RUNG) are committed too while their
+ladder is unfinished, so the next bare machine climbs on from them. Then the sweep's outputs are written here, by the
+lab itself, from every committed piece: the runs restored into a scratch folder (dev/grid_restore.py), then the lab's
+`run_sweep` over it as a piece of no time, which trains nothing. While runs are left, recall writes partial_table.md
+(every cell whose best over lr is known), and so do the state, hybrid and pairs labs (every cell whose seeds are all
+in; the other labs write nothing). Once every run has a result, the finished sweep's files (table.md, results.jsonl
+with every run, the plots, its config.json; recall's scorecard.md) land beside the pieces and partial_table.md goes.
+`--docs DIR` writes elsewhere.
 """
 
 import argparse
