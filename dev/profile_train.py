@@ -85,10 +85,14 @@ for name, make in models.items():
                          progress=False, log_every=a.steps, **variant)
         train(make(), task, TrainConfig(**{**tc.__dict__, "steps": 5, "eval_every": 5}))  # warm-up (compile, graphs)
         sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         train(model, task, tc)
         sync()
-        print(f"{name} {variant}: {(time.perf_counter() - t0) / a.steps * 1e3:.1f} ms/step (one process, incl. 1 eval)")
+        peak = f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB allocated" if cuda else ""
+        print(f"{name} {variant}: {(time.perf_counter() - t0) / a.steps * 1e3:.1f} ms/step (one process, incl. 1 eval)"
+              f"{peak}")
 
     torch.manual_seed(0)
     model = make().to(a.device)
