@@ -36,11 +36,11 @@ import torch
 
 from evict.bench.common import markdown_table
 from evict.lab import recall
-from evict.lab.sweep import diverged, from_json, out_of_time, piece_fields, run_grid, seeds_of, seeds_phrase
+from evict.lab.sweep import diverged, from_json, lab_train_config, out_of_time, run_grid, seeds_of, seeds_phrase
 from evict.models import LM, ModelConfig, accounting
 from evict.tasks.mqar import MQARConfig, MQARTask
 from evict.tasks.text import TextTask, corpus_files
-from evict.train import TrainConfig, resolve_device, train
+from evict.train import TrainConfig, train
 
 KINDS = {"mla": "M", "attention": "A"}  # the attention layers' kind -> pattern letter
 LINEAR = "K"
@@ -237,14 +237,12 @@ def task_steps(sweep: HybridSweep, task: str) -> int:
     return sweep.mqar_steps if task == "mqar" and sweep.mqar_steps is not None else sweep.steps
 
 
-def train_config(sweep: HybridSweep, task: str, seed: int, **fields) -> TrainConfig:
-    """The training knobs every run of the sweep shares for `task` (MQAR stops at 0.99); `fields` (TrainConfig
-    fields) are laid over them: a run's folder and piece, or dev/hybrid_depth.py's lr / schedule / batch."""
-    on_gpu = resolve_device(sweep.device).type == "cuda"
-    shared = dict(steps=task_steps(sweep, task), batch_size=sweep.batch_size, lr=sweep.lr, weight_decay=0.1, warmup_steps=0,
-                  eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, seed=seed, device=sweep.device,
-                  progress=False, log_every=50, graphs=on_gpu, target_accuracy=0.99 if task == "mqar" else None)
-    return TrainConfig(**{**shared, **fields})
+def train_config(sweep: HybridSweep, task: str, seed: int, job: dict | None = None, **fields) -> TrainConfig:
+    """The training knobs every run of the sweep shares for `task` (every lab's, with `task`'s schedule; MQAR stops at
+    0.99), a job's folder and piece; `fields` (TrainConfig fields) are laid over them: dev/hybrid_depth.py's lr /
+    schedule / batch."""
+    own = {"steps": task_steps(sweep, task), "target_accuracy": 0.99 if task == "mqar" else None}
+    return lab_train_config(sweep, seed, job, **{**own, **fields})
 
 
 def run_one(job: dict) -> dict | None:
@@ -258,8 +256,7 @@ def run_one(job: dict) -> dict | None:
     task = make_task(sweep, job["task"], seed)
     torch.manual_seed(seed)
     model = LM(model_config(sweep, v.pattern, task.vocab_size))
-    res = train(model, task, train_config(sweep, job["task"], seed, out_dir=job["dir"],
-                                          **piece_fields(job, sweep.eval_every)))
+    res = train(model, task, train_config(sweep, job["task"], seed, job))
     if res.interrupted:
         return None  # stopped at the piece's end: its checkpoint resumes it
     score = ({"accuracy": res.best_val_accuracy, "final_accuracy": res.final_val_accuracy} if job["task"] == "mqar"

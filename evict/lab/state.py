@@ -134,7 +134,7 @@ def run_one(job: dict) -> dict | None:
     task = _task(job["task"], sweep, seed)
     torch.manual_seed(seed)
     model = LM(model_config(job["model"], sweep, task.vocab_size))
-    res = train(model, task, lab_train_config(sweep, job, seed))
+    res = train(model, task, lab_train_config(sweep, seed, job))
     if res.interrupted:
         return None  # stopped at the piece's end: its checkpoint resumes it
     classes = task.cfg.classes

@@ -113,14 +113,16 @@ def piece_fields(job: dict, every: int) -> dict:
     return {} if job.get("stop_at") is None else {"stop_at": job["stop_at"], "checkpoint_every": every}
 
 
-def lab_train_config(sweep: Any, job: dict, seed: int) -> TrainConfig:
+def lab_train_config(sweep: Any, seed: int, job: dict | None = None, **fields) -> TrainConfig:
     """The TrainConfig of a lab run at one learning rate (`sweep.lr`): AdamW weight decay 0.1, no warmup, the sweep's
-    steps, batch and evaluations, CUDA graphs on a GPU, and the piece's stop and checkpoints (piece_fields)."""
+    steps, batch and evaluations, CUDA graphs on a GPU; a job's folder and its piece's stop and checkpoints
+    (piece_fields); then `fields` (TrainConfig fields) laid over them, e.g. the hybrid lab's MQAR schedule."""
     on_gpu = resolve_device(sweep.device).type == "cuda"
-    return TrainConfig(steps=sweep.steps, batch_size=sweep.batch_size, lr=sweep.lr, weight_decay=0.1, warmup_steps=0,
-                       eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, seed=seed, device=sweep.device,
-                       out_dir=job["dir"], progress=False, log_every=50, graphs=on_gpu,
-                       **piece_fields(job, sweep.eval_every))
+    shared = dict(steps=sweep.steps, batch_size=sweep.batch_size, lr=sweep.lr, weight_decay=0.1, warmup_steps=0,
+                  eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, seed=seed, device=sweep.device,
+                  progress=False, log_every=50, graphs=on_gpu)
+    run = {} if job is None else {"out_dir": job["dir"], **piece_fields(job, sweep.eval_every)}
+    return TrainConfig(**{**shared, **run, **fields})
 
 
 def diverged(res) -> dict:

@@ -222,7 +222,7 @@ def run_one(job: dict) -> dict | None:
     task = SwitchTask(task_config(sweep, seed))
     torch.manual_seed(seed)
     model = LM(model_config(job["model"], sweep, task.vocab_size, task.seq_len))
-    res = train(model, task, lab_train_config(sweep, job, seed))
+    res = train(model, task, lab_train_config(sweep, seed, job))
     if res.interrupted:
         return None  # stopped at the piece's end: its checkpoint resumes it
     mem = read_memory(model, task, sweep)

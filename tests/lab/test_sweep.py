@@ -36,11 +36,11 @@ def test_lab_train_config_carries_the_sweep_and_the_piece():
     """The one TrainConfig of the state and stories labs' runs: the sweep's schedule, the job's folder and seed, and a
     timed piece's stop and checkpoints; CUDA graphs only where the sweep's device is a GPU (here the CPU)."""
     sweep = replace(STATE, steps=7, batch_size=5, lr=2e-3, eval_every=3, eval_batches=4)
-    tc = lab_train_config(sweep, {"dir": "runs/x"}, 11)
+    tc = lab_train_config(sweep, 11, {"dir": "runs/x"})
     assert (tc.steps, tc.batch_size, tc.lr, tc.eval_every, tc.eval_batches) == (7, 5, 2e-3, 3, 4)
     assert (tc.seed, tc.out_dir, tc.device, tc.weight_decay, tc.warmup_steps) == (11, "runs/x", "cpu", 0.1, 0)
     assert not tc.graphs and tc.stop_at is None and not tc.progress
-    timed = lab_train_config(sweep, {"dir": "runs/x", "stop_at": 123.0}, 11)
+    timed = lab_train_config(sweep, 11, {"dir": "runs/x", "stop_at": 123.0})
     assert (timed.stop_at, timed.checkpoint_every) == (123.0, 3)
 
 
