@@ -74,7 +74,7 @@ def main():
                 "state": (fw._state_kernel, dict(k=p, G=f, Kd=m, Dec=f, Ub=m, W=m, U=m, Hs=m, s0=f, sT=f, cu="*i32", T="i32", N="i32"),
                           dict(common, BK=BK, BV=int(os.environ.get("STATE_BV", 32)), GATE=gate, DELTA=delta, HAS_S0=True, PREC=os.environ.get("PREC", "tf32"),
                                KD=gate == 2 or not a.lowp, VARLEN=a.varlen,
-                               HALVES=bool(int(os.environ.get("HALVES", 0)))), 4, 2),
+                               HALVES=bool(int(os.environ.get("HALVES", 0)))), 4, int(os.environ.get("STAGES", 2))),
                 "out": (fw._out_kernel, dict(q=p, G=f, U=m, Pm=m, Hs=m, o=p, scale="fp32", T="i32", N="i32"),
                         dict(common, BK=BK, BV=64, GATE=gate, PREC=os.environ.get("PREC", "tf32"), DOT16=False, KB=64), 4, 2),
                 **({"out16": (fw._out_kernel, dict(q=p, G=f, U=m, Pm=m, Hs=m, o=p, scale="fp32", T="i32", N="i32"),

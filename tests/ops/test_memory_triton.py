@@ -254,6 +254,8 @@ SPLIT_CASES = [  # (name, gate, delta, T, K, V, strong): odd lengths, key dims a
     ("gdn", "scalar", True, 70, 32, 16, False), ("delta_nogate", None, True, 65, 32, 16, False),
     ("gla", "channel", False, 70, 32, 16, False), ("linear", None, False, 64, 32, 16, False),
     ("gdn_k64", "scalar", True, 70, 64, 16, False), ("delta_k64", None, True, 65, 64, 16, False),
+    # key dims above 128 (padded to 256: four 64-column blocks, the last partly masked), the pairs lab's top head dim
+    ("kda_k200_strong", "channel", True, 45, 200, 24, True), ("gdn_k256", "scalar", True, 37, 256, 16, False),
 ]
 
 
@@ -755,13 +757,14 @@ def test_gpu_step_matches_reference_in_place_and_graphed(dtype, gate, delta):
 
 
 def test_auto_chunk_rule():
-    """chunk_size=None on the Triton path: 16 at key dims <= 32, else 32 with >= 64 sequence-heads, else 64; packed
-    sequences 64 (the H200 timings behind it: BENCHMARKS.md, session 9)."""
+    """chunk_size=None on the Triton path: 16 at key dims <= 32, else 32 with >= 64 sequence-heads or key dims > 128
+    (register spills at 64), else 64; packed sequences 64 (the H200 timings behind it: BENCHMARKS.md, session 9)."""
     pytest.importorskip("triton")
     from evict.ops.memory.triton.autograd import auto_chunk
 
     assert [auto_chunk(256, 4, 32), auto_chunk(1, 1, 16), auto_chunk(4, 16, 128), auto_chunk(2, 32, 64)] == [16, 16, 32, 32]
     assert [auto_chunk(1, 16, 128), auto_chunk(3, 21, 128), auto_chunk(256, 4, 32, packed=True)] == [64, 64, 64]
+    assert [auto_chunk(1, 1, 256), auto_chunk(1, 1, 129), auto_chunk(1, 1, 256, packed=True)] == [32, 32, 64]
 
 
 @pytest.mark.gpu
@@ -789,11 +792,32 @@ def test_gpu_auto_picks_triton_and_bad_impl_message():
 
 @pytest.mark.gpu
 def test_gpu_auto_falls_back_to_chunked_for_large_key_dims():
-    """Key dims above the kernels' 128: "auto" warns once and runs the chunked form; "triton" refuses in one line."""
-    xd, x64 = _cuda(make_inputs(1, 40, 1, 256, 32, gate="channel", beta_max=1.0), torch.float32)
+    """Key dims above the kernels' 256: "auto" warns once and runs the chunked form; "triton" refuses in one line."""
+    xd, x64 = _cuda(make_inputs(1, 40, 1, 320, 32, gate="channel", beta_max=1.0), torch.float32)
     with pytest.warns(UserWarning, match="exceed the Triton kernels"):
         o, s = run(xd, True, impl="auto")
     o_ref, s_ref = run(x64, True, impl="reference")
     assert rel(o, o_ref) <= 1e-5 and rel(s, s_ref) <= 1e-5
-    with pytest.raises(ValueError, match="^impl: 'triton' takes key dims up to 128"):
+    with pytest.raises(ValueError, match="^impl: 'triton' takes key dims up to 256"):
         run(xd, True, impl="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
+def test_gpu_key_dims_above_128_match_reference(dtype, gate, delta):
+    """Key dims 129-256 (the pairs lab's heads of 256; padded to 256, K 200 partly masked): the Triton forward and
+    every input's gradient against float64 autograd through the token loop, odd T, strong decay, at the automatic
+    chunk (32 there) and at chunks of 64 (the carry and state-gradient kernels in one pipeline stage)."""
+    for B, T, H, K, V, strong, cs in ((2, 75, 2, 256, 256, False, None), (1, 130, 1, 200, 96, True, None),
+                                      (1, 97, 2, 256, 64, True, 64)):
+        xd, x64 = _cuda(make_inputs(B, T, H, K, V, gate=gate, beta_max=1.5, init=True, strong=strong), dtype)
+        o_ref, s_ref = run(x64, delta, impl="reference")
+        o, s = run(xd, delta, impl="triton", chunk_size=cs)
+        assert torch.isfinite(o).all() and torch.isfinite(s).all(), (K, cs)
+        assert rel(o, o_ref) <= TOL[dtype] and rel(s, s_ref) <= TOL[dtype], (K, cs, rel(o, o_ref), rel(s, s_ref))
+        g_ref = _grads(x64, delta, impl="reference")
+        g = _grads(xd, delta, impl="triton", chunk_size=cs)
+        for name in g_ref:
+            err = rel(g[name], g_ref[name])
+            assert torch.isfinite(g[name]).all() and err <= TOL[dtype], (K, cs, strong, name, err)

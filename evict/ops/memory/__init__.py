@@ -61,8 +61,8 @@ def memory(
     whatever autocast is active, so a caller casts q, k, v to one dtype and gets o back in it.
     `chunk_size` (a power of two, 1 … 1024; 16–128 are fast; None = each form's own choice): the chunked PyTorch form's
     chunk (None: 64), and the Triton kernels' where it is 16, 32 or 64 (other sizes, and packed sequences, run there in
-    chunks of 64; None: `triton.autograd.auto_chunk` — 16 at key dims <= 32, else 32 with >= 64 sequence-heads, else
-    64, from H200 timings). The Triton kernels take key dims up to 128, value dims up to 256 ("auto" falls back to
+    chunks of 64; None: `triton.autograd.auto_chunk` — 16 at key dims <= 32, else 32 with >= 64 sequence-heads or key
+    dims above 128, else 64, from H200 timings). The Triton kernels take key and value dims up to 256 ("auto" falls back to
     "chunked" beyond that, with a warning). `keep_factors` (Triton form, when a gradient is needed): the forward keeps
     its per-chunk [C, C] factors for the backward (True: faster, KDA's kernels at B4 T8192 H16 D128 bf16 21.8 -> 17.0
     ms on an H200) or the backward recomputes them (False: 640 B less activation memory per token and head at

@@ -27,7 +27,8 @@ def available() -> bool:
     return True
 
 
-MAX_K, MAX_V = 128, 256  # the chunked kernels' tiles fit an H100/H200 SM's registers and shared memory up to these
+MAX_K, MAX_V = 256, 256  # the chunked kernels' tiles fit an H100/H200 SM's shared memory up to these (keys above 128:
+# the carry in one stage, forward.carry; the register spills there are why auto_chunk picks chunks of 32)
 
 
 def fits(K: int, V: int) -> bool:

@@ -66,12 +66,13 @@ def auto_chunk(B: int, H: int, K: int, packed: bool = False) -> int:
     forward + backward, BENCHMARKS.md session 9): chunks of 16 at key dims <= 32 (the lab's B256 T512 H4 D32: KDA 4.78 ->
     3.60 ms); at larger key dims 32 when B * H >= 64 sequence-heads keep the sequential carry busy (B4 T8192 H16 D128:
     KDA 24.9 -> 22.1 ms), else 64 (B1 T32768 H16: 32 was no faster, the carry's 16 programs leave SMs idle); packed
-    sequences 64 (their layout). Key dims between 32 and 128 follow the 128 rule (not measured there)."""
+    sequences 64 (their layout). Key dims between 32 and 128 follow the 128 rule (not measured there). Key dims above
+    128: 32 (sm_90 ptxas, K V 256, KDA: the first-stage kernel spills 5,776 B a thread at chunks of 64, 1,128 at 32)."""
     if packed:
         return C
     if K <= 32:
         return 16
-    return 32 if B * H >= 64 else C
+    return 32 if B * H >= 64 or K > 128 else C
 
 
 def _packing(offsets: list[int], device) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -578,6 +578,8 @@ def carry(k, x, initial_state, delta: bool, *, V: int, chunks=None, block_v=None
     sT = torch.empty(seqs, H, K, V, dtype=f32, device=dev)
     BK = max(16, triton.next_power_of_2(K))
     BV = min(max(16, triton.next_power_of_2(V)), block_v or state_block_v(seqs, H, V, dev))
+    if BK > 128:  # two stages of [C, 256] key tiles exceed an sm_90 SM's 227 KB of shared memory (312 KB at C 64); one: 64-96 KB
+        stages = 1
     s0 = initial_state.contiguous().to(f32) if initial_state is not None else sT
     _state_kernel[(triton.cdiv(V, BV), seqs * H)](
         k, x["G"], x["Kd"], x["Dec"], x["Ub"], x["W"], U, Hs, s0, sT, chunks if chunks is not None else sT,
