@@ -18,7 +18,8 @@ def run_hybrid(args) -> None:
                            "seq_len": args.setting[0] if args.setting else None,
                            "pairs": args.setting[1] if args.setting else None, "corpus": args.corpus,
                            "gate_dt": tuple(args.gate_dt) if args.gate_dt else None,
-                           "mqar_steps": args.mqar_steps or args.steps})  # --steps sets both tasks' schedules
+                           "mqar_steps": args.mqar_steps or args.steps,  # --steps sets both tasks' schedules
+                           "compile": False if args.no_compile else None})
 
 
 def add_parser(lab_sub) -> None:
@@ -40,5 +41,6 @@ def add_parser(lab_sub) -> None:
     s.add_argument("--corpus", help="text file or folder for the text task (default Shakespeare)")
     s.add_argument("--mqar-steps", type=positive_int, metavar="N",
                    help="MQAR's schedule length (it stops at 0.99 accuracy; default: --steps, else the mode's: --full 8000)")
+    s.add_argument("--no-compile", action="store_true", help="CUDA: skip torch.compile of the blocks (--full compiles them)")
     add_gate_dt_flag(s)
     s.set_defaults(fn=run_hybrid)

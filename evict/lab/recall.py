@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import (check_minutes, diverged, from_json, out_of_time, run_jobs, stopped_message, sweep_folder,
-                             seeds_of, with_deadline, write_results)
+from evict.lab.sweep import (check_minutes, compiles, diverged, fresh_compile, from_json, out_of_time, run_jobs, seeds_of,
+                             stopped_message, sweep_folder, with_deadline, write_results)
 from evict.models import LM, ModelConfig, presets
 from evict.tasks.mqar import MQARConfig, MQARTask
 from evict.train import TrainConfig, resolve_device, train
@@ -201,11 +201,7 @@ def run_one(job: dict) -> dict | None:
     row = {"arch": job["arch"], "seq_len": L, "pairs": K, "d_model": d, "lr": job["lr"], "seed": seed}
     marker = solved_marker(job)
     on_gpu = resolve_device(sweep.device).type == "cuda"
-    if on_gpu and sweep.compile:
-        # a worker process trains many cells in turn: without a reset the compiled code of every earlier model stays
-        # cached, and once a block's forward reaches dynamo's recompile limit (8) later cells run eager (seen on the
-        # H200 from the 13th run of a piece on: "hit config.recompile_limit (8)")
-        torch._dynamo.reset()
+    fresh_compile(sweep)
     torch.manual_seed(seed)
     cfg = model_config(job["arch"], d, sweep, L)
     model = LM(cfg)
@@ -223,7 +219,7 @@ def run_one(job: dict) -> dict | None:
     tc = TrainConfig(steps=sweep.steps, batch_size=sweep.batch_size, lr=job["lr"], weight_decay=0.1, warmup_steps=0,
                      eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, target_accuracy=sweep.target_accuracy,
                      seed=seed, device=sweep.device, out_dir=job["dir"], progress=False, log_every=50,
-                     graphs=on_gpu, compile=on_gpu and sweep.compile, checkpoint_every=sweep.eval_every, stop_at=stop_at,
+                     graphs=on_gpu, compile=compiles(sweep), checkpoint_every=sweep.eval_every, stop_at=stop_at,
                      stop_file=None if marker is None else str(marker))
     res = train(model, task, tc)
     if res.interrupted:

@@ -14,6 +14,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
 from tqdm import tqdm
 
 from evict.train import TrainConfig, resolve_device
@@ -113,14 +114,29 @@ def piece_fields(job: dict, every: int) -> dict:
     return {} if job.get("stop_at") is None else {"stop_at": job["stop_at"], "checkpoint_every": every}
 
 
+def compiles(sweep: Any) -> bool:
+    """Whether a sweep's runs put each block through torch.compile: on CUDA, when the sweep has `compile` set."""
+    return bool(getattr(sweep, "compile", False)) and resolve_device(sweep.device).type == "cuda"
+
+
+def fresh_compile(sweep: Any) -> None:
+    """Before each run of a compiling sweep (`compiles`): a worker process trains many runs in turn, and without a
+    reset the compiled code of every earlier model stays cached; once a block's forward reaches dynamo's recompile
+    limit (8) later runs go eager (seen on the H200 from the 13th run of a recall piece on: "hit
+    config.recompile_limit (8)")."""
+    if compiles(sweep):
+        torch._dynamo.reset()
+
+
 def lab_train_config(sweep: Any, seed: int, job: dict | None = None, **fields) -> TrainConfig:
     """The TrainConfig of a lab run at one learning rate (`sweep.lr`): AdamW weight decay 0.1, no warmup, the sweep's
-    steps, batch and evaluations, CUDA graphs on a GPU; a job's folder and its piece's stop and checkpoints
+    steps, batch and evaluations, CUDA graphs on a GPU (and each block compiled where the sweep has `compile`,
+    `compiles`); a job's folder and its piece's stop and checkpoints
     (piece_fields); then `fields` (TrainConfig fields) laid over them, e.g. the hybrid lab's MQAR schedule."""
     on_gpu = resolve_device(sweep.device).type == "cuda"
     shared = dict(steps=sweep.steps, batch_size=sweep.batch_size, lr=sweep.lr, weight_decay=0.1, warmup_steps=0,
                   eval_every=sweep.eval_every, eval_batches=sweep.eval_batches, seed=seed, device=sweep.device,
-                  progress=False, log_every=50, graphs=on_gpu)
+                  progress=False, log_every=50, graphs=on_gpu, compile=compiles(sweep))
     run = {} if job is None else {"out_dir": job["dir"], **piece_fields(job, sweep.eval_every)}
     return TrainConfig(**{**shared, **run, **fields})
 

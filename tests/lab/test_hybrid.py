@@ -194,8 +194,17 @@ def test_cli_runs_a_micro_sweep(tmp_path, monkeypatch, single_thread_runs):
     assert sorted(r["pattern"] for r in rows) == ["AAAA", "AKKK", "KKKA"]  # 3:1 keeps the micro sweep's placements
     config = json.loads((tmp_path / "y" / "config.json").read_text())
     assert config["batch_size"] == 3 and config["gate_dt"] == [1e-4, 1e-3]  # MICRO's: 4 and the default gates
+    assert config["compile"] is False  # QUICK's; --full's is True, --no-compile turns it off (next test)
     assert trained == [(3, 1e-4, 1e-3)] * 3  # what each run trained with, not only the config
     assert "KDA gates at init dt 0.0001..0.001" in (tmp_path / "y" / "table.md").read_text()
+
+
+def test_no_compile_reaches_the_full_sweep(monkeypatch):
+    """--full compiles the blocks on CUDA (hybrid.FULL.compile); --no-compile lays compile=False over it."""
+    seen = []
+    monkeypatch.setattr("evict.lab.hybrid.run_sweep", lambda sweep, out=None, minutes=None: seen.append(sweep))
+    assert main(["lab", "hybrid", "--full", "--no-compile"]) == 0 and main(["lab", "hybrid", "--full"]) == 0
+    assert [s.compile for s in seen] == [False, True] and seen[1] == FULL
 
 
 def test_mqar_runs_take_their_own_schedule_and_steps_sets_both(tmp_path, monkeypatch, single_thread_runs):

@@ -11,7 +11,8 @@ import pytest
 from evict.cli import main
 from evict.lab import capacity, pairs, state
 from evict.lab import sweep as sweep_mod
-from evict.lab.sweep import lab_train_config, out_of_time, piece_fields, with_deadline
+from evict.lab import hybrid, recall
+from evict.lab.sweep import compiles, lab_train_config, out_of_time, piece_fields, with_deadline
 
 from .test_capacity import MICRO as CAPACITY
 from .test_pairs import MICRO as PAIRS
@@ -42,6 +43,20 @@ def test_lab_train_config_carries_the_sweep_and_the_piece():
     assert not tc.graphs and tc.stop_at is None and not tc.progress
     timed = lab_train_config(sweep, 11, {"dir": "runs/x", "stop_at": 123.0})
     assert (timed.stop_at, timed.checkpoint_every) == (123.0, 3)
+    assert not tc.compile
+
+
+def test_compiled_blocks_only_on_a_gpu_and_where_the_sweep_asks():
+    """`compiles`: torch.compile of the blocks where the sweep has `compile` and its device is CUDA (the recall and
+    hybrid labs' --full; the device named, not run, so this holds on a CPU machine too); never on the CPU, never for a
+    sweep without the field (state, stories), never with --no-compile's False."""
+    gpu = lambda s, **kw: replace(s, device="cuda", **kw)
+    assert compiles(gpu(hybrid.FULL)) and compiles(gpu(recall.FULL))
+    assert not compiles(replace(hybrid.FULL, device="cpu")) and not compiles(gpu(hybrid.FULL, compile=False))
+    assert not compiles(gpu(hybrid.QUICK)) and not compiles(gpu(STATE))
+    tc = hybrid.train_config(gpu(hybrid.FULL), "mqar", 0)
+    assert tc.compile and tc.graphs and tc.steps == 8000
+    assert not hybrid.train_config(gpu(hybrid.FULL, compile=False), "mqar", 0).compile
 
 
 def _rows(root):
