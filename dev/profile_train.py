@@ -9,7 +9,8 @@
 `--full` shapes (hybrid.FULL: L 512, K 64, vocab 8192, batch 64, 16 layers at equal parameters, slow KDA gates), the
 question being how long one of its 8,000-step MQAR runs takes on the card (docs/lab_full/README.md).
 --pairs-dim D: the pairs lab's `--full` rungs at head dim D (pairs.FULL: one head of dim D per layer at width 256,
-vocab 8192, batch 256, slow gates) for --arch's rules at --K pairs (L = 8 K; default the ladder's top, 512 → L 4,096),
+vocab 8192, the rung's batch: 256 up to L 512, then 256 x 512 tokens a step, pairs.rung_batch; slow gates) for --arch's
+rules at --K pairs (L = 8 K; default the ladder's top, 512 → L 4,096, batch 32),
 the question being whether its top rungs (4,000 steps) fit inside one device session (docs/lab_full/README.md).
 --device cpu: a smoke run of the same code (eager only, CPU activities in the profile) at small --steps.
 """
@@ -32,7 +33,7 @@ p.add_argument("--L", type=int, default=512)
 p.add_argument("--K", type=int, default=None, help="default: 64 (recall cells), 512 (--pairs-dim)")
 p.add_argument("--d", type=int, default=128)
 p.add_argument("--batch", type=int, default=None,
-               help="default: 256 (recall cells, --pairs-dim), hybrid.FULL's 64 (--hybrid)")
+               help="default: 256 (recall cells), the rung's (--pairs-dim), hybrid.FULL's 64 (--hybrid)")
 p.add_argument("--steps", type=int, default=60, help="timed steps per variant")
 p.add_argument("--compile", action="store_true")
 p.add_argument("--no-timing", action="store_true")
@@ -56,7 +57,7 @@ elif a.pairs_dim:
         p.error(f"--pairs-dim: expected a head dim <= {sweep.d_model} (pairs.FULL's width), got {a.pairs_dim}")
     L, rsweep = pairs.seq_len(sweep, K), pairs.recall_sweep(sweep, a.pairs_dim)
     task = MQARTask(MQARConfig(vocab_size=sweep.vocab_size, seq_len=L, num_pairs=K))
-    batch = a.batch or sweep.batch_size
+    batch = a.batch or pairs.rung_batch(sweep, L)
     models = {f"{arch} d{a.pairs_dim} L{L}": (lambda arch=arch: LM(recall.model_config(arch, sweep.d_model, rsweep, L)))
               for arch in a.arch}
 else:

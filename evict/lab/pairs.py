@@ -49,6 +49,7 @@ class PairsSweep:
     vocab_size: int = 128
     steps: int = 500
     batch_size: int = 32
+    tokens_per_step: int | None = None  # a rung's batch: batch_size, or fewer where L * batch_size would exceed this
     eval_every: int = 100
     eval_batches: int = 2
     chunk_size: int | None = 16  # None: the memory op picks by shape (CUDA: auto_chunk; CPU: 64)
@@ -64,6 +65,10 @@ FULL = PairsSweep(  # the lesson's dims; Zoology's lrs and vocabulary; steps and
     dims=(16, 32, 64, 128, 256), d_model=256, pairs=(4, 8, 16, 32, 64, 128, 256, 512), len_per_pair=8,
     lrs=(2.2e-3, 1e-2, 4.6e-4),  # the recall grid's lr order: 2.2e-3 solved most of its cells first
     vocab_size=8192, steps=4000, batch_size=256, eval_every=500, eval_batches=8, chunk_size=None, workers=4, device="auto",
+    # the recall grid's 256 x 512 tokens a step at every rung (batch 256 up to L 512, then 128 / 64 / 32 at L 1,024 /
+    # 2,048 / 4,096): the same 16,384 labelled queries a step; at batch 256 a KDA step at L 4,096, d 256 took 336 ms
+    # (compiled, alone on an H200), so a top rung's 4,000 steps (22 min) could never finish inside one device session
+    tokens_per_step=256 * 512,
     # decay gates started slow: with one head a layer, Gated DeltaNet's one gate per layer drawn from the default range
     # (half-lives 1.5-4 tokens on some layer at every seed) capped its K* at d 64; slow, K* grew with d (README, "Why
     # Gated DeltaNet did not grow with d"). The same start took 16-layer stacks past chance (docs/lab_full/README.md)
@@ -75,8 +80,15 @@ def seq_len(sweep: PairsSweep, K: int) -> int:
     return max(sweep.min_len, sweep.len_per_pair * K)
 
 
+def rung_batch(sweep: PairsSweep, L: int) -> int:
+    """A rung's batch at sequence length L: `batch_size`, fewer where that would pass `tokens_per_step` tokens (so
+    every rung sees the same number of labelled queries a step, L / len_per_pair per sequence)."""
+    return sweep.batch_size if sweep.tokens_per_step is None else min(sweep.batch_size, sweep.tokens_per_step // L)
+
+
 def recall_sweep(sweep: PairsSweep, d: int) -> recall.RecallSweep:
-    """The recall lab's settings for one rung at head dim d (one head of dim d per layer, width sweep.d_model)."""
+    """The recall lab's settings for the rungs at head dim d (one head of dim d per layer, width sweep.d_model); each
+    rung runs them at its own batch (`rung_batch`)."""
     return recall.RecallSweep(
         archs=tuple(sweep.rules), d_models=(sweep.d_model,), lrs=tuple(sweep.lrs), head_dim=d, n_heads=1,
         n_layers=sweep.n_layers,
@@ -108,13 +120,13 @@ def run_one(job: dict) -> dict | None:
     of a timed piece (the finished rungs stay in their folders; the next piece climbs on from there)."""
     logging.getLogger("evict").setLevel(logging.WARNING)
     sweep = from_json(PairsSweep, job["sweep"])
-    rsweep = dataclasses.asdict(recall_sweep(sweep, job["d"]))
+    rsweep = dataclasses.asdict(recall_sweep(sweep, job["d"]))  # each rung at its own batch: rung_batch
     rungs, best_k, seconds = [], 0, 0.0
     for K in sorted(sweep.pairs):
         L = seq_len(sweep, K)
         runs = []
         for lr in sweep.lrs:  # in order, up to the first that passes
-            run = _rung(job, rsweep, K, lr, L)
+            run = _rung(job, {**rsweep, "batch_size": rung_batch(sweep, L)}, K, lr, L)
             if run is None:
                 return None
             runs.append(run)
@@ -122,8 +134,8 @@ def run_one(job: dict) -> dict | None:
                 break
         top = max(runs, key=lambda r: r["accuracy"])
         seconds += sum(r["seconds"] for r in runs)
-        rungs.append({"pairs": K, "seq_len": L, "accuracy": top["accuracy"], "lr": top["lr"], "steps": top["steps"],
-                      "state_size": top["state_size"], "params": top["params"]})
+        rungs.append({"pairs": K, "seq_len": L, "batch": rung_batch(sweep, L), "accuracy": top["accuracy"], "lr": top["lr"],
+                      "steps": top["steps"], "state_size": top["state_size"], "params": top["params"]})
         if top["accuracy"] < sweep.threshold:
             break
         best_k = K
@@ -199,10 +211,18 @@ def report(sweep: PairsSweep, results: list[dict]) -> str:
             f"accuracy before the first failing rung (lrs {list(sweep.lrs)} in that order, a rung passing at the first "
             f"to reach it; seeds {seeds}, one K* per seed, `a / b`); {sweep.n_layers} layers of width {sweep.d_model}, "
             f"one head of dim d each, L = max({sweep.min_len}, {sweep.len_per_pair}K), vocab {sweep.vocab_size}, "
-            f"{sweep.steps} steps of batch {sweep.batch_size} (a run stopping once it reaches {sweep.threshold:g}). "
+            f"{sweep.steps} steps of batch {_batch_text(sweep)} (a run stopping once it reaches {sweep.threshold:g}). "
             "≥: the ladder's top passed (no fit through it). Fits over the other dims: c of K* ≈ c·d, and the log-log "
             "slope p (p = 1: linear in d).")
     return f"{head}\n\n{markdown_table(rows, ['rule', *[f'd={d}' for d in dims], 'K* ≈ c·d', 'K* ∝ d^p'])}"
+
+
+def _batch_text(sweep: PairsSweep) -> str:
+    """The batch of the table's caption: one number, or the rungs' batches where tokens_per_step lowers them."""
+    batches = {seq_len(sweep, K): rung_batch(sweep, seq_len(sweep, K)) for K in sorted(sweep.pairs)}
+    if len(set(batches.values())) == 1:
+        return str(sweep.batch_size)
+    return f"{sweep.batch_size} up to {sweep.tokens_per_step:,} tokens ({', '.join(f'{b} at L {L}' for L, b in batches.items() if b < sweep.batch_size)})"
 
 
 def plot(sweep: PairsSweep, results: list[dict], path: Path) -> Path:
@@ -262,6 +282,11 @@ def validate(sweep: PairsSweep) -> None:
         raise ValueError(f"lrs: expected learning rates > 0, got {list(sweep.lrs)}")
     check_at_least_one(sweep, ("steps", "batch_size", "eval_every", "eval_batches", "seeds", "workers", "min_len",
                                "n_layers", "d_model"))
+    longest = seq_len(sweep, max(sweep.pairs))
+    if sweep.tokens_per_step is not None and (isinstance(sweep.tokens_per_step, bool) or not isinstance(sweep.tokens_per_step, int)
+                                              or sweep.tokens_per_step < longest):
+        raise ValueError(f"tokens_per_step: expected None or an integer >= the longest rung's L = {longest}, "
+                         f"got {sweep.tokens_per_step!r}")
     for K in sweep.pairs:
         try:
             MQARConfig(vocab_size=sweep.vocab_size, seq_len=seq_len(sweep, K), num_pairs=K)

@@ -13,6 +13,7 @@ def run_pairs(args) -> None:
                           "dims": tuple(args.dims) if args.dims else None,
                           "pairs": tuple(args.pairs) if args.pairs else None,
                           "lrs": lrs, "threshold": args.threshold, "d_model": args.d_model,
+                          "tokens_per_step": args.tokens_per_step,
                           "gate_dt": tuple(args.gate_dt) if args.gate_dt else None})
 
 
@@ -30,5 +31,7 @@ def add_parser(lab_sub) -> None:
     s.add_argument("--d-model", type=positive_int, metavar="W", help="the models' width, the same for every d (quick 32, full 256)")
     s.add_argument("--pairs", nargs="+", type=positive_int, metavar="K", help="the ladder of pair counts")
     s.add_argument("--threshold", type=unit_interval, help="accuracy a rung must reach (default 0.9)")
+    s.add_argument("--tokens-per-step", type=positive_int, metavar="N",
+                   help="a rung's batch is --batch-size, or fewer where L x batch would pass N (full: 131072)")
     add_gate_dt_flag(s)
     s.set_defaults(fn=run_pairs)

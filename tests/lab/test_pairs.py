@@ -94,21 +94,43 @@ def test_one_head_of_dim_d_at_a_fixed_width(tmp_path):
 
 @pytest.mark.parametrize("kw, name", [(dict(dims=(16,)), "dims"), (dict(pairs=(200,)), "pairs"),
                                       (dict(rules=("gla",)), "rules"), (dict(threshold=0), "threshold"),
-                                      (dict(len_per_pair=3), "len_per_pair"), (dict(lrs=()), "lrs")])
+                                      (dict(len_per_pair=3), "len_per_pair"), (dict(lrs=()), "lrs"),
+                                      (dict(tokens_per_step=15), "tokens_per_step"),
+                                      (dict(tokens_per_step=64.0), "tokens_per_step")])
 def test_bad_sweeps_name_the_field(kw, name, tmp_path):
     with pytest.raises(ValueError, match=rf"^{name}: "):
         run_sweep(replace(MICRO, **kw), out=tmp_path / "x")
     assert not (tmp_path / "x").exists()
 
 
+def test_each_rung_trains_at_its_own_batch_under_tokens_per_step(tmp_path, monkeypatch):
+    """`tokens_per_step`: a rung's batch is batch_size, or fewer where L x batch would pass it — what each rung's run
+    is given, what its row records, and what the table says; --full's: 256 up to L 512, then 128 / 64 / 32."""
+    batches = []
+
+    def fake(job):
+        batches.append((job["seq_len"], job["sweep"]["batch_size"]))
+        return {"accuracy": 1.0, "lr": job["lr"], "steps": 1, "seconds": 0.5, "state_size": 1, "params": 1}
+
+    monkeypatch.setattr(pairs.recall, "run_one", fake)
+    sweep = replace(MICRO, pairs=(1, 2, 4, 8), batch_size=4, tokens_per_step=64)  # L 16, 16, 16, 32
+    res = pairs.run_one({**jobs_for(sweep, tmp_path)[0], "dir": str(tmp_path / "ladder")})
+    assert batches == [(16, 4), (16, 4), (16, 4), (32, 2)]
+    assert [u["batch"] for u in res["rungs"]] == [4, 4, 4, 2]
+    assert "batch 4 up to 64 tokens (2 at L 32)" in pairs.report(sweep, [res])
+    assert "batch 4 (" in pairs.report(MICRO, [res])  # no tokens_per_step: one batch for every rung
+    full = {pairs.seq_len(pairs.FULL, K): pairs.rung_batch(pairs.FULL, pairs.seq_len(pairs.FULL, K)) for K in pairs.FULL.pairs}
+    assert full == {32: 256, 64: 256, 128: 256, 256: 256, 512: 256, 1024: 128, 2048: 64, 4096: 32}
+
+
 def test_cli_runs_with_flags(tmp_path, monkeypatch):
     monkeypatch.setattr("evict.lab.pairs.QUICK", MICRO)  # the flags on top of a micro sweep, not the quick one
     assert main(["lab", "pairs", "--rules", "kda", "--dims", "4", "--pairs", "1", "--lr", "0.02", "--threshold", "0.5",
-                 "--steps", "1", "--d-model", "12", "--out", str(tmp_path / "y")]) == 0
+                 "--steps", "1", "--d-model", "12", "--tokens-per-step", "64", "--out", str(tmp_path / "y")]) == 0
     rows = [json.loads(line) for line in (tmp_path / "y" / "results.jsonl").read_text().splitlines()]
     assert [(r["rule"], r["d"], [u["lr"] for u in r["rungs"]]) for r in rows] == [("kda", 4, [0.02])]
     config = json.loads((tmp_path / "y" / "config.json").read_text())
-    assert (config["threshold"], config["d_model"]) == (0.5, 12)
+    assert (config["threshold"], config["d_model"], config["tokens_per_step"]) == (0.5, 12, 64)
 
 
 @pytest.mark.gpu
