@@ -134,8 +134,8 @@ def run_one(job: dict) -> dict | None:
                 break
         top = max(runs, key=lambda r: r["accuracy"])
         seconds += sum(r["seconds"] for r in runs)
-        rungs.append({"pairs": K, "seq_len": L, "batch": rung_batch(sweep, L), "accuracy": top["accuracy"], "lr": top["lr"],
-                      "steps": top["steps"], "state_size": top["state_size"], "params": top["params"]})
+        rungs.append({"pairs": K, "seq_len": L, "batch": rung_batch(sweep, L), "accuracy": top["accuracy"],
+                      "lr": top["lr"], "steps": top["steps"], "state_size": top["state_size"], "params": top["params"]})
         if top["accuracy"] < sweep.threshold:
             break
         best_k = K
@@ -222,7 +222,8 @@ def _batch_text(sweep: PairsSweep) -> str:
     batches = {seq_len(sweep, K): rung_batch(sweep, seq_len(sweep, K)) for K in sorted(sweep.pairs)}
     if len(set(batches.values())) == 1:
         return str(sweep.batch_size)
-    return f"{sweep.batch_size} up to {sweep.tokens_per_step:,} tokens ({', '.join(f'{b} at L {L}' for L, b in batches.items() if b < sweep.batch_size)})"
+    lower = ", ".join(f"{b} at L {L}" for L, b in batches.items() if b < sweep.batch_size)
+    return f"{sweep.batch_size} up to {sweep.tokens_per_step:,} tokens ({lower})"
 
 
 def plot(sweep: PairsSweep, results: list[dict], path: Path) -> Path:
@@ -282,11 +283,9 @@ def validate(sweep: PairsSweep) -> None:
         raise ValueError(f"lrs: expected learning rates > 0, got {list(sweep.lrs)}")
     check_at_least_one(sweep, ("steps", "batch_size", "eval_every", "eval_batches", "seeds", "workers", "min_len",
                                "n_layers", "d_model"))
-    longest = seq_len(sweep, max(sweep.pairs))
-    if sweep.tokens_per_step is not None and (isinstance(sweep.tokens_per_step, bool) or not isinstance(sweep.tokens_per_step, int)
-                                              or sweep.tokens_per_step < longest):
-        raise ValueError(f"tokens_per_step: expected None or an integer >= the longest rung's L = {longest}, "
-                         f"got {sweep.tokens_per_step!r}")
+    longest, tokens = seq_len(sweep, max(sweep.pairs)), sweep.tokens_per_step
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < longest):
+        raise ValueError(f"tokens_per_step: expected None or an integer >= the longest rung's L = {longest}, got {tokens!r}")
     for K in sweep.pairs:
         try:
             MQARConfig(vocab_size=sweep.vocab_size, seq_len=seq_len(sweep, K), num_pairs=K)
