@@ -120,13 +120,13 @@ def run_one(job: dict) -> dict | None:
     of a timed piece (the finished rungs stay in their folders; the next piece climbs on from there)."""
     logging.getLogger("evict").setLevel(logging.WARNING)
     sweep = from_json(PairsSweep, job["sweep"])
-    rsweep = dataclasses.asdict(recall_sweep(sweep, job["d"]))  # each rung at its own batch: rung_batch
+    rsweep = dataclasses.asdict(recall_sweep(sweep, job["d"]))
     rungs, best_k, seconds = [], 0, 0.0
     for K in sorted(sweep.pairs):
         L = seq_len(sweep, K)
-        runs = []
+        batch, runs = rung_batch(sweep, L), []
         for lr in sweep.lrs:  # in order, up to the first that passes
-            run = _rung(job, {**rsweep, "batch_size": rung_batch(sweep, L)}, K, lr, L)
+            run = _rung(job, {**rsweep, "batch_size": batch}, K, lr, L)
             if run is None:
                 return None
             runs.append(run)
@@ -134,7 +134,7 @@ def run_one(job: dict) -> dict | None:
                 break
         top = max(runs, key=lambda r: r["accuracy"])
         seconds += sum(r["seconds"] for r in runs)
-        rungs.append({"pairs": K, "seq_len": L, "batch": rung_batch(sweep, L), "accuracy": top["accuracy"],
+        rungs.append({"pairs": K, "seq_len": L, "batch": batch, "accuracy": top["accuracy"],
                       "lr": top["lr"], "steps": top["steps"], "state_size": top["state_size"], "params": top["params"]})
         if top["accuracy"] < sweep.threshold:
             break
@@ -219,7 +219,7 @@ def report(sweep: PairsSweep, results: list[dict]) -> str:
 
 def _batch_text(sweep: PairsSweep) -> str:
     """The batch of the table's caption: one number, or the rungs' batches where tokens_per_step lowers them."""
-    batches = {seq_len(sweep, K): rung_batch(sweep, seq_len(sweep, K)) for K in sorted(sweep.pairs)}
+    batches = {L: rung_batch(sweep, L) for L in (seq_len(sweep, K) for K in sorted(sweep.pairs))}
     if len(set(batches.values())) == 1:
         return str(sweep.batch_size)
     lower = ", ".join(f"{b} at L {L}" for L, b in batches.items() if b < sweep.batch_size)

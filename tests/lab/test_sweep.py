@@ -9,9 +9,8 @@ from dataclasses import replace
 import pytest
 
 from evict.cli import main
-from evict.lab import capacity, pairs, state
+from evict.lab import capacity, hybrid, pairs, recall, state
 from evict.lab import sweep as sweep_mod
-from evict.lab import hybrid, recall
 from evict.lab.sweep import compiles, lab_train_config, out_of_time, piece_fields, with_deadline
 
 from .test_capacity import MICRO as CAPACITY
