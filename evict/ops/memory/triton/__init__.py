@@ -11,20 +11,26 @@ so machines without triton still import evict.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
 
-@functools.cache
+_AVAILABLE: bool | None = None  # a plain module global, not functools.cache: runs_on is traced by torch.compile, and
+# Dynamo warns on every compile that it traces through an lru_cache wrapper (session 26's lab hybrid logs)
+
+
 def available() -> bool:
-    """True when the triton package imports."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """True when the triton package imports (tried once)."""
+    global _AVAILABLE
+    if _AVAILABLE is None:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            _AVAILABLE = False
+        else:
+            _AVAILABLE = True
+    return _AVAILABLE
 
 
 MAX_K, MAX_V = 256, 256  # the chunked kernels' tiles fit an H100/H200 SM's shared memory up to these (keys above 128:
