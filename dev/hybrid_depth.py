@@ -26,6 +26,7 @@ import torch
 
 from evict.cli_args import parse_overrides
 from evict.lab import hybrid, recall
+from evict.lab.sweep import curve
 from evict.models import LM
 from evict.train import train
 
@@ -71,11 +72,10 @@ def main() -> None:
                                  stop_at=stop_at, out_dir=run_dir)  # the lab's run of this model, these knobs changed
         t0 = time.perf_counter()
         res = train(model, task, tc)
-        curve = [(h["step"], round(h["accuracy"], 3)) for h in res.history if "accuracy" in h]
         row = {"pattern": pattern, **({"set": model_set} if model_set else {}), **({"shape": shape} if shape else {}), "lr": lr, "warmup": warmup,
                "steps": steps, "batch": batch, "best": round(res.best_val_accuracy, 4), "steps_done": res.steps_done,
                "stopped": res.interrupted,
-               "seconds": round(time.perf_counter() - t0, 1), "total_seconds": round(res.total_seconds, 1), "curve": curve}
+               "seconds": round(time.perf_counter() - t0, 1), "total_seconds": round(res.total_seconds, 1), "curve": curve(res)}
         rows.append(row)
         print(json.dumps(row), flush=True)
     if a.out:

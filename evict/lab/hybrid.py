@@ -36,7 +36,7 @@ import torch
 
 from evict.bench.common import markdown_table
 from evict.lab import recall
-from evict.lab.sweep import (diverged, fresh_compile, from_json, lab_train_config, out_of_time, run_grid, seeds_of,
+from evict.lab.sweep import (curve, diverged, fresh_compile, from_json, lab_train_config, out_of_time, run_grid, seeds_of,
                               seeds_phrase)
 from evict.models import LM, ModelConfig, accounting
 from evict.tasks.mqar import MQARConfig, MQARTask
@@ -264,8 +264,9 @@ def run_one(job: dict) -> dict | None:
     res = train(model, task, train_config(sweep, job["task"], seed, job))
     if res.interrupted:
         return None  # stopped at the piece's end: its checkpoint resumes it
-    score = ({"accuracy": res.best_val_accuracy, "final_accuracy": res.final_val_accuracy} if job["task"] == "mqar"
-             else {"val_loss": res.final_val_loss, "val_ppl": math.exp(res.final_val_loss)})
+    score = ({"accuracy": res.best_val_accuracy, "final_accuracy": res.final_val_accuracy, "curve": curve(res)}
+             if job["task"] == "mqar" else
+             {"val_loss": res.final_val_loss, "val_ppl": math.exp(res.final_val_loss), "curve": curve(res, "loss")})
     shown = f"acc {score['accuracy']:.3f}" if job["task"] == "mqar" else f"loss {score['val_loss']:.3f}"
     return {"variant": v.name, "kind": v.kind, "ratio": v.ratio, "placement": v.placement, "pattern": v.pattern,
             "task": job["task"], "seed": seed, **score, "steps": res.steps_done, "seconds": round(res.total_seconds, 1),

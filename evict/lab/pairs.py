@@ -135,7 +135,8 @@ def run_one(job: dict) -> dict | None:
         top = max(runs, key=lambda r: r["accuracy"])
         seconds += sum(r["seconds"] for r in runs)
         rungs.append({"pairs": K, "seq_len": L, "batch": batch, "accuracy": top["accuracy"],
-                      "lr": top["lr"], "steps": top["steps"], "state_size": top["state_size"], "params": top["params"]})
+                      "lr": top["lr"], "steps": top["steps"], "state_size": top["state_size"], "params": top["params"],
+                      **({"curve": top["curve"]} if "curve" in top else {})})
         if top["accuracy"] < sweep.threshold:
             break
         best_k = K

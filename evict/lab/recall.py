@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from evict.bench.common import markdown_table
-from evict.lab.sweep import (check_minutes, compiles, diverged, fresh_compile, from_json, out_of_time, run_jobs, seeds_of,
-                             stopped_message, sweep_folder, with_deadline, write_results)
+from evict.lab.sweep import (check_minutes, compiles, curve, diverged, fresh_compile, from_json, out_of_time, run_jobs,
+                             seeds_of, stopped_message, sweep_folder, with_deadline, write_results)
 from evict.models import LM, ModelConfig, presets
 from evict.tasks.mqar import MQARConfig, MQARTask
 from evict.train import TrainConfig, resolve_device, train
@@ -233,7 +233,7 @@ def run_one(job: dict) -> dict | None:
     loss = res.final_val_loss  # ln(V/2) when the model guesses uniformly over the values
     out = {**row, "accuracy": res.best_val_accuracy, "final_accuracy": res.final_val_accuracy,
            "final_loss": round(loss, 4) if math.isfinite(loss) else None, "steps": res.steps_done,
-           "seconds": round(res.total_seconds, 1), "state_size": state_size, "params": params,
+           "seconds": round(res.total_seconds, 1), "state_size": state_size, "params": params, "curve": curve(res),
            "label": f"{job['arch']} K={K} acc={res.best_val_accuracy:.2f}"}
     if res.stopped_early and not solved and marker is not None:
         out["stopped"] = f"cell solved first by {marker.read_text().strip()}"

@@ -147,6 +147,13 @@ def diverged(res) -> dict:
     return {} if res.diverged_at is None else {"diverged": f"training loss not finite by step {res.diverged_at}"}
 
 
+def curve(res, key: str = "accuracy") -> list[list[float]]:
+    """A lab row's learning curve: the run's validation `key` ("accuracy" or "loss") at every evaluation, as [[step,
+    value], …] to 4 decimals, a resumed run's earlier pieces included (`TrainResult.history`): it tells a run that
+    ended below its target still climbing from one that had stalled."""
+    return [[h["step"], round(float(h[key]), 4)] for h in res.history if h.get("split") == "val" and key in h]
+
+
 def stopped_message(minutes: float | None, jobs: list, left: int, root: Path) -> str:
     """What a sweep with runs left says: how many finished, how long the piece took, and how to continue. A piece
     ends before its `minutes` when no run left would finish in time (expected_seconds), so the time is measured."""

@@ -145,6 +145,12 @@ def test_sweep_runs_resumes_and_writes_outputs(tmp_path, single_thread_runs):
     for r in rows:
         assert r["steps"] == 2 and abs(r["params_gap"]) <= PARAM_TOLERANCE
         assert (0 <= r["accuracy"] <= 1) if r["task"] == "mqar" else r["val_loss"] > 0
+        # the learning curve: every evaluation (eval_every = steps here: one), ending at the row's final score
+        assert [step for step, _ in r["curve"]] == [2]
+        final = r["final_accuracy"] if r["task"] == "mqar" else r["val_loss"]
+        assert r["curve"][-1][1] == pytest.approx(final, abs=5e-5)
+        if r["task"] == "mqar":
+            assert max(v for _, v in r["curve"]) == pytest.approx(r["accuracy"], abs=5e-5)
         assert (root / "runs" / f"{r['variant']}_{r['task']}_s0" / "result.json").exists()
     table = (root / "table.md").read_text()
     assert "| mla 3:1 spread = late | KKKM |" in table and "| attention 3:1 early | AKKK |" in table

@@ -56,6 +56,9 @@ def test_sweep_runs_resumes_and_writes_outputs(tmp_path):
     assert {(r["rule"], r["d"]) for r in rows} == {(r, d) for r in MICRO.rules for d in MICRO.dims}
     for r in rows:
         assert r["rungs"] and r["rungs"][0]["pairs"] == 1 and all(u["steps"] <= 2 for u in r["rungs"])
+        for u in r["rungs"]:  # each rung's reported run's curve: its evaluations, the best one its accuracy
+            assert u["curve"][-1][0] == u["steps"]
+            assert max(v for _, v in u["curve"]) == pytest.approx(u["accuracy"], abs=5e-5)
         passed = [u["pairs"] for u in r["rungs"] if u["accuracy"] >= MICRO.threshold]
         assert r["max_pairs"] == (max(passed) if passed else 0)
     table = (root / "table.md").read_text()

@@ -22,6 +22,11 @@ def test_sweep_runs_resumes_and_writes_outputs(tmp_path, capsys):
     assert len(rows) == 3 * 2 * 2
     assert {r["arch"] for r in rows} == set(MICRO.archs)
     assert all(r["final_loss"] > 0 for r in rows)  # the last evaluation's loss (a plateau at ln(V/2) shows there)
+    for r in rows:  # the learning curve: every evaluation up to the run's last step, its best the row's accuracy
+        steps = [step for step, _ in r["curve"]]
+        assert steps == sorted(steps) and steps[-1] == r["steps"]
+        assert max(v for _, v in r["curve"]) == pytest.approx(r["accuracy"], abs=5e-5)
+        assert r["curve"][-1][1] == pytest.approx(r["final_accuracy"], abs=5e-5)
     table = (root / "table.md").read_text()
     assert "| deltanet |" in table and "K=4 (L=24)" in table
     card = (root / "scorecard.md").read_text()
@@ -159,7 +164,8 @@ def test_sweep_in_pieces_equals_one_piece(tmp_path, capsys, monkeypatch):
     assert (next(piece.glob("runs/*")) / "checkpoint.pt").exists()
     run_sweep(sweep, out=piece)
     a, b = ([json.loads(x) for x in (r / "results.jsonl").read_text().splitlines()] for r in (whole, piece))
-    assert [(r["accuracy"], r["steps"]) for r in a] == [(r["accuracy"], r["steps"]) for r in b]
+    assert [(r["accuracy"], r["steps"], r["curve"]) for r in a] == [(r["accuracy"], r["steps"], r["curve"]) for r in b]
+    assert [step for step, _ in a[0]["curve"]] == [2, 4, 6, 8]
     with pytest.raises(ValueError, match="minutes"):
         run_sweep(sweep, out=tmp_path / "x", minutes=0)
 

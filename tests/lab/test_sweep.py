@@ -11,7 +11,7 @@ import pytest
 from evict.cli import main
 from evict.lab import capacity, hybrid, pairs, recall, state
 from evict.lab import sweep as sweep_mod
-from evict.lab.sweep import compiles, lab_train_config, out_of_time, piece_fields, with_deadline
+from evict.lab.sweep import compiles, curve, lab_train_config, out_of_time, piece_fields, with_deadline
 
 from .test_capacity import MICRO as CAPACITY
 from .test_pairs import MICRO as PAIRS
@@ -141,3 +141,19 @@ def test_a_killed_worker_ends_the_sweep_with_an_error_not_a_hang(tmp_path):
         assert n != 3 or not done.exists()
         assert not done.exists() or json.loads(done.read_text()) == {"n": n * n}
     assert sweep_mod.run_jobs(_square_or_die, jobs[:3], workers=2) == [{"n": 0}, {"n": 1}, {"n": 4}]
+
+
+def test_a_rows_curve_spans_every_piece_of_its_run(tmp_path):
+    """`curve`: a run stopped after its first step's evaluation and resumed in a second piece reports every evaluation
+    of both, the same values as the run trained in one go; accuracy or loss, to 4 decimals."""
+    from evict.train import train
+    from tests.test_train import CopyTask, Tiny, _cfg
+
+    cfg = dict(steps=6, log_every=1, eval_every=1, warmup_steps=2, min_lr_ratio=0.1)
+    first = train(Tiny(), CopyTask(), _cfg(tmp_path / "run", stop_at=0.0, **cfg))
+    assert first.interrupted and curve(first) == [[1, round(first.history[0]["accuracy"], 4)]]
+    resumed = train(Tiny(seed=9), CopyTask(), _cfg(tmp_path / "run", **cfg))
+    whole = train(Tiny(), CopyTask(), _cfg(tmp_path / "whole", **cfg))
+    assert [step for step, _ in curve(resumed)] == [1, 2, 3, 4, 5, 6]
+    assert curve(resumed) == curve(whole) and curve(resumed, "loss") == curve(whole, "loss")
+    assert curve(whole, "loss")[-1][1] == round(whole.final_val_loss, 4)
