@@ -36,8 +36,8 @@ import torch
 
 from evict.bench.common import markdown_table
 from evict.lab import recall
-from evict.lab.sweep import (curve, diverged, fresh_compile, from_json, lab_train_config, out_of_time, run_grid, seeds_of,
-                              seeds_phrase)
+from evict.lab.sweep import (curve, diverged, fresh_compile, from_json, lab_train_config, out_of_time, run_grid,
+                              seeds_of, seeds_phrase)
 from evict.models import LM, ModelConfig, accounting
 from evict.tasks.mqar import MQARConfig, MQARTask
 from evict.tasks.text import TextTask, corpus_files
