@@ -37,7 +37,7 @@ import torch
 from evict.bench.common import markdown_table
 from evict.lab import recall
 from evict.lab.sweep import (curve, diverged, fresh_compile, from_json, lab_train_config, out_of_time, run_grid,
-                              seeds_of, seeds_phrase)
+                              seeds_phrase)
 from evict.models import LM, ModelConfig, accounting
 from evict.tasks.mqar import MQARConfig, MQARTask
 from evict.tasks.text import TextTask, corpus_files
@@ -79,6 +79,8 @@ class HybridSweep:
     contexts: tuple = (131_072, 1_048_576)  # decode cost reported at these contexts (the last in the table)
     seed: int = 0
     seeds: int = 1
+    text_seeds: int | None = None  # the text runs' seeds when more than `seeds` (None: `seeds`): cheap runs whose
+    # losses differ by about the seed spread, so `--full` runs 3 of them where each costly MQAR run has one
     workers: int = 2
     device: str = "cpu"
     compile: bool = False  # CUDA: each block through torch.compile inside the step's CUDA graph (sweep.compiles)
@@ -96,7 +98,16 @@ FULL = HybridSweep(  # the paper's hardest MQAR setting (L 512, K 64, vocab 8192
     gate_dt=(1e-4, 1e-3), mqar_steps=8000,
     # a compiled step alone on the H200: 64 ms for 3:1 MLA (graphed 87, eager 117), 41 ms for all-MLA (67, 130)
     compile=True,
+    # the text losses of piece 1 (one seed) spanned 0.019 nats, about a seed's spread: 3 seeds for the ordering
+    text_seeds=3,
 )
+WHICH_FIELDS = ("seed", "seeds", "text_seeds")  # they choose which runs exist; each row names its seed (dev/grid_restore.py)
+
+
+def task_seeds(sweep: HybridSweep, task: str) -> list[int]:
+    """The seeds `task`'s runs use: `seeds` of them from `seed`; for text, `text_seeds` when that is more."""
+    n = max(sweep.seeds, sweep.text_seeds or 0) if task == "text" else sweep.seeds
+    return list(range(sweep.seed, sweep.seed + n))
 
 
 # -- patterns ----------------------------------------------------------------------------------------------------
@@ -278,20 +289,21 @@ def jobs_for(sweep: HybridSweep, root: Path) -> list[dict]:
     """Every run; the KDA-heaviest models first (the slowest on a CPU), so the last to finish are short ones."""
     sw = dataclasses.asdict(sweep)
     vs = sorted(variants(sweep), key=lambda v: -v.pattern.count(LINEAR))
+    seeds = sorted({s for t in sweep.tasks for s in task_seeds(sweep, t)})  # seed-major: every model's first seed first
     return [{"variant": dataclasses.asdict(v), "task": t, "seed": s, "dir": str(root / "runs" / f"{v.name}_{t}_s{s}"),
-             "sweep": sw} for s in seeds_of(sweep) for v in vs for t in sweep.tasks]
+             "sweep": sw} for s in seeds for v in vs for t in sweep.tasks if s in task_seeds(sweep, t)]
 
 
 # -- report ------------------------------------------------------------------------------------------------------
 
 
-def _cells(results: list[dict], seeds: int | None = None) -> dict:
-    """(variant name, task) -> the runs' scores over seeds (accuracy for MQAR, val loss for text). `seeds`: only the
-    cells with that many runs (a partial sweep's cell short of a seed's run is not known yet)."""
+def _cells(results: list[dict], sweep: HybridSweep | None = None) -> dict:
+    """(variant name, task) -> the runs' scores over seeds (accuracy for MQAR, val loss for text). `sweep`: only the
+    cells with every seed of their task in (a partial sweep's cell short of a seed's run is not known yet)."""
     cells: dict = {}
     for r in sorted(results, key=lambda r: r["seed"]):
         cells.setdefault((r["variant"], r["task"]), []).append(r["accuracy"] if r["task"] == "mqar" else r["val_loss"])
-    return {k: xs for k, xs in cells.items() if seeds is None or len(xs) == seeds}
+    return {k: xs for k, xs in cells.items() if sweep is None or len(xs) == len(task_seeds(sweep, k[1]))}
 
 
 def _fmt(xs: list | None) -> str:
@@ -309,7 +321,7 @@ def report(sweep: HybridSweep, results: list[dict]) -> str:
     """One row per model (scores, parameters, cache), then the MLA ratios ranked beside Kimi Linear's Table 1. A
     partial sweep's (run_grid's partial_table.md) cells short of a seed's run show —, as do a model's parameters and
     cache until one of its runs is in; the ranking waits for every ratio's runs."""
-    cells, by = _cells(results, sweep.seeds), {r["variant"]: r for r in results}
+    cells, by = _cells(results, sweep), {r["variant"]: r for r in results}
     ctx = str(sweep.contexts[-1])
     full = {k: by[v.name]["decode_bytes"][ctx] for v in variants(sweep) for k in KINDS
             if v.kind == k and v.ratio == "0:1" and v.name in by}
@@ -331,7 +343,7 @@ def report(sweep: HybridSweep, results: list[dict]) -> str:
     head = (f"{sweep.n_layers} layers, d {sweep.d_model}, heads of {sweep.head_dim}, equal parameters (SwiGLU width solved"
             f" per model); {_steps_phrase(sweep)}, batch {sweep.batch_size}, lr {sweep.lr:g}"
             f"{'' if tuple(sweep.gate_dt) == recall.DEFAULT_GATE_DT else ', KDA gates at init dt %g..%g' % tuple(sweep.gate_dt)}; "
-            f"{seeds_phrase(seeds_of(sweep))}. MQAR: L {sweep.seq_len}, K {sweep.pairs}, vocab "
+            f"{_seeds_phrase(sweep)}. MQAR: L {sweep.seq_len}, K {sweep.pairs}, vocab "
             f"{sweep.vocab_size}, best evaluation. val loss: next-character "
             f"{'Shakespeare' if sweep.corpus is None else Path(sweep.corpus).name}, nats/char after the last step, "
             f"T {sweep.text_seq_len}. Cache: {CACHE_BYTES} B per KV/latent number (KDA's S float32, fixed); decode read = "
@@ -339,6 +351,13 @@ def report(sweep: HybridSweep, results: list[dict]) -> str:
             "Kimi Linear Table 1 (KDA:MLA, validation perplexity at 1.4T tokens).")
     cols = list(rows[0])
     return f"{head}\n\n{markdown_table(rows, cols)}\n\n{ordering(sweep, results)}"
+
+
+def _seeds_phrase(sweep: HybridSweep) -> str:
+    mqar, text = task_seeds(sweep, "mqar"), task_seeds(sweep, "text")
+    if mqar == text or "text" not in sweep.tasks or "mqar" not in sweep.tasks:
+        return seeds_phrase(mqar if "mqar" in sweep.tasks else text)
+    return f"MQAR {seeds_phrase(mqar)}, text {seeds_phrase(text)}"
 
 
 def _steps_phrase(sweep: HybridSweep) -> str:
@@ -350,7 +369,7 @@ def _steps_phrase(sweep: HybridSweep) -> str:
 
 def ordering(sweep: HybridSweep, results: list[dict]) -> str:
     """The spread MLA models ranked by our scores beside Kimi Linear's ranking by perplexity."""
-    cells = _cells(results, sweep.seeds)
+    cells = _cells(results, sweep)
     names = {v.ratio: v.name for v in variants(sweep) if v.kind == "mla" and v.placement in ("spread", "—")
              and v.ratio in PUBLISHED}
     if not names:
@@ -446,8 +465,10 @@ def validate(sweep: HybridSweep) -> None:
                  "workers", "text_seq_len"):
         if type(getattr(sweep, name)) is not int or getattr(sweep, name) < 1:
             raise ValueError(f"{name}: expected a positive integer, got {getattr(sweep, name)!r}")
-    if sweep.mqar_steps is not None and (type(sweep.mqar_steps) is not int or sweep.mqar_steps < 1):
-        raise ValueError(f"mqar_steps: expected a positive integer or None, got {sweep.mqar_steps!r}")
+    for name in ("mqar_steps", "text_seeds"):
+        got = getattr(sweep, name)
+        if got is not None and (type(got) is not int or got < 1):
+            raise ValueError(f"{name}: expected a positive integer or None, got {got!r}")
     if sweep.d_model % min(sweep.head_dim, sweep.d_model):
         raise ValueError(f"d_model: expected a multiple of head_dim={sweep.head_dim}, got {sweep.d_model}")
     if not sweep.contexts or any(type(c) is not int or c < 1 for c in sweep.contexts):

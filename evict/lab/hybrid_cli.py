@@ -19,6 +19,7 @@ def run_hybrid(args) -> None:
                            "pairs": args.setting[1] if args.setting else None, "corpus": args.corpus,
                            "gate_dt": tuple(args.gate_dt) if args.gate_dt else None,
                            "mqar_steps": args.mqar_steps or args.steps,  # --steps sets both tasks' schedules
+                           "text_seeds": args.text_seeds,
                            "compile": False if args.no_compile else None})
 
 
@@ -41,6 +42,8 @@ def add_parser(lab_sub) -> None:
     s.add_argument("--corpus", help="text file or folder for the text task (default Shakespeare)")
     s.add_argument("--mqar-steps", type=positive_int, metavar="N",
                    help="MQAR's schedule length (it stops at 0.99 accuracy; default: --steps, else the mode's: --full 8000)")
+    s.add_argument("--text-seeds", type=positive_int, metavar="N",
+                   help="seeds of the text runs when more than --seeds (--full: 3, where each MQAR cell has one)")
     s.add_argument("--no-compile", action="store_true", help="CUDA: skip torch.compile of the blocks (--full compiles them)")
     add_gate_dt_flag(s)
     s.set_defaults(fn=run_hybrid)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from evict.lab import recall, state
+from evict.lab import hybrid, recall, state
 
 SPEC = importlib.util.spec_from_file_location("grid_restore", Path(__file__).parents[2] / "dev" / "grid_restore.py")
 grid_restore = importlib.util.module_from_spec(SPEC)
@@ -55,6 +55,15 @@ def test_another_config_is_refused_and_labs_compare_every_field(tmp_path):
     older = {**lab, "tasks": ["parity", "mod_arith", "s3", "s5"], "models": ["kda"], "seeds": 2}
     grid_restore.main(str(tmp_path / "u"), _piece(tmp_path, older, [row]), lab="state")
     assert (tmp_path / "u" / "runs" / "parity_kda_s0" / "result.json").exists()
+    # hybrid's which-runs fields (seed, seeds, text_seeds): piece 1 (session 26) predates text_seeds and is kept by a
+    # sweep that adds the text runs' seeds 1 and 2; a field that changes what a run trains is still refused
+    hyb = json.loads(json.dumps(dataclasses.asdict(hybrid.FULL)))
+    piece1 = {k: v for k, v in hyb.items() if k != "text_seeds"}
+    run = dict(variant="kda_1to0", task="text", seed=0, val_loss=1.4, dir="kda_1to0_text_s0")
+    grid_restore.main(str(tmp_path / "h"), _piece(tmp_path, piece1, [run]), lab="hybrid")
+    assert (tmp_path / "h" / "runs" / "kda_1to0_text_s0" / "result.json").exists()
+    with pytest.raises(SystemExit, match="mqar_steps differ"):
+        grid_restore.main(str(tmp_path / "i"), _piece(tmp_path, {**piece1, "mqar_steps": 4000}, [run]), lab="hybrid")
 
 
 PIECE_SPEC = importlib.util.spec_from_file_location("grid_piece", Path(__file__).parents[2] / "dev" / "grid_piece.py")

@@ -235,8 +235,44 @@ def test_mqar_runs_take_their_own_schedule_and_steps_sets_both(tmp_path, monkeyp
         hybrid.validate(replace(MICRO, mqar_steps=0))
 
 
+def test_text_runs_take_more_seeds_and_cells_wait_for_every_one(tmp_path, monkeypatch, single_thread_runs):
+    """`text_seeds` (--text-seeds; --full: 3): the text runs' seeds when more than `seeds`; the MQAR runs keep
+    `seeds`. Each text cell is the mean and range of its seeds, and waits (—) until every one is in."""
+    (tmp_path / "c.txt").write_text(CORPUS)
+    sweep = replace(MICRO, ratios=("1:0", "0:1"), placement_ratios=(), kinds=("attention",), corpus=str(tmp_path / "c.txt"),
+                    text_seeds=2)
+    jobs = hybrid.jobs_for(sweep, tmp_path)
+    assert [(j["variant"]["ratio"], j["task"], j["seed"]) for j in jobs] == [  # seed-major: every first seed first
+        ("1:0", "mqar", 0), ("1:0", "text", 0), ("0:1", "mqar", 0), ("0:1", "text", 0), ("1:0", "text", 1), ("0:1", "text", 1)]
+    assert hybrid.task_seeds(replace(sweep, seeds=3), "text") == [0, 1, 2]  # never fewer than `seeds`
+    assert hybrid.task_seeds(FULL, "text") == [0, 1, 2] and hybrid.task_seeds(FULL, "mqar") == [0]
+    root = run_sweep(sweep, out=tmp_path / "s")
+    rows = [json.loads(line) for line in (root / "results.jsonl").read_text().splitlines()]
+    assert sorted((r["task"], r["seed"]) for r in rows) == [("mqar", 0)] * 2 + [("text", 0)] * 2 + [("text", 1)] * 2
+    table = (root / "table.md").read_text()
+    assert "MQAR seed 0, text seeds 0, 1 (mean, min–max)" in table
+    kda = [r for r in rows if r["variant"] == "kda_1to0"]
+    losses = sorted(r["val_loss"] for r in kda if r["task"] == "text")
+    acc = next(r["accuracy"] for r in kda if r["task"] == "mqar")
+    line = next(x for x in table.splitlines() if x.startswith("| KDA only"))
+    assert f"| {acc:.3f} |" in line and f"| {sum(losses) / 2:.3f} ({losses[0]:.3f}–{losses[1]:.3f}) |" in line
+    # a partial sweep whose text runs of seed 1 are not in: the text cells wait, the MQAR cells show
+    partial = hybrid.report(sweep, [r for r in rows if r["seed"] == 0])
+    line = next(x for x in partial.splitlines() if x.startswith("| KDA only"))
+    assert f"| {acc:.3f} | — |" in line
+    with pytest.raises(ValueError, match=r"^text_seeds: expected a positive integer or None, got 0$"):
+        hybrid.validate(replace(MICRO, text_seeds=0))
+
+
+def test_text_seeds_flag_reaches_the_sweep(monkeypatch):
+    seen = []
+    monkeypatch.setattr("evict.lab.hybrid.run_sweep", lambda sweep, out=None, minutes=None: seen.append(sweep))
+    assert main(["lab", "hybrid", "--full", "--text-seeds", "5"]) == 0 and main(["lab", "hybrid"]) == 0
+    assert [s.text_seeds for s in seen] == [5, None] and FULL.text_seeds == 3
+
+
 BAD = [
-    ["--mqar-steps", "0"], ["--mqar-steps", "x"],
+    ["--mqar-steps", "0"], ["--mqar-steps", "x"], ["--text-seeds", "0"],
     ["--ratios", "2:2"], ["--ratios", "x"], ["--ratios", "5:1"], ["--ratios", "3:1", "3:1"], ["--kinds", "rnn"],
     ["--tasks", "wiki"], ["--placement-ratios", "1:0"], ["--placement-ratios", "7:1", "--ratios", "3:1"],
     ["--layers", "0"], ["--layers", "6"], ["--d-model", "24"], ["--setting", "10", "8"], ["--steps", "0"],
