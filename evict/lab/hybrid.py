@@ -381,13 +381,13 @@ def ordering(sweep: HybridSweep, results: list[dict]) -> str:
                 f"{len(names) * len(tasks)} cells so far).")
     pub = _rank({k: PUBLISHED[k] for k in names}, reverse=False)
     cols = ["KDA:MLA", "published ppl (rank)"]
-    ranks = {}
-    if "text" in sweep.tasks:
-        loss = {k: statistics.fmean(cells[(n, "text")]) for k, n in names.items()}
-        ranks["val loss"] = (loss, _rank(loss, reverse=False))
-    if "mqar" in sweep.tasks:
-        acc = {k: statistics.fmean(cells[(n, "mqar")]) for k, n in names.items()}
-        ranks["MQAR acc"] = (acc, _rank(acc, reverse=True))
+    ranks, notes = {}, []
+    for task, col, best_low in (("text", "val loss", True), ("mqar", "MQAR acc", False)):
+        if task not in sweep.tasks:
+            continue
+        vals = {k: statistics.fmean(cells[(n, task)]) for k, n in names.items()}
+        ranks[col] = (vals, _rank(vals, reverse=not best_low))
+        notes.append(_separation(col, {k: cells[(n, task)] for k, n in names.items()}, ranks[col][1]))
     rows = []
     for k in sorted(names, key=lambda k: pub[k]):
         row = {"KDA:MLA": k, "published ppl (rank)": f"{PUBLISHED[k]:.2f} ({pub[k]})"}
@@ -395,7 +395,23 @@ def ordering(sweep: HybridSweep, results: list[dict]) -> str:
             row[f"ours: {col} (rank)"] = f"{vals[k]:.3f} ({rk[k]})"
         rows.append(row)
     cols += [f"ours: {c} (rank)" for c in ranks]
-    return f"Ordering (rank 1 = best) of the MLA ratios this sweep shares with Kimi Linear's Table 1:\n\n{markdown_table(rows, cols)}"
+    return (f"Ordering (rank 1 = best) of the MLA ratios this sweep shares with Kimi Linear's Table 1:\n\n"
+            f"{markdown_table(rows, cols)}\n\n" + "\n".join(f"- {n}" for n in notes))
+
+
+def _separation(col: str, scores: dict, rank: dict) -> str:
+    """Whether the seeds separate our neighbouring ranks: the pairs of ratios next in rank whose ranges (min–max over
+    seeds) overlap, so that the order between them is not known at this many seeds."""
+    n = min(len(xs) for xs in scores.values())
+    if n < 2:
+        return f"{col}: one seed a cell, so no range says whether neighbouring ranks differ."
+    order = sorted(scores, key=lambda k: rank[k])
+    tied = [(a, b) for a, b in zip(order, order[1:])
+            if max(min(scores[a]), min(scores[b])) <= min(max(scores[a]), max(scores[b]))]
+    if not tied:
+        return f"{col}: every two neighbouring ranks' ranges over {n} seeds are apart."
+    return (f"{col}: the ranges over {n} seeds overlap for " + ", ".join(f"{a} and {b}" for a, b in tied)
+            + " (their order is not separated by the seeds).")
 
 
 def plot(sweep: HybridSweep, results: list[dict], path: Path) -> Path:

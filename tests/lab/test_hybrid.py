@@ -123,6 +123,14 @@ def test_ordering_ranks_our_scores_beside_the_published_ones():
     assert f"| 3:1 | {PUBLISHED['3:1']:.2f} (1) | 2.000 (2) | 0.500 (3) |" in text
     assert f"| 1:1 | {PUBLISHED['1:1']:.2f} (2) | 1.500 (1) | 0.900 (1) |" in text
     assert f"| 0:1 | {PUBLISHED['0:1']:.2f} (3) | 3.000 (3) | 0.700 (2) |" in text
+    assert "- val loss: one seed a cell, so no range says whether neighbouring ranks differ." in text
+    # two seeds: 1:1 (1.4–1.6) and 3:1 (1.55–2.45) overlap, 3:1 and 0:1 (2.9–3.1) do not; MQAR's ranges are all apart
+    two = [{**r, "seed": s, "val_loss": r["val_loss"] + d * (0.45 if r["variant"].endswith("3to1_spread") else 0.1),
+            "accuracy": r["accuracy"] + d * 0.01} for r in rows for s, d in ((0, -1), (1, 1))]
+    text = ordering(replace(sweep, seeds=2), two)
+    assert "| 1:1 | 5.66 (2) | 1.500 (1) | 0.900 (1) |" in text
+    assert "- val loss: the ranges over 2 seeds overlap for 1:1 and 3:1 (their order is not separated by the seeds)." in text
+    assert "- MQAR acc: every two neighbouring ranks' ranges over 2 seeds are apart." in text
 
 
 @pytest.fixture
