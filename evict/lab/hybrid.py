@@ -289,9 +289,10 @@ def jobs_for(sweep: HybridSweep, root: Path) -> list[dict]:
     """Every run; the KDA-heaviest models first (the slowest on a CPU), so the last to finish are short ones."""
     sw = dataclasses.asdict(sweep)
     vs = sorted(variants(sweep), key=lambda v: -v.pattern.count(LINEAR))
-    seeds = sorted({s for t in sweep.tasks for s in task_seeds(sweep, t)})  # seed-major: every model's first seed first
+    seeds = {t: task_seeds(sweep, t) for t in sweep.tasks}
+    every = sorted({s for ss in seeds.values() for s in ss})  # seed-major: every model's first seed first
     return [{"variant": dataclasses.asdict(v), "task": t, "seed": s, "dir": str(root / "runs" / f"{v.name}_{t}_s{s}"),
-             "sweep": sw} for s in seeds for v in vs for t in sweep.tasks if s in task_seeds(sweep, t)]
+             "sweep": sw} for s in every for v in vs for t in sweep.tasks if s in seeds[t]]
 
 
 # -- report ------------------------------------------------------------------------------------------------------
@@ -385,9 +386,10 @@ def ordering(sweep: HybridSweep, results: list[dict]) -> str:
     for task, col, best_low in (("text", "val loss", True), ("mqar", "MQAR acc", False)):
         if task not in sweep.tasks:
             continue
-        vals = {k: statistics.fmean(cells[(n, task)]) for k, n in names.items()}
+        scores = {k: cells[(n, task)] for k, n in names.items()}
+        vals = {k: statistics.fmean(xs) for k, xs in scores.items()}
         ranks[col] = (vals, _rank(vals, reverse=not best_low))
-        notes.append(_separation(col, {k: cells[(n, task)] for k, n in names.items()}, ranks[col][1]))
+        notes.append(_separation(col, scores, ranks[col][1]))
     rows = []
     for k in sorted(names, key=lambda k: pub[k]):
         row = {"KDA:MLA": k, "published ppl (rank)": f"{PUBLISHED[k]:.2f} ({pub[k]})"}

@@ -151,7 +151,7 @@ def curve(res, key: str = "accuracy") -> list[list[float]]:
     """A lab row's learning curve: the run's validation `key` ("accuracy" or "loss") at every evaluation, as [[step,
     value], …] to 4 decimals, a resumed run's earlier pieces included (`TrainResult.history`): it tells a run that
     ended below its target still climbing from one that had stalled."""
-    return [[h["step"], round(float(h[key]), 4)] for h in res.history if h.get("split") == "val" and key in h]
+    return [[h["step"], round(float(h[key]), 4)] for h in res.history]  # history: the evaluations, nothing else
 
 
 def stopped_message(minutes: float | None, jobs: list, left: int, root: Path) -> str:
