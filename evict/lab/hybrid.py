@@ -508,4 +508,4 @@ def run_sweep(sweep: HybridSweep, out: str | Path | None = None, minutes: float 
     if "text" in sweep.tasks:
         make_task(sweep, "text", sweep.seed)  # the corpus is read and its tokens cached once, before any worker starts
     return run_grid("hybrid", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot, minutes=minutes,
-                    partial=True)
+                    partial=True, which=WHICH_FIELDS)

@@ -262,4 +262,4 @@ def run_sweep(sweep: StateSweep, out: str | Path | None = None, minutes: float |
     """Run (or resume, when `out` already holds part of it) the sweep; write and print the results."""
     validate(sweep)
     return run_grid("state", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot, minutes=minutes,
-                    partial=True)
+                    partial=True, which=WHICH_FIELDS)

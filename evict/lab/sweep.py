@@ -166,16 +166,24 @@ def stopped_message(minutes: float | None, jobs: list, left: int, root: Path) ->
             f"from their checkpoints); run the same command with --out {root} to continue")
 
 
-def sweep_folder(kind: str, sweep, out: str | Path | None, *, defaults: dict | None = None) -> Path:
+def sweep_folder(kind: str, sweep, out: str | Path | None, *, defaults: dict | None = None,
+                 which: tuple[str, ...] = ()) -> Path:
     """The folder of a sweep (a dataclass): `out`, or runs/<kind>/<timestamp>/, with the sweep's config.json. A folder
     that already holds another config is refused; `defaults` (the config's fields at their defaults) fills in fields
-    a saved config predates, so an older sweep still resumes."""
+    a saved config predates, so an older sweep still resumes. `which`: fields that only choose which runs exist (a
+    lab's WHICH_FIELDS: seeds, tasks, models; each run's folder names its own), so a sweep may grow or narrow them
+    over a folder and keep the runs it shares with the one before; config.json then says the new values, and the
+    old sweep's rows, table and plot go."""
     root = Path(out) if out else Path("runs") / kind / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     root.mkdir(parents=True, exist_ok=True)
     cfg_path = root / "config.json"
     want = json.loads(json.dumps(dataclasses.asdict(sweep)))
-    if cfg_path.exists() and _identity({**(defaults or {}), **json.loads(cfg_path.read_text())}) != _identity(want):
+    had = {**(defaults or {}), **json.loads(cfg_path.read_text())} if cfg_path.exists() else None
+    if had is not None and _identity(had, which) != _identity(want, which):
         raise ValueError(f"out: {root} holds a sweep with another config; use a new folder or the same options")
+    if had is not None and {k: had.get(k) for k in which} != {k: want.get(k) for k in which}:
+        for name in ("results.jsonl", "table.md", f"{kind}.png"):  # the other runs' results: the new sweep writes its own
+            (root / name).unlink(missing_ok=True)
     cfg_path.write_text(json.dumps(want, indent=2))
     return root
 
@@ -184,8 +192,8 @@ def sweep_folder(kind: str, sweep, out: str | Path | None, *, defaults: dict | N
 EXECUTION_FIELDS = ("workers",)
 
 
-def _identity(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if k not in EXECUTION_FIELDS}
+def _identity(cfg: dict, which: tuple[str, ...] = ()) -> dict:
+    return {k: v for k, v in cfg.items() if k not in EXECUTION_FIELDS and k not in which}
 
 
 def write_results(root: Path, results: list[dict]) -> None:
@@ -225,15 +233,15 @@ def check_at_least_one(sweep, fields: tuple) -> None:
 
 
 def run_grid(kind: str, sweep, out: str | Path | None, *, jobs_for: Callable, run_one: Callable, report: Callable,
-             plot: Callable, minutes: float | None = None, partial: bool = False) -> Path:
+             plot: Callable, minutes: float | None = None, partial: bool = False, which: tuple[str, ...] = ()) -> Path:
     """Run (or resume) a lab's validated sweep (a dataclass) in `sweep_folder(kind, sweep, out)`: jobs_for(sweep,
     root) through run_jobs, then results.jsonl, table.md = report(sweep, results) and plot(sweep, results,
     root / "<kind>.png"); prints the table; returns root. `minutes`: a timed piece (with_deadline) — when runs are
     left, nothing but their own folders is written and the message says how to continue; with `partial` (a lab whose
     report shows — for a cell short of a seed's run), also partial_table.md: the report of the runs finished so far,
-    headed as partial (gone once the sweep finishes)."""
+    headed as partial (gone once the sweep finishes). `which`: sweep_folder's."""
     check_minutes(minutes)
-    root = sweep_folder(kind, sweep, out)
+    root = sweep_folder(kind, sweep, out, which=which)
     jobs = with_deadline(jobs_for(sweep, root), minutes)
     print(f"{kind} sweep: {len(jobs)} runs -> {root}")
     outs = run_jobs(run_one, jobs, workers=sweep.workers, desc=kind)

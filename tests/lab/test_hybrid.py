@@ -169,6 +169,12 @@ def test_sweep_runs_resumes_and_writes_outputs(tmp_path, single_thread_runs):
     assert stamps == {p: p.stat().st_mtime_ns for p in (root / "runs").glob("*/result.json")}
     with pytest.raises(ValueError, match=r"^out: .* holds a sweep with another config"):
         run_sweep(replace(sweep, steps=3), out=root)
+    # more text seeds over the same folder (a warm machine's resume, session 27): accepted, the 7 new text runs are
+    # left (out of time before any starts), the 14 finished ones kept
+    run_sweep(replace(sweep, text_seeds=2), out=root, minutes=1e-9)
+    assert (root / "partial_table.md").read_text().startswith("Partial: 14 of 21 runs finished;")
+    assert not any((root / name).exists() for name in ("table.md", "results.jsonl", "hybrid.png"))  # the old sweep's
+    assert stamps == {p: p.stat().st_mtime_ns for p in (root / "runs").glob("*/result.json")}
 
 
 def _stopped_sweep_shows_the_cells_known(sweep, root, table: str) -> None:

@@ -79,6 +79,21 @@ def test_state_lab_in_pieces_equals_one_piece(tmp_path, capsys, monkeypatch):
     assert strip(_rows(piece)) == strip(_rows(whole)) and (piece / "table.md").exists()
 
 
+def test_a_sweep_grows_its_seeds_over_a_folder_and_keeps_its_runs(tmp_path):
+    """Seeds only choose which runs exist (a lab's WHICH_FIELDS; each run's folder names its seed): a sweep over a
+    folder of the same sweep with fewer seeds trains only the new seeds' runs, and config.json says the new count;
+    a field that changes what a run trains is still refused."""
+    sweep = replace(STATE, tasks=("parity",), models=("deltanet",), steps=2, eval_every=2)
+    root = state.run_sweep(sweep, out=tmp_path / "s")
+    (first,) = root.glob("runs/*/result.json")
+    stamp = first.stat().st_mtime_ns
+    state.run_sweep(replace(sweep, seeds=2), out=root)
+    assert first.stat().st_mtime_ns == stamp and len(list(root.glob("runs/*/result.json"))) == 2
+    assert json.loads((root / "config.json").read_text())["seeds"] == 2 and len(_rows(root)) == 2
+    with pytest.raises(ValueError, match=r"^out: .* holds a sweep with another config"):
+        state.run_sweep(replace(sweep, seeds=2, steps=4), out=root)
+
+
 def test_pairs_lab_piece_keeps_finished_rungs(tmp_path, capsys, monkeypatch):
     sweep = replace(PAIRS, rules=("deltanet",), dims=(4,), pairs=(1, 2), steps=4, eval_every=2)
     whole = pairs.run_sweep(sweep, out=tmp_path / "whole")
