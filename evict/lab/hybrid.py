@@ -417,7 +417,8 @@ def _separation(col: str, scores: dict, rank: dict) -> str:
 
 
 def plot(sweep: HybridSweep, results: list[dict], path: Path) -> Path:
-    """Scores vs ratio (one line per kind, placements as extra markers) and decode cache read vs context."""
+    """Scores vs ratio (one line per kind, placements as extra markers; bars: the seeds' min–max) and decode cache
+    read vs context."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -428,22 +429,31 @@ def plot(sweep: HybridSweep, results: list[dict], path: Path) -> Path:
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(panels) + 1)
     xs = {r: i for i, r in enumerate(sweep.ratios)}
-    marks = {"early": "v", "late": "^"}
+    marks, shift = {"early": "v", "late": "^"}, {"early": -0.18, "late": 0.18}
+    def spread(names: list[str], task: str) -> tuple[list[float], list[list[float]]]:
+        """The cells' means and their seeds' ranges as errorbar's yerr (zero for a one-seed cell)."""
+        got = [cells[(n, task)] for n in names]
+        means = [statistics.fmean(c) for c in got]
+        return means, [[m - min(c) for m, c in zip(means, got)], [max(c) - m for m, c in zip(means, got)]]
+
     for ax, task in zip(axes, panels):
         for i, kind in enumerate(sweep.kinds):
             line = [v for v in vs if (v.kind in (kind, "kda")) and v.placement in ("spread", "—")]
-            ax.plot([xs[v.ratio] for v in line], [statistics.fmean(cells[(v.name, task)]) for v in line], "o-",
-                    color=f"C{i}", label=f"{kind} (spread)")
+            nudge = 0.06 * (i - (len(sweep.kinds) - 1) / 2)  # the kinds' bars side by side, not on top of each other
+            means, yerr = spread([v.name for v in line], task)
+            ax.errorbar([xs[v.ratio] + nudge for v in line], means, yerr=yerr, fmt="o-", capsize=3, color=f"C{i}",
+                        label=f"{kind} (spread)")
             shown = set()
             for v in (v for v in vs if v.kind == kind and v.placement in marks):
-                ax.scatter([xs[v.ratio]], [statistics.fmean(cells[(v.name, task)])], marker=marks[v.placement], s=60,
-                           color=f"C{i}", label=None if v.placement in shown else f"{kind} {v.placement}")
+                means, yerr = spread([v.name], task)
+                ax.errorbar([xs[v.ratio] + nudge + shift[v.placement]], means, yerr=yerr, fmt=marks[v.placement], ms=7, capsize=3, color=f"C{i}",
+                            label=None if v.placement in shown else f"{kind} {v.placement}")
                 shown.add(v.placement)
         ax.set_xticks(range(len(sweep.ratios)), list(sweep.ratios))
         if task == "mqar":
             ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("KDA : attention layers")
-        ax.set_ylabel("MQAR accuracy (best eval)" if task == "mqar" else "validation loss (nats/char)")
+        ax.set_ylabel("MQAR accuracy (best eval)" if task == "mqar" else "validation loss (nats/char; bars: seeds' range)")
         ax.set_title(f"MQAR L {sweep.seq_len}, K {sweep.pairs}" if task == "mqar" else "Shakespeare, next character",
                      fontsize=10)
         ax.legend(fontsize=7)
