@@ -26,7 +26,8 @@ def test_fit_recovers_linear_and_square_laws():
 
 
 def test_ladder_stops_at_the_first_failing_rung_and_a_rung_at_its_first_passing_lr(tmp_path, monkeypatch):
-    acc = {(1, 0.1): 0.95, (1, 0.2): 0.5, (2, 0.1): 0.3, (2, 0.2): 0.92, (4, 0.1): 0.1, (4, 0.2): 0.89, (8, 0.1): 1.0}
+    acc = {(1, 0.1): 0.95, (1, 0.2): 0.5, (2, 0.1): 0.3, (2, 0.2): 0.92, (4, 0.1): 0.1, (4, 0.2): 0.93,
+           (8, 0.1): 0.6, (8, 0.2): 0.5, (16, 0.1): 1.0}
     trained = []
 
     def fake(job):
@@ -35,13 +36,14 @@ def test_ladder_stops_at_the_first_failing_rung_and_a_rung_at_its_first_passing_
                 "state_size": 1, "params": 1}
 
     monkeypatch.setattr(pairs.recall, "run_one", fake)
-    sweep = replace(MICRO, pairs=(8, 1, 4, 2), lrs=(0.1, 0.2))
+    sweep = replace(MICRO, pairs=(8, 1, 16, 4, 2), lrs=(0.1, 0.2))
     job = {**jobs_for(sweep, tmp_path)[0], "dir": str(tmp_path / "ladder")}
     res = pairs.run_one(job)
-    assert res["max_pairs"] == 2 and not res["ladder_top"]  # K = 4 fails at both lrs (0.89 < 0.9): K = 8 never runs
-    assert [r["pairs"] for r in res["rungs"]] == [1, 2, 4] and [r["lr"] for r in res["rungs"]] == [0.1, 0.2, 0.2]
-    # lrs in order, up to the first that passes: K = 1 passes at 0.1 (0.2 never runs); K = 4 fails at both
-    assert trained == [(1, 0.1), (2, 0.1), (2, 0.2), (4, 0.1), (4, 0.2)]
+    assert res["max_pairs"] == 4 and not res["ladder_top"]  # K = 8 fails at both lrs: K = 16 never runs
+    assert [r["pairs"] for r in res["rungs"]] == [1, 2, 4, 8] and [r["lr"] for r in res["rungs"]] == [0.1, 0.2, 0.2, 0.1]
+    # up to the first lr that passes, the rung below's passing lr first: K = 1 passes at 0.1 (0.2 never runs), K = 2
+    # at 0.2 after 0.1 fails, K = 4 at 0.2 (0.1 never runs), K = 8 fails at 0.2, then at 0.1
+    assert trained == [(1, 0.1), (2, 0.1), (2, 0.2), (4, 0.2), (8, 0.2), (8, 0.1)]
     trained.clear()
     assert pairs.run_one(job) == res and trained == []  # finished rungs are read back, not retrained
     top = pairs.run_one({**job, "dir": str(tmp_path / "top"), "sweep": {**job["sweep"], "pairs": [1, 2]}})
