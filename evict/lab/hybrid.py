@@ -430,6 +430,7 @@ def plot(sweep: HybridSweep, results: list[dict], path: Path) -> Path:
     axes = fig.subplots(1, len(panels) + 1)
     xs = {r: i for i, r in enumerate(sweep.ratios)}
     marks, shift = {"early": "v", "late": "^"}, {"early": -0.18, "late": 0.18}
+
     def spread(names: list[str], task: str) -> tuple[list[float], list[list[float]]]:
         """The cells' means and their seeds' ranges as errorbar's yerr (zero for a one-seed cell)."""
         got = [cells[(n, task)] for n in names]
@@ -446,14 +447,15 @@ def plot(sweep: HybridSweep, results: list[dict], path: Path) -> Path:
             shown = set()
             for v in (v for v in vs if v.kind == kind and v.placement in marks):
                 means, yerr = spread([v.name], task)
-                ax.errorbar([xs[v.ratio] + nudge + shift[v.placement]], means, yerr=yerr, fmt=marks[v.placement], ms=7, capsize=3, color=f"C{i}",
-                            label=None if v.placement in shown else f"{kind} {v.placement}")
+                ax.errorbar([xs[v.ratio] + nudge + shift[v.placement]], means, yerr=yerr, fmt=marks[v.placement], ms=7,
+                            capsize=3, color=f"C{i}", label=None if v.placement in shown else f"{kind} {v.placement}")
                 shown.add(v.placement)
         ax.set_xticks(range(len(sweep.ratios)), list(sweep.ratios))
         if task == "mqar":
             ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("KDA : attention layers")
-        ax.set_ylabel("MQAR accuracy (best eval)" if task == "mqar" else "validation loss (nats/char; bars: seeds' range)")
+        ax.set_ylabel("MQAR accuracy (best eval)" if task == "mqar"
+                      else "validation loss (nats/char; bars: seeds' range)")
         ax.set_title(f"MQAR L {sweep.seq_len}, K {sweep.pairs}" if task == "mqar" else "Shakespeare, next character",
                      fontsize=10)
         ax.legend(fontsize=7)
