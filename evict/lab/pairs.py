@@ -45,7 +45,7 @@ class PairsSweep:
     threshold: float = 0.9
     len_per_pair: int = 4  # sequence length L = len_per_pair · K (MQAR needs >= 4), at least min_len
     min_len: int = 16
-    lrs: tuple = (1e-2,)  # tried in this order (the rung below's passing lr first); a rung passes at the first that passes
+    lrs: tuple = (1e-2,)  # tried in this order (the rung below's passing lr first); a rung passes at the first to pass
     n_layers: int = 2
     vocab_size: int = 128
     steps: int = 500

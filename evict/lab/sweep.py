@@ -182,7 +182,7 @@ def sweep_folder(kind: str, sweep, out: str | Path | None, *, defaults: dict | N
     if had is not None and _identity(had, which) != _identity(want, which):
         raise ValueError(f"out: {root} holds a sweep with another config; use a new folder or the same options")
     if had is not None and {k: had.get(k) for k in which} != {k: want.get(k) for k in which}:
-        for name in ("results.jsonl", "table.md", f"{kind}.png"):  # the other runs' results: the new sweep writes its own
+        for name in ("results.jsonl", "table.md", f"{kind}.png"):  # the old runs' results; the new sweep writes its own
             (root / name).unlink(missing_ok=True)
     cfg_path.write_text(json.dumps(want, indent=2))
     return root
