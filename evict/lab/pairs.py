@@ -21,16 +21,17 @@ writes partial_table.md instead (the cells whose every seed's ladder is in).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from evict.bench.common import markdown_table
+from evict.jsonfile import read_json_object
 from evict.lab import recall
 from evict.lab.sweep import check_at_least_one, check_distinct, check_names, from_json, run_grid, seeds_of
 from evict.tasks.mqar import MQARConfig
+from evict.train import write_json
 
 RULES = {"linear": "linear attention", "deltanet": "DeltaNet", "gated_deltanet": "Gated DeltaNet", "kda": "KDA",
          "attention": "attention"}
@@ -106,14 +107,14 @@ def _rung(job: dict, rsweep: dict, K: int, lr: float, L: int) -> dict | None:
     folder = Path(job["dir"]) / f"K{K}_lr{lr:g}"
     done = folder / "result.json"
     if done.exists():
-        return json.loads(done.read_text())
+        return read_json_object(done, "out")
     folder.mkdir(parents=True, exist_ok=True)
     res = recall.run_one({"arch": job["rule"], "seq_len": L, "pairs": K, "d_model": rsweep["d_models"][0], "lr": lr,
                           "seed": job["seed"], "dir": str(folder), "sweep": rsweep, "stop_at": job.get("stop_at"),
                           "piece_seconds": job.get("piece_seconds")})
     if res is None:
         return None
-    done.write_text(json.dumps(res, indent=2))
+    write_json(done, res)  # whole or not at all: a ladder resumes from its rungs' result.json
     return res
 
 

@@ -17,7 +17,8 @@ from typing import Any, TypeVar
 import torch
 from tqdm import tqdm
 
-from evict.train import TrainConfig, resolve_device
+from evict.jsonfile import read_json_object
+from evict.train import TrainConfig, resolve_device, write_json
 
 
 T = TypeVar("T")
@@ -49,8 +50,8 @@ def run_jobs(fn: Callable[[dict], dict | None], jobs: list[dict], *, workers: in
     todo = []
     for i, job in enumerate(jobs):
         done = Path(job["dir"]) / "result.json"
-        if done.exists():
-            results[i] = json.loads(done.read_text())
+        if done.exists():  # written whole or not at all (below); one that is not an object names itself
+            results[i] = read_json_object(done, "out")
         else:
             todo.append(i)
     threads = max(1, (os.cpu_count() or 1) // max(workers, 1))
@@ -70,9 +71,7 @@ def run_jobs(fn: Callable[[dict], dict | None], jobs: list[dict], *, workers: in
                 continue
             out = Path(jobs[i]["dir"]) / "result.json"
             out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out.with_suffix(".tmp")
-            tmp.write_text(json.dumps(res, indent=2))
-            tmp.replace(out)
+            write_json(out, res)
             bar.set_postfix_str(res.get("label", ""))
             bar.update(1)
     except BrokenProcessPool:
@@ -178,13 +177,13 @@ def sweep_folder(kind: str, sweep, out: str | Path | None, *, defaults: dict | N
     root.mkdir(parents=True, exist_ok=True)
     cfg_path = root / "config.json"
     want = json.loads(json.dumps(dataclasses.asdict(sweep)))
-    had = {**(defaults or {}), **json.loads(cfg_path.read_text())} if cfg_path.exists() else None
+    had = {**(defaults or {}), **read_json_object(cfg_path, "out")} if cfg_path.exists() else None
     if had is not None and _identity(had, which) != _identity(want, which):
         raise ValueError(f"out: {root} holds a sweep with another config; use a new folder or the same options")
     if had is not None and {k: had.get(k) for k in which} != {k: want.get(k) for k in which}:
         for name in ("results.jsonl", "table.md", f"{kind}.png"):  # the old runs' results; the new sweep writes its own
             (root / name).unlink(missing_ok=True)
-    cfg_path.write_text(json.dumps(want, indent=2))
+    write_json(cfg_path, want)
     return root
 
 

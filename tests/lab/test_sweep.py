@@ -3,6 +3,7 @@ runs not started wait, nothing but the runs' own folders is written, and the sam
 of one uninterrupted sweep."""
 
 import json
+import re
 import time
 from dataclasses import replace
 
@@ -119,6 +120,27 @@ def test_cli_minutes_flag(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["lab", "state", "--minutes", "0", "--out", str(tmp_path / "x")])
     assert e.value.code != 0 and "--minutes" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("text, said", [("{oops", "is not readable JSON"), ("[1, 2]", "holds a JSON list")])
+def test_a_corrupted_sweep_config_is_one_line(tmp_path, capsys, text, said):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(SystemExit) as e:
+        main(["lab", "state", "--quick", "--out", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code != 0 and len(err.splitlines()) == 1 and f"out: {tmp_path / 'config.json'} {said}" in err
+    assert (tmp_path / "config.json").read_text() == text and not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_a_corrupted_result_is_named_not_retrained_or_skipped(tmp_path):
+    """A finished run's result.json that is not a JSON object (written by hand, or a disk fault: evict writes it
+    whole or not at all) stops the sweep with the file's name, not a traceback or a silent retrain."""
+    sweep = replace(STATE, tasks=("parity",), models=("deltanet",), steps=2, eval_every=2)
+    root = state.run_sweep(sweep, out=tmp_path / "s")
+    (done,) = root.glob("runs/*/result.json")
+    done.write_text('{"accuracy": ')
+    with pytest.raises(ValueError, match=rf"^out: {re.escape(str(done))} is not readable JSON"):
+        state.run_sweep(sweep, out=root)
 
 
 def test_stopped_message_says_the_time_the_piece_took(monkeypatch, tmp_path):
