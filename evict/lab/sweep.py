@@ -180,7 +180,7 @@ def sweep_folder(kind: str, sweep, out: str | Path | None, *, defaults: dict | N
     had = {**(defaults or {}), **read_json_object(cfg_path, "out")} if cfg_path.exists() else None
     if had is not None and _identity(had, which) != _identity(want, which):
         raise ValueError(f"out: {root} holds a sweep with another config; use a new folder or the same options")
-    if had is not None and {k: had.get(k) for k in which} != {k: want.get(k) for k in which}:
+    if had is not None and _identity(had) != _identity(want):  # so only `which` fields differ
         for name in ("results.jsonl", "table.md", f"{kind}.png"):  # the old runs' results; the new sweep writes its own
             (root / name).unlink(missing_ok=True)
     write_json(cfg_path, want)
