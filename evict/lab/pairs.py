@@ -101,13 +101,15 @@ def recall_sweep(sweep: PairsSweep, d: int) -> recall.RecallSweep:
     )
 
 
-def _rung(job: dict, rsweep: dict, K: int, lr: float, L: int) -> dict | None:
+def _rung(job: dict, rsweep: dict, K: int, lr: float, L: int, train: bool = True) -> dict | None:
     """One training run of the recall lab's cell; a finished one is read back from its result.json. None: stopped at
-    the end of a timed piece (the job's stop_at; its checkpoint resumes it)."""
+    the end of a timed piece (the job's stop_at; its checkpoint resumes it), or not finished and `train` off."""
     folder = Path(job["dir"]) / f"K{K}_lr{lr:g}"
     done = folder / "result.json"
     if done.exists():
         return read_json_object(done, "out")
+    if not train:
+        return None
     folder.mkdir(parents=True, exist_ok=True)
     res = recall.run_one({"arch": job["rule"], "seq_len": L, "pairs": K, "d_model": rsweep["d_models"][0], "lr": lr,
                           "seed": job["seed"], "dir": str(folder), "sweep": rsweep, "stop_at": job.get("stop_at"),
@@ -118,10 +120,10 @@ def _rung(job: dict, rsweep: dict, K: int, lr: float, L: int) -> dict | None:
     return res
 
 
-def run_one(job: dict) -> dict | None:
-    """Climb one (rule, d, seed) ladder; module-level so worker processes can run it. None: a rung stopped at the end
-    of a timed piece (the finished rungs stay in their folders; the next piece climbs on from there)."""
-    logging.getLogger("evict").setLevel(logging.WARNING)
+def _climb(job: dict, train: bool = True) -> dict:
+    """Climb one ladder as far as it goes: its finished rungs ("rungs"), the largest K passed ("best_k"), "stopped"
+    (a rung's run stopped at the end of a timed piece, or was not finished with `train` off) and then the stopped
+    rung's K and its finished runs ("at", "tried")."""
     sweep = from_json(PairsSweep, job["sweep"])
     rsweep = dataclasses.asdict(recall_sweep(sweep, job["d"]))
     rungs, best_k, seconds, passed_at = [], 0, 0.0, None
@@ -131,9 +133,9 @@ def run_one(job: dict) -> dict | None:
         # up to the first lr that passes: the rung below's passing lr first, then the rest in the sweep's order (a
         # rung fails only once every lr has; a resumed ladder derives the same order from its finished rungs)
         for lr in sorted(sweep.lrs, key=lambda lr: lr != passed_at):
-            run = _rung(job, {**rsweep, "batch_size": batch}, K, lr, L)
+            run = _rung(job, {**rsweep, "batch_size": batch}, K, lr, L, train)
             if run is None:
-                return None
+                return {"rungs": rungs, "best_k": best_k, "seconds": seconds, "stopped": True, "at": K, "tried": runs}
             runs.append(run)
             if run["accuracy"] >= sweep.threshold:
                 break
@@ -145,10 +147,46 @@ def run_one(job: dict) -> dict | None:
         if top["accuracy"] < sweep.threshold:
             break
         best_k, passed_at = K, top["lr"]
-    topped = best_k == max(sweep.pairs)
-    return {"rule": job["rule"], "d": job["d"], "seed": job["seed"], "max_pairs": best_k, "ladder_top": topped,
-            "rungs": rungs, "seconds": round(seconds, 1),
-            "label": f"{job['rule']} d={job['d']} K*={'≥' if topped else ''}{best_k}"}
+    return {"rungs": rungs, "best_k": best_k, "seconds": seconds, "stopped": False}
+
+
+def run_one(job: dict) -> dict | None:
+    """Climb one (rule, d, seed) ladder; module-level so worker processes can run it. None: a rung stopped at the end
+    of a timed piece (the finished rungs stay in their folders; the next piece climbs on from there)."""
+    logging.getLogger("evict").setLevel(logging.WARNING)
+    c = _climb(job)
+    if c["stopped"]:
+        return None
+    topped = c["best_k"] == max(job["sweep"]["pairs"])
+    return {"rule": job["rule"], "d": job["d"], "seed": job["seed"], "max_pairs": c["best_k"], "ladder_top": topped,
+            "rungs": c["rungs"], "seconds": round(c["seconds"], 1),
+            "label": f"{job['rule']} d={job['d']} K*={'≥' if topped else ''}{c['best_k']}"}
+
+
+def climbing(sweep: PairsSweep, jobs: list[dict]) -> str:
+    """The partial table's second part: the ladders not finished (`jobs`, those run_grid got None for) that have
+    finished rungs, as far as they have climbed — K passed so far and the rung they stopped on, with its runs
+    finished so far (each lr's best accuracy; a rung fails only once every lr has) — read from their folders."""
+    rows, idle = [], 0
+    for job in jobs:
+        c = _climb(job, train=False)
+        if not c["rungs"] and not c["tried"]:
+            idle += 1
+            continue
+        tried = ", ".join(f"{r['accuracy']:.3f} at lr {r['lr']:g}" for r in c["tried"]) or "none finished"
+        rows.append({"rule": RULES[job["rule"]], "d": job["d"], "seed": job["seed"],
+                     "passed so far": f"K ≤ {c['best_k']}" if c["best_k"] else "none",
+                     "climbing at": f"K {c['at']} (L {seq_len(sweep, c['at'])})",
+                     f"its runs ({len(sweep.lrs)} lrs)": tried,
+                     "card time": f"{(c['seconds'] + sum(r['seconds'] for r in c['tried'])) / 60:.0f} min"})
+    if not rows:
+        return f"No ladder has a finished rung yet ({idle} not started)."
+    head = (f"Ladders still climbing ({len(rows)}; {idle} more not started): K passed so far (a lower bound on K*) "
+            "and the rung each stopped on, with its runs finished so far (a run stops once it reaches "
+            f"{sweep.threshold:g}; the rung fails only once every lr has). Card time: its finished runs', "
+            "wall-clock, with other runs sharing the card.")
+    cols = ["rule", "d", "seed", "passed so far", "climbing at", f"its runs ({len(sweep.lrs)} lrs)", "card time"]
+    return f"{head}\n\n{markdown_table(rows, cols)}"
 
 
 def jobs_for(sweep: PairsSweep, root: Path) -> list[dict]:
@@ -306,4 +344,4 @@ def run_sweep(sweep: PairsSweep, out: str | Path | None = None, minutes: float |
     """Run (or resume, when `out` already holds part of it) the sweep; write and print the results."""
     validate(sweep)
     return run_grid("pairs", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot, minutes=minutes,
-                    partial=True)
+                    partial=True, progress=climbing)

@@ -232,13 +232,15 @@ def check_at_least_one(sweep, fields: tuple) -> None:
 
 
 def run_grid(kind: str, sweep, out: str | Path | None, *, jobs_for: Callable, run_one: Callable, report: Callable,
-             plot: Callable, minutes: float | None = None, partial: bool = False, which: tuple[str, ...] = ()) -> Path:
+             plot: Callable, minutes: float | None = None, partial: bool = False, which: tuple[str, ...] = (),
+             progress: Callable | None = None) -> Path:
     """Run (or resume) a lab's validated sweep (a dataclass) in `sweep_folder(kind, sweep, out)`: jobs_for(sweep,
     root) through run_jobs, then results.jsonl, table.md = report(sweep, results) and plot(sweep, results,
     root / "<kind>.png"); prints the table; returns root. `minutes`: a timed piece (with_deadline) — when runs are
     left, nothing but their own folders is written and the message says how to continue; with `partial` (a lab whose
     report shows — for a cell short of a seed's run), also partial_table.md: the report of the runs finished so far,
-    headed as partial (gone once the sweep finishes). `which`: sweep_folder's."""
+    headed as partial (gone once the sweep finishes), and after it progress(sweep, the jobs left) where given (a lab
+    whose runs finish in parts: pairs' ladders). `which`: sweep_folder's."""
     check_minutes(minutes)
     root = sweep_folder(kind, sweep, out, which=which)
     jobs = with_deadline(jobs_for(sweep, root), minutes)
@@ -251,7 +253,8 @@ def run_grid(kind: str, sweep, out: str | Path | None, *, jobs_for: Callable, ru
         if partial:
             head = (f"Partial: {len(results)} of {len(jobs)} runs finished; — = a cell not known yet (it waits for "
                     "every seed's run).")
-            (root / "partial_table.md").write_text(f"{head}\n\n{report(sweep, results)}\n")
+            more = "" if progress is None else "\n" + progress(sweep, [j for j, r in zip(jobs, outs) if r is None]) + "\n"
+            (root / "partial_table.md").write_text(f"{head}\n\n{report(sweep, results)}\n{more}")
             said += f"; the cells known so far are in {root / 'partial_table.md'}"
         print(said)
         return root

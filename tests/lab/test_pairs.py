@@ -171,3 +171,30 @@ def test_a_rung_runs_with_its_pieces_deadline_and_length(tmp_path, monkeypatch):
     assert seen[0]["stop_at"] == 123.0 and seen[0]["piece_seconds"] == 540.0
     # and a rung's run stops once it passes: the recall lab's target accuracy is the ladder's threshold
     assert pairs.recall_sweep(replace(MICRO, threshold=0.75), 4).target_accuracy == 0.75
+
+
+def test_partial_table_lists_the_ladders_still_climbing(tmp_path, monkeypatch):
+    """A piece that stops mid-ladder: partial_table.md's second part gives each unfinished ladder's K passed so far,
+    the rung it stopped on and that rung's finished runs, read back from its folders (nothing trains)."""
+    acc = {(1, 0.1): 0.95, (2, 0.1): 0.3}
+
+    def fake(job):  # K = 1 passes at 0.1; K = 2 fails at 0.1, then its run at 0.2 stops with the piece
+        if (job["pairs"], job["lr"]) not in acc:
+            return None
+        return {"accuracy": acc[(job["pairs"], job["lr"])], "lr": job["lr"], "steps": 1, "seconds": 90.0,
+                "state_size": 1, "params": 1}
+
+    monkeypatch.setattr(pairs.recall, "run_one", fake)
+    sweep = replace(MICRO, rules=("deltanet",), dims=(4, 8), pairs=(1, 2, 4), lrs=(0.1, 0.2))
+    jobs = jobs_for(sweep, tmp_path)
+    assert pairs.run_one(jobs[0]) is None  # d 8 climbs: K 1 passes, K 2 stops at its second lr
+    text = pairs.climbing(sweep, jobs)
+    assert "(1; 1 more not started)" in text
+    row = [line for line in text.splitlines() if line.startswith("| DeltaNet")]
+    assert row == ["| DeltaNet | 8 | 0 | K ≤ 1 | K 2 (L 16) | 0.300 at lr 0.1 | 3 min |"]
+    assert not (tmp_path / "runs" / "deltanet_d4_s0").exists()  # reading a ladder makes no folders
+    assert pairs.climbing(sweep, jobs[1:]) == "No ladder has a finished rung yet (1 not started)."
+    # through run_grid: a timed piece that leaves the ladder writes it under the cells
+    root = run_sweep(sweep, out=tmp_path / "sweep", minutes=1)
+    table = (root / "partial_table.md").read_text()
+    assert "Partial: 0 of 2 runs finished" in table and "| DeltaNet | 8 | 0 | K ≤ 1 | K 2 (L 16) |" in table
