@@ -126,10 +126,12 @@ def _climb(job: dict, train: bool = True) -> dict:
     rung's K and its finished runs ("at", "tried")."""
     sweep = from_json(PairsSweep, job["sweep"])
     rsweep = dataclasses.asdict(recall_sweep(sweep, job["d"]))
-    rungs, best_k, seconds, passed_at = [], 0, 0.0, None
+    rungs: list[dict] = []
+    best_k, seconds, passed_at = 0, 0.0, None
     for K in sorted(sweep.pairs):
         L = seq_len(sweep, K)
-        batch, runs = rung_batch(sweep, L), []
+        batch = rung_batch(sweep, L)
+        runs: list[dict] = []
         # up to the first lr that passes: the rung below's passing lr first, then the rest in the sweep's order (a
         # rung fails only once every lr has; a resumed ladder derives the same order from its finished rungs)
         for lr in sorted(sweep.lrs, key=lambda lr: lr != passed_at):
