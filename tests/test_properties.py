@@ -27,6 +27,7 @@ from evict.cli import main  # noqa: E402
 from evict.ops import memory, memory_step  # noqa: E402
 from evict.ops.memory.reference import memory_reference  # noqa: E402
 from tests.conftest import rel  # noqa: E402
+from tests.tasks.test_mqar import same_as_step_by_step  # noqa: E402
 
 FAST = settings(max_examples=100, deadline=None, derandomize=True, database=None,  # ~10 ms an example, one thread
                 suppress_health_check=[HealthCheck.too_slow])
@@ -255,3 +256,14 @@ def test_cli_bad_flag_values_exit_2_one_line_nothing_written(case, saved_model):
         assert e.value.code == 2, (argv, e.value.code, lines)
         assert len(lines) == 1 and "error:" in lines[0] and "Traceback" not in lines[0], (argv, lines)
         assert not any(Path(tmp).iterdir()), (argv, list(Path(tmp).iterdir()))
+
+
+# -- the MQAR generator ----------------------------------------------------------------------------------------
+
+
+@settings(FAST, max_examples=60)
+@given(n=st.integers(1, 40), k=st.integers(1, 70), extra=st.integers(0, 90), seed=st.integers(0, 2**32 - 1))
+def test_sample_distinct_is_the_step_by_step_loop_everywhere(n, k, extra, seed):
+    """mqar._sample_distinct (Floyd's algorithm, vectorised over its steps) against the step-by-step loop: the same
+    samples and the generator left in the same place, at any rows, k and pool (pool - k = extra)."""
+    same_as_step_by_step(n, k, k + extra, seed)

@@ -80,14 +80,30 @@ class MQARConfig:
 def _sample_distinct(n: int, k: int, pool: int, g: torch.Generator) -> torch.Tensor:
     """k distinct integers from [0, pool) per row, uniformly random subset in random order: [n, k].
 
-    Floyd's algorithm vectorised over rows (a loop over the k draws only), so memory is O(n·k), not O(n·pool).
+    Floyd's algorithm, vectorised over rows and over its k steps, memory O(n·k), not O(n·pool). Step i (j = pool − k + i)
+    draws t_i from [0, j] and takes t_i, or j when t_i is already taken. The k draws are k generator calls in step
+    order (the same random stream as the step-by-step loop, so the same samples: tests keep that loop as the
+    reference); the rest is whole-tensor work. What step i finds taken: the earlier draws t_m (each taken at its step:
+    itself or, already taken, j_m) and the j_m of earlier steps whose draw was taken. j_m > every earlier draw, so t_i
+    is taken iff it repeats an earlier draw, or it equals j_m (m = t_i − (pool − k) < i) of a step m whose draw was
+    taken: a chain of steps, resolved by pointer jumping in ⌈log2 k⌉ + 1 rounds.
     """
-    out = torch.empty(n, k, dtype=torch.int64)  # [n, k]
-    for i in range(k):
-        j = pool - k + i
-        t = torch.randint(0, j + 1, (n,), generator=g)  # [n]
-        taken = (out[:, :i] == t[:, None]).any(dim=1)  # [n]
-        out[:, i] = torch.where(taken, torch.full_like(t, j), t)
+    base = pool - k
+    t = torch.stack([torch.randint(0, base + i + 1, (n,), generator=g) for i in range(k)], dim=1)  # [n, k]
+    order = torch.sort(t, dim=1, stable=True).indices  # [n, k]: equal draws stay in step order
+    st = t.gather(1, order)  # [n, k]
+    repeat = torch.zeros(n, k, dtype=torch.bool)  # [n, k]: t_i equals an earlier draw
+    repeat.scatter_(1, order[:, 1:], st[:, 1:] == st[:, :-1])
+    step = torch.arange(k)  # [k]
+    m = t - base  # [n, k]: the step whose j_m equals t_i (when 0 <= m < i)
+    nxt = torch.where((m >= 0) & (m < step), m, -1)  # [n, k]
+    taken = repeat
+    for _ in range(max(k - 1, 1).bit_length() + 1):
+        on = nxt >= 0
+        at = nxt.clamp(min=0)
+        taken = taken | (on & taken.gather(1, at))
+        nxt = torch.where(on, nxt.gather(1, at), nxt)
+    out = torch.where(taken, base + step, t)  # [n, k]
     order = torch.rand(n, k, generator=g).argsort(dim=1)  # [n, k]; Floyd's order is not uniform
     return out.gather(1, order)
 
