@@ -172,6 +172,8 @@ def climbing(sweep: PairsSweep, jobs: list[dict]) -> str:
     rows, idle = [], 0
     for job in jobs:
         c = _climb(job, train=False)
+        if not c["stopped"]:  # every rung in after all (run_jobs' None came first): the next piece writes its row
+            continue
         if not c["rungs"] and not c["tried"]:
             idle += 1
             continue
