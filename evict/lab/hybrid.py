@@ -313,6 +313,14 @@ def _fmt(xs: list | None) -> str:
     return f"{statistics.fmean(xs):.3f}" + (f" ({min(xs):.3f}–{max(xs):.3f})" if len(xs) > 1 else "")
 
 
+def _paired(xs: list | None, ys: list) -> str:
+    """xs − ys seed by seed (both sorted by seed, same seeds): the mean difference and at how many seeds xs is lower."""
+    if xs is None:
+        return "—"
+    d = [x - y for x, y in zip(xs, ys)]
+    return f"{statistics.fmean(d):+.4f} ({sum(x < 0 for x in d)} of {len(d)} lower)"
+
+
 def _rank(values: dict, reverse: bool) -> dict:
     order = sorted(values, key=lambda k: values[k], reverse=reverse)
     return {k: order.index(k) + 1 for k in values}
@@ -326,6 +334,8 @@ def report(sweep: HybridSweep, results: list[dict]) -> str:
     ctx = str(sweep.contexts[-1])
     full = {k: by[v.name]["decode_bytes"][ctx] for v in variants(sweep) for k in KINDS
             if v.kind == k and v.ratio == "0:1" and v.name in by}
+    kda = [v.name for v in variants(sweep) if v.kind == "kda"]
+    base = cells.get((kda[0], "text")) if kda else None  # the text losses every model is paired with, seed by seed
     rows = []
     for v in variants(sweep):
         r = by.get(v.name)
@@ -335,6 +345,8 @@ def report(sweep: HybridSweep, results: list[dict]) -> str:
             row["MQAR acc"] = _fmt(cells.get((v.name, "mqar")))
         if "text" in sweep.tasks:
             row["val loss"] = _fmt(cells.get((v.name, "text")))
+            if base is not None:
+                row["Δ val loss vs KDA only"] = "" if v.kind == "kda" else _paired(cells.get((v.name, "text")), base)
         row["cache B/token"] = "—" if r is None else f"{r['cache_bytes_per_token']:,}"
         ref = full.get(v.kind)
         row[f"decode read @{int(ctx):,}"] = "—" if r is None else accounting.fmt_bytes(r["decode_bytes"][ctx]) + (
@@ -349,7 +361,9 @@ def report(sweep: HybridSweep, results: list[dict]) -> str:
             f"{'Shakespeare' if sweep.corpus is None else Path(sweep.corpus).name}, nats/char after the last step, "
             f"T {sweep.text_seq_len}. Cache: {CACHE_BYTES} B per KV/latent number (KDA's S float32, fixed); decode read = "
             f"the cache one decode step reads at {int(ctx):,} tokens (× = vs all-attention of the same kind). Published: "
-            "Kimi Linear Table 1 (KDA:MLA, validation perplexity at 1.4T tokens).")
+            "Kimi Linear Table 1 (KDA:MLA, validation perplexity at 1.4T tokens)."
+            + (" Δ val loss vs KDA only: a model's val loss minus KDA only's at the same seed (a seed gives every "
+               "model the same text batches), the mean over seeds and at how many seeds it is lower." if base is not None else ""))
     cols = list(rows[0])
     return f"{head}\n\n{markdown_table(rows, cols)}\n\n{ordering(sweep, results)}"
 
@@ -389,7 +403,7 @@ def ordering(sweep: HybridSweep, results: list[dict]) -> str:
         scores = {k: cells[(n, task)] for k, n in names.items()}
         vals = {k: statistics.fmean(xs) for k, xs in scores.items()}
         ranks[col] = (vals, _rank(vals, reverse=not best_low))
-        notes.append(_separation(col, scores, ranks[col][1]))
+        notes.append(_separation(col, scores, ranks[col][1], best_low))
     rows = []
     for k in sorted(names, key=lambda k: pub[k]):
         row = {"KDA:MLA": k, "published ppl (rank)": f"{PUBLISHED[k]:.2f} ({pub[k]})"}
@@ -401,9 +415,10 @@ def ordering(sweep: HybridSweep, results: list[dict]) -> str:
             f"{markdown_table(rows, cols)}\n\n" + "\n".join(f"- {n}" for n in notes))
 
 
-def _separation(col: str, scores: dict, rank: dict) -> str:
+def _separation(col: str, scores: dict, rank: dict, best_low: bool = True) -> str:
     """Whether the seeds separate our neighbouring ranks: the pairs of ratios next in rank whose ranges (min–max over
-    seeds) overlap, so that the order between them is not known at this many seeds."""
+    seeds) overlap, so that the order between them is not known at this many seeds; for those, the same pair seed by
+    seed (a seed gives every model the same batches): at how many seeds the better-ranked one is ahead."""
     n = min(len(xs) for xs in scores.values())
     if n < 2:
         return f"{col}: one seed a cell, so no range says whether neighbouring ranks differ."
@@ -412,8 +427,15 @@ def _separation(col: str, scores: dict, rank: dict) -> str:
             if max(min(scores[a]), min(scores[b])) <= min(max(scores[a]), max(scores[b]))]
     if not tied:
         return f"{col}: every two neighbouring ranks' ranges over {n} seeds are apart."
+
+    def ahead(a: str, b: str) -> str:
+        d = [x - y for x, y in zip(scores[a], scores[b])]
+        wins = sum((x < 0) if best_low else (x > 0) for x in d)
+        return f"{a} ahead of {b} at {wins} of {len(d)} (mean difference {statistics.fmean(d):+.4f})"
+
     return (f"{col}: the ranges over {n} seeds overlap for " + ", ".join(f"{a} and {b}" for a, b in tied)
-            + " (their order is not separated by the seeds).")
+            + " (their order is not separated by the seeds). Seed by seed (the same batches at a seed): "
+            + "; ".join(ahead(a, b) for a, b in tied) + ".")
 
 
 def plot(sweep: HybridSweep, results: list[dict], path: Path) -> Path:

@@ -129,8 +129,30 @@ def test_ordering_ranks_our_scores_beside_the_published_ones():
             "accuracy": r["accuracy"] + d * 0.01} for r in rows for s, d in ((0, -1), (1, 1))]
     text = ordering(replace(sweep, seeds=2), two)
     assert "| 1:1 | 5.66 (2) | 1.500 (1) | 0.900 (1) |" in text
-    assert "- val loss: the ranges over 2 seeds overlap for 1:1 and 3:1 (their order is not separated by the seeds)." in text
+    assert ("- val loss: the ranges over 2 seeds overlap for 1:1 and 3:1 (their order is not separated by the seeds). "
+            "Seed by seed (the same batches at a seed): 1:1 ahead of 3:1 at 2 of 2 (mean difference -0.5000).") in text
     assert "- MQAR acc: every two neighbouring ranks' ranges over 2 seeds are apart." in text
+
+
+def test_text_losses_are_compared_seed_by_seed():
+    """A seed gives every model the same batches, so the table pairs each model's text loss with KDA only's at the same
+    seed, and the ordering pairs neighbouring ratios whose ranges overlap: a model ahead at every seed shows it even
+    when its range overlaps."""
+    sweep = replace(MICRO, ratios=("1:0", "3:1", "1:1"), placement_ratios=(), kinds=("mla",), tasks=("text",), seeds=3)
+    seed_loss = {0: 1.50, 1: 1.60, 2: 1.40}  # the seeds' own spread, shared by every model
+    gap = {"1:0": [0.0, 0.0, 0.0], "3:1": [-0.02, -0.01, -0.03], "1:1": [0.01, -0.005, 0.04]}
+    rows = [{"variant": v.name, "task": "text", "seed": s, "val_loss": seed_loss[s] + gap[v.ratio][s]}
+            for v in variants(sweep) for s in range(3)]
+    table = hybrid.report(sweep, [{**r, "d_ff": 1, "params": 1, "params_gap": 0.0, "cache_bytes_per_token": 0,
+                                   "decode_bytes": {str(c): 1 for c in sweep.contexts}} for r in rows])
+    assert "Δ val loss vs KDA only" in table.splitlines()[2]
+    line = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]] for r in table.splitlines() if r.startswith("| ")}
+    col = line["model"].index("Δ val loss vs KDA only")
+    assert line["KDA only 1:0"][col] == "" and line["mla 3:1 spread"][col] == "-0.0200 (3 of 3 lower)"
+    assert line["mla 1:1 spread"][col] == "+0.0150 (1 of 3 lower)"
+    # 3:1 (1.37–1.59) and 1:1 (1.44–1.60) overlap; seed by seed 3:1 is ahead at all three
+    assert ("the ranges over 3 seeds overlap for 3:1 and 1:1 (their order is not separated by the seeds). Seed by "
+            "seed (the same batches at a seed): 3:1 ahead of 1:1 at 3 of 3 (mean difference -0.0350).") in table
 
 
 @pytest.fixture
