@@ -15,7 +15,8 @@ fit per rule: K* ≈ c · d (least squares through the origin) and the slope p o
 is linear in d), over the ds where K* was found and was not cut off by the ladder's top. Outputs under
 runs/pairs/<timestamp>/: config.json, results.jsonl (one row per ladder, every rung inside), table.md, pairs.png,
 runs/<rule>_d<d>_s<seed>/K<K>_lr<lr>/ (each rung's training run); a timed piece (`--minutes`) that leaves ladders
-writes partial_table.md instead (the cells whose every seed's ladder is in).
+writes partial_table.md instead: the cells whose every seed's ladder is in, then each ladder still climbing (K passed
+so far, the rung it stopped on and that rung's finished runs).
 """
 
 from __future__ import annotations
