@@ -198,3 +198,7 @@ def test_partial_table_lists_the_ladders_still_climbing(tmp_path, monkeypatch):
     root = run_sweep(sweep, out=tmp_path / "sweep", minutes=1)
     table = (root / "partial_table.md").read_text()
     assert "Partial: 0 of 2 runs finished" in table and "| DeltaNet | 8 | 0 | K ≤ 1 | K 2 (L 16) |" in table
+    # a ladder that has every rung in by the time it is read (run_jobs' None came first) is left out, not shown
+    acc[(2, 0.2)], acc[(4, 0.2)], acc[(4, 0.1)] = 0.91, 0.2, 0.3
+    assert pairs.run_one(jobs[0])["max_pairs"] == 2
+    assert pairs.climbing(sweep, jobs) == "No ladder has a finished rung yet (1 not started)."
