@@ -185,10 +185,11 @@ def add_sweep_flags(p: argparse.ArgumentParser, *, seeds_help: str) -> None:
     p.add_argument("--out", help="output folder; an existing one is resumed")
 
 
-def add_gate_dt_flag(p: argparse.ArgumentParser) -> None:
-    """--gate-dt MIN MAX: the decay gates' initial dt range (ModelConfig.gate_dt_min / gate_dt_max), for the labs."""
+def add_gate_dt_flag(p: argparse.ArgumentParser, default: str = "1e-3 1e-1") -> None:
+    """--gate-dt MIN MAX: the decay gates' initial dt range (ModelConfig.gate_dt_min / gate_dt_max), for the labs;
+    `default` as the help states it (a lab whose --full starts the gates slow says so)."""
     p.add_argument("--gate-dt", nargs=2, type=positive_float, metavar=("MIN", "MAX"),
-                   help="the decay gates' initial dt range, log-uniform (default 1e-3 1e-1); the rate is A dt, A ~ U(1, 16)")
+                   help=f"the decay gates' initial dt range, log-uniform (default {default}); the rate is A dt, A ~ U(1, 16)")
 
 
 def add_lab_parser(lab_sub, name: str, *, help: str, quick: str, full: str, seeds_help: str,

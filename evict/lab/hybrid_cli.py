@@ -45,5 +45,5 @@ def add_parser(lab_sub) -> None:
     s.add_argument("--text-seeds", type=positive_int, metavar="N",
                    help="seeds of the text runs when more than --seeds (--full: 3, where each MQAR cell has one)")
     s.add_argument("--no-compile", action="store_true", help="CUDA: skip torch.compile of the blocks (--full compiles them)")
-    add_gate_dt_flag(s)
+    add_gate_dt_flag(s, default="1e-3 1e-1 quick, 1e-4 1e-3 full")
     s.set_defaults(fn=run_hybrid)

@@ -33,5 +33,5 @@ def add_parser(lab_sub) -> None:
     s.add_argument("--threshold", type=unit_interval, help="accuracy a rung must reach (default 0.9)")
     s.add_argument("--tokens-per-step", type=positive_int, metavar="N",
                    help="a rung's batch is --batch-size, or fewer where L x batch would pass N (full: 131072)")
-    add_gate_dt_flag(s)
+    add_gate_dt_flag(s, default="1e-3 1e-1 quick, 1e-4 1e-3 full")
     s.set_defaults(fn=run_pairs)
