@@ -86,7 +86,7 @@ def _sample_distinct(n: int, k: int, pool: int, g: torch.Generator) -> torch.Ten
     reference); the rest is whole-tensor work. What step i finds taken: the earlier draws t_m (each taken at its step:
     itself or, already taken, j_m) and the j_m of earlier steps whose draw was taken. j_m > every earlier draw, so t_i
     is taken iff it repeats an earlier draw, or it equals j_m (m = t_i − (pool − k) < i) of a step m whose draw was
-    taken: a chain of steps, resolved by pointer jumping in ⌈log2 k⌉ + 1 rounds.
+    taken: a chain of steps, resolved by pointer jumping (at most ⌈log2 k⌉ + 1 rounds).
     """
     base = pool - k
     t = torch.stack([torch.randint(0, base + i + 1, (n,), generator=g) for i in range(k)], dim=1)  # [n, k]
@@ -98,11 +98,12 @@ def _sample_distinct(n: int, k: int, pool: int, g: torch.Generator) -> torch.Ten
     m = t - base  # [n, k]: the step whose j_m equals t_i (when 0 <= m < i)
     nxt = torch.where((m >= 0) & (m < step), m, -1)  # [n, k]
     taken = repeat
-    for _ in range(max(k - 1, 1).bit_length() + 1):
-        on = nxt >= 0
+    on = nxt >= 0  # [n, k]: a link still to follow
+    while on.any():  # each round doubles the links followed: at most ⌈log2 k⌉ + 1 rounds, often one or two
         at = nxt.clamp(min=0)
         taken = taken | (on & taken.gather(1, at))
         nxt = torch.where(on, nxt.gather(1, at), nxt)
+        on = nxt >= 0
     out = torch.where(taken, base + step, t)  # [n, k]
     order = torch.rand(n, k, generator=g).argsort(dim=1)  # [n, k]; Floyd's order is not uniform
     return out.gather(1, order)
