@@ -313,12 +313,19 @@ def _fmt(xs: list | None) -> str:
     return f"{statistics.fmean(xs):.3f}" + (f" ({min(xs):.3f}–{max(xs):.3f})" if len(xs) > 1 else "")
 
 
+def _by_seed(xs: list, ys: list, lower: bool = True) -> tuple[float, int]:
+    """xs − ys seed by seed (both sorted by seed, the same seeds; a seed gives every model the same batches): the mean
+    difference and at how many seeds xs is ahead (lower, or higher with `lower` off)."""
+    d = [x - y for x, y in zip(xs, ys)]
+    return statistics.fmean(d), sum((x < 0) if lower else (x > 0) for x in d)
+
+
 def _paired(xs: list | None, ys: list) -> str:
-    """xs − ys seed by seed (both sorted by seed, same seeds): the mean difference and at how many seeds xs is lower."""
+    """The table's Δ vs KDA only: xs − ys seed by seed, the mean and at how many seeds xs is lower."""
     if xs is None:
         return "—"
-    d = [x - y for x, y in zip(xs, ys)]
-    return f"{statistics.fmean(d):+.4f} ({sum(x < 0 for x in d)} of {len(d)} lower)"
+    mean, lower = _by_seed(xs, ys)
+    return f"{mean:+.4f} ({lower} of {len(xs)} lower)"
 
 
 def _rank(values: dict, reverse: bool) -> dict:
@@ -330,14 +337,14 @@ def report(sweep: HybridSweep, results: list[dict]) -> str:
     """One row per model (scores, parameters, cache), then the MLA ratios ranked beside Kimi Linear's Table 1. A
     partial sweep's (run_grid's partial_table.md) cells short of a seed's run show —, as do a model's parameters and
     cache until one of its runs is in; the ranking waits for every ratio's runs."""
-    cells, by = _cells(results, sweep), {r["variant"]: r for r in results}
+    cells, by, vs = _cells(results, sweep), {r["variant"]: r for r in results}, variants(sweep)
     ctx = str(sweep.contexts[-1])
-    full = {k: by[v.name]["decode_bytes"][ctx] for v in variants(sweep) for k in KINDS
+    full = {k: by[v.name]["decode_bytes"][ctx] for v in vs for k in KINDS
             if v.kind == k and v.ratio == "0:1" and v.name in by}
-    kda = [v.name for v in variants(sweep) if v.kind == "kda"]
+    kda = [v.name for v in vs if v.kind == "kda"]
     base = cells.get((kda[0], "text")) if kda else None  # the text losses every model is paired with, seed by seed
     rows = []
-    for v in variants(sweep):
+    for v in vs:
         r = by.get(v.name)
         row = {"model": v.label, "pattern": v.pattern, "d_ff": "—" if r is None else str(r["d_ff"]),
                "params (Δ vs KDA only)": "—" if r is None else f"{r['params']:,} ({100 * r['params_gap']:+.2f}%)"}
@@ -429,9 +436,8 @@ def _separation(col: str, scores: dict, rank: dict, best_low: bool = True) -> st
         return f"{col}: every two neighbouring ranks' ranges over {n} seeds are apart."
 
     def ahead(a: str, b: str) -> str:
-        d = [x - y for x, y in zip(scores[a], scores[b])]
-        wins = sum((x < 0) if best_low else (x > 0) for x in d)
-        return f"{a} ahead of {b} at {wins} of {len(d)} (mean difference {statistics.fmean(d):+.4f})"
+        mean, wins = _by_seed(scores[a], scores[b], best_low)
+        return f"{a} ahead of {b} at {wins} of {len(scores[a])} (mean difference {mean:+.4f})"
 
     return (f"{col}: the ranges over {n} seeds overlap for " + ", ".join(f"{a} and {b}" for a, b in tied)
             + " (their order is not separated by the seeds). Seed by seed (the same batches at a seed): "

@@ -90,10 +90,10 @@ def _sample_distinct(n: int, k: int, pool: int, g: torch.Generator) -> torch.Ten
     """
     base = pool - k
     t = torch.stack([torch.randint(0, base + i + 1, (n,), generator=g) for i in range(k)], dim=1)  # [n, k]
-    order = torch.sort(t, dim=1, stable=True).indices  # [n, k]: equal draws stay in step order
-    st = t.gather(1, order)  # [n, k]
+    by_value = torch.sort(t, dim=1, stable=True).indices  # [n, k]: equal draws stay in step order
+    st = t.gather(1, by_value)  # [n, k]
     repeat = torch.zeros(n, k, dtype=torch.bool)  # [n, k]: t_i equals an earlier draw
-    repeat.scatter_(1, order[:, 1:], st[:, 1:] == st[:, :-1])
+    repeat.scatter_(1, by_value[:, 1:], st[:, 1:] == st[:, :-1])
     step = torch.arange(k)  # [k]
     m = t - base  # [n, k]: the step whose j_m equals t_i (when 0 <= m < i)
     nxt = torch.where((m >= 0) & (m < step), m, -1)  # [n, k]
