@@ -52,3 +52,20 @@ def test_train_help_lists_the_default_tokenizer(capsys):
         main(["train", "--help"])
     assert e.value.code == 0
     assert "(default: char)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_tracked_tree_fits_a_device_call():
+    """The `run` tool copies the working tree (tracked files) plus `.whl` (~10 MB) and refuses above 64 MiB; session 29
+    committed a 62 MB docs/lab_full/README.md (a broken edit: one paragraph between every character) and the next
+    session's first device call was refused. Keep the tree well under the limit and no single text file huge."""
+    root = Path(evict.__file__).resolve().parents[1]
+    try:
+        names = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    sizes = {n: (root / n).stat().st_size for n in names.decode().split("\0") if n and (root / n).is_file()}
+    assert sizes, "git ls-files listed nothing"
+    total = sum(sizes.values())
+    assert total < 48 * 2**20, f"tracked files total {total / 2**20:.1f} MiB; the device call's limit is 64 MiB with .whl"
+    big = {n: s for n, s in sizes.items() if n.endswith((".md", ".py", ".sh", ".toml")) and s > 2**20}
+    assert not big, f"text files over 1 MiB: {big}"
