@@ -195,9 +195,12 @@ def climbing(sweep: PairsSweep, jobs: list[dict]) -> str:
 
 
 def jobs_for(sweep: PairsSweep, root: Path) -> list[dict]:
+    """One ladder per (rule, d, seed), smallest d first. Small-d ladders have short runs (small states, low rungs), so a
+    timed piece finishes whole ladders even when its machine is lost before the next piece. A ladder at d 256 has
+    runs longer than a piece, and those finish only across pieces on one machine (docs/lab_full/README.md, session 31)."""
     sw = dataclasses.asdict(sweep)
     return [{"rule": r, "d": d, "seed": s, "dir": str(root / "runs" / f"{r}_d{d}_s{s}"), "sweep": sw}
-            for s in seeds_of(sweep) for d in sorted(sweep.dims, reverse=True) for r in sweep.rules]
+            for s in seeds_of(sweep) for d in sorted(sweep.dims) for r in sweep.rules]
 
 
 def cells(results: list[dict], seeds: int | None = None) -> dict:

@@ -187,12 +187,13 @@ def test_partial_table_lists_the_ladders_still_climbing(tmp_path, monkeypatch):
     monkeypatch.setattr(pairs.recall, "run_one", fake)
     sweep = replace(MICRO, rules=("deltanet",), dims=(4, 8), pairs=(1, 2, 4), lrs=(0.1, 0.2))
     jobs = jobs_for(sweep, tmp_path)
-    assert pairs.run_one(jobs[0]) is None  # d 8 climbs: K 1 passes, K 2 stops at its second lr
+    assert [j["d"] for j in jobs] == [4, 8]  # smallest d first: its runs are the shortest
+    assert pairs.run_one(jobs[0]) is None  # d 4 climbs: K 1 passes, K 2 stops at its second lr
     text = pairs.climbing(sweep, jobs)
     assert "(1; 1 more not started)" in text
     row = [line for line in text.splitlines() if line.startswith("| DeltaNet")]
-    assert row == ["| DeltaNet | 8 | 0 | K ≤ 1 | K 2 (L 16) | 0.300 at lr 0.1 | 3 min |"]
-    assert not (tmp_path / "runs" / "deltanet_d4_s0").exists()  # reading a ladder makes no folders
+    assert row == ["| DeltaNet | 4 | 0 | K ≤ 1 | K 2 (L 16) | 0.300 at lr 0.1 | 3 min |"]
+    assert not (tmp_path / "runs" / "deltanet_d8_s0").exists()  # reading a ladder makes no folders
     assert pairs.climbing(sweep, jobs[1:]) == "No ladder has a finished rung yet (1 not started)."
     # through run_grid: a timed piece that leaves the ladder writes it under the cells
     root = run_sweep(sweep, out=tmp_path / "sweep", minutes=1)
