@@ -69,3 +69,20 @@ def test_the_tracked_tree_fits_a_device_call():
     assert total < 48 * 2**20, f"tracked files total {total / 2**20:.1f} MiB; the device call's limit is 64 MiB with .whl"
     big = {n: s for n, s in sizes.items() if n.endswith((".md", ".py", ".sh", ".toml")) and s > 2**20}
     assert not big, f"text files over 1 MiB: {big}"
+
+
+@pytest.mark.parametrize("argv,lab", [(["recall"], "recall"), (["lab", "pairs"], "pairs"), (["lab", "hybrid"], "hybrid")])
+def test_gate_dt_help_states_the_sweeps_ranges(capsys, argv, lab):
+    """The CLI modules import no lab (start-up stays light), so `--gate-dt`'s help restates the sweeps' gate_dt as a
+    literal: it must say each mode's range, quick's first, and full's where it differs."""
+    import importlib
+
+    mod = importlib.import_module(f"evict.lab.{lab}")
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    said = text.split("initial dt range, log-uniform (default ")[1].split(")")[0]  # e.g. "1e-3 1e-1 quick, 1e-4 1e-3 full"
+    modes = [part.split() for part in said.split(", ")]
+    quick, full = (tuple(float(x) for x in s.gate_dt) for s in (mod.QUICK, mod.FULL))
+    want = [(quick, [])] if quick == full else [(quick, ["quick"]), (full, ["full"])]
+    assert [(tuple(float(x) for x in m[:2]), m[2:]) for m in modes] == want, (argv, said)
