@@ -63,8 +63,9 @@ class PairsSweep:
     device: str = "cpu"
 
 
-QUICK = PairsSweep()  # 2 min 37 s wall on 2 cores (README, session 16)
-FULL = PairsSweep(  # the lesson's dims; Zoology's lrs and vocabulary; steps and ladder ours (LAB.md gives none); not run yet
+QUICK = PairsSweep()  # 2 min 2 s wall on 2 cores, smallest d first (dev/LOG.md, session 31)
+FULL = PairsSweep(  # the lesson's dims; Zoology's lrs and vocabulary; steps and ladder ours (LAB.md gives none)
+    # run in timed pieces on the card since session 28 (docs/lab_full/README.md)
     dims=(16, 32, 64, 128, 256), d_model=256, pairs=(4, 8, 16, 32, 64, 128, 256, 512), len_per_pair=8,
     lrs=(2.2e-3, 1e-2, 4.6e-4),  # the recall grid's lr order: 2.2e-3 solved most of its cells first; a rung starts at
     # the lr its rung below passed at, which saves a 4,000-step failing run on each rung where that lr was not 2.2e-3
