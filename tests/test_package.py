@@ -75,8 +75,6 @@ def test_the_tracked_tree_fits_a_device_call():
 def test_gate_dt_help_states_the_sweeps_ranges(capsys, argv, lab):
     """The CLI modules import no lab (start-up stays light), so `--gate-dt`'s help restates the sweeps' gate_dt as a
     literal: it must say each mode's range, quick's first, and full's where it differs."""
-    import importlib
-
     mod = importlib.import_module(f"evict.lab.{lab}")
     with pytest.raises(SystemExit):
         main([*argv, "--help"])
