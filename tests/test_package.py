@@ -10,6 +10,7 @@ import pytest
 
 import evict
 from evict.cli import build_parser, main
+from tests.conftest import ROOT
 
 
 def test_metadata_license_readme_and_extras():
@@ -58,12 +59,11 @@ def test_the_tracked_tree_fits_a_device_call():
     """The `run` tool copies the working tree (tracked files) plus `.whl` (~10 MB) and refuses above 64 MiB; session 29
     committed a 62 MB docs/lab_full/README.md (a broken edit: one paragraph between every character) and the next
     session's first device call was refused. Keep the tree well under the limit and no single text file huge."""
-    root = Path(evict.__file__).resolve().parents[1]
     try:
-        names = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, timeout=60, check=True).stdout
+        names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, timeout=60, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout")
-    sizes = {n: (root / n).stat().st_size for n in names.decode().split("\0") if n and (root / n).is_file()}
+    sizes = {n: (ROOT / n).stat().st_size for n in names.decode().split("\0") if n and (ROOT / n).is_file()}
     assert sizes, "git ls-files listed nothing"
     total = sum(sizes.values())
     assert total < 48 * 2**20, f"tracked files total {total / 2**20:.1f} MiB; the device call's limit is 64 MiB with .whl"
