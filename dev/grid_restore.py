@@ -7,7 +7,8 @@ so the next piece skips them.
 For a lab (`--lab`: capacity, hybrid, pairs, state, stories), a row is restored only when its config equals the target
 sweep's (config.json, or the lab's FULL preset for a folder not yet started) in every field but `workers` and the
 fields the lab's module names in WHICH_FIELDS (state: tasks, models, seeds — which runs exist, each row naming its own:
-a sweep that adds a task keeps the runs of the others).
+a sweep that adds a task keeps the runs of the others), with the list fields it names in UNORDERED_FIELDS compared as
+sets (pairs' lrs: pieces climbed in another lr order are restored).
 
 The device machine starts bare on every call, so a piece's result.json files come back as one JSONL (`bash dev/gpu.sh
 grid`) and are committed under docs/recall_full/. Each JSONL sits beside the config its runs were trained with; a row
@@ -30,7 +31,7 @@ import json
 import sys
 from pathlib import Path
 
-from evict.lab.sweep import EXECUTION_FIELDS  # workers: how a sweep runs, not what it trains
+from evict.lab.sweep import EXECUTION_FIELDS, config_differences  # workers: how a sweep runs, not what it trains
 
 WHICH = {"archs", "settings", "d_models", "lrs", "lr_order", "seeds", "chunk_size", *EXECUTION_FIELDS}
 LABS = {"capacity": "capacity", "hybrid": "hybrid", "pairs": "pairs", "state": "state", "stories": "switch"}
@@ -55,6 +56,7 @@ def _folder(root: Path, d: object, where: str) -> Path:
 def main(target: str, pairs: list[str], lab: str = "recall") -> None:
     module = importlib.import_module(f"evict.lab.{LABS.get(lab, 'recall')}")
     which = WHICH if lab == "recall" else {*EXECUTION_FIELDS, *getattr(module, "WHICH_FIELDS", ())}
+    unordered = getattr(module, "UNORDERED_FIELDS", ())  # pairs' lrs: their order says only which run goes first
     root = Path(target)
     cfg = root / "config.json"
     # fields a saved config predates take their defaults (as sweep_folder does), e.g. recall's gate_dt
@@ -63,7 +65,7 @@ def main(target: str, pairs: list[str], lab: str = "recall") -> None:
     restored = markers = rungs = 0
     for cfg_path, rows_path in zip(pairs[::2], pairs[1::2]):
         got = {**defaults, **json.loads(Path(cfg_path).read_text())}
-        differ = sorted(k for k in set(want) | set(got) if k not in which and want.get(k) != got.get(k))
+        differ = config_differences(want, got, tuple(which), unordered)
         if differ:
             sys.exit(f"{cfg_path}: trained with another config ({', '.join(differ)} differ); its runs are not restored")
         for line in Path(rows_path).read_text().splitlines():

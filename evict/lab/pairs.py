@@ -7,7 +7,8 @@ holds a d × d state, attention a d-dim key and value per token) trained at K = 
 (sequence length len_per_pair · K) until a rung stays below the threshold at every one of the sweep's learning
 rates. A rung tries the lr the rung below passed at first, then the others in the order listed, and passes at the
 first whose run reaches the threshold (its run stops there, the recall lab's target accuracy set to the threshold, and
-the rung's other lrs do not run): since a run's accuracy is its best evaluation and a rung fails only once every lr
+the rung's other lrs do not run; a run already finished is read first, so a ladder resumed under another lr order
+trains nothing its rungs have settled): since a run's accuracy is its best evaluation and a rung fails only once every lr
 has, K* is the same as when every lr trains to the end and the best is taken; only the passing rungs' reported
 accuracy, lr and steps are the first passing run's. K*(rule, d) is the largest K of the
 ladder reached before the first failing rung (0 when the first fails; "≥ K" when the ladder ran out of rungs). The
@@ -33,6 +34,10 @@ from evict.lab import recall
 from evict.lab.sweep import check_at_least_one, check_distinct, check_names, from_json, run_grid, seeds_of
 from evict.tasks.mqar import MQARConfig
 from evict.train import write_json
+
+# the lrs' order only says which of a rung's runs trains first (K* is the same in any order, above; each run's folder
+# names its lr): a sweep resumes over another order (sweep_folder, dev/grid_restore.py)
+UNORDERED_FIELDS = ("lrs",)
 
 RULES = {"linear": "linear attention", "deltanet": "DeltaNet", "gated_deltanet": "Gated DeltaNet", "kda": "KDA",
          "attention": "attention"}
@@ -67,8 +72,11 @@ QUICK = PairsSweep()  # 2 min 2 s wall on 2 cores, smallest d first (dev/LOG.md,
 FULL = PairsSweep(  # the lesson's dims; Zoology's lrs and vocabulary; steps and ladder ours (LAB.md gives none)
     # run in timed pieces on the card since session 28 (docs/lab_full/README.md)
     dims=(16, 32, 64, 128, 256), d_model=256, pairs=(4, 8, 16, 32, 64, 128, 256, 512), len_per_pair=8,
-    lrs=(2.2e-3, 1e-2, 4.6e-4),  # the recall grid's lr order: 2.2e-3 solved most of its cells first; a rung starts at
-    # the lr its rung below passed at, which saves a 4,000-step failing run on each rung where that lr was not 2.2e-3
+    # 2.2e-3 first (the recall grid's: it solved most of its cells first), then 4.6e-4, then 1e-2. Pieces 1-7 ran (2.2e-3,
+    # 1e-2, 4.6e-4): where 2.2e-3 failed, 1e-2 passed none of the 19 rungs it ran on and 4.6e-4 (third) 4 of 13, so
+    # 4.6e-4 goes second since session 42 (docs/lab_full/README.md). A rung starts at the lr its rung below passed at,
+    # which saves a 4,000-step failing run on each rung where that lr was not 2.2e-3
+    lrs=(2.2e-3, 4.6e-4, 1e-2),
     vocab_size=8192, steps=4000, batch_size=256, eval_every=500, eval_batches=8, chunk_size=None, workers=4, device="auto",
     # the recall grid's 256 x 512 tokens a step at every rung (batch 256 up to L 512, then 128 / 64 / 32 at L 1,024 /
     # 2,048 / 4,096): the same 16,384 labelled queries a step; at batch 256 a KDA step at L 4,096, d 256 took 336 ms
@@ -103,10 +111,14 @@ def recall_sweep(sweep: PairsSweep, d: int) -> recall.RecallSweep:
     )
 
 
+def _rung_dir(job: dict, K: int, lr: float) -> Path:
+    return Path(job["dir"]) / f"K{K}_lr{lr:g}"
+
+
 def _rung(job: dict, rsweep: dict, K: int, lr: float, L: int, train: bool = True) -> dict | None:
     """One training run of the recall lab's cell; a finished one is read back from its result.json. None: stopped at
     the end of a timed piece (the job's stop_at; its checkpoint resumes it), or not finished and `train` off."""
-    folder = Path(job["dir"]) / f"K{K}_lr{lr:g}"
+    folder = _rung_dir(job, K, lr)
     done = folder / "result.json"
     if done.exists():
         return read_json_object(done, "out")
@@ -133,16 +145,21 @@ def _climb(job: dict, train: bool = True) -> dict:
     for K in sorted(sweep.pairs):
         L = seq_len(sweep, K)
         batch = rung_batch(sweep, L)
-        runs: list[dict] = []
         # up to the first lr that passes: the rung below's passing lr first, then the rest in the sweep's order (a
-        # rung fails only once every lr has; a resumed ladder derives the same order from its finished rungs)
-        for lr in sorted(sweep.lrs, key=lambda lr: lr != passed_at):
+        # rung fails only once every lr has; a resumed ladder derives the same order from its finished rungs). The
+        # rung's finished runs are read first, all of them: in the same order they are that order's first runs up to
+        # the passing one anyway; under another order (UNORDERED_FIELDS) a finished passing run settles the rung
+        # without training the lrs now before it, and every run trained counts in the card time
+        order = sorted(sweep.lrs, key=lambda lr: lr != passed_at)
+        done = [_rung_dir(job, K, lr) / "result.json" for lr in order]
+        runs = [read_json_object(f, "out") for f in done if f.exists()]
+        for lr, f in zip(order, done):
+            if f.exists() or any(r["accuracy"] >= sweep.threshold for r in runs):
+                continue
             run = _rung(job, {**rsweep, "batch_size": batch}, K, lr, L, train)
             if run is None:
                 return {"rungs": rungs, "best_k": best_k, "seconds": seconds, "stopped": True, "at": K, "tried": runs}
             runs.append(run)
-            if run["accuracy"] >= sweep.threshold:
-                break
         top = max(runs, key=lambda r: r["accuracy"])
         seconds += sum(r["seconds"] for r in runs)
         rungs.append({"pairs": K, "seq_len": L, "batch": batch, "accuracy": top["accuracy"],
@@ -353,4 +370,4 @@ def run_sweep(sweep: PairsSweep, out: str | Path | None = None, minutes: float |
     """Run (or resume, when `out` already holds part of it) the sweep; write and print the results."""
     validate(sweep)
     return run_grid("pairs", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot, minutes=minutes,
-                    partial=True, progress=climbing)
+                    partial=True, unordered=UNORDERED_FIELDS, progress=climbing)

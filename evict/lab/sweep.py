@@ -166,21 +166,24 @@ def stopped_message(minutes: float | None, jobs: list, left: int, root: Path) ->
 
 
 def sweep_folder(kind: str, sweep, out: str | Path | None, *, defaults: dict | None = None,
-                 which: tuple[str, ...] = ()) -> Path:
+                 which: tuple[str, ...] = (), unordered: tuple[str, ...] = ()) -> Path:
     """The folder of a sweep (a dataclass): `out`, or runs/<kind>/<timestamp>/, with the sweep's config.json. A folder
     that already holds another config is refused; `defaults` (the config's fields at their defaults) fills in fields
     a saved config predates, so an older sweep still resumes. `which`: fields that only choose which runs exist (a
     lab's WHICH_FIELDS: seeds, tasks, models; each run's folder names its own), so a sweep may grow or narrow them
     over a folder and keep the runs it shares with the one before; config.json then says the new values, and the
-    old sweep's rows, table and plot go."""
+    old sweep's rows, table and plot go. `unordered`: list fields whose order only says which run goes first (a lab's
+    UNORDERED_FIELDS: pairs' lrs), compared as sets; config.json then says the new order."""
     root = Path(out) if out else Path("runs") / kind / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     root.mkdir(parents=True, exist_ok=True)
     cfg_path = root / "config.json"
     want = json.loads(json.dumps(dataclasses.asdict(sweep)))
     had = {**(defaults or {}), **read_json_object(cfg_path, "out")} if cfg_path.exists() else None
-    if had is not None and _identity(had, which) != _identity(want, which):
-        raise ValueError(f"out: {root} holds a sweep with another config; use a new folder or the same options")
-    if had is not None and _identity(had) != _identity(want):  # so only `which` fields differ
+    differ = [] if had is None else config_differences(had, want, which, unordered)
+    if differ:
+        raise ValueError(f"out: {root} holds a sweep with another config ({', '.join(differ)} differ); use a new folder "
+                         "or the same options")
+    if had is not None and config_differences(had, want):  # so only `which` or `unordered` fields differ
         for name in ("results.jsonl", "table.md", f"{kind}.png"):  # the old runs' results; the new sweep writes its own
             (root / name).unlink(missing_ok=True)
     write_json(cfg_path, want)
@@ -191,8 +194,13 @@ def sweep_folder(kind: str, sweep, out: str | Path | None, *, defaults: dict | N
 EXECUTION_FIELDS = ("workers",)
 
 
-def _identity(cfg: dict, which: tuple[str, ...] = ()) -> dict:
-    return {k: v for k, v in cfg.items() if k not in EXECUTION_FIELDS and k not in which}
+def config_differences(a: dict, b: dict, which=(), unordered=()) -> list[str]:
+    """The fields in which two sweep configs (JSON dicts) differ in what their runs train: every field but
+    EXECUTION_FIELDS and `which` (fields that choose which runs exist), with `unordered` list fields compared as sets."""
+    def seen(k: str, v: object) -> object:
+        return sorted(v) if k in unordered and isinstance(v, list) else v
+    skip = {*EXECUTION_FIELDS, *which}
+    return sorted(k for k in set(a) | set(b) if k not in skip and seen(k, a.get(k)) != seen(k, b.get(k)))
 
 
 def write_results(root: Path, results: list[dict]) -> None:
@@ -233,16 +241,16 @@ def check_at_least_one(sweep, fields: tuple) -> None:
 
 def run_grid(kind: str, sweep, out: str | Path | None, *, jobs_for: Callable, run_one: Callable, report: Callable,
              plot: Callable, minutes: float | None = None, partial: bool = False, which: tuple[str, ...] = (),
-             progress: Callable | None = None) -> Path:
+             unordered: tuple[str, ...] = (), progress: Callable | None = None) -> Path:
     """Run (or resume) a lab's validated sweep (a dataclass) in `sweep_folder(kind, sweep, out)`: jobs_for(sweep,
     root) through run_jobs, then results.jsonl, table.md = report(sweep, results) and plot(sweep, results,
     root / "<kind>.png"); prints the table; returns root. `minutes`: a timed piece (with_deadline) — when runs are
     left, nothing but their own folders is written and the message says how to continue; with `partial` (a lab whose
     report shows — for a cell short of a seed's run), also partial_table.md: the report of the runs finished so far,
     headed as partial (gone once the sweep finishes), and after it progress(sweep, the jobs left) where given (a lab
-    whose runs finish in parts: pairs' ladders). `which`: sweep_folder's."""
+    whose runs finish in parts: pairs' ladders). `which`, `unordered`: sweep_folder's."""
     check_minutes(minutes)
-    root = sweep_folder(kind, sweep, out, which=which)
+    root = sweep_folder(kind, sweep, out, which=which, unordered=unordered)
     jobs = with_deadline(jobs_for(sweep, root), minutes)
     print(f"{kind} sweep: {len(jobs)} runs -> {root}")
     outs = run_jobs(run_one, jobs, workers=sweep.workers, desc=kind)

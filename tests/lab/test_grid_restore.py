@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from evict.lab import hybrid, recall, state
+from evict.lab import hybrid, pairs, recall, state
 
 SPEC = importlib.util.spec_from_file_location("grid_restore", Path(__file__).parents[2] / "dev" / "grid_restore.py")
 grid_restore = importlib.util.module_from_spec(SPEC)
@@ -64,6 +64,16 @@ def test_another_config_is_refused_and_labs_compare_every_field(tmp_path):
     assert (tmp_path / "h" / "runs" / "kda_1to0_text_s0" / "result.json").exists()
     with pytest.raises(SystemExit, match="mqar_steps differ"):
         grid_restore.main(str(tmp_path / "i"), _piece(tmp_path, {**piece1, "mqar_steps": 4000}, [run]), lab="hybrid")
+    # pairs' lrs compare as a set (pairs.UNORDERED_FIELDS): the committed pieces 1-7, climbed in the order (2.2e-3,
+    # 1e-2, 4.6e-4), restore into FULL's; a rung row keeps its LADDER/RUNG folder; another set of lrs is refused
+    full = json.loads(json.dumps(dataclasses.asdict(pairs.FULL)))
+    old = {**full, "lrs": [2.2e-3, 1e-2, 4.6e-4]}
+    assert old["lrs"] != full["lrs"]
+    rung = dict(arch="kda", seq_len=256, pairs=32, lr=4.6e-4, seed=0, accuracy=0.913, dir="kda_d32_s0/K32_lr0.00046")
+    grid_restore.main(str(tmp_path / "p"), _piece(tmp_path, old, [rung]), lab="pairs")
+    assert (tmp_path / "p" / "runs" / "kda_d32_s0" / "K32_lr0.00046" / "result.json").exists()
+    with pytest.raises(SystemExit, match="lrs differ"):
+        grid_restore.main(str(tmp_path / "q"), _piece(tmp_path, {**full, "lrs": [2.2e-3, 1e-2]}, [rung]), lab="pairs")
 
 
 PIECE_SPEC = importlib.util.spec_from_file_location("grid_piece", Path(__file__).parents[2] / "dev" / "grid_piece.py")
@@ -251,3 +261,15 @@ def test_a_half_climbed_ladder_climbs_on_from_its_committed_rungs(tmp_path, monk
     for bad in ("../x", "a/b/c", "", "a//b"):
         with pytest.raises(SystemExit, match="must be a run folder"):
             grid_restore.main(str(nxt), _piece(tmp_path, config, [{"dir": bad, "accuracy": 1.0}]), lab="pairs")
+
+
+def test_the_committed_pairs_pieces_restore_into_full(tmp_path):
+    """What the next bare device machine does first (`LAB=pairs bash dev/gpu.sh lab`): every committed pairs piece's
+    rows go back into a folder for pairs.FULL, whatever lr order the piece climbed in; none is refused or lost."""
+    docs = Path(__file__).parents[2] / "docs" / "lab_full" / "pairs"
+    configs = sorted(docs.glob("piece*_config.json"), key=lambda p: int(p.name[5:].split("_")[0]))
+    files = [str(f) for c in configs for f in (c, c.with_name(c.name.replace("_config.json", "_results.jsonl")))]
+    rows = sum(len(Path(f).read_text().splitlines()) for f in files[1::2])
+    assert len(configs) >= 7 and rows > 100
+    grid_restore.main(str(tmp_path / "r"), files, lab="pairs")
+    assert len(list((tmp_path / "r" / "runs").rglob("result.json"))) == rows

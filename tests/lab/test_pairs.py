@@ -46,6 +46,9 @@ def test_ladder_stops_at_the_first_failing_rung_and_a_rung_at_its_first_passing_
     assert trained == [(1, 0.1), (2, 0.1), (2, 0.2), (4, 0.2), (8, 0.2), (8, 0.1)]
     trained.clear()
     assert pairs.run_one(job) == res and trained == []  # finished rungs are read back, not retrained
+    # resumed under the other lr order, the finished runs still settle every rung: K = 1 reads its passing 0.1 run
+    # instead of training 0.2 first; the same ladder, nothing trained (K* never depends on the order)
+    assert pairs.run_one({**job, "sweep": {**job["sweep"], "lrs": [0.2, 0.1]}}) == res and trained == []
     top = pairs.run_one({**job, "dir": str(tmp_path / "top"), "sweep": {**job["sweep"], "pairs": [1, 2]}})
     assert top["max_pairs"] == 2 and top["ladder_top"]
 
@@ -83,6 +86,22 @@ def _stopped_sweep_shows_the_cells_known(root, table: str) -> None:
     assert rows[partial]["| DeltaNet"] == rows[table]["| DeltaNet"]
     assert rows[partial]["| attention"] == "| attention | — | — | — | — |"
     finished_piece(root, part, run, table)
+
+
+def test_a_sweep_resumes_over_another_lr_order_but_not_other_lrs(tmp_path):
+    """UNORDERED_FIELDS: the lrs' order only says which run of a rung goes first, so a folder resumes under another
+    order (config.json then says it) and trains nothing already settled; another set of lrs is refused, naming it."""
+    sweep = replace(MICRO, rules=("deltanet",), dims=(4,), lrs=(1e-2, 2e-2))
+    root = run_sweep(sweep, out=tmp_path / "s")
+    stamps = {p: p.stat().st_mtime_ns for p in (root / "runs").rglob("result.json")}
+    table = (root / "table.md").read_text()
+    run_sweep(replace(sweep, lrs=(2e-2, 1e-2)), out=root)
+    assert stamps == {p: p.stat().st_mtime_ns for p in (root / "runs").rglob("result.json")}
+    assert json.loads((root / "config.json").read_text())["lrs"] == [2e-2, 1e-2]
+    assert (root / "table.md").read_text().replace("[0.02, 0.01]", "[0.01, 0.02]") == table
+    with pytest.raises(ValueError, match=r"^out: .* holds a sweep with another config \(lrs differ\)"):
+        run_sweep(replace(sweep, lrs=(1e-2, 3e-2)), out=root)
+    assert pairs.UNORDERED_FIELDS == ("lrs",) and sorted(pairs.FULL.lrs) == [4.6e-4, 2.2e-3, 1e-2]
 
 
 def test_one_head_of_dim_d_at_a_fixed_width(tmp_path):
