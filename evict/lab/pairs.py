@@ -8,8 +8,8 @@ holds a d × d state, attention a d-dim key and value per token) trained at K = 
 rates. A rung tries the lr the rung below passed at first, then the others in the order listed, and passes at the
 first whose run reaches the threshold (its run stops there, the recall lab's target accuracy set to the threshold, and
 the rung's other lrs do not run; a run already finished is read first, so a ladder resumed under another lr order
-trains nothing its rungs have settled): since a run's accuracy is its best evaluation and a rung fails only once every lr
-has, K* is the same as when every lr trains to the end and the best is taken; only the passing rungs' reported
+trains nothing its rungs have settled): since a run's accuracy is its best evaluation and a rung fails only once every
+lr has, K* is the same as when every lr trains to the end and the best is taken; only the passing rungs' reported
 accuracy, lr and steps are the first passing run's. K*(rule, d) is the largest K of the
 ladder reached before the first failing rung (0 when the first fails; "≥ K" when the ladder ran out of rungs). The
 fit per rule: K* ≈ c · d (least squares through the origin) and the slope p of log K* against log d (K* ∝ d^p; p = 1
@@ -72,10 +72,10 @@ QUICK = PairsSweep()  # 2 min 2 s wall on 2 cores, smallest d first (dev/LOG.md,
 FULL = PairsSweep(  # the lesson's dims; Zoology's lrs and vocabulary; steps and ladder ours (LAB.md gives none)
     # run in timed pieces on the card since session 28 (docs/lab_full/README.md)
     dims=(16, 32, 64, 128, 256), d_model=256, pairs=(4, 8, 16, 32, 64, 128, 256, 512), len_per_pair=8,
-    # 2.2e-3 first (the recall grid's: it solved most of its cells first), then 4.6e-4, then 1e-2. Pieces 1-7 ran (2.2e-3,
-    # 1e-2, 4.6e-4): where 2.2e-3 failed, 1e-2 passed none of the 19 rungs it ran on and 4.6e-4 (third) 4 of 13, so
-    # 4.6e-4 goes second since session 42 (docs/lab_full/README.md). A rung starts at the lr its rung below passed at,
-    # which saves a 4,000-step failing run on each rung where that lr was not 2.2e-3
+    # 2.2e-3 first (the recall grid's: it solved most of its cells first), then 4.6e-4, then 1e-2. Pieces 1-7 ran
+    # (2.2e-3, 1e-2, 4.6e-4): where 2.2e-3 failed, 1e-2 passed none of the 19 rungs it ran on and 4.6e-4 (third) 4 of
+    # 13, so 4.6e-4 goes second since session 42 (docs/lab_full/README.md). A rung starts at the lr its rung below
+    # passed at, which saves a 4,000-step failing run on each rung where that lr was not 2.2e-3
     lrs=(2.2e-3, 4.6e-4, 1e-2),
     vocab_size=8192, steps=4000, batch_size=256, eval_every=500, eval_batches=8, chunk_size=None, workers=4, device="auto",
     # the recall grid's 256 x 512 tokens a step at every rung (batch 256 up to L 512, then 128 / 64 / 32 at L 1,024 /

@@ -181,8 +181,8 @@ def sweep_folder(kind: str, sweep, out: str | Path | None, *, defaults: dict | N
     had = {**(defaults or {}), **read_json_object(cfg_path, "out")} if cfg_path.exists() else None
     differ = [] if had is None else config_differences(had, want, which, unordered)
     if differ:
-        raise ValueError(f"out: {root} holds a sweep with another config ({', '.join(differ)} differ); use a new folder "
-                         "or the same options")
+        raise ValueError(f"out: {root} holds a sweep with another config ({', '.join(differ)} differ); use a new "
+                         "folder or the same options")
     if had is not None and config_differences(had, want):  # so only `which` or `unordered` fields differ
         for name in ("results.jsonl", "table.md", f"{kind}.png"):  # the old runs' results; the new sweep writes its own
             (root / name).unlink(missing_ok=True)
@@ -196,7 +196,7 @@ EXECUTION_FIELDS = ("workers",)
 
 def config_differences(a: dict, b: dict, which=(), unordered=()) -> list[str]:
     """The fields in which two sweep configs (JSON dicts) differ in what their runs train: every field but
-    EXECUTION_FIELDS and `which` (fields that choose which runs exist), with `unordered` list fields compared as sets."""
+    EXECUTION_FIELDS and `which` (fields that choose which runs exist), `unordered` list fields compared as sets."""
     def seen(k: str, v: object) -> object:
         return sorted(v) if k in unordered and isinstance(v, list) else v
     skip = {*EXECUTION_FIELDS, *which}
