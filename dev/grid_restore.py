@@ -65,7 +65,7 @@ def main(target: str, pairs: list[str], lab: str = "recall") -> None:
     restored = markers = rungs = 0
     for cfg_path, rows_path in zip(pairs[::2], pairs[1::2]):
         got = {**defaults, **json.loads(Path(cfg_path).read_text())}
-        differ = config_differences(want, got, tuple(which), unordered)
+        differ = config_differences(want, got, which, unordered)
         if differ:
             sys.exit(f"{cfg_path}: trained with another config ({', '.join(differ)} differ); its runs are not restored")
         for line in Path(rows_path).read_text().splitlines():

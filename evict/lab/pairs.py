@@ -115,15 +115,11 @@ def _rung_dir(job: dict, K: int, lr: float) -> Path:
     return Path(job["dir"]) / f"K{K}_lr{lr:g}"
 
 
-def _rung(job: dict, rsweep: dict, K: int, lr: float, L: int, train: bool = True) -> dict | None:
-    """One training run of the recall lab's cell; a finished one is read back from its result.json. None: stopped at
-    the end of a timed piece (the job's stop_at; its checkpoint resumes it), or not finished and `train` off."""
+def _rung(job: dict, rsweep: dict, K: int, lr: float, L: int) -> dict | None:
+    """One training run of the recall lab's cell, written to its result.json (_climb reads the finished ones). None:
+    stopped at the end of a timed piece (the job's stop_at; its checkpoint resumes it)."""
     folder = _rung_dir(job, K, lr)
     done = folder / "result.json"
-    if done.exists():
-        return read_json_object(done, "out")
-    if not train:
-        return None
     folder.mkdir(parents=True, exist_ok=True)
     res = recall.run_one({"arch": job["rule"], "seq_len": L, "pairs": K, "d_model": rsweep["d_models"][0], "lr": lr,
                           "seed": job["seed"], "dir": str(folder), "sweep": rsweep, "stop_at": job.get("stop_at"),
@@ -151,12 +147,12 @@ def _climb(job: dict, train: bool = True) -> dict:
         # the passing one anyway; under another order (UNORDERED_FIELDS) a finished passing run settles the rung
         # without training the lrs now before it, and every run trained counts in the card time
         order = sorted(sweep.lrs, key=lambda lr: lr != passed_at)
-        done = [_rung_dir(job, K, lr) / "result.json" for lr in order]
-        runs = [read_json_object(f, "out") for f in done if f.exists()]
-        for lr, f in zip(order, done):
-            if f.exists() or any(r["accuracy"] >= sweep.threshold for r in runs):
-                continue
-            run = _rung(job, {**rsweep, "batch_size": batch}, K, lr, L, train)
+        finished = {lr: f for lr in order if (f := _rung_dir(job, K, lr) / "result.json").exists()}
+        runs = [read_json_object(f, "out") for f in finished.values()]
+        for lr in (lr for lr in order if lr not in finished):
+            if any(r["accuracy"] >= sweep.threshold for r in runs):
+                break
+            run = _rung(job, {**rsweep, "batch_size": batch}, K, lr, L) if train else None
             if run is None:
                 return {"rungs": rungs, "best_k": best_k, "seconds": seconds, "stopped": True, "at": K, "tried": runs}
             runs.append(run)
