@@ -209,12 +209,26 @@ def climbing(sweep: PairsSweep, jobs: list[dict]) -> str:
 
 
 def jobs_for(sweep: PairsSweep, root: Path) -> list[dict]:
-    """One ladder per (rule, d, seed), smallest d first. Small-d ladders have short runs (small states, low rungs), so a
-    timed piece finishes whole ladders even when its machine is lost before the next piece. A ladder at d 256 has
-    runs longer than a piece, and those finish only across pieces on one machine (docs/lab_full/README.md, session 31)."""
+    """One ladder per (rule, d, seed), smallest d first (the workers take them in next_rung's order). A ladder at d 256
+    has runs longer than a piece, and those finish only across pieces on one machine (docs/lab_full/README.md,
+    session 31)."""
     sw = dataclasses.asdict(sweep)
     return [{"rule": r, "d": d, "seed": s, "dir": str(root / "runs" / f"{r}_d{d}_s{s}"), "sweep": sw}
             for s in seeds_of(sweep) for d in sorted(sweep.dims) for r in sweep.rules]
+
+
+def next_rung(job: dict) -> tuple[int, int]:
+    """The order a sweep's workers take its unfinished ladders in (run_jobs' `first`): those with a run in flight on
+    the rung they climb (its checkpoint.pt, on a machine that kept the folder) first, to finish it; then the shortest
+    rung (its L) first, so that a piece on a fresh machine finishes rungs rather than starting runs longer than itself
+    (session 43: 16 ladders, 8 workers, the first 8 all on rungs of 8-11 minutes). (0 or 1, L), from the folders."""
+    c = _climb(job, train=False)
+    if not c["stopped"]:  # every rung in: its worker only reads them back
+        return (0, 0)
+    K = c["at"]
+    flying = any((f / "checkpoint.pt").exists() and not (f / "result.json").exists()  # (a finished run keeps its)
+                 for f in Path(job["dir"]).glob(f"K{K}_lr*"))
+    return (0 if flying else 1, seq_len(from_json(PairsSweep, job["sweep"]), K))
 
 
 def cells(results: list[dict], seeds: int | None = None) -> dict:
@@ -366,4 +380,4 @@ def run_sweep(sweep: PairsSweep, out: str | Path | None = None, minutes: float |
     """Run (or resume, when `out` already holds part of it) the sweep; write and print the results."""
     validate(sweep)
     return run_grid("pairs", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot, minutes=minutes,
-                    partial=True, unordered=UNORDERED_FIELDS, progress=climbing)
+                    partial=True, unordered=UNORDERED_FIELDS, progress=climbing, first=next_rung)

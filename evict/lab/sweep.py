@@ -39,8 +39,9 @@ def _worker(args):
 
 
 def run_jobs(fn: Callable[[dict], dict | None], jobs: list[dict], *, workers: int = 1,
-             desc: str = "runs") -> list[dict | None]:
+             desc: str = "runs", first: Callable[[dict], Any] | None = None) -> list[dict | None]:
     """Apply fn to every job (a dict with a "dir" key) not already finished; returns all results in job order.
+    `first`: a sort key for the order the unfinished jobs go to the workers in (smallest first; ties keep job order).
 
     fn must be a module-level function (it is pickled to worker processes) and write nothing but under job["dir"].
     A finished job's result is read back from <dir>/result.json, so an interrupted sweep resumes where it stopped.
@@ -54,6 +55,8 @@ def run_jobs(fn: Callable[[dict], dict | None], jobs: list[dict], *, workers: in
             results[i] = read_json_object(done, "out")
         else:
             todo.append(i)
+    if first is not None:
+        todo.sort(key=lambda i: first(jobs[i]))
     threads = max(1, (os.cpu_count() or 1) // max(workers, 1))
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc=desc, dynamic_ncols=True)
     payload = [(i, fn, jobs[i], threads) for i in todo]
@@ -241,19 +244,19 @@ def check_at_least_one(sweep, fields: tuple) -> None:
 
 def run_grid(kind: str, sweep, out: str | Path | None, *, jobs_for: Callable, run_one: Callable, report: Callable,
              plot: Callable, minutes: float | None = None, partial: bool = False, which: tuple[str, ...] = (),
-             unordered: tuple[str, ...] = (), progress: Callable | None = None) -> Path:
+             unordered: tuple[str, ...] = (), progress: Callable | None = None, first: Callable | None = None) -> Path:
     """Run (or resume) a lab's validated sweep (a dataclass) in `sweep_folder(kind, sweep, out)`: jobs_for(sweep,
     root) through run_jobs, then results.jsonl, table.md = report(sweep, results) and plot(sweep, results,
     root / "<kind>.png"); prints the table; returns root. `minutes`: a timed piece (with_deadline) — when runs are
     left, nothing but their own folders is written and the message says how to continue; with `partial` (a lab whose
     report shows — for a cell short of a seed's run), also partial_table.md: the report of the runs finished so far,
     headed as partial (gone once the sweep finishes), and after it progress(sweep, the jobs left) where given (a lab
-    whose runs finish in parts: pairs' ladders). `which`, `unordered`: sweep_folder's."""
+    whose runs finish in parts: pairs' ladders). `which`, `unordered`: sweep_folder's; `first`: run_jobs'."""
     check_minutes(minutes)
     root = sweep_folder(kind, sweep, out, which=which, unordered=unordered)
     jobs = with_deadline(jobs_for(sweep, root), minutes)
     print(f"{kind} sweep: {len(jobs)} runs -> {root}")
-    outs = run_jobs(run_one, jobs, workers=sweep.workers, desc=kind)
+    outs = run_jobs(run_one, jobs, workers=sweep.workers, desc=kind, first=first)
     left = sum(r is None for r in outs)
     results = [r for r in outs if r is not None]
     if left:

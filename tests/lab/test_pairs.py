@@ -192,6 +192,43 @@ def test_a_rung_runs_with_its_pieces_deadline_and_length(tmp_path, monkeypatch):
     assert pairs.recall_sweep(replace(MICRO, threshold=0.75), 4).target_accuracy == 0.75
 
 
+def test_workers_take_ladders_in_flight_first_then_the_shortest_rung(tmp_path, monkeypatch):
+    """next_rung: a ladder whose rung has a run in flight (checkpoint.pt without result.json) goes to a worker first,
+    then the ladder climbing the shortest rung (session 43: a short piece on a fresh machine spent its 8 workers on
+    the first 8 ladders' 8-11 minute rungs while others waited on 1-minute ones); run_sweep hands them out so."""
+    acc = {(1, 0.1): 0.95, (2, 0.1): 0.3}
+
+    def fake(job):
+        if (job["pairs"], job["lr"]) not in acc:
+            return None
+        return {"accuracy": acc[(job["pairs"], job["lr"])], "lr": job["lr"], "steps": 1, "seconds": 1.0,
+                "state_size": 1, "params": 1}
+
+    monkeypatch.setattr(pairs.recall, "run_one", fake)
+    sweep = replace(MICRO, rules=("deltanet",), dims=(4, 8), pairs=(1, 2, 4), lrs=(0.1, 0.2), min_len=16,
+                    len_per_pair=16)
+    root = tmp_path / "sweep"
+    d4, d8 = jobs_for(sweep, root)
+    assert pairs.run_one(d4) is None  # d 4: K 1 passed, K 2 failed at 0.1 and its run at 0.2 stopped
+    assert pairs.next_rung(d4) == (1, 32) and pairs.next_rung(d8) == (1, 16)  # d 8 climbs a shorter rung: first
+    k2 = pairs._rung_dir(d4, 2, 0.1)
+    (k2 / "checkpoint.pt").write_bytes(b"")  # a finished run keeps its checkpoint: not in flight
+    assert pairs.next_rung(d4) == (1, 32)
+    (pairs._rung_dir(d4, 2, 0.2) / "checkpoint.pt").write_bytes(b"")  # 0.2 stopped mid-run: resume it first
+    assert pairs.next_rung(d4) == (0, 32)
+    acc[(2, 0.2)], acc[(4, 0.2)], acc[(4, 0.1)] = 0.2, 0.2, 0.2
+    assert pairs.run_one(d4)["max_pairs"] == 1 and pairs.next_rung(d4) == (0, 0)  # every rung in: read back
+    order = []
+    monkeypatch.setattr(pairs, "run_one", lambda job: order.append(job["d"]) or None)
+    (pairs._rung_dir(d4, 2, 0.2) / "result.json").unlink()  # d 4 in flight again
+    run_sweep(sweep, out=root, minutes=1)
+    assert order == [4, 8]
+    (pairs._rung_dir(d4, 2, 0.2) / "checkpoint.pt").unlink()  # d 4's run lost (a fresh machine): L 32 after L 16
+    order.clear()
+    run_sweep(sweep, out=root, minutes=1)
+    assert order == [8, 4]
+
+
 def test_partial_table_lists_the_ladders_still_climbing(tmp_path, monkeypatch):
     """A piece that stops mid-ladder: partial_table.md's second part gives each unfinished ladder's K passed so far,
     the rung it stopped on and that rung's finished runs, read back from its folders (nothing trains)."""

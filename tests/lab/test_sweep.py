@@ -180,6 +180,23 @@ def test_a_killed_worker_ends_the_sweep_with_an_error_not_a_hang(tmp_path):
     assert sweep_mod.run_jobs(_square_or_die, jobs[:3], workers=2) == [{"n": 0}, {"n": 1}, {"n": 4}]
 
 
+def test_run_jobs_hands_out_jobs_in_the_order_of_first_and_returns_them_in_job_order(tmp_path):
+    """`first` orders the unfinished jobs for the workers (ties keep job order); results stay in job order, and a
+    finished job is read back whatever its key."""
+    seen = []
+
+    def square(job):
+        seen.append(job["n"])
+        return {"n": job["n"] ** 2}
+
+    jobs = [{"n": n, "dir": str(tmp_path / str(n))} for n in range(5)]
+    (tmp_path / "4").mkdir()
+    (tmp_path / "4" / "result.json").write_text('{"n": 16}')
+    key = {0: 2, 1: 1, 2: 2, 3: 0, 4: -1}
+    out = sweep_mod.run_jobs(square, jobs, first=lambda job: key[job["n"]])
+    assert seen == [3, 1, 0, 2] and out == [{"n": n * n} for n in range(5)]
+
+
 def test_a_rows_curve_spans_every_piece_of_its_run(tmp_path):
     """`curve`: a run stopped after its first step's evaluation and resumed in a second piece reports every evaluation
     of both, the same values as the run trained in one go; accuracy or loss, to 4 decimals."""
