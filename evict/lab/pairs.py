@@ -226,7 +226,8 @@ def next_rung(job: dict) -> tuple[int, int]:
     if not c["stopped"]:  # every rung in: its worker only reads them back
         return (0, 0)
     K = c["at"]
-    flying = any((f / "checkpoint.pt").exists() and not (f / "result.json").exists()  # (a finished run keeps its)
+    # a run in flight: its checkpoint without its result (a finished run keeps its checkpoint too)
+    flying = any((f / "checkpoint.pt").exists() and not (f / "result.json").exists()
                  for f in Path(job["dir"]).glob(f"K{K}_lr*"))
     return (0 if flying else 1, seq_len(from_json(PairsSweep, job["sweep"]), K))
 
