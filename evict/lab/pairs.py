@@ -225,11 +225,11 @@ def next_rung(job: dict) -> tuple[int, int]:
     c = _climb(job, train=False)
     if not c["stopped"]:  # every rung in: its worker only reads them back
         return (0, 0)
-    K = c["at"]
+    sweep, K = from_json(PairsSweep, job["sweep"]), c["at"]
     # a run in flight: its checkpoint without its result (a finished run keeps its checkpoint too)
     flying = any((f / "checkpoint.pt").exists() and not (f / "result.json").exists()
-                 for f in Path(job["dir"]).glob(f"K{K}_lr*"))
-    return (0 if flying else 1, seq_len(from_json(PairsSweep, job["sweep"]), K))
+                 for f in (_rung_dir(job, K, lr) for lr in sweep.lrs))
+    return (0 if flying else 1, seq_len(sweep, K))
 
 
 def cells(results: list[dict], seeds: int | None = None) -> dict:
