@@ -267,7 +267,7 @@ def test_the_committed_pairs_pieces_restore_into_full(tmp_path):
     """What the next bare device machine does first (`LAB=pairs bash dev/gpu.sh lab`): every committed pairs piece's
     rows go back into a folder for pairs.FULL, whatever lr order the piece climbed in; none is refused or lost."""
     docs = Path(__file__).parents[2] / "docs" / "lab_full" / "pairs"
-    configs = sorted(docs.glob("piece*_config.json"), key=lambda p: int(p.name[5:].split("_")[0]))
+    configs = sorted(docs.glob("piece*_config.json"), key=grid_piece._number)
     files = [str(f) for c in configs for f in (c, c.with_name(c.name.replace("_config.json", "_results.jsonl")))]
     rows = sum(len(Path(f).read_text().splitlines()) for f in files[1::2])
     assert len(configs) >= 7 and rows > 100
