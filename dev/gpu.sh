@@ -40,9 +40,11 @@ mps_on() { [ "${MPS_HELD:-0}" = 1 ] && return; [ "${MPS:-1}" = 1 ] && command -v
 mps_off() { [ "${MPS_HELD:-0}" = 1 ] && return; echo quit | nvidia-cuda-mps-control 2>/dev/null; sleep 1; }
 quiet() { grep -v "Warning\|warn\|^  \|^$"; }
 # CALL=S: the whole call may take S seconds. Each timed piece (grid, lab) then runs for min(MIN, what is left less
-# 60 s for its start and results) minutes under a timeout of what is left less 15 s, and is skipped with under a
+# 40 s for its stop and results) minutes under a timeout of what is left less 15 s, and is skipped with under a
 # minute to go: `CALL=570 MIN=8.5 bash dev/gpu.sh grid lab` gives the rest of a call that finishes the grid to a lab.
-piece_min() { python3 -c "import sys; m, call, used = map(float, sys.argv[1:]); print(f'{m if call <= 0 else min(m, (call - used - 60) / 60):.2f}')" \
+# (60 s until session 49, whose pairs pieces stopped about 0.1 min past their minutes; the first one's call ended
+# about 16 s after its minutes.)
+piece_min() { python3 -c "import sys; m, call, used = map(float, sys.argv[1:]); print(f'{m if call <= 0 else min(m, (call - used - 40) / 60):.2f}')" \
                 ${MIN:-8} ${CALL:-0} $(( $(date +%s) - T0 )); }
 piece_to() { [ "${CALL:-0}" = 0 ] && echo ${TO:-$1} || echo $(( CALL - ($(date +%s) - T0) - 15 )); }
 too_late() { [ "${CALL:-0}" != 0 ] && python3 -c "import sys; sys.exit(0 if float(sys.argv[1]) < 1 else 1)" $(piece_min) && echo "dev/gpu.sh: $1 skipped, under a minute of CALL left"; }
