@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import json
 import multiprocessing as mp
 import os
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,12 +32,40 @@ def from_json(kind: Callable[..., T], d: dict) -> T:
     return kind(**fields)
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """Whether an error is a lack of memory: the host's (MemoryError) or a device's (torch's OutOfMemoryError)."""
+    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedOutOfMemory:
+    """What a worker returns for a job that ran out of memory while other jobs shared the machine: the error's first
+    line. run_jobs puts the job back in its queue and runs fewer at once."""
+
+    message: str
+
+
 def _worker(args):
-    i, fn, job, threads = args
+    i, fn, job, threads, shared = args
     import torch
 
     torch.set_num_threads(threads)
-    return i, fn(job)
+    try:
+        if not shared:  # alone (or no pool): a lack of memory is the job's own, and ends the sweep as before
+            return i, fn(job)
+        try:
+            return i, fn(job)
+        except Exception as e:
+            if not out_of_memory(e):
+                raise
+            message = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        return i, SharedOutOfMemory(message)  # the error's frames, and the tensors they held, are gone by now
+    finally:
+        # a worker process lives on between jobs (idle once run_jobs runs fewer at once): hand the blocks its
+        # allocator keeps cached back to the other processes on the card
+        gc.collect()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
 
 def run_jobs(fn: Callable[[dict], dict | None], jobs: list[dict], *, workers: int = 1,
@@ -46,6 +76,11 @@ def run_jobs(fn: Callable[[dict], dict | None], jobs: list[dict], *, workers: in
     fn must be a module-level function (it is pickled to worker processes) and write nothing but under job["dir"].
     A finished job's result is read back from <dir>/result.json, so an interrupted sweep resumes where it stopped.
     fn returns None for a job it left unfinished (e.g. out of time): no result.json, None in the returned list.
+
+    With several workers, a job that runs out of memory (host or device) while others run beside it goes back to the
+    front of the queue, and from then on the sweep runs one job fewer at a time (session 50: 8 pairs ladders on one
+    H100 ran out of its 80 GB and the error ended the piece). It runs again once fewer run (a trained run resumes from
+    its checkpoint, if its fn writes them); one that runs out of memory alone ends the sweep with the error.
     """
     results: dict[int, dict | None] = {}
     todo = []
@@ -59,24 +94,46 @@ def run_jobs(fn: Callable[[dict], dict | None], jobs: list[dict], *, workers: in
         todo.sort(key=lambda i: first(jobs[i]))
     threads = max(1, (os.cpu_count() or 1) // max(workers, 1))
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc=desc, dynamic_ncols=True)
-    payload = [(i, fn, jobs[i], threads) for i in todo]
-    outs: Iterator[tuple[int, dict | None]]
+
+    def keep(i: int, res: dict | None) -> None:
+        results[i] = res
+        if res is None:
+            return
+        out = Path(jobs[i]["dir"]) / "result.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_json(out, res)
+        bar.set_postfix_str(res.get("label", ""))
+        bar.update(1)
+
     pool = None
-    if workers <= 1:
-        outs = (_worker(p) for p in payload)
-    else:  # an executor, not mp.Pool: a worker killed by the system breaks it (an error) instead of hanging the sweep
-        pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
-        outs = (f.result() for f in as_completed([pool.submit(_worker, p) for p in payload]))
     try:
-        for i, res in outs:
-            results[i] = res
-            if res is None:
-                continue
-            out = Path(jobs[i]["dir"]) / "result.json"
-            out.parent.mkdir(parents=True, exist_ok=True)
-            write_json(out, res)
-            bar.set_postfix_str(res.get("label", ""))
-            bar.update(1)
+        if workers <= 1:
+            for i in todo:
+                keep(*_worker((i, fn, jobs[i], threads, False)))
+        else:  # an executor, not mp.Pool: a worker killed by the system breaks it (an error) instead of hanging
+            pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
+            queue, limit = deque(todo), workers
+            flying: dict[Future, int] = {}  # a job's future -> its index
+            peak: dict[Future, int] = {}  # the most jobs in flight at once while it was, itself included
+            while queue or flying:
+                while queue and len(flying) < limit:
+                    i = queue.popleft()
+                    shared = limit > 1 or bool(flying)  # alone: nothing else runs now, and nothing starts beside it
+                    flying[pool.submit(_worker, (i, fn, jobs[i], threads, shared))] = i
+                    for f in flying:
+                        peak[f] = max(peak.get(f, 0), len(flying))
+                ended, _ = wait(flying, return_when=FIRST_COMPLETED)
+                for f in ended:
+                    flying.pop(f)
+                    ran = peak.pop(f)
+                    i, res = f.result()
+                    if isinstance(res, SharedOutOfMemory):
+                        limit = max(1, min(limit, ran) - 1)
+                        queue.appendleft(i)
+                        bar.write(f"{desc}: {jobs[i]['dir']} ran out of memory with other runs beside it "
+                                  f"({res.message}); it goes back in the queue, and at most {limit} now run at once")
+                        continue
+                    keep(i, res)
     except BrokenProcessPool:
         kept = sum(r is not None for r in results.values())
         raise MemoryError(f"a worker process of the sweep was killed, most likely by the system for lack of memory; "

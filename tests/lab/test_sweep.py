@@ -6,6 +6,7 @@ import json
 import re
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -178,6 +179,138 @@ def test_a_killed_worker_ends_the_sweep_with_an_error_not_a_hang(tmp_path):
         assert n != 3 or not done.exists()
         assert not done.exists() or json.loads(done.read_text()) == {"n": n * n}
     assert sweep_mod.run_jobs(_square_or_die, jobs[:3], workers=2) == [{"n": 0}, {"n": 1}, {"n": 4}]
+
+
+def _big_beside_small(job):  # module level: the spawned workers import it from here
+    """A fake run on a shared card. "big" runs out of memory whenever another run is in flight (an entry of room/running
+    besides its own), and with `always` even alone; a small run stays in flight until big has run out once."""
+    import torch
+
+    room = Path(job["room"])
+    me = room / "running" / job["name"]
+    me.touch()
+    try:
+        deadline = time.time() + 60
+        if job["name"] == "big":
+            with (room / "tries").open("a") as f:
+                f.write("x")
+            while time.time() < deadline:
+                if job["always"] or any(p.name != "big" for p in (room / "running").iterdir()):
+                    (room / "ran_out").touch()
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1024.00 MiB.")
+                if all((room / "done" / n).exists() for n in job["smalls"]):
+                    return {"name": "big"}
+                time.sleep(0.02)
+            raise TimeoutError("big: the small runs never finished")
+        while not (room / "ran_out").exists() and time.time() < deadline:
+            time.sleep(0.02)
+        (room / "done" / job["name"]).touch()
+        return {"name": job["name"]}
+    finally:
+        me.unlink()
+
+
+def _shared_card(tmp_path, always=False):
+    room = tmp_path / "room"
+    (room / "running").mkdir(parents=True)
+    (room / "done").mkdir()
+    names = ["big", "s1", "s2"]
+    return room, [{"name": n, "room": str(room), "always": always, "smalls": names[1:], "dir": str(tmp_path / n)}
+                  for n in names]
+
+
+def test_a_run_out_of_memory_beside_others_goes_back_in_the_queue_and_runs_with_fewer(tmp_path, capsys):
+    """Session 50: one of 8 pairs ladders on an H100 ran out of the card's memory and the error ended the piece. Now
+    it goes back in the queue, the sweep runs fewer at once, and it finishes once the others are done."""
+    room, jobs = _shared_card(tmp_path)
+    out = sweep_mod.run_jobs(_big_beside_small, jobs, workers=3, desc="fake")
+    assert out == [{"name": "big"}, {"name": "s1"}, {"name": "s2"}]
+    tries = len((room / "tries").read_text())
+    assert 2 <= tries <= 3, tries  # out of memory beside s1 / s2 (once or twice), then fine once they were done
+    said = capsys.readouterr()
+    assert said.out.count("ran out of memory with other runs beside it") + said.err.count(
+        "ran out of memory with other runs beside it") == tries - 1
+    assert "at most 2 now run at once" in said.out + said.err
+    for job, res in zip(jobs, out):
+        assert json.loads((Path(job["dir"]) / "result.json").read_text()) == res
+
+
+def test_a_run_out_of_memory_alone_ends_the_sweep_with_its_error(tmp_path):
+    """One that runs out of memory even alone is the run's own problem: its error ends the sweep (the CLI's one line:
+    "out of memory (...); try smaller sizes"), and the runs finished beside it are kept."""
+    import torch
+
+    room, jobs = _shared_card(tmp_path, always=True)
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+        sweep_mod.run_jobs(_big_beside_small, jobs, workers=3)
+    assert not (Path(jobs[0]["dir"]) / "result.json").exists()
+    for job in jobs[1:]:
+        assert json.loads((Path(job["dir"]) / "result.json").read_text()) == {"name": job["name"]}
+    assert len((room / "tries").read_text()) >= 2  # the last try ran alone
+
+
+def _hog(job):  # module level: the spawned workers import it from here
+    """Two of these fill 60 % of the card each: once both are in flight (or after one ran out), allocate; the one that
+    got its memory holds it until the other has run out."""
+    import torch
+
+    room = Path(job["room"])
+    (room / "running" / job["name"]).touch()
+    deadline = time.time() + 60
+    while len(list((room / "running").iterdir())) < 2 and not (room / "ran_out").exists() and time.time() < deadline:
+        time.sleep(0.02)
+    try:
+        x = torch.empty(int(0.6 * torch.cuda.get_device_properties(0).total_memory), dtype=torch.uint8, device="cuda")
+    except torch.OutOfMemoryError:
+        (room / "ran_out").touch()
+        raise
+    while not (room / "ran_out").exists() and time.time() < deadline:
+        time.sleep(0.02)
+    del x
+    return {"name": job["name"]}
+
+
+@pytest.mark.gpu
+def test_two_runs_too_big_for_the_card_together_both_finish_one_after_the_other(tmp_path):
+    """On a real card: a run that ran out of device memory beside another runs again once that one is done, and has
+    its memory, because the finished run's worker process handed back what its allocator had cached."""
+    room = tmp_path / "room"
+    (room / "running").mkdir(parents=True)
+    jobs = [{"name": n, "room": str(room), "dir": str(tmp_path / n)} for n in ("a", "b")]
+    assert sweep_mod.run_jobs(_hog, jobs, workers=2) == [{"name": "a"}, {"name": "b"}]
+    assert (room / "ran_out").exists()
+
+
+def _fill(job):  # module level, like a sweep's run
+    import torch
+
+    x = torch.empty(int(job["share"] * torch.cuda.get_device_properties(0).total_memory), dtype=torch.uint8,
+                    device="cuda")
+    x.fill_(1)
+    return {"first": int(x[0])}
+
+
+@pytest.mark.gpu
+def test_a_worker_hands_its_cached_device_memory_back_after_each_job():
+    """After a job, finished or out of memory, the worker's allocator keeps nothing cached: the blocks go back to the
+    card for the processes beside it (and a job that ran out beside others comes back as SharedOutOfMemory)."""
+    import torch
+
+    big, threads = int(0.5 * torch.cuda.get_device_properties(0).total_memory), torch.get_num_threads()
+    assert sweep_mod._worker((0, _fill, {"share": 0.6, "dir": "x"}, threads, True)) == (0, {"first": 1})
+    assert torch.cuda.memory_reserved() < big
+    i, res = sweep_mod._worker((1, _fill, {"share": 2.0, "dir": "y"}, threads, True))
+    assert i == 1 and isinstance(res, sweep_mod.SharedOutOfMemory) and "out of memory" in res.message
+    assert torch.cuda.memory_reserved() < big
+    with pytest.raises(torch.OutOfMemoryError):  # alone, the error is the job's own
+        sweep_mod._worker((2, _fill, {"share": 2.0, "dir": "z"}, threads, False))
+
+
+def test_out_of_memory_is_the_hosts_or_a_devices():
+    import torch
+
+    assert sweep_mod.out_of_memory(MemoryError()) and sweep_mod.out_of_memory(torch.OutOfMemoryError("CUDA"))
+    assert not sweep_mod.out_of_memory(RuntimeError("CUDA error: an illegal memory access was encountered"))
 
 
 def test_run_jobs_hands_out_jobs_in_the_order_of_first_and_returns_them_in_job_order(tmp_path):
