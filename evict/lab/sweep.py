@@ -62,9 +62,9 @@ def _worker(args):
         return i, SharedOutOfMemory(message)  # the error's frames, and the tensors they held, are gone by now
     finally:
         # a worker process lives on between jobs (idle once run_jobs runs fewer at once): hand the blocks its
-        # allocator keeps cached back to the other processes on the card
-        gc.collect()
+        # allocator keeps cached back to the other processes on the card (nothing to do, and no gc pass, without)
         if torch.cuda.is_initialized():
+            gc.collect()
             torch.cuda.empty_cache()
 
 
