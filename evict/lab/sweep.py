@@ -118,7 +118,8 @@ def run_jobs(fn: Callable[[dict], dict | None], jobs: list[dict], *, workers: in
             while queue or flying:
                 while queue and len(flying) < limit:
                     i = queue.popleft()
-                    shared = limit > 1 or bool(flying)  # alone: nothing else runs now, and nothing starts beside it
+                    # alone: nothing else runs now, and nothing will start beside it (none queued, or limit 1)
+                    shared = bool(flying) or (limit > 1 and bool(queue))
                     flying[pool.submit(_worker, (i, fn, jobs[i], threads, shared))] = i
                     for f in flying:
                         peak[f] = max(peak.get(f, 0), len(flying))

@@ -248,6 +248,11 @@ def test_a_run_out_of_memory_alone_ends_the_sweep_with_its_error(tmp_path):
         assert json.loads((Path(job["dir"]) / "result.json").read_text()) == {"name": job["name"]}
     assert len((room / "tries").read_text()) >= 2  # the last try ran alone
 
+    room, jobs = _shared_card(tmp_path / "last", always=True)  # the sweep's last run: alone from the start, one try
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+        sweep_mod.run_jobs(_big_beside_small, jobs[:1], workers=3)
+    assert (room / "tries").read_text() == "x"
+
 
 def _hog(job):  # module level: the spawned workers import it from here
     """Two of these fill 60 % of the card each: once both are in flight (or after one ran out), allocate; the one that
