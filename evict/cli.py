@@ -7,7 +7,8 @@ import os
 import sys
 
 from evict.cli_args import (Parser, UserError, add_gate_dt_flag, add_sweep_flags, batch_by_length, device,
-                            parse_overrides, positive_float, positive_int, writable_dir, writable_file)
+                            out_of_memory, parse_overrides, positive_float, positive_int, writable_dir,
+                            writable_file)
 
 
 def _bench(args) -> None:
@@ -234,8 +235,7 @@ def main(argv=None) -> int:
     except Exception as e:
         # user errors: bad values (ValueError), paths (OSError), sizes that do not fit (host or device memory), an
         # optional package not installed (ModuleNotFoundError; ours name the package and its pip line)
-        user = isinstance(e, (ValueError, OSError, MemoryError, ModuleNotFoundError)) \
-            or type(e).__name__ == "OutOfMemoryError"
+        user = isinstance(e, (ValueError, OSError, ModuleNotFoundError)) or out_of_memory(e)
         if not user or os.environ.get("EVICT_DEBUG") == "1":
             raise
         raise _fail(name, _describe(e)) from None
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
 def _describe(e: Exception) -> str:
     if isinstance(e, OSError) and e.filename is not None:
         return f"{e.strerror or type(e).__name__}: {e.filename}"
-    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+    if out_of_memory(e):
         return f"out of memory ({str(e).splitlines()[0][:160] if str(e) else type(e).__name__}); try smaller sizes"
     return str(e) or type(e).__name__
 

@@ -31,6 +31,12 @@ class UserError(SystemExit):
         return self.message
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """Whether an error is a lack of memory: the host's (MemoryError) or a device's (torch's OutOfMemoryError, by name:
+    no torch import here)."""
+    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every option's default in `--help` (unless it is None or False, or its help already names its default)."""
 

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import torch
 from tqdm import tqdm
 
+from evict.cli_args import out_of_memory
 from evict.jsonfile import read_json_object
 from evict.train import TrainConfig, resolve_device, write_json
 
@@ -30,11 +31,6 @@ def from_json(kind: Callable[..., T], d: dict) -> T:
     """A sweep (or other dataclass of tuples) from its JSON dict, where the tuples came back as lists."""
     fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
     return kind(**fields)
-
-
-def out_of_memory(e: BaseException) -> bool:
-    """Whether an error is a lack of memory: the host's (MemoryError) or a device's (torch's OutOfMemoryError)."""
-    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +47,10 @@ def _worker(args):
 
     torch.set_num_threads(threads)
     try:
-        if not shared:  # alone (or no pool): a lack of memory is the job's own, and ends the sweep as before
-            return i, fn(job)
         try:
             return i, fn(job)
         except Exception as e:
-            if not out_of_memory(e):
+            if not (shared and out_of_memory(e)):  # alone (or no pool): a lack of memory is the job's own, as before
                 raise
             message = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         return i, SharedOutOfMemory(message)  # the error's frames, and the tensors they held, are gone by now
