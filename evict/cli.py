@@ -7,7 +7,7 @@ import os
 import sys
 
 from evict.cli_args import (Parser, UserError, add_gate_dt_flag, add_sweep_flags, batch_by_length, device,
-                            out_of_memory, parse_overrides, positive_float, positive_int, writable_dir,
+                            first_line, out_of_memory, parse_overrides, positive_float, positive_int, writable_dir,
                             writable_file)
 
 
@@ -246,7 +246,7 @@ def _describe(e: Exception) -> str:
     if isinstance(e, OSError) and e.filename is not None:
         return f"{e.strerror or type(e).__name__}: {e.filename}"
     if out_of_memory(e):
-        return f"out of memory ({str(e).splitlines()[0][:160] if str(e) else type(e).__name__}); try smaller sizes"
+        return f"out of memory ({first_line(e)}); try smaller sizes"
     return str(e) or type(e).__name__
 
 

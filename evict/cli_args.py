@@ -4,6 +4,7 @@ Types (for argparse `type=`): positive_int, nonneg_int, seed, positive_float, no
 Checks (before any work or write): writable_file(path, flag), writable_dir(path, flag).
 Lab commands: add_lab_parser (--quick / --full, --steps, --lr and the sweep flags), run_lab (flags over QUICK / FULL).
 `Parser` is an ArgumentParser whose errors are one line (no usage block), exit code 2.
+Errors in brief: out_of_memory(e) (host or device), first_line(e) (for a one-line message).
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ def out_of_memory(e: BaseException) -> bool:
     """Whether an error is a lack of memory: the host's (MemoryError) or a device's (torch's OutOfMemoryError, by name:
     no torch import here)."""
     return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"
+
+
+def first_line(e: BaseException, width: int = 160) -> str:
+    """An error in brief, for a one-line message: the first line of its message, cut to `width` characters; its
+    type's name when it has no message."""
+    text = str(e).strip()
+    return text.splitlines()[0][:width] if text else type(e).__name__
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

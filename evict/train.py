@@ -41,6 +41,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from . import distributed
+from .cli_args import first_line
 from .tasks.base import Task
 
 logger = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ def read_checkpoint(path: Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # a truncated zip, a foreign pickle: torch raises several types
-        raise ValueError(f"checkpoint: {path} is not a readable checkpoint ({str(e).splitlines()[0][:160]}); "
+        raise ValueError(f"checkpoint: {path} is not a readable checkpoint ({first_line(e)}); "
                          "delete it to start over") from None
 
 

@@ -37,6 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from evict.bench.common import card, markdown_table, write_json
+from evict.cli_args import first_line
 from evict.layers.attention import Attention
 from evict.layers.mla import MLA
 from evict.layers.moe import MoE
@@ -199,7 +200,7 @@ def _time_variant(model: LM, variant: str, batch: int, ctx: int, steps: int, war
         try:
             return time_decode_graphed(model, batch, ctx, steps=steps, warmup=warmup, fn=fn), "graph"
         except Exception as e:  # keep an eager time, say why (capture refused, or compile failed)
-            why = str(e).strip().splitlines()[0][:60] if str(e).strip() else type(e).__name__
+            why = first_line(e, 60)
             return time_decode(model, batch, ctx, steps=steps, warmup=warmup), f"eager (no graph: {why})"
     finally:
         set_fast_path(model, True)

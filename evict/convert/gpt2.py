@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from evict.cli_args import first_line
 from evict.models.config import ModelConfig
 from evict.models.lm import LM
 
@@ -81,4 +82,4 @@ def load_hf_gpt2(path: str):
     try:
         return GPT2LMHeadModel.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
-        raise ValueError(f"path: {path} is not a loadable GPT-2 folder ({str(e).splitlines()[0][:200]})") from None
+        raise ValueError(f"path: {path} is not a loadable GPT-2 folder ({first_line(e)})") from None

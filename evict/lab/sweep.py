@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 from tqdm import tqdm
 
-from evict.cli_args import out_of_memory
+from evict.cli_args import first_line, out_of_memory
 from evict.jsonfile import read_json_object
 from evict.train import TrainConfig, resolve_device, write_json
 
@@ -47,19 +47,18 @@ def _worker(args):
 
     torch.set_num_threads(threads)
     try:
-        try:
-            return i, fn(job)
-        except Exception as e:
-            if not (shared and out_of_memory(e)):  # alone (or no pool): a lack of memory is the job's own, as before
-                raise
-            message = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        return i, SharedOutOfMemory(message)  # the error's frames, and the tensors they held, are gone by now
+        return i, fn(job)
+    except Exception as e:
+        if not (shared and out_of_memory(e)):  # alone (or no pool): a lack of memory is the job's own, as before
+            raise
+        message = first_line(e)
     finally:
         # a worker process lives on between jobs (idle once run_jobs runs fewer at once): hand the blocks its
         # allocator keeps cached back to the other processes on the card (nothing to do, and no gc pass, without)
         if torch.cuda.is_initialized():
             gc.collect()
             torch.cuda.empty_cache()
+    return i, SharedOutOfMemory(message)  # the error's frames, and the tensors they held, are gone by now
 
 
 def run_jobs(fn: Callable[[dict], dict | None], jobs: list[dict], *, workers: int = 1,

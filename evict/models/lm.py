@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from evict.cache import HybridCache, SlotBatch
+from evict.cli_args import first_line
 from evict.jsonfile import read_json_object
 from evict.layers.attention import Attention
 from evict.layers.attn_res import AttnResRead
@@ -346,7 +347,7 @@ class LM(nn.Module):
         try:
             tensors = load_file(str(file), device="cpu")
         except Exception as e:  # safetensors raises its own error type (truncated file, bad header, bad offsets)
-            raise ValueError(f"checkpoint: {file} is not a readable safetensors file ({str(e).splitlines()[0][:200]})") from None
+            raise ValueError(f"checkpoint: {file} is not a readable safetensors file ({first_line(e)})") from None
         expected = self.state_dict()
         _check_tensors(file, tensors, expected)
         _check_digest(file, tensors, expected)

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from evict.cli_args import first_line
 from evict.jsonfile import read_json_object
 
 KINDS = ("char", "byte", "bpe")
@@ -258,7 +259,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     try:
         hf_tok = hf.Tokenizer.from_file(str(path))
     except Exception as e:  # the HF loader raises its own exception type for any malformed field
-        raise ValueError(f"tokenizer: {path} is not a valid BPE tokenizer ({str(e).splitlines()[0][:200]})") from None
+        raise ValueError(f"tokenizer: {path} is not a valid BPE tokenizer ({first_line(e)})") from None
     return _from_hf_json(data, path) or BPETokenizer(hf_tok)
 
 

@@ -318,6 +318,29 @@ def test_out_of_memory_is_the_hosts_or_a_devices():
     assert not sweep_mod.out_of_memory(RuntimeError("CUDA error: an illegal memory access was encountered"))
 
 
+def _host_oom(job):  # module level, like a sweep's run
+    raise MemoryError("Unable to allocate 745. GiB for an array\nwith shape (1, 2)")
+
+
+def test_a_worker_hands_back_a_shared_lack_of_memory_in_one_line_and_raises_its_own():
+    """On any machine: a job out of (host) memory beside others comes back as SharedOutOfMemory, its message the
+    error's first line; alone, the error is the job's own."""
+    i, res = sweep_mod._worker((3, _host_oom, {"dir": "x"}, 1, True))
+    assert i == 3 and isinstance(res, sweep_mod.SharedOutOfMemory)
+    assert res.message == "Unable to allocate 745. GiB for an array"
+    with pytest.raises(MemoryError):
+        sweep_mod._worker((4, _host_oom, {"dir": "x"}, 1, False))
+
+
+def test_an_error_in_brief_is_its_first_line_or_its_type():
+    from evict.cli_args import first_line
+
+    assert first_line(ValueError("bad header\nat byte 12")) == "bad header"
+    assert first_line(ValueError("\n  truncated file \n")) == "truncated file"
+    assert first_line(ValueError("x" * 300)) == "x" * 160 and first_line(ValueError("x" * 300), 60) == "x" * 60
+    assert first_line(MemoryError()) == "MemoryError" and first_line(KeyError("")) == "''"
+
+
 def test_run_jobs_hands_out_jobs_in_the_order_of_first_and_returns_them_in_job_order(tmp_path):
     """`first` orders the unfinished jobs for the workers (ties keep job order); results stay in job order, and a
     finished job is read back whatever its key."""
