@@ -9,6 +9,7 @@ import time
 import torch
 
 from evict.bench.decode import copy_bandwidth
+from evict.cli_args import first_line
 from evict.ops.decode_triton import decode_triton
 
 
@@ -48,7 +49,7 @@ for L in (131072, 1048576):
                 lengths = torch.full((1,), L, device="cuda", dtype=torch.int32)
                 t = timeit(lambda: decode_triton(q, k, v, lengths, scale=0.1, q2=q2, k2=k2, tune=tune))
             except Exception as e:
-                print(kind, L, tune, "failed", str(e).splitlines()[0][:80])
+                print(kind, L, tune, "failed", first_line(e, 80))
                 continue
             res.append((t, tune))
         res.sort(key=lambda r: r[0])
