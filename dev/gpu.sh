@@ -16,8 +16,8 @@
 #   decode:  decode, decode1m, decodebench, decodecompile, decodeprofile, sdpa, dial (the chunk dial's GPU numbers)
 #   train:   bench (cells per second, issue 10), mpsbench (the same, compiled, PROCS each with and without MPS), learns (dev/learns_gpu.py: session 12's two MQAR-learns failures over
 #            seeds and op forms), grid (a piece of `evict recall --full`: MIN, GRIDARGS, GRID; the runs
-#            of earlier pieces in docs/recall_full/ are restored first: dev/grid_restore.py), lab (a piece of
-#            `evict lab $LAB --full` under MPS, pieces in docs/lab_full/$LAB/ restored first; CALL below), proflab (dev/profile_train.py: one cell's step, eager / graphed /
+#            of earlier pieces in results/recall/full/ are restored first: dev/grid_restore.py), lab (a piece of
+#            `evict lab $LAB --full` under MPS, pieces in results/$LAB/full/ restored first; CALL below), proflab (dev/profile_train.py: one cell's step, eager / graphed /
 #            compiled, top kernels; PROFARGS="--hybrid PATTERN …": lab hybrid --full's models; "--pairs-dim D --arch …": lab pairs --full's top rungs; PROFTAG names the log), side (a side experiment of the grid: SIDE=finite | mla | gate | tied | untied | seeds, SIDEARGS; several names run side by side),
 #            hybriddepth (dev/hybrid_depth.py: lab hybrid --full's MQAR models under a longer schedule, side by side), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
 set -uo pipefail
@@ -138,7 +138,7 @@ for what in "$@"; do
     bench) timeout ${TO:-240} python3 -m evict.cli bench train --arch kda --procs 4 --train-steps ${STEPS:-100} --variants before graphs compiled \
              --out $OUT/bench_train_p4.json 2>&1 | quiet | tee $OUT/bench_train.log ;;
     lab) too_late lab && continue
-         restore runs/lab_$LAB docs/lab_full/$LAB --lab $LAB  # LAB: capacity hybrid pairs state stories; MIN, LABARGS
+         restore runs/lab_$LAB results/$LAB/full --lab $LAB  # LAB: capacity hybrid pairs state stories; MIN, LABARGS
          mps_on; own=LABARGS_$LAB  # LABARGS_state="--workers 8": that lab's own flags, else LABARGS
          timeout $(piece_to 580) python3 -m evict.cli lab $LAB --full --minutes $(piece_min) --out runs/lab_$LAB \
            ${!own:-${LABARGS:-}} 2>&1 | grep -v "it/s\]$" | tail -40 | sed "s/^/$LAB: /"  # the log: the reply's output_tail ($OUT holds 8 files)
@@ -151,8 +151,8 @@ for what in "$@"; do
               | quiet | tee $OUT/learns.log ;;  # test_mqar_learns_on_cuda over seeds: graphed / eager / fp32 / chunked / C 64 / factors recomputed
     proflab) timeout ${TO:-300} python3 dev/profile_train.py ${PROFARGS:---arch ${ARCHS:-kda deltanet attention}} --compile 2>&1 | grep -v "^---" | tee $OUT/proflab${PROFTAG:-}.log ;;
     grid) too_late grid && continue
-          recall_piece ${GRID:-runs/grid} docs/recall_full grid "${GRIDARGS:-}" ;;
-    side) too_late side && continue  # a side experiment of the grid (SIDE; folder runs/$SIDE; pieces in docs/recall_full/side_$SIDE):
+          recall_piece ${GRID:-runs/grid} results/recall/full grid "${GRIDARGS:-}" ;;
+    side) too_late side && continue  # a side experiment of the grid (SIDE; folder runs/$SIDE; pieces in results/recall/full/side_$SIDE):
           # finite: the grid's (512, 64) deltanet / gla cells at their best lrs on one fixed set of 100,000 examples
           #   (Zoology's regime, ~20 epochs in 8,000 steps) against the grid's fresh batches;
           # mla: MLA alone in the cells where kimi_linear (KDA + MLA) stays at chance at the large lrs;
@@ -172,7 +172,7 @@ for what in "$@"; do
             seeds) args="--archs deltanet gated_deltanet kimi_linear --setting 512 64 --d-model 64 --lr 1e-2 --seed 1 --seeds 2 --workers 6" ;;
             *) echo "dev/gpu.sh: SIDE=$SIDE: expected finite, mla, gate, tied, untied or seeds"; continue ;;
           esac
-          recall_piece runs/$SIDE docs/recall_full/side_$SIDE $SIDE "${SIDEARGS:-$args}" ;;
+          recall_piece runs/$SIDE results/recall/full/side_$SIDE $SIDE "${SIDEARGS:-$args}" ;;
     hybriddepth) too_late hybriddepth && continue  # dev/hybrid_depth.py: lab hybrid --full's MQAR models under longer
           # schedules, one process per (pattern, run) side by side under MPS for MIN minutes: when (if) each leaves chance
           # (session 17: at 2,000 steps every MQAR run of --full stayed at chance). HDPATTERNS, HDRUNS; the rows come

@@ -7,8 +7,8 @@
 A call packed as FILES_AT/out.tar.gz (more than the 8 files a call brings back: dev/gpu.sh) is read from inside it.
 
 `FILES_AT` is the `run` tool's folder of the call's $OUT (`bash dev/gpu.sh grid` / `lab` write those files there).
-The rows no committed piece holds yet (by run folder) become docs/recall_full/piece<N>_results.jsonl beside a copy of
-the piece's config as piece<N>_config.json (docs/lab_full/NAME/ for a lab), N the next free number; nothing is written
+The rows no committed piece holds yet (by run folder) become results/recall/full/piece<N>_results.jsonl beside a copy of
+the piece's config as piece<N>_config.json (results/NAME/full/ for a lab), N the next free number; nothing is written
 when every row is already committed. A pairs ladder's finished rungs (rows LADDER/RUNG) are committed too while their
 ladder is unfinished, so the next bare machine climbs on from them. Then the sweep's outputs are written here, by the
 lab itself, from every committed piece: the runs restored into a scratch folder (dev/grid_restore.py), then the lab's
@@ -75,7 +75,7 @@ def main(files_at: str, lab: str = "recall", docs: str | None = None, table: boo
     """Write the new piece; returns its results file (None when nothing was new). `target`: the sweep the pieces
     belong to, as its config dict (default the lab's `--full` config, its module's FULL). `side`: a side experiment of
     the recall grid (`SIDE=NAME bash dev/gpu.sh side`: FILES_AT/NAME_config.json + NAME_results.jsonl), committed to
-    docs/recall_full/side_NAME/ with its own config as the target."""
+    results/recall/full/side_NAME/ with its own config as the target."""
     if lab != "recall" and lab not in grid_restore.LABS:
         sys.exit(f"--lab: expected one of {sorted(grid_restore.LABS)}, got {lab!r}")
     if side is not None and (lab != "recall" or not re.fullmatch(r"[a-z0-9_]+", side)):
@@ -93,7 +93,7 @@ def main(files_at: str, lab: str = "recall", docs: str | None = None, table: boo
     except json.JSONDecodeError:
         sys.exit(f"{cfg}: not JSON")
     rows = _read_rows(res)
-    folder = Path(docs) if docs else ROOT / "docs" / ("recall_full" if lab == "recall" else f"lab_full/{lab}")
+    folder = Path(docs) if docs else ROOT / "results" / ("recall" if lab == "recall" else lab) / "full"
     if side is not None:
         folder, target = folder / f"side_{side}", target if target is not None else config
     pieces = sorted(folder.glob("piece*_results.jsonl"), key=_number)

@@ -1,8 +1,8 @@
 """Put finished runs of earlier `evict recall --full` (or `evict lab NAME --full`) pieces back into a sweep folder,
 so the next piece skips them.
 
-    python3 dev/grid_restore.py runs/grid docs/recall_full/piece1_config.json docs/recall_full/piece1_results.jsonl ...
-    python3 dev/grid_restore.py --lab state runs/lab_state docs/lab_full/state/piece1_config.json ...results.jsonl
+    python3 dev/grid_restore.py runs/grid results/recall/full/piece1_config.json results/recall/full/piece1_results.jsonl ...
+    python3 dev/grid_restore.py --lab state runs/lab_state results/state/full/piece1_config.json ...results.jsonl
 
 For a lab (`--lab`: capacity, hybrid, pairs, state, stories), a row is restored only when its config equals the target
 sweep's (config.json, or the lab's FULL preset for a folder not yet started) in every field but `workers` and the
@@ -11,7 +11,7 @@ a sweep that adds a task keeps the runs of the others), with the list fields it 
 sets (pairs' lrs: pieces climbed in another lr order are restored).
 
 The device machine starts bare on every call, so a piece's result.json files come back as one JSONL (`bash dev/gpu.sh
-grid`) and are committed under docs/recall_full/. Each JSONL sits beside the config its runs were trained with; a row
+grid`) and are committed under results/recall/full/. Each JSONL sits beside the config its runs were trained with; a row
 is restored only when that config equals the target sweep's — its config.json, or `evict recall --full`'s own
 (recall.FULL) for a folder not yet started — in every field but the ones that choose *which* runs exist (archs,
 settings, d_models, lrs, lr_order, seeds, workers) and chunk_size (the same sums, split at other places): those do

@@ -7,11 +7,11 @@
 --compile: also time the graphed step with each block through torch.compile, and profile the compiled blocks.
 --hybrid PATTERN …: instead of the recall lab's cells, the hybrid lab's models of these layer patterns at its
 `--full` shapes (hybrid.FULL: L 512, K 64, vocab 8192, batch 64, 16 layers at equal parameters, slow KDA gates), the
-question being how long one of its 8,000-step MQAR runs takes on the card (docs/lab_full/README.md).
+question being how long one of its 8,000-step MQAR runs takes on the card (results/full_runs.md).
 --pairs-dim D: the pairs lab's `--full` rungs at head dim D (pairs.FULL: one head of dim D per layer at width 256,
 vocab 8192, the rung's batch: 256 up to L 512, then 256 x 512 tokens a step, pairs.rung_batch; slow gates) for --arch's
 rules at --K pairs (L = 8 K; default the ladder's top, 512 → L 4,096, batch 32),
-the question being whether its top rungs (4,000 steps) fit inside one device session (docs/lab_full/README.md).
+the question being whether its top rungs (4,000 steps) fit inside one device session (results/full_runs.md).
 --device cpu: a smoke run of the same code (eager only, CPU activities in the profile) at small --steps.
 """
 

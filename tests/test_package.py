@@ -57,7 +57,7 @@ def test_train_help_lists_the_default_tokenizer(capsys):
 
 def test_the_tracked_tree_fits_a_device_call():
     """The `run` tool copies the working tree (tracked files) plus `.whl` (~10 MB) and refuses above 64 MiB; session 29
-    committed a 62 MB docs/lab_full/README.md (a broken edit: one paragraph between every character) and the next
+    committed a 62 MB results/full_runs.md (a broken edit: one paragraph between every character) and the next
     session's first device call was refused. Keep the tree well under the limit and no single text file huge."""
     try:
         names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, timeout=60, check=True).stdout

@@ -94,7 +94,7 @@ FULL = HybridSweep(  # the paper's hardest MQAR setting (L 512, K 64, vocab 8192
     d_model=128, head_dim=32, d_ff=256, chunk_size=None, seq_len=512, pairs=64, vocab_size=8192, text_seq_len=256,
     steps=2000, batch_size=64, lr=3e-3, eval_every=250, eval_batches=16, workers=4, device="auto",
     # on the card every MQAR run of 16 layers with the default gates stayed at chance in 2,000 steps; with slow gates
-    # (and, for the hybrids, an 8,000-step schedule) all-KDA, MLA 3:1 and attention 3:1 left it by step 1,750 (docs/lab_full/README.md)
+    # (and, for the hybrids, an 8,000-step schedule) all-KDA, MLA 3:1 and attention 3:1 left it by step 1,750 (results/full_runs.md)
     gate_dt=(1e-4, 1e-3), mqar_steps=8000,
     # a compiled step alone on the H200: 64 ms for 3:1 MLA (graphed 87, eager 117), 41 ms for all-MLA (67, 130)
     compile=True,

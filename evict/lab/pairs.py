@@ -70,11 +70,11 @@ class PairsSweep:
 
 QUICK = PairsSweep()  # 2 min 2 s wall on 2 cores, smallest d first (dev/LOG.md, session 31)
 FULL = PairsSweep(  # the lesson's dims; Zoology's lrs and vocabulary; steps and ladder ours (LAB.md gives none)
-    # run in timed pieces on the card since session 28 (docs/lab_full/README.md)
+    # run in timed pieces on the card since session 28 (results/full_runs.md)
     dims=(16, 32, 64, 128, 256), d_model=256, pairs=(4, 8, 16, 32, 64, 128, 256, 512), len_per_pair=8,
     # 2.2e-3 first (the recall grid's: it solved most of its cells first), then 4.6e-4, then 1e-2. Pieces 1-7 ran
     # (2.2e-3, 1e-2, 4.6e-4): where 2.2e-3 failed, 1e-2 passed none of the 19 rungs it ran on and 4.6e-4 (third) 4 of
-    # 13, so 4.6e-4 goes second since session 42 (docs/lab_full/README.md). A rung starts at the lr its rung below
+    # 13, so 4.6e-4 goes second since session 42 (results/full_runs.md). A rung starts at the lr its rung below
     # passed at, which saves a 4,000-step failing run on each rung where that lr was not 2.2e-3
     lrs=(2.2e-3, 4.6e-4, 1e-2),
     vocab_size=8192, steps=4000, batch_size=256, eval_every=500, eval_batches=8, chunk_size=None, workers=4, device="auto",
@@ -83,8 +83,8 @@ FULL = PairsSweep(  # the lesson's dims; Zoology's lrs and vocabulary; steps and
     # (compiled, alone on an H200), so a top rung's 4,000 steps (22 min) could never finish inside one device session
     tokens_per_step=256 * 512,
     # decay gates started slow: with one head a layer, Gated DeltaNet's one gate per layer drawn from the default range
-    # (half-lives 1.5-4 tokens on some layer at every seed) capped its K* at d 64; slow, K* grew with d (README, "Why
-    # Gated DeltaNet did not grow with d"). The same start took 16-layer stacks past chance (docs/lab_full/README.md)
+    # (half-lives 1.5-4 tokens on some layer at every seed) capped its K* at d 64; slow, K* grew with d (docs/labs/pairs.md, "Why
+    # Gated DeltaNet did not grow with d"). The same start took 16-layer stacks past chance (results/full_runs.md)
     gate_dt=(1e-4, 1e-3),
 )
 
@@ -210,7 +210,7 @@ def climbing(sweep: PairsSweep, jobs: list[dict]) -> str:
 
 def jobs_for(sweep: PairsSweep, root: Path) -> list[dict]:
     """One ladder per (rule, d, seed), smallest d first (the workers take them in next_rung's order). A ladder at d 256
-    has runs longer than a piece, and those finish only across pieces on one machine (docs/lab_full/README.md,
+    has runs longer than a piece, and those finish only across pieces on one machine (results/full_runs.md,
     session 31)."""
     sw = dataclasses.asdict(sweep)
     return [{"rule": r, "d": d, "seed": s, "dir": str(root / "runs" / f"{r}_d{d}_s{s}"), "sweep": sw}

@@ -84,7 +84,7 @@ PIECE_SPEC.loader.exec_module(grid_piece)
 def test_a_piece_commits_only_its_new_runs_and_the_lab_writes_the_table(tmp_path):
     """dev/grid_piece.py: a device call's rows that no committed piece holds become the next piece (config beside
     them); a call with nothing new writes nothing; the partial table is the lab's own, from every piece."""
-    committed = Path(__file__).parents[2] / "docs" / "recall_full"  # the first GPU piece: real rows and config
+    committed = Path(__file__).parents[2] / "results" / "recall" / "full"  # the first GPU piece: real rows and config
     config = (committed / "piece1_config.json").read_text()
     old, new = [json.loads(line) for line in (committed / "piece1_results.jsonl").read_text().splitlines()[:2]]
     docs, at = tmp_path / "docs", tmp_path / "files_at"
@@ -184,7 +184,7 @@ def test_a_packed_call_is_read_from_its_archive(tmp_path):
     piece from inside, as from the folder."""
     import tarfile
 
-    committed = Path(__file__).parents[2] / "docs" / "recall_full"
+    committed = Path(__file__).parents[2] / "results" / "recall" / "full"
     src = tmp_path / "out"
     src.mkdir()
     (src / "grid_config.json").write_text((committed / "piece1_config.json").read_text())
@@ -266,7 +266,7 @@ def test_a_half_climbed_ladder_climbs_on_from_its_committed_rungs(tmp_path, monk
 def test_the_committed_pairs_pieces_restore_into_full(tmp_path):
     """What the next bare device machine does first (`LAB=pairs bash dev/gpu.sh lab`): every committed pairs piece's
     rows go back into a folder for pairs.FULL, whatever lr order the piece climbed in; none is refused or lost."""
-    docs = Path(__file__).parents[2] / "docs" / "lab_full" / "pairs"
+    docs = Path(__file__).parents[2] / "results" / "pairs" / "full"
     configs = sorted(docs.glob("piece*_config.json"), key=grid_piece._number)
     files = [str(f) for c in configs for f in (c, c.with_name(c.name.replace("_config.json", "_results.jsonl")))]
     rows = sum(len(Path(f).read_text().splitlines()) for f in files[1::2])
