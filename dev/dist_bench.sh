@@ -6,6 +6,7 @@
 #     OUT=/tmp/out STEPS=40 bash dev/dist_bench.sh          (EXTRA="--compile" adds per-block torch.compile;
 #     EXTRA='--set moe={"dispatch":"sort"}' runs the routed experts as before session 6; RUNS="gpu1 gpu1_accum2 ..."
 #     picks runs: gpu1_accum2 is one GPU in two micro-batches of 16, the per-GPU batch of the two-GPU runs)
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/dist_bench}

@@ -13,13 +13,14 @@
 #            at chunks 64 and 32: their GPU tests and forward timings / forward + backward; VARS), chunks (GPU tests of
 #            `chunk` 32 / 16), tunelab (the kernels at the lab's full-grid shape, D 32),
 #            precision (dev/check_precision.py)
-#   decode:  decode, decode1m, decodebench, decodecompile, decodeprofile, sdpa, dial (the chunk dial's GPU numbers)
+#   decode:  decode, decode1m, decodebench, decodecompile, decodeprofile, dial (the chunk dial's GPU numbers)
 #   train:   bench (cells per second, issue 10), mpsbench (the same, compiled, PROCS each with and without MPS), learns (dev/learns_gpu.py: session 12's two MQAR-learns failures over
 #            seeds and op forms), grid (a piece of `evict recall --full`: MIN, GRIDARGS, GRID; the runs
 #            of earlier pieces in results/recall/full/ are restored first: dev/grid_restore.py), lab (a piece of
 #            `evict lab $LAB --full` under MPS, pieces in results/$LAB/full/ restored first; CALL below), proflab (dev/profile_train.py: one cell's step, eager / graphed /
 #            compiled, top kernels; PROFARGS="--hybrid PATTERN …": lab hybrid --full's models; "--pairs-dim D --arch …": lab pairs --full's top rungs; PROFTAG names the log), side (a side experiment of the grid: SIDE=finite | mla | gate | tied | untied | seeds, SIDEARGS; several names run side by side),
 #            hybriddepth (dev/hybrid_depth.py: lab hybrid --full's MQAR models under a longer schedule, side by side), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
 set -uo pipefail
 T0=${T0:-$(date +%s)}  # CALL (below) counts from here (a MODE+MODE group passes its own)
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.tcache PYTHONPATH=$PWD
@@ -130,7 +131,6 @@ for what in "$@"; do
     decodecompile) timeout ${TO:-200} python3 -m evict.cli bench decode --device cuda --paths graph compiled --models kda hybrid \
                      --batch1-only --contexts 8192 131072 --steps 10 --out $OUT/decode_compiled.json 2>&1 | quiet | tee $OUT/decode_compiled.log ;;
     decodeprofile) timeout 120 python3 dev/profile_decode.py 2>&1 | tee $OUT/decode_profile.log | grep -v "^-" | head -80 ;;
-    sdpa) timeout 60 python3 dev/sdpa_check.py 2>&1 | grep -v "^$" | tail -12 ;;
     dial) timeout 90 python3 dev/chunk_dial_gpu.py --out $OUT/chunk_dial_gpu.json 2>&1 | tail -5 ;;
     mpsbench) for p in ${PROCS:-4 8}; do for m in 0 1; do MPS=$m; mps_on; timeout ${TO:-150} python3 -m evict.cli bench train \
                 --arch kda --procs $p --train-steps ${STEPS:-300} --variants compiled --out $OUT/bench_train_p${p}_mps$m.json 2>&1 \

