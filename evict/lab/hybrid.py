@@ -86,7 +86,7 @@ class HybridSweep:
     compile: bool = False  # CUDA: each block through torch.compile inside the step's CUDA graph (sweep.compiles)
 
 
-QUICK = HybridSweep(  # 4 layers: every CPU second goes to depth (see README "Hybrid ratio"; timing in dev/LOG.md)
+QUICK = HybridSweep(  # 4 layers: every CPU second goes to depth (see docs/labs/hybrid.md; timing in dev/LOG.md)
     ratios=("1:0", "3:1", "1:1", "0:1"), placement_ratios=("1:1",), n_layers=4, seq_len=32, pairs=8,
     vocab_size=128, text_seq_len=32, steps=300, lr=1e-2,
 )

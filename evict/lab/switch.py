@@ -78,7 +78,7 @@ class StoriesSweep:
     device: str = "cpu"
 
 
-QUICK = StoriesSweep(n_layers=2, steps=1500, lr=1e-2, eval_every=500, seeds=2)  # 168 s of CPU (README)
+QUICK = StoriesSweep(n_layers=2, steps=1500, lr=1e-2, eval_every=500, seeds=2)  # 168 s of CPU (docs/labs/stories.md)
 FULL = StoriesSweep(  # every number here is ours (the lesson gives the story, not a protocol); not run yet
     facts=4, distractor=48, new=48, fact_keys=32, topic_keys=256, values=256, d_model=128, n_heads=2, head_dim=64,
     n_layers=2, steps=10_000, batch_size=128, eval_every=500, eval_batches=8, chunk_size=None, seeds=3, workers=4,
