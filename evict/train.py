@@ -393,136 +393,202 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
     three eager warm-up steps (the step has no host sync: the learning rate is a device tensor, AdamW is fused and
     capturable, clipping is on the device). Every step is the same computation on the same batch either way.
     """
-    t0 = time.perf_counter()
-    device = resolve_device(cfg.device)
-    if cfg.graphs and device.type != "cuda":
-        raise ValueError(f"graphs: CUDA graphs need a CUDA device, got {device}")
-    distributed.init_from_env(device)
-    rank, world = distributed.world()
-    cfg.check_world(world)
-    if distributed.active() and cfg.dist == "fsdp":
-        distributed.check_fsdp_available()
-    if cfg.graphs and distributed.active():
-        raise ValueError("graphs: CUDA graphs are single-process; drop graphs under torch.distributed")
-    lead = rank == 0
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
-    use_amp = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda")
+    return Trainer(model, task, cfg, record).run()
 
-    def autocast():
-        # no weight-cast cache: a captured graph must recompute the casts from the live weights on each replay
-        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp, cache_enabled=not cfg.graphs)
 
-    out = Path(cfg.out_dir) if cfg.out_dir is not None else None
-    ckpt_path = out / "checkpoint.pt" if out is not None else None
-    metrics_path = out / "metrics.jsonl" if out is not None else None
-    ck = read_checkpoint(ckpt_path) if ckpt_path is not None and cfg.resume and ckpt_path.exists() else None
-    if ck is not None:
-        check_resume(ck["config"], ck["step"], cfg)
+class Trainer:
+    """One run of `train` as named steps: setup (device, resume, build, restore, outputs), then per step
+    `train_step` → `log_train` → `evaluate` → `checkpoint`, then `result`. Its fields are the run's state."""
 
-    torch.manual_seed(cfg.seed + rank)
-    random.seed(cfg.seed + rank)
-    model.to(device)
-    model.train()
-    core = model
-    model = distributed.parallelize(model, kind=cfg.dist, compile=cfg.compile, device=device)
-    opt = _make_optimizer(model, cfg, device)
-    schedule = WarmupCosine(cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
-    per_row = _labels_per_row(model, task, cfg)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if out is not None and lead:
-        out.mkdir(parents=True, exist_ok=True)
-
-    step, history, best, stopped_early, interrupted, segments = 0, [], 0.0, False, False, []
-    diverged: int | None = None
-    if ck is not None:
-        if "sharded" in ck:
-            distributed.load_sharded(out / ck["sharded"], model, opt)
-        else:
-            distributed.load_full(model, opt, ck["model"], ck["optimizer"])
-        _restore_optimizer_placement(opt, cfg, device)
-        rngs = ck["rng"]
-        _set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0], device)
-        step, history, best = ck["step"], ck["history"], ck["best_val_accuracy"]
-        segments = ck.get("segments", [])
-        diverged = ck.get("diverged")  # a run that diverged stays stopped: its weights are not finite
-        # a run that reached its target stays stopped unless the target changed; one that ran out of steps goes on
-        stopped_early = ck["stopped_early"] and cfg.target_accuracy is not None and best >= cfg.target_accuracy
-        if lead and metrics_path is not None:  # a checkpoint was read, so there is an out_dir
-            _trim_metrics(metrics_path, step)
+    def __init__(self, model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None) -> None:
+        self.t0 = time.perf_counter()
+        self.task, self.cfg, self.record = task, cfg, record
+        self.setup_device()
+        out = Path(cfg.out_dir) if cfg.out_dir is not None else None
+        self.out, self.ckpt_path = out, (out / "checkpoint.pt" if out is not None else None)
+        self.metrics_path = out / "metrics.jsonl" if out is not None else None
+        resume = self.ckpt_path is not None and cfg.resume and self.ckpt_path.exists()
+        ck = read_checkpoint(self.ckpt_path) if resume and self.ckpt_path is not None else None
+        if ck is not None:
+            check_resume(ck["config"], ck["step"], cfg)
+        self.build(model)
+        self.restore(ck)
         del ck
-    elif metrics_path is not None and lead and metrics_path.exists():
-        metrics_path.unlink()
-    done = stopped_early or diverged is not None or step >= cfg.steps
-    session: dict[str, Any] = {"steps": [step, step], "world_size": world, "per_rank_batch": cfg.batch_size // world,
-                               "micro_batch": cfg.batch_size // world // cfg.grad_accum, "train": dataclasses.asdict(cfg)}
-    segments.append(session)
-    writer = None
-    if cfg.tensorboard and lead and not done:
-        from torch.utils.tensorboard import SummaryWriter
+        self.open_outputs()
 
-        assert out is not None  # TrainConfig.validate: tensorboard needs out_dir
-        writer = SummaryWriter(str(out / "tensorboard"))
+    # ---- setup ----
 
-    def log(row: dict) -> None:
-        if metrics_path is not None and lead:
-            with metrics_path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
-            if writer is not None:
-                for k, v in row.items():
-                    if k not in ("split", "step") and isinstance(v, (int, float)):
-                        writer.add_scalar(f"{row['split']}/{k}", v, row["step"])
+    def setup_device(self) -> None:
+        """The device, the process group (torchrun), threads and autocast; refuse what this world cannot run."""
+        cfg = self.cfg
+        self.device = device = resolve_device(cfg.device)
+        if cfg.graphs and device.type != "cuda":
+            raise ValueError(f"graphs: CUDA graphs need a CUDA device, got {device}")
+        distributed.init_from_env(device)
+        self.rank, self.world = distributed.world()
+        cfg.check_world(self.world)
+        if distributed.active() and cfg.dist == "fsdp":
+            distributed.check_fsdp_available()
+        if cfg.graphs and distributed.active():
+            raise ValueError("graphs: CUDA graphs are single-process; drop graphs under torch.distributed")
+        self.lead = self.rank == 0
+        if cfg.threads is not None:
+            torch.set_num_threads(cfg.threads)
+        self.use_amp = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda")
 
-    def checkpoint(out: Path, ckpt_path: Path) -> None:
-        """Every rank calls this (collectives under torch.distributed); rank 0 writes checkpoint.pt, then run.json."""
-        session["steps"][1] = step
-        session["seconds"] = round(time.perf_counter() - t0, 3)
-        rng = _rng_state(device)
-        rngs: list[Any] = [None] * world
-        if world > 1:
-            dist.all_gather_object(rngs, rng)
+    def autocast(self):
+        # no weight-cast cache: a captured graph must recompute the casts from the live weights on each replay
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_amp,
+                              cache_enabled=not self.cfg.graphs)
+
+    def build(self, model: nn.Module) -> None:
+        """Seed, place, parallelize (FSDP2 / DDP, compile) and make the optimizer and schedule."""
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed + self.rank)
+        random.seed(cfg.seed + self.rank)
+        model.to(self.device)
+        model.train()
+        self.core = model
+        self.model = distributed.parallelize(model, kind=cfg.dist, compile=cfg.compile, device=self.device)
+        self.opt = _make_optimizer(self.model, cfg, self.device)
+        self.schedule = WarmupCosine(cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
+        self.per_row = _labels_per_row(self.model, self.task, cfg)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.out is not None and self.lead:
+            self.out.mkdir(parents=True, exist_ok=True)
+
+    def restore(self, ck: dict | None) -> None:
+        """The run's state: from the checkpoint (weights, optimizer, RNG, history) or fresh (old metrics removed)."""
+        cfg, metrics_path = self.cfg, self.metrics_path
+        self.step, self.best = 0, 0.0
+        self.history: list[dict] = []
+        self.stopped_early = self.interrupted = False
+        self.segments: list[dict] = []
+        self.diverged: int | None = None
+        if ck is not None:
+            if "sharded" in ck:
+                assert self.out is not None  # a checkpoint was read, so there is an out_dir
+                distributed.load_sharded(self.out / ck["sharded"], self.model, self.opt)
+            else:
+                distributed.load_full(self.model, self.opt, ck["model"], ck["optimizer"])
+            _restore_optimizer_placement(self.opt, cfg, self.device)
+            rngs = ck["rng"]
+            _set_rng_state(rngs[self.rank] if self.rank < len(rngs) else rngs[0], self.device)
+            self.step, self.history, self.best = ck["step"], ck["history"], ck["best_val_accuracy"]
+            self.segments = ck.get("segments", [])
+            self.diverged = ck.get("diverged")  # a run that diverged stays stopped: its weights are not finite
+            # a run that reached its target stays stopped unless the target changed; one that ran out of steps goes on
+            self.stopped_early = (ck["stopped_early"] and cfg.target_accuracy is not None
+                                  and self.best >= cfg.target_accuracy)
+            if self.lead and metrics_path is not None:
+                _trim_metrics(metrics_path, self.step)
+        elif metrics_path is not None and self.lead and metrics_path.exists():
+            metrics_path.unlink()
+        self.done = self.stopped_early or self.diverged is not None or self.step >= cfg.steps
+
+    def open_outputs(self) -> None:
+        """This session's segment, TensorBoard, the batch prefetcher, the CUDA-graph slots and the progress bar."""
+        cfg, world, step = self.cfg, self.world, self.step
+        self.session: dict[str, Any] = {"steps": [step, step], "world_size": world,
+                                        "per_rank_batch": cfg.batch_size // world,
+                                        "micro_batch": cfg.batch_size // world // cfg.grad_accum,
+                                        "train": dataclasses.asdict(cfg)}
+        self.segments.append(self.session)
+        self.writer = None
+        if cfg.tensorboard and self.lead and not self.done:
+            from torch.utils.tensorboard import SummaryWriter
+
+            assert self.out is not None  # TrainConfig.validate: tensorboard needs out_dir
+            self.writer = SummaryWriter(str(self.out / "tensorboard"))
+        self.prefetch = None
+        if self.device.type == "cuda" and cfg.prefetch > 0 and not self.done:
+            self.prefetch = _Prefetch(lambda s: _rows(self.task, "train", s, cfg), step, cfg.prefetch)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static: tuple[torch.Tensor, torch.Tensor, _StepOut] | None = None  # the captured step's inputs, outputs
+        self.side = torch.cuda.Stream(self.device) if cfg.graphs else None
+        self.warmup_until = step + 3  # eager steps (on a side stream) before capture
+        self.bar = tqdm(total=cfg.steps, initial=step, disable=not (cfg.progress and self.lead), desc=self.task.name,
+                        dynamic_ncols=True)
+        self.window_loss = torch.zeros((), device=self.device)
+        self.window_steps, self.window_t = 0, time.perf_counter()
+        self.last_val = self.history[-1] if self.history else None
+
+    # ---- the loop ----
+
+    def run(self) -> TrainResult:
+        """Steps until done (cfg.steps, the target, a stop file, a diverged loss) or interrupted (cfg.stop_at)."""
+        try:
+            while not self.done:
+                lr, x, out = self.train_step()
+                if self.step % self.cfg.log_every == 0 or self.step == self.cfg.steps:
+                    self.log_train(lr, x, out)
+                if not self.done and (self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps):
+                    self.evaluate()
+                self.maybe_checkpoint()
+                if self.interrupted:
+                    break
+        finally:
+            if self.prefetch is not None:
+                self.prefetch.close()
+            self.bar.close()
+            if self.writer is not None:
+                self.writer.close()
+        return self.result()
+
+    def batch(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.prefetch.get(s) if self.prefetch is not None else _rows(self.task, "train", s, self.cfg)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)  # [A, b, T]
+
+    def train_step(self) -> tuple[float, torch.Tensor, _StepOut]:
+        """One optimizer step at this step's learning rate and batch: eager, on the side stream, captured into the
+        CUDA graph (the 4th step with graphs) or replayed from it; then the model's after_step hook."""
+        lr = self.cfg.lr * self.schedule(self.step)
+        _set_lr(self.opt, lr)
+        x, y = self.batch(self.step)
+        side, dev = self.side, self.device
+        if self.graph is not None and self.static is not None:
+            self.static[0].copy_(x)
+            self.static[1].copy_(y)
+            self.graph.replay()
+            out = self.static[2]
+        elif side is not None and self.step >= self.warmup_until:  # side: cfg.graphs
+            xs_in, ys_in = x.clone(), y.clone()
+            self.opt.zero_grad(set_to_none=True)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            self.graph = torch.cuda.CUDAGraph()
+            # thread_local: the prefetch thread's pinned allocations are not part of (and must not abort) the capture
+            with torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
+                self.static = (xs_in, ys_in, self.forward_backward(xs_in, ys_in))
+            torch.cuda.current_stream(dev).wait_stream(side)
+            self.graph.replay()
+            out = self.static[2]
         else:
-            rngs = [rng]
-        state: dict[str, Any] = {"step": step, "rng": rngs, "history": history, "best_val_accuracy": best,
-                                 "done": done, "stopped_early": stopped_early, "diverged": diverged,
-                                 "config": dataclasses.asdict(cfg),
-                                 "segments": segments, "record": record}
-        if distributed.active():  # each rank its shards, into a folder named by the step; checkpoint.pt points at it
-            state["sharded"] = f"checkpoint-{step}.dcp"
-            distributed.save_sharded(out / state["sharded"], model, opt)
-            dist.barrier()
-        else:
-            state["model"], state["optimizer"] = model.state_dict(), opt.state_dict()
-        if lead:
-            save_checkpoint(ckpt_path, state)
-            for old in out.glob("checkpoint-*.dcp"):
-                if old.name != state.get("sharded"):
-                    shutil.rmtree(old, ignore_errors=True)
-            if record is not None:
-                write_json(out / "run.json", {**record, "train": dataclasses.asdict(cfg), "steps_done": step,
-                                              "world_size": world, "per_rank_batch": cfg.batch_size // world,
-                                              "segments": segments,
-                                              **({} if diverged is None else {"diverged_at": diverged})})
-        if distributed.active():
-            dist.barrier()
+            self.opt.zero_grad(set_to_none=True)
+            if side is not None:
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):
+                    out = self.forward_backward(x, y)
+                torch.cuda.current_stream(dev).wait_stream(side)
+            else:
+                out = self.forward_backward(x, y)
+        hook = getattr(self.core, "after_step", None)
+        if callable(hook):
+            hook()
+        self.step += 1
+        self.bar.update(1)
+        self.window_loss += out[0]
+        self.window_steps += 1
+        return lr, x, out
 
-    def rank0_says(flag: bool) -> bool:
-        """Rank 0's flag on every rank (each must take the same branch: rank 0's clock or view of a file decides)."""
-        if world == 1:
-            return flag
-        t = torch.tensor([float(flag)], device=device)
-        dist.broadcast(t, 0)
-        return bool(t.item())
-
-    def train_step(xs: torch.Tensor, ys: torch.Tensor) -> _StepOut:
+    def forward_backward(self, xs: torch.Tensor, ys: torch.Tensor) -> _StepOut:
         """Forward and backward of each micro-batch, clip, AdamW (gradients must be None on entry); no host sync.
         Returns the mean loss and aux loss over the micro-batches, the last one's logits and targets, the grad norm."""
-        A = xs.shape[0]
+        model, A = self.model, xs.shape[0]
         loss_sum = aux_sum = None
         for m in range(A):
             with distributed.grad_sync(model, m == A - 1):
-                with autocast():
-                    logits, y = _forward(model, xs[m], ys[m], per_row)
+                with self.autocast():
+                    logits, y = _forward(model, xs[m], ys[m], self.per_row)
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
                 aux = _aux_loss(model)
                 ((loss if aux is None else loss + aux) / A).backward()
@@ -532,121 +598,128 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
         if loss_sum is None:
             raise ValueError(f"xs: expected at least one micro-batch, got shape {tuple(xs.shape)}")
         # always measured (logged); max_norm inf scales by exactly 1
-        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf, foreach=device.type == "cuda" or None)
-        opt.step()
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip or math.inf,
+                                              foreach=self.device.type == "cuda" or None)
+        self.opt.step()
         return loss_sum / A, None if aux_sum is None else aux_sum / A, logits.detach(), y, norm.detach()
 
-    def batch(s: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = prefetch.get(s) if prefetch is not None else _rows(task, "train", s, cfg)
-        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # [A, b, T]
+    def log_train(self, lr: float, x: torch.Tensor, out: _StepOut) -> None:
+        """A train row over the steps since the last one (mean loss; the last step's accuracy, grad norm; tokens/s),
+        averaged over ranks; a loss that is not finite ends the run (diverged)."""
+        _, aux, logits, y_used, norm = out
+        mask = y_used != -100
+        acc_loss = torch.stack([((logits.argmax(-1) == y_used) & mask).sum() / mask.sum().clamp_min(1),
+                                self.window_loss / self.window_steps]).float()
+        if self.world > 1:
+            dist.all_reduce(acc_loss)
+            acc_loss /= self.world
+        acc, mean_loss = acc_loss.tolist()
+        dt = time.perf_counter() - self.window_t
+        row = {"split": "train", "step": self.step, "loss": mean_loss, "accuracy": acc, "lr": lr,
+               "grad_norm": float(distributed.local(norm)),
+               "tokens_per_s": self.window_steps * x.numel() * self.world / max(dt, 1e-9)}
+        if aux is not None:
+            row["aux_loss"] = float(aux)
+        self.log(row)
+        post = {"loss": f"{mean_loss:.4f}", "acc": f"{acc:.3f}"}
+        if self.last_val is not None:
+            post["val_acc"] = f"{self.last_val['accuracy']:.3f}"
+        self.bar.set_postfix(post)
+        self.window_loss.zero_()
+        self.window_steps, self.window_t = 0, time.perf_counter()
+        if not math.isfinite(mean_loss):  # every rank sees the same all-reduced mean
+            self.diverged, self.done = self.step, True
+            if self.lead:
+                logger.warning(f"train: the training loss is not finite by step {self.step} (lr {self.cfg.lr:g}); "
+                               f"stopped there, best validation accuracy so far {self.best:.4f}")
 
-    prefetch = None
-    if device.type == "cuda" and cfg.prefetch > 0 and not done:
-        prefetch = _Prefetch(lambda s: _rows(task, "train", s, cfg), step, cfg.prefetch)
-    graph: torch.cuda.CUDAGraph | None = None
-    static: tuple[torch.Tensor, torch.Tensor, _StepOut] | None = None  # the captured step's inputs and outputs
-    side = torch.cuda.Stream(device) if cfg.graphs else None
-    warmup_until = step + 3  # eager steps (on a side stream) before capture
+    def log(self, row: dict) -> None:
+        """One metrics row: a line of metrics.jsonl and TensorBoard scalars (rank 0, with an out_dir)."""
+        if self.metrics_path is not None and self.lead:
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            if self.writer is not None:
+                for k, v in row.items():
+                    if k not in ("split", "step") and isinstance(v, (int, float)):
+                        self.writer.add_scalar(f"{row['split']}/{k}", v, row["step"])
 
-    bar = tqdm(total=cfg.steps, initial=step, disable=not (cfg.progress and lead), desc=task.name, dynamic_ncols=True)
-    window_loss = torch.zeros((), device=device)
-    window_steps, window_t = 0, time.perf_counter()
-    last_val = history[-1] if history else None
-    try:
-        while not done:
-            lr = cfg.lr * schedule(step)
-            _set_lr(opt, lr)
-            x, y = batch(step)
-            if graph is not None and static is not None:
-                static[0].copy_(x)
-                static[1].copy_(y)
-                graph.replay()
-                loss, aux, logits, y_used, norm = static[2]
-            elif side is not None and step >= warmup_until:  # side: cfg.graphs
-                xs_in, ys_in = x.clone(), y.clone()
-                opt.zero_grad(set_to_none=True)
-                side.wait_stream(torch.cuda.current_stream(device))
-                graph = torch.cuda.CUDAGraph()
-                # thread_local: the prefetch thread's pinned allocations are not part of (and must not abort) the capture
-                with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
-                    static = (xs_in, ys_in, train_step(xs_in, ys_in))
-                torch.cuda.current_stream(device).wait_stream(side)
-                graph.replay()
-                loss, aux, logits, y_used, norm = static[2]
-            else:
-                opt.zero_grad(set_to_none=True)
-                if side is not None:
-                    side.wait_stream(torch.cuda.current_stream(device))
-                    with torch.cuda.stream(side):
-                        loss, aux, logits, y_used, norm = train_step(x, y)
-                    torch.cuda.current_stream(device).wait_stream(side)
-                else:
-                    loss, aux, logits, y_used, norm = train_step(x, y)
-            hook = getattr(core, "after_step", None)
-            if callable(hook):
-                hook()
-            step += 1
-            bar.update(1)
-            window_loss += loss
-            window_steps += 1
+    def evaluate(self) -> None:
+        """A val row; the run stops once it reaches the target accuracy or rank 0 sees the stop file."""
+        cfg = self.cfg
+        self.last_val = {"split": "val", "step": self.step,
+                         **evaluate(self.model, self.task, cfg, self.device, self.autocast),
+                         "seconds": time.perf_counter() - self.t0}
+        self.history.append(self.last_val)
+        self.best = max(self.best, self.last_val["accuracy"])
+        self.log(self.last_val)
+        if cfg.target_accuracy is not None and self.last_val["accuracy"] >= cfg.target_accuracy:
+            self.stopped_early = self.step < cfg.steps
+            self.done = True
+        elif (cfg.stop_file is not None and self.step < cfg.steps
+              and self.rank0_says(self.lead and os.path.exists(cfg.stop_file))):
+            self.stopped_early = self.done = True
 
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                mask = y_used != -100
-                acc = torch.stack([((logits.argmax(-1) == y_used) & mask).sum() / mask.sum().clamp_min(1),
-                                   window_loss / window_steps]).float()
-                if world > 1:
-                    dist.all_reduce(acc)
-                    acc /= world
-                acc, mean_loss = acc.tolist()
-                dt = time.perf_counter() - window_t
-                row = {"split": "train", "step": step, "loss": mean_loss, "accuracy": acc, "lr": lr,
-                       "grad_norm": float(distributed.local(norm)),
-                       "tokens_per_s": window_steps * x.numel() * world / max(dt, 1e-9)}
-                if aux is not None:
-                    row["aux_loss"] = float(aux)
-                log(row)
-                post = {"loss": f"{mean_loss:.4f}", "acc": f"{acc:.3f}"}
-                if last_val is not None:
-                    post["val_acc"] = f"{last_val['accuracy']:.3f}"
-                bar.set_postfix(post)
-                window_loss.zero_()
-                window_steps, window_t = 0, time.perf_counter()
-                if not math.isfinite(mean_loss):  # every rank sees the same all-reduced mean
-                    diverged, done = step, True
-                    if lead:
-                        logger.warning(f"train: the training loss is not finite by step {step} (lr {cfg.lr:g}); stopped "
-                                       f"there, best validation accuracy so far {best:.4f}")
+    def rank0_says(self, flag: bool) -> bool:
+        """Rank 0's flag on every rank (each must take the same branch: rank 0's clock or view of a file decides)."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([float(flag)], device=self.device)
+        dist.broadcast(t, 0)
+        return bool(t.item())
 
-            if not done and (step % cfg.eval_every == 0 or step == cfg.steps):
-                last_val = {"split": "val", "step": step, **evaluate(model, task, cfg, device, autocast),
-                            "seconds": time.perf_counter() - t0}
-                history.append(last_val)
-                best = max(best, last_val["accuracy"])
-                log(last_val)
-                if cfg.target_accuracy is not None and last_val["accuracy"] >= cfg.target_accuracy:
-                    stopped_early = step < cfg.steps
-                    done = True
-                elif (cfg.stop_file is not None and step < cfg.steps
-                      and rank0_says(lead and os.path.exists(cfg.stop_file))):
-                    stopped_early = done = True
-            done = done or step == cfg.steps
-            interrupted = cfg.stop_at is not None and rank0_says(not done and time.time() >= cfg.stop_at)
-            if out is not None and ckpt_path is not None and (
-                    done or interrupted or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
-                checkpoint(out, ckpt_path)
-            if interrupted:
-                break
-    finally:
-        if prefetch is not None:
-            prefetch.close()
-        bar.close()
-        if writer is not None:
-            writer.close()
+    # ---- checkpoint and result ----
 
-    wall = time.perf_counter() - t0
-    return TrainResult(
-        steps_done=step, best_val_accuracy=best, final_val_loss=last_val["loss"] if last_val else math.nan,
-        final_val_accuracy=last_val["accuracy"] if last_val else math.nan, wall_seconds=wall,
-        history=history, stopped_early=stopped_early, interrupted=interrupted, diverged_at=diverged,
-        total_seconds=wall + sum(s.get("seconds", 0.0) for s in segments[:-1]),  # older checkpoints lack "seconds"
-    )
+    def maybe_checkpoint(self) -> None:
+        """Decide done / interrupted (cfg.stop_at, rank 0's clock) and checkpoint at the end, on interruption and
+        every cfg.checkpoint_every steps."""
+        cfg = self.cfg
+        self.done = self.done or self.step == cfg.steps
+        self.interrupted = cfg.stop_at is not None and self.rank0_says(not self.done and time.time() >= cfg.stop_at)
+        if self.out is not None and self.ckpt_path is not None and (
+                self.done or self.interrupted or (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0)):
+            self.checkpoint(self.out, self.ckpt_path)
+
+    def checkpoint(self, out: Path, ckpt_path: Path) -> None:
+        """Every rank calls this (collectives under torch.distributed); rank 0 writes checkpoint.pt, then run.json."""
+        cfg, world, step, model, opt = self.cfg, self.world, self.step, self.model, self.opt
+        self.session["steps"][1] = step
+        self.session["seconds"] = round(time.perf_counter() - self.t0, 3)
+        rng = _rng_state(self.device)
+        rngs: list[Any] = [None] * world
+        if world > 1:
+            dist.all_gather_object(rngs, rng)
+        else:
+            rngs = [rng]
+        state: dict[str, Any] = {"step": step, "rng": rngs, "history": self.history, "best_val_accuracy": self.best,
+                                 "done": self.done, "stopped_early": self.stopped_early, "diverged": self.diverged,
+                                 "config": dataclasses.asdict(cfg),
+                                 "segments": self.segments, "record": self.record}
+        if distributed.active():  # each rank its shards, into a folder named by the step; checkpoint.pt points at it
+            state["sharded"] = f"checkpoint-{step}.dcp"
+            distributed.save_sharded(out / state["sharded"], model, opt)
+            dist.barrier()
+        else:
+            state["model"], state["optimizer"] = model.state_dict(), opt.state_dict()
+        if self.lead:
+            save_checkpoint(ckpt_path, state)
+            for old in out.glob("checkpoint-*.dcp"):
+                if old.name != state.get("sharded"):
+                    shutil.rmtree(old, ignore_errors=True)
+            if self.record is not None:
+                write_json(out / "run.json", {**self.record, "train": dataclasses.asdict(cfg), "steps_done": step,
+                                              "world_size": world, "per_rank_batch": cfg.batch_size // world,
+                                              "segments": self.segments,
+                                              **({} if self.diverged is None else {"diverged_at": self.diverged})})
+        if distributed.active():
+            dist.barrier()
+
+    def result(self) -> TrainResult:
+        wall, last_val = time.perf_counter() - self.t0, self.last_val
+        return TrainResult(
+            steps_done=self.step, best_val_accuracy=self.best,
+            final_val_loss=last_val["loss"] if last_val else math.nan,
+            final_val_accuracy=last_val["accuracy"] if last_val else math.nan, wall_seconds=wall,
+            history=self.history, stopped_early=self.stopped_early, interrupted=self.interrupted,
+            diverged_at=self.diverged,
+            total_seconds=wall + sum(s.get("seconds", 0.0) for s in self.segments[:-1]),  # older ones lack "seconds"
+        )

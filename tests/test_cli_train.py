@@ -11,7 +11,7 @@ import torch
 
 from evict.bench import decode
 from evict.cli import main
-from evict.lab.generate_cli import Streamer, run_generate
+from evict.commands.generate import Streamer, run_generate
 from evict.models import LM
 from evict.tasks.text import TextTask
 from evict.tasks.tokenizers import ByteTokenizer
@@ -176,7 +176,7 @@ def test_a_diverged_run_saves_no_model_and_exits_with_one_line(corpus, tmp_path,
         model.after_step = after_step
         return real(model, task, cfg, *args, **kw)
 
-    monkeypatch.setattr("evict.lab.train_cli.train", breaking)
+    monkeypatch.setattr("evict.commands.train.train", breaking)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as e:
         _train(corpus, out, steps=6)

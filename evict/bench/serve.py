@@ -62,7 +62,7 @@ def started_server(args):
         yield args.url.rstrip("/")
         return
     if args.spawn == "thread":
-        from evict.serve.cli import build_engine
+        from evict.commands.serve import build_engine
         from evict.serve.server import ServerThread, build_app
 
         engine, tok, name = build_engine(args)
@@ -227,6 +227,6 @@ def add_arguments(b) -> None:
     g.add_argument("--vocab", type=positive_int, help="prompt token ids in [0, VOCAB) (default 256)")
     g.add_argument("--bench-seed", type=int, default=0, help="seed of the lengths, prompts and arrivals")
     g.add_argument("--start-timeout", type=positive_float, default=600, help="seconds to wait for the server (default 600)")
-    from evict.serve.cli import add_engine_flags
+    from evict.commands.serve import add_engine_flags
 
     add_engine_flags(g, shared=True)

@@ -22,12 +22,12 @@ def run_convert(args: argparse.Namespace) -> None:
 
     from evict.models import LM
 
-    from .folder import write_folder
+    from evict.convert.folder import write_folder
 
     writable_dir(args.out, "--out")
     src = Path(args.source).expanduser()
     if args.kind == "gpt2":
-        from .gpt2 import from_hf_gpt2, load_hf_gpt2
+        from evict.convert.gpt2 import from_hf_gpt2, load_hf_gpt2
 
         lm = from_hf_gpt2(load_hf_gpt2(str(src)))
 
@@ -40,7 +40,7 @@ def run_convert(args: argparse.Namespace) -> None:
         folder = _model_dir(src)
         lm = LM.load(folder)
         if args.kind == "fla":
-            from .fla import to_fla
+            from evict.convert.fla import to_fla
 
             out = to_fla(lm, args.out, dtype=getattr(torch, args.dtype) if args.dtype else None)
             _copy_tokenizer(folder, out)
@@ -69,7 +69,7 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
         shutil.copyfile(src / "tokenizer.json", dst / "tokenizer.json")
 
 
-def add_parser(sub, fn) -> None:
+def add_parser(sub) -> None:
     """Register `evict convert` (calling fn(args)) on the argparse subparsers object."""
     c = sub.add_parser("convert", help="convert models: from transformers' GPT-2; to transformers or fla folders")
     c.add_argument("kind", choices=["gpt2", "hf", "fla"], help="gpt2: from a transformers GPT-2 folder; hf / fla: from an "
@@ -77,4 +77,4 @@ def add_parser(sub, fn) -> None:
     c.add_argument("source", help="the folder to convert (for hf / fla: a model folder or a run folder holding model/)")
     c.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
     c.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="fla: weight dtype (default the model's)")
-    c.set_defaults(fn=fn)
+    c.set_defaults(fn=run_convert)

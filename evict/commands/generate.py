@@ -128,7 +128,7 @@ def run_generate(args) -> dict:
     return stats
 
 
-def add_parser(sub, fn) -> None:
+def add_parser(sub) -> None:
     """Register `evict generate` (calling fn(args)) on the argparse subparsers object."""
     g = sub.add_parser("generate", help="stream a continuation from a model saved by `evict train`")
     g.add_argument("--model", required=True, help="the run folder of `evict train` (or its model/ folder)")
@@ -141,4 +141,4 @@ def add_parser(sub, fn) -> None:
     g.add_argument("--stop", default=None, help="stop once this text is generated")
     g.add_argument("--device", type=device, default="cpu", help="cpu, cuda or auto")
     g.add_argument("--threads", type=positive_int)
-    g.set_defaults(fn=fn)
+    g.set_defaults(fn=run_generate)

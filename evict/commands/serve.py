@@ -45,7 +45,7 @@ def preset_config(name: str, size: str, overrides: list[str] | None):
 def load_served(args, dev: torch.device):
     """(model, tokenizer, name) from --model or --preset; the preset's weights are random (seeded), its tokenizer bytes."""
     if args.model is not None:
-        from evict.lab.generate_cli import load_model, resolve_model_dir
+        from evict.commands.generate import load_model, resolve_model_dir
 
         model, tok = load_model(args.model, dev)
         name = resolve_model_dir(args.model).resolve().parent.name
@@ -121,9 +121,9 @@ def add_engine_flags(p, *, shared: bool = False) -> None:
         p.add_argument("--threads", type=positive_int, help="torch CPU threads")
 
 
-def add_parser(sub, fn) -> None:
+def add_parser(sub) -> None:
     s = sub.add_parser("serve", help="serve a model over HTTP (OpenAI completions API, continuous batching)")
     add_engine_flags(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=positive_int, default=8000)
-    s.set_defaults(fn=fn)
+    s.set_defaults(fn=run_serve)

@@ -272,7 +272,7 @@ def run_train(args) -> dict | None:
     return summary
 
 
-def add_parser(sub, fn) -> None:
+def add_parser(sub) -> None:
     """Register `evict train` (calling fn(args)) on the argparse subparsers object. Flags default to None here and
     get their values in `resolve` (command line > --config run.json > DEFAULTS)."""
     t = sub.add_parser("train", help="train any preset on text (default Shakespeare) or MQAR; save a generate-able model")
@@ -313,5 +313,5 @@ def add_parser(sub, fn) -> None:
     t.add_argument("--tensorboard", action="store_true", default=None, help="also write TensorBoard scalars")
     t.add_argument("--no-resume", action="store_true", help="start over in --out (removes the previous run's files)")
     t.add_argument("--out", help=f"output folder; an existing one is resumed (default {d['out']})")
-    t.set_defaults(fn=fn)
+    t.set_defaults(fn=run_train)
     _ACTIONS.update({a.dest: a for a in t._actions if a.option_strings})

@@ -18,11 +18,11 @@ def port(text: str) -> int:
     return value
 
 
-def add_parser(sub, fn) -> None:
+def add_parser(sub) -> None:
     e = sub.add_parser("explore", help="the lesson's figures as a local web app, computed by evict (FastAPI + uvicorn)")
     e.add_argument("--port", type=port, default=8000, help="default 8000")
     e.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (this machine only)")
-    e.set_defaults(fn=fn)
+    e.set_defaults(fn=run)
 
 
 def run(args) -> None:
