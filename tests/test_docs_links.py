@@ -93,3 +93,15 @@ def test_a_broken_link_is_caught(tmp_path, monkeypatch):
 def test_the_readme_is_a_front_page():
     lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
     assert lines <= 260, f"README.md has {lines} lines; the front page's budget is 260 (details go to docs/)"
+
+
+def test_the_readme_tour_runs(tmp_path, monkeypatch):
+    """The front page's Python block runs as written, and its chunked op agrees with the float64 loop it shows."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+    assert blocks, "README.md has no python block"
+    monkeypatch.chdir(tmp_path)  # it saves a model folder
+    scope: dict = {}
+    exec(compile(blocks[0], "README.md", "exec"), scope)
+    assert (scope["o"].double() - scope["ref"]).abs().max() < 1e-4
+    assert scope["tokens"].shape == (1, 3 + 16) and (tmp_path / "ckpt" / "config.json").is_file()
