@@ -194,8 +194,12 @@ def test_lesson_at_1280(site):
     page.wait_for_function("document.querySelector('#dial-status').textContent.startsWith('measured')")
     d = api("/api/chunk-dial", C=64)
     assert ("not yet measured" in text("#dial-gpu")) == (d["gpu"] is None)
-    # fade curve: the worked example
+    # fade curve: the worked example, and the product of gates that follows the slider
     assert text("#fade-example") == "0.405"
+    slide(page, "#fade-slam", 0.5)
+    wait_text(page, "#fade-slam-val", "0.5")
+    fade = api("/api/fade-curve", slam=0.5)
+    assert text("#fade-worked").startswith(f"Mochi (written at token 2): 0.99^21 × 0.495 = {js_num(fade['survival']['mochi'][24])}")
     # twin boards: run the story to the query; pressing run twice does not interleave two runs
     page.click("#twin-run")
     page.click("#twin-run")
@@ -210,6 +214,9 @@ def test_lesson_at_1280(site):
     for view in ("active", "ratio"):
         page.click(f"#fig-param-accountant button[data-view='{view}']")
         wait_text(page, "#params-headline", api("/api/params", view=view)["headline"])
+    stored = api("/api/params")
+    assert text("#params-arith").startswith(f"arithmetic: {stored['total']:,} stored ÷ {stored['gpt2_total']:,} (GPT-2 small")
+    assert text("#params-bar-GPT-2") == "1× GPT-2"  # the ratio view's unit bar
     # layer map: hover layer 4 (the first MLA)
     page.hover("#layer-4")
     page.wait_for_function("document.querySelector('#layer-detail').textContent.startsWith('layer 4: MLA')")
@@ -217,6 +224,9 @@ def test_lesson_at_1280(site):
     # depth lens
     lens = api("/api/depth-lens")["attn_res"]
     assert approx(text("#lens-weights"), [round(w, 3) for w in lens["final_mean"]])
+    slide(page, "#lens-token", 7)
+    wait_text(page, "#lens-t", "7")
+    assert text("#lens-token-weights") == js_vec(lens["final_weights"][7])
     page.click("#lens-toggle")
     n = len(lens["sources"])
     assert approx(text("#lens-weights"), [round(1 / n, 3)] * n)

@@ -298,11 +298,17 @@ function fadeCurve() {
     for (const f of ["mochi", "junk", "tax"]) $(`fade-${f}`).textContent = num(d.survival[f][d.query]);
     $("fade-example-gates").textContent = Object.values(d.example.gates).map(num).join(" · ");
     $("fade-example").textContent = num(d.example.survival);
+    $("fade-worked").textContent = ["mochi", "junk"].map((f) => {  // survival = the product of the gates after the write
+      const gs = d.gates.slice(d.facts[f].token + 1, d.query + 1), prod = gs.reduce((a, g) => a * g, 1);
+      const other = gs.filter((g) => g !== d.baseline);
+      return `${f === "mochi" ? "Mochi" : "junk"} (written at token ${d.facts[f].token}): ${num(d.baseline)}^${gs.length - other.length}` +
+        other.map((g) => ` × ${num(g)}`).join("") + ` = ${num(prod)}`;
+    }).join(" · ") + " — the curve's values at the query.";
     const svg = $("fade-svg"); clear(svg);
     const X = scale(0, d.tokens - 1, 50, 930, false), Y = scale(0, 1, 270, 20, false);
     for (const v of [0, 0.5, 1]) { el("line", { x1: 50, x2: 930, y1: Y(v), y2: Y(v), stroke: "#eee" }, svg); el("text", { x: 14, y: Y(v) + 4 }, svg, num(v)); }
     el("line", { x1: X(d.switch), x2: X(d.switch), y1: 20, y2: 270, stroke: "#333", "stroke-dasharray": "3 3" }, svg);
-    el("text", { x: X(d.switch) + 4, y: 34 }, svg, `switch: the gate slams to ${num(d.slam)} × ${num(d.baseline)}`);
+    el("text", { x: X(d.switch) + 4, y: Y(0.62) }, svg, `switch: the gate slams to ${num(d.slam)} × ${num(d.baseline)}`);
     el("text", { x: X(d.query) - 44, y: 34 }, svg, "query");
     el("text", { x: 50, y: 292 }, svg, "token 0 … 24; survival = read · value / |value|²");
     Object.entries(d.survival).forEach(([f, ys], k) => {
@@ -367,11 +373,21 @@ function params(view) {
       `${comma(d.ratio_total)}× GPT-2 small stored (the lesson's 2.8T / 124M = ${comma(d.ratio_lesson)}×), ${comma(d.ratio_active)}× active · ` +
       `MLA caches ${d.mla_numbers_per_token} numbers / token / layer vs ${comma(d.mha_numbers_per_token)} for ${d.mha.heads}-head MHA ` +
       `(2 × ${d.mha.heads} heads × ${d.mha.head_dim}; ${num(d.mla_saving)}×) · ${d.moe.routed} routed + ${d.moe.shared} shared experts, top-${d.moe.top_k}`;
+    $("params-arith").textContent = `arithmetic: ${comma(d.total)} stored ÷ ${comma(d.gpt2_total)} (GPT-2 small, counted by the same accountant) = ` +
+      `${comma(d.ratio_total)}×; ${comma(d.active)} active ÷ ${comma(d.gpt2_total)} = ${comma(d.ratio_active)}×; the lesson's 2.8T ÷ 124M = ${comma(d.ratio_lesson)}×`;
     const svg = $("params-svg"); clear(svg);
-    d.bars.forEach((b, i) => {
-      el("text", { x: 10, y: 26 + i * 32 }, svg, b.kind.replace("_", " "));
-      el("rect", { x: 160, y: 12 + i * 32, width: Math.max(1, 600 * b.share), height: 20, fill: b.kind === "experts" ? ORANGE : BLUE }, svg);
-      el("text", { x: 170 + Math.max(1, 600 * b.share), y: 26 + i * 32, id: `params-bar-${b.kind}` }, svg, `${b.text} (${(100 * b.share).toFixed(1)} %)`);
+    const bars = d.view === "ratio" ? [{ kind: "GPT-2 small (the unit)", params: d.gpt2_total, text: "1× GPT-2", unit: true }, ...d.bars] : d.bars;
+    const X = d.view === "ratio" ? scale(1e-3, 1e5, 0, 560, true) : (v) => 560 * v / d.value;  // ratio: log scale in GPT-2 units
+    if (d.view === "ratio") for (const e of [-3, -1, 1, 3, 5]) {
+      el("line", { x1: 200 + X(10 ** e), x2: 200 + X(10 ** e), y1: 6, y2: 14 + bars.length * 28, stroke: "#e3e6ee" }, svg);
+      el("text", { x: 190 + X(10 ** e), y: 30 + bars.length * 28 }, svg, `${10 ** e}×`);
+    }
+    bars.forEach((b, i) => {
+      const w = Math.max(1, d.view === "ratio" ? X(b.params / d.gpt2_total) : X(b.params));
+      const share = b.unit ? "" : ` (${(100 * b.share).toFixed(1)} %)`;
+      el("text", { x: 10, y: 24 + i * 28 }, svg, b.kind.replace("_", " "));
+      el("rect", { x: 200, y: 10 + i * 28, width: w, height: 18, fill: b.unit ? GREEN : b.kind === "experts" ? ORANGE : BLUE }, svg);
+      el("text", { x: 208 + w, y: 24 + i * 28, id: `params-bar-${b.kind.split(" ")[0]}` }, svg, `${b.text}${share}`);
     });
   });
 }
@@ -423,13 +439,20 @@ function lensDraw() {
   $("lens-rms").textContent = vec(rms);
   const tr = d.training;
   $("lens-notes").textContent = `trained by ${d.command}: ${tr.attn_res.steps} steps, val loss ${num(tr.attn_res.val_loss)} (AttnRes) / ${num(tr.plain.val_loss)} (plain), unigram ${num(tr.attn_res.unigram_loss)} nats/char`;
+  const t = Math.min(+$("lens-token").value, a.final_weights.length - 1);
+  const mine = lensPlain ? weights : a.final_weights[t];
+  $("lens-t").textContent = t;
+  $("lens-char").textContent = `${JSON.stringify(d.text[t])} after ${JSON.stringify(d.text.slice(Math.max(0, t - 12), t))}`;
+  valueText("lens-token", `token ${t}, ${JSON.stringify(d.text[t])}`);
+  $("lens-token-weights").textContent = vec(mine);
   const svg = $("lens-svg"); clear(svg);
-  el("text", { x: 10, y: 16 }, svg, "final read: share of each snapshot (passage mean)");
-  const hw = 180 / Math.max(0.25, ...a.final_mean);
-  weights.forEach((w, i) => {
+  el("text", { x: 10, y: 16 }, svg, `final read at token ${t}: share of each snapshot`);
+  const hw = 180 / Math.max(0.25, ...a.final_mean, ...mine);
+  mine.forEach((w, i) => {
     el("rect", { x: 10 + i * 50, y: 230 - hw * w, width: 42, height: hw * w, fill: lensPlain ? GREY : BLUE }, svg);
+    el("line", { x1: 8 + i * 50, x2: 54 + i * 50, y1: 230 - hw * weights[i], y2: 230 - hw * weights[i], stroke: "#000", "stroke-width": 2 }, svg);
     el("text", { x: 10 + i * 50, y: 248, style: "font-size:12px" }, svg, a.sources[i].replace("layers ", "L").replace("layer ", "L").replace("embedding", "emb"));
-    el("text", { x: 12 + i * 50, y: 226 - hw * w }, svg, num(w));
+    el("text", { x: 12 + i * 50, y: 226 - hw * Math.max(w, weights[i]) }, svg, num(w));
   });
   const n = d.plain.layer_rms.length;
   const curves = [[a.read_rms.map((r) => [r.read === "final" ? n + 0.5 : +r.read.split(" ")[1] - (r.read.endsWith("mixer") ? 0.5 : 0), r.rms]), !lensPlain, BLUE],
@@ -543,6 +566,7 @@ window.addEventListener("DOMContentLoaded", () => {
   once("layer-map", "/api/layers", layerMap);
   once("depth-lens", "/api/depth-lens", (d) => { lensData = d; lensDraw(); });
   $("lens-toggle").addEventListener("click", () => { if (lensData) { lensPlain = !lensPlain; lensDraw(); } });
+  $("lens-token").addEventListener("input", () => { if (lensData) lensDraw(); });
   for (let n = 1; n <= 5; n++) replay(n);
   $("replay1-shelf").addEventListener("input", () => replay(1));
   ask("ch-9", "/api/scorecard", (d) => {
