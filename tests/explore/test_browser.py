@@ -185,6 +185,17 @@ def test_lesson_at_1280(site):
     page.select_option("#wb-read", "dog")
     page.wait_for_function("document.querySelector('#wb-key').textContent.startsWith('dog')")
     assert approx(text("#wb-o"), api("/api/whiteboard", writes="cat", read="dog")["o"])  # 0.6 · Mochi
+    # whiteboard capacity: four orthogonal facts read back exactly; a fifth key blurs every read
+    page.click("#wb-clear")
+    wait_text(page, "#wb-writes", "none")
+    for k in ("cat", "tax", "owl", "bee"):
+        page.click(f"#wb-write-{k}")
+        settle(page)
+    assert text("#wb-every") == "cat exact · tax exact · owl exact · bee exact"
+    page.click("#wb-write-fox")
+    settle(page)
+    five = api("/api/whiteboard", writes="cat,tax,owl,bee,fox", read="dog")["reads"]
+    assert text("#wb-every") == " · ".join(f"{k} off by {js_num(r['error_norm'])}" for k, r in five.items())
     # delta stamp: three steps to the write
     for _ in range(3):
         page.click("#ds-next")
@@ -339,12 +350,13 @@ def test_keyboard_only(site):
     kb.press("Space")
     settle(page)
     assert text("#wb-writes") == "none"
-    page.focus("#wb-write-dog")
+    for _ in range(5):
+        kb.press("Shift+Tab")
+    assert page.evaluate("document.activeElement.id") == "wb-write-dog"
     kb.press("Enter")
     settle(page)
-    kb.press("Tab")
-    kb.press("Tab")  # the read select
-    assert page.evaluate("document.activeElement.id") == "wb-read"
+    assert text("#wb-writes") == "dog"
+    tab_to("wb-read")
     kb.press("ArrowDown")
     settle(page)
     assert text("#wb-key").startswith("dog") and approx(text("#wb-o"), [0, 3, 1, 2])

@@ -315,3 +315,13 @@ def test_twin_board_knobs_and_favicon(client):
     assert client.get("/api/twin-boards", params={"keep": 2}).status_code == 422
     fav = client.get("/favicon.ico")
     assert fav.status_code == 200 and fav.text.startswith("<svg")
+
+
+def test_whiteboard_capacity_four_facts_fit_a_fifth_blurs(client):
+    four = client.get("/api/whiteboard", params={"writes": "cat,tax,owl,bee", "read": "owl"}).json()
+    assert all(r["error_norm"] < 1e-12 for r in four["reads"].values()) and close(four["o"], [0, 2, 1, 0])
+    five = client.get("/api/whiteboard", params={"writes": "cat,tax,owl,bee,fox", "read": "cat"}).json()
+    assert all(r["error_norm"] > 0.5 for r in five["reads"].values())  # every read blurs once a fifth key is in
+    assert close(five["error"], [0.5 * x for x in (2.0, 0.0, 1.0, 1.0)])  # cat's read gains (k_cat · k_fox) v_Rusty
+    twice = client.get("/api/whiteboard", params={"writes": "cat,cat", "read": "cat"}).json()
+    assert close(twice["o"], [2 * x for x in V_MOCHI])  # additive: a second write of the same fact doubles it

@@ -202,6 +202,7 @@ function whiteboard(writes) {
     $("wb-key").textContent = `${d.read} ${vec(d.query)}`;
     $("wb-o").textContent = vec(d.o);
     $("wb-error").textContent = vec(d.error);
+    $("wb-every").textContent = Object.entries(d.reads).map(([k, r]) => `${k} ${r.error_norm < 1e-9 ? "exact" : "off by " + num(r.error_norm)}`).join(" · ") || "nothing written";
     $("wb-law").textContent = d.terms.length ? "o = " + d.terms.map((t) => `${num(t.overlap)}·${vec(t.value)}`).join(" + ") : "o = 0: nothing written";
     const svg = $("wb-svg"); clear(svg);
     d.steps.slice(-4).forEach((s, i) => board(svg, s.S, 10 + i * 190, 24, 40, s.label, { max: 4 }));
@@ -544,8 +545,7 @@ window.addEventListener("DOMContentLoaded", () => {
   historyFold(1);
   $("fold-step").addEventListener("input", (e) => historyFold(+e.target.value));
   whiteboard(wbWrites);
-  $("wb-write-cat").addEventListener("click", () => whiteboard(wbWrites.concat("cat")));
-  $("wb-write-dog").addEventListener("click", () => whiteboard(wbWrites.concat("dog")));
+  for (const k of ["cat", "dog", "tax", "owl", "bee", "fox"]) $(`wb-write-${k}`).addEventListener("click", () => whiteboard(wbWrites.concat(k)));
   $("wb-clear").addEventListener("click", () => whiteboard([]));
   $("wb-read").addEventListener("change", () => whiteboard(wbWrites));
   deltaStamp();
