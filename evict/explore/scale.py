@@ -142,7 +142,8 @@ def _why_93(cfg: ModelConfig) -> str:
     """Why evict's K3-style stack has one layer and one MLA more than the lesson's 92 and 23 (MODELS.md)."""
     cycles, tail = divmod(cfg.n_layers, len(cfg.pattern))
     n_mla = cfg.layer_mixers().count("M")
+    final = MIXERS[cfg.final_mixer].upper() if cfg.final_mixer else "extra"
     return (f"{cfg.n_layers} layers, {n_mla} MLA: {cycles} {cfg.pattern} cycles ({cycles * len(cfg.pattern)} layers, "
-            f"{cycles} MLA) plus {tail} final {MIXERS[cfg.final_mixer].upper()} layer on top. The lesson's 92 and 23 count the cycles alone "
+            f"{cycles} MLA) plus {tail} final {final} layer on top. The lesson's 92 and 23 count the cycles alone "
             f"({cycles * len(cfg.pattern)} layers, {cycles} MLA); evict keeps the final MLA layer of its K3 spec (MODELS.md), "
             f"so its cache counts {n_mla} latent shelves, not {cycles}.")
