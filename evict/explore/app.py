@@ -20,6 +20,7 @@ Endpoints (GET unless noted; a bad query value is HTTP 422 with a one-line "deta
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -135,12 +136,18 @@ def create_app(dial_shape: dial.Dial | None = None, cache_dir: Path | None = Non
         return lesson.scorecard()
 
     @app.get("/results/{path:path}", include_in_schema=False)
-    def results(path: str):
+    def results(path: str, line: int | None = None):
+        """A committed result file of docs/recall_full/, or with `line` (1-based) that one run's JSON row."""
         file = (RESULTS / path).resolve()
         if not (file.is_relative_to(RESULTS) and file.is_file()):
             return JSONResponse(status_code=404, content={"detail": f"path: no committed result {path!r} here (docs/recall_full/ "
                                                                     "comes with a checkout of evict, not a wheel)"})
-        return FileResponse(file, media_type="text/plain; charset=utf-8")
+        if line is None:
+            return FileResponse(file, media_type="text/plain; charset=utf-8")
+        rows = file.read_text().splitlines()
+        if not 1 <= line <= len(rows):
+            raise ValueError(f"line: expected 1 to {len(rows)} for {path}, got {line}")
+        return JSONResponse(json.loads(rows[line - 1]))
 
     if warm:  # K3 takes seconds to build even on the meta device: start before the first page asks
         threading.Thread(target=lambda: [scale.meta_model(n) for n in scale.MODELS], daemon=True).start()

@@ -123,19 +123,19 @@ def replay(n: int, shelf: int = 1024) -> dict:
 
 def measured(docs: Path) -> dict:
     """Best MQAR accuracy over learning rates per architecture at SETTING, from the lab's committed JSONL files under
-    `docs` (docs/ of a checkout), with the run that produced it."""
+    `docs` (docs/ of a checkout), with the run that produced it (its file and line)."""
     best: dict[str, dict] = {}
     for rel in SOURCES:
         path = docs / rel
         if not path.is_file():
             raise ValueError(f"docs: {path} is missing (the scorecard reads the lab's committed results)")
-        for line in path.read_text().splitlines():
+        for number, line in enumerate(path.read_text().splitlines(), 1):
             r = json.loads(line)
             if any(r.get(k) != v for k, v in SETTING.items()) or r.get("accuracy") is None:
                 continue
             if r["arch"] not in best or r["accuracy"] > best[r["arch"]]["accuracy"]:
                 best[r["arch"]] = {"accuracy": r["accuracy"], "lr": r["lr"], "steps": r["steps"], "seed": r["seed"],
-                                   "source": "docs/" + rel, "command": SOURCES[rel]}
+                                   "source": "docs/" + rel, "line": number, "command": SOURCES[rel]}
     return {"setting": SETTING, "best": dict(sorted(best.items()))}
 
 

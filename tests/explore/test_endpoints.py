@@ -304,6 +304,12 @@ def test_scorecard_matches_the_committed_lab_results(client):
     assert acc["attention"] > 0.99 and acc["linear"] < 0.5 < acc["deltanet"]  # the rows differ at this setting
     link = client.get("/results/results.jsonl")
     assert link.status_code == 200 and '"arch": "attention"' in link.text
+    for row in card["rows"]:
+        if row["measured"]:
+            m = row["measured"]
+            run = client.get("/results/" + m["source"].removeprefix("docs/recall_full/"), params={"line": m["line"]}).json()
+            assert run["arch"] == row["arch"] and run["accuracy"] == m["accuracy"] and run["seq_len"] == 512
+    assert client.get("/results/results.jsonl", params={"line": 0}).status_code == 422
     assert client.get("/results/../../pyproject.toml").status_code == 404
     with pytest.raises(ValueError, match="^docs: "):
         lesson.measured(docs / "nowhere")
