@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 from evict.models import accounting, presets
 from evict.models.config import MIXERS, ModelConfig
@@ -31,9 +32,17 @@ MODELS = {  # name -> (label, config builder); the K3 model gives two lines (its
 }
 
 
+_BUILDING = threading.Lock()  # the warm-up thread and the first requests ask at once: build each model once
+
+
 @functools.cache
-def meta_model(name: str):
+def _meta_model(name: str):
     return accounting.build_meta(MODELS[name][1]())
+
+
+def meta_model(name: str):
+    with _BUILDING:
+        return _meta_model(name)
 
 
 def _check_context(context) -> int:
