@@ -84,8 +84,13 @@ def _replay3() -> dict:
     S = board._write(board._write(board._empty(), board.KEYS["cat"], board.VALUES["Mochi"]), board.KEYS["tax"],
                      board.VALUES["tax form"])
     additive = board._read(board._write(S, board.KEYS["cat"], board.VALUES["Biscuit"]), board.KEYS["cat"])
+    # the contaminated board: cat and dog overlap (0.6); correcting cat fixes cat exactly and moves dog's read
+    dirty = board._write(board._write(board._empty(), board.KEYS["cat"], board.VALUES["Mochi"]), board.KEYS["dog"], board.VALUES["Rex"])
+    fixed = board._write(dirty, board.KEYS["cat"], board.VALUES["Biscuit"], beta=1.0, delta=True)
+    contaminated = {"cat_before": board._read(dirty, board.KEYS["cat"]), "cat_after": board._read(fixed, board.KEYS["cat"]),
+                    "dog_before": board._read(dirty, board.KEYS["dog"]), "dog_after": board._read(fixed, board.KEYS["dog"])}
     return {"delta_read": stamp["read_after"]["cat"], "additive_read": additive, "tax_read": stamp["read_after"]["tax"],
-            "biscuit": board.VALUES["Biscuit"], "tax": board.VALUES["tax form"]}
+            "biscuit": board.VALUES["Biscuit"], "tax": board.VALUES["tax form"], "contaminated": contaminated}
 
 
 def _replay5() -> dict:

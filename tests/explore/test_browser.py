@@ -245,6 +245,7 @@ def test_lesson_at_1280(site):
     r = [api(f"/api/replay/{k}") for k in range(1, 6)]
     assert text("#replay1-ratio") == js_num(r[0]["ratio"]) == "54.598"
     assert text("#replay2-read") == "[2, 2.8, 0.6, 2.2]" and text("#replay3-read") == "[1, 0, 2, 2]"
+    assert text("#replay3-dirty-cat") == "[1, 0, 2, 2]" and text("#replay3-dirty-dog") == js_vec(r[2]["contaminated"]["dog_after"])
     assert text("#replay4-mochi") == js_pct(r[3]["mochi"]) and text("#replay5-kda") == "95.0 %"
     assert text("#replay5-mla") == js_vec(r[4]["mla_read"])
     # a bad request is drawn inside its figure: the whiteboard's ninth write is refused, and the board keeps eight

@@ -280,6 +280,10 @@ def test_replays_are_computed_by_the_ops(client):
     three = client.get("/api/replay/3").json()
     assert close(three["delta_read"], V_BISCUIT) and close(three["additive_read"], [m + b for m, b in zip(V_MOCHI, V_BISCUIT)])
     assert close(three["tax_read"], V_TAX)
+    dirty = three["contaminated"]  # cat fixed exactly; dog's read moves by (k_dog · k_cat) u
+    u = [b - c for b, c in zip(V_BISCUIT, dirty["cat_before"])]
+    assert close(dirty["cat_after"], V_BISCUIT) and close(dirty["dog_after"], [d + 0.6 * x for d, x in zip(dirty["dog_before"], u)])
+    assert close(dirty["dog_before"], [0.6 * m + r for m, r in zip(V_MOCHI, V_REX)])
     four = client.get("/api/replay/4").json()
     assert four["mochi"] == pytest.approx(0.2 * four["mochi_no_slam"]) and four["junk"] == pytest.approx(0.2 * four["junk_no_slam"])
     five = client.get("/api/replay/5").json()

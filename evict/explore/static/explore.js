@@ -490,7 +490,10 @@ const REPLAYS = {
   2: (d) => `Written cat → Mochi, then dog → Rex, the board reads cat as <b id="replay2-read">${vec(d.read)}</b>, not Mochi ${vec(d.mochi)}: ` +
     `the error ${vec(d.error)} is ${num(d.terms[1].overlap)} × Rex, because the two keys overlap by that much.`,
   3: (d) => `After the delta correction cat reads <b id="replay3-read">${vec(d.delta_read)}</b>, exactly Biscuit; the tax form still reads ${vec(d.tax_read)}. ` +
-    `An additive write of Biscuit would have read ${vec(d.additive_read)}: Mochi plus Biscuit.`,
+    `An additive write of Biscuit would have read ${vec(d.additive_read)}: Mochi plus Biscuit.<br>On a contaminated board (cat → Mochi and ` +
+    `dog → Rex, keys overlapping by 0.6) the same correction makes cat read <b id="replay3-dirty-cat">${vec(d.contaminated.cat_after)}</b> ` +
+    `(it read ${vec(d.contaminated.cat_before)}), exactly Biscuit again, but dog's read moves from ${vec(d.contaminated.dog_before)} to ` +
+    `<b id="replay3-dirty-dog">${vec(d.contaminated.dog_after)}</b>: the eraser removes what k_cat retrieves, and part of that was dog's.`,
   4: (d) => `One scalar gate slammed to ${num(d.slam)} at the switch: at the query Mochi keeps <b id="replay4-mochi">${pct(d.mochi)}</b> and the junk ${pct(d.junk)} ` +
     `(without the slam: ${pct(d.mochi_no_slam)} and ${pct(d.junk_no_slam)}). Clearing the junk took Mochi down with it; cat reads ${vec(d.read)}.`,
   5: (d) => `KDA's four knobs keep Mochi's channel: Mochi <b id="replay5-kda">${pct(d.kda_mochi)}</b>, junk ${pct(d.kda_junk)}, cat reads ${vec(d.kda_read)}. ` +
