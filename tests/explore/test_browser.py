@@ -176,6 +176,8 @@ def test_lesson_at_1280(site):
     slide(page, "#fold-step", 10)
     wait_text(page, "#fold-t", "10")
     assert text("#fold-kv-bytes") == "320 B" and text("#fold-state-bytes") == "256 B"
+    fold = api("/api/history-fold", step=10)
+    assert text("#fold-o-attn") == js_vec(fold["o_attention"]) and text("#fold-o-fold") == js_vec(fold["o_fold"])
     # whiteboard: cat, dog, read cat; then wipe, write cat, read dog
     assert approx(text("#wb-o"), [2, 2.8, 0.6, 2.2]) and approx(text("#wb-error"), [0, 1.8, 0.6, 1.2])
     page.click("#wb-clear")

@@ -178,6 +178,9 @@ function historyFold(step) {
     valueText("fold-step", `token ${d.step} of ${d.max_step}`);
     $("fold-kv-bytes").textContent = `${d.kv_bytes_read} B`;
     $("fold-state-bytes").textContent = `${d.state_bytes_read} B`;
+    $("fold-t2").textContent = d.step;
+    $("fold-o-attn").textContent = vec(d.o_attention);
+    $("fold-o-fold").textContent = vec(d.o_fold);
     const svg = $("fold-svg"); clear(svg);
     const shelf = d.keys.map((k, i) => k.concat(d.values[i]));
     board(svg, shelf, 10, 30, 14, `KV shelf: ${d.step} rows × (8 keys + 8 values)`, { numbers: false, rows: shelf.map((_, i) => i), max: 2.5 });
