@@ -13,11 +13,14 @@ Endpoints (GET unless noted; a bad query value is HTTP 422 with a one-line "deta
     /api/fade-curve?slam=0.2      fade curve               GET /api/chunk-dial/progress)
     /api/twin-boards              twin boards            /api/params?view=stored|active|ratio
     /api/layers                   layer map              /api/depth-lens
+    /api/replay/{n}?shelf=N       Mochi replay n (1 … 5)  /api/scorecard                  the scorecard's rows
+    /results/{path}               the lab's committed results the scorecard cites (a checkout's results/recall/full/)
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -29,9 +32,10 @@ from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
 from evict import stories
-from evict.explore import board, concepts, depth, dial, scale
+from evict.explore import board, concepts, depth, dial, lesson, scale
 
 STATIC = Path(__file__).resolve().parent / "static"
+RESULTS = Path(__file__).resolve().parents[2] / "results" / "recall" / "full"  # present in a checkout (editable install)
 SURVIVAL_EXAMPLE = {3: 0.9, 4: 0.5, 5: 0.9}  # gates right after Mochi's write: survival = their product
 
 
@@ -69,9 +73,13 @@ def create_app(dial_shape: dial.Dial | None = None, cache_dir: Path | None = Non
     def concept_map():
         return concepts.concept_map()
 
+    @app.get("/favicon.ico", include_in_schema=False)
+    def favicon():
+        return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")
+
     @app.get("/api/memory-wall")
-    def memory_wall(context: int = 1024):
-        return scale.memory_wall(context)
+    def memory_wall(context: int = 1024, curves: bool = True):
+        return scale.memory_wall(context, curves)
 
     @app.get("/api/history-fold")
     def history_fold(step: int = 1):
@@ -104,8 +112,8 @@ def create_app(dial_shape: dial.Dial | None = None, cache_dir: Path | None = Non
         return _fade(slam)
 
     @app.get("/api/twin-boards")
-    def twin_boards():
-        return stories.twin_boards()
+    def twin_boards(keep: float = 0.95, clear: float = 0.1):
+        return stories.twin_boards(keep=keep, clear=clear)
 
     @app.get("/api/params")
     def params(view: str = "stored"):
@@ -118,6 +126,28 @@ def create_app(dial_shape: dial.Dial | None = None, cache_dir: Path | None = Non
     @app.get("/api/depth-lens")
     def depth_lens():
         return depth.load()
+
+    @app.get("/api/replay/{n}")
+    def replay(n: int, shelf: int = 1024):
+        return lesson.replay(n, shelf=shelf)
+
+    @app.get("/api/scorecard")
+    def scorecard():
+        return lesson.scorecard()
+
+    @app.get("/results/{path:path}", include_in_schema=False)
+    def results(path: str, line: int | None = None):
+        """A committed result file of results/recall/full/, or with `line` (1-based) that one run's JSON row."""
+        file = (RESULTS / path).resolve()
+        if not (file.is_relative_to(RESULTS) and file.is_file()):
+            return JSONResponse(status_code=404, content={"detail": f"path: no committed result {path!r} here (results/recall/full/ "
+                                                                    "comes with a checkout of evict, not a wheel)"})
+        if line is None:
+            return FileResponse(file, media_type="text/plain; charset=utf-8")
+        rows = file.read_text().splitlines()
+        if not 1 <= line <= len(rows):
+            raise ValueError(f"line: expected 1 to {len(rows)} for {path}, got {line}")
+        return JSONResponse(json.loads(rows[line - 1]))
 
     if warm:  # K3 takes seconds to build even on the meta device: start before the first page asks
         threading.Thread(target=lambda: [scale.meta_model(n) for n in scale.MODELS], daemon=True).start()

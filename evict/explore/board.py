@@ -14,9 +14,13 @@ import torch
 from evict.ops import attention, memory, memory_step
 from evict.stories import K_CAT, K_DOG, K_TAX, V_BISCUIT, V_MOCHI, V_REX, V_TAX
 
-KEYS = {"cat": list(K_CAT), "dog": list(K_DOG), "tax": list(K_TAX)}
-VALUES = {"Mochi": list(V_MOCHI), "Rex": list(V_REX), "Biscuit": list(V_BISCUIT), "tax form": list(V_TAX)}
-FACTS = {"cat": "Mochi", "dog": "Rex"}  # the whiteboard's two facts
+# the story's keys, and three more of ours: owl and bee complete an orthogonal basis with cat and tax (four facts fit a
+# 4×4 board exactly); fox overlaps all four, as any fifth unit key must
+KEYS = {"cat": list(K_CAT), "dog": list(K_DOG), "tax": list(K_TAX), "owl": [0.0, 0.0, 1.0, 0.0], "bee": [0.0, 0.0, 0.0, 1.0],
+        "fox": [0.5, 0.5, 0.5, 0.5]}
+VALUES = {"Mochi": list(V_MOCHI), "Rex": list(V_REX), "Biscuit": list(V_BISCUIT), "tax form": list(V_TAX),
+          "Hoot": [0.0, 2.0, 1.0, 0.0], "Buzz": [1.0, 0.0, 0.0, 2.0], "Rusty": [2.0, 0.0, 1.0, 1.0]}
+FACTS = {"cat": "Mochi", "dog": "Rex", "tax": "tax form", "owl": "Hoot", "bee": "Buzz", "fox": "Rusty"}  # the whiteboard's
 MAX_WRITES = 8
 FOLD_D, FOLD_T = 8, 16
 
@@ -63,8 +67,12 @@ def whiteboard(writes: list[str], read: str) -> dict:
     k = torch.tensor(KEYS[read], dtype=torch.float64)
     terms = [{"key": w, "overlap": float(k @ torch.tensor(KEYS[w], dtype=torch.float64)), "value": VALUES[FACTS[w]]}
              for w in writes]  # the interference law: o = Σ (k_read · k_w) v_w
+    every = {}  # every written key read back: how far each read is from its own value
+    for w in dict.fromkeys(writes):
+        got = _read(S, KEYS[w])
+        every[w] = {"o": got, "error_norm": sum((a - b) ** 2 for a, b in zip(got, VALUES[FACTS[w]])) ** 0.5}
     return {"writes": writes, "read": read, "query": KEYS[read], "steps": steps, "o": o, "wanted": want,
-            "error": [a - b for a, b in zip(o, want)], "terms": terms}
+            "error": [a - b for a, b in zip(o, want)], "terms": terms, "reads": every}
 
 
 def delta_stamp(beta: float = 1.0) -> dict:

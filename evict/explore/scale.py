@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 from evict.models import accounting, presets
 from evict.models.config import MIXERS, ModelConfig
@@ -31,9 +32,17 @@ MODELS = {  # name -> (label, config builder); the K3 model gives two lines (its
 }
 
 
+_BUILDING = threading.Lock()  # the warm-up thread and the first requests ask at once: build each model once
+
+
 @functools.cache
-def meta_model(name: str):
+def _meta_model(name: str):
     return accounting.build_meta(MODELS[name][1]())
+
+
+def meta_model(name: str):
+    with _BUILDING:
+        return _meta_model(name)
 
 
 def _check_context(context) -> int:
@@ -56,10 +65,15 @@ def _lines(name: str, rows: list[dict]) -> list[dict]:
              "bytes": [r["recurrent_bytes"] + r["conv_bytes"] for r in rows], "grows": False}]
 
 
-def memory_wall(context: int) -> dict:
-    """Every line over the slider's grid and at `context`, with bytes per token and where it meets the HBM ceiling."""
+LESSON_128K = 128_000  # the lesson's "128K" is decimal (4.7 GB for GPT-2); 2**17 = 131,072 tokens would be 4.83 GB
+MHA_HEADS, MHA_HEAD_DIM = 64, 128  # the lesson's MHA comparison for MLA: 2 · 64 heads · 128 = 16,384 numbers per token
+
+
+def memory_wall(context: int, curves: bool = True) -> dict:
+    """Every line at `context`, with bytes per token and where it meets the HBM ceiling; with `curves`, also each
+    line over the slider's grid (the page asks for the curves once, then only the point as the slider moves)."""
     context = _check_context(context)
-    contexts = GRID + [context]
+    contexts = (GRID if curves else []) + [context]
     lines = []
     for name in MODELS:
         model = meta_model(name)
@@ -69,9 +83,10 @@ def memory_wall(context: int) -> dict:
             at = line["bytes"][-1]
             growth = per_token if line["grows"] else 0
             wall = math.ceil((accounting.H200_BYTES - (at - growth * context)) / growth) if growth else None
-            lines.append({**line, "bytes": line["bytes"][:-1], "at_context": at, "at_context_text": accounting.fmt_bytes(at),
+            lines.append({**line, "bytes": line["bytes"][:-1] if curves else None, "at_context": at, "at_context_text": accounting.fmt_bytes(at),
                           "bytes_per_token": growth, "hits_ceiling_at": wall})
-    return {"context": context, "grid": GRID, "bytes_per_number": BYTES, "lines": lines,
+    return {"context": context, "grid": GRID if curves else None, "bytes_per_number": BYTES, "lines": lines,
+            "k128": LESSON_128K,
             "ceiling": {"label": "one H200's HBM: 141 GB", "bytes": accounting.H200_BYTES}}
 
 
@@ -106,7 +121,8 @@ def params(view: str) -> dict:
             "total": total, "active": active, "active_excl_embeddings": k3["active_excl_embeddings"],
             "gpt2_total": g, "ratio_total": total / g, "ratio_active": active / g,
             "ratio_lesson": 2.8e12 / accounting.GPT2_REPORTED, "experts_share": k3["by_kind"]["experts"] / total,
-            "mla_numbers_per_token": lat, "mha_numbers_per_token": 2 * 128 * 64, "mla_saving": 2 * 128 * 64 / lat,
+            "mla_numbers_per_token": lat, "mha_numbers_per_token": 2 * MHA_HEADS * MHA_HEAD_DIM,
+            "mha": {"heads": MHA_HEADS, "head_dim": MHA_HEAD_DIM}, "mla_saving": 2 * MHA_HEADS * MHA_HEAD_DIM / lat,
             "moe": {"routed": cfg.moe.n_routed, "shared": cfg.moe.n_shared, "top_k": cfg.moe.top_k}}
 
 
@@ -128,4 +144,15 @@ def layer_map() -> dict:
     return {"layers": rows, "pattern": cfg.pattern, "final_mixer": cfg.final_mixer, "attn_res_block": cfg.attn_res_block,
             "snapshots": [r["layer"] for r in rows if r["snapshot"]],
             "counts": {MIXERS[c]: cfg.layer_mixers().count(c) for c in sorted(set(cfg.layer_mixers()))},
-            "dense_ffn_layers": [r["layer"] for r in rows if r["ffn"] != "moe"]}
+            "dense_ffn_layers": [r["layer"] for r in rows if r["ffn"] != "moe"], "why_93": _why_93(cfg)}
+
+
+def _why_93(cfg: ModelConfig) -> str:
+    """Why evict's K3-style stack has one layer and one MLA more than the lesson's 92 and 23 (MODELS.md)."""
+    cycles, tail = divmod(cfg.n_layers, len(cfg.pattern))
+    n_mla = cfg.layer_mixers().count("M")
+    final = MIXERS[cfg.final_mixer].upper() if cfg.final_mixer else "extra"
+    return (f"{cfg.n_layers} layers, {n_mla} MLA: {cycles} {cfg.pattern} cycles ({cycles * len(cfg.pattern)} layers, "
+            f"{cycles} MLA) plus {tail} final {final} layer on top. The lesson's 92 and 23 count the cycles alone "
+            f"({cycles * len(cfg.pattern)} layers, {cycles} MLA); evict keeps the final MLA layer of its K3 spec (MODELS.md), "
+            f"so its cache counts {n_mla} latent shelves, not {cycles}.")

@@ -248,3 +248,90 @@ def test_gpu_numbers_file_is_checked(tmp_path, monkeypatch):
     monkeypatch.setattr(dial, "GPU_DATA", "chunk_dial_gpu.json")
     with pytest.raises(ValueError, match="^chunk dial GPU numbers: .* lacks matching"):
         dial.gpu_numbers()
+
+
+def test_memory_wall_point_only_and_the_lesson_numbers(client):
+    full = client.get("/api/memory-wall", params={"context": 128_000}).json()
+    point = client.get("/api/memory-wall", params={"context": 128_000, "curves": "false"}).json()
+    assert point["grid"] is None and all(l["bytes"] is None for l in point["lines"])
+    assert [l["at_context"] for l in point["lines"]] == [l["at_context"] for l in full["lines"]]
+    assert full["k128"] == 128_000
+    params = client.get("/api/params").json()
+    assert params["mha"] == {"heads": 64, "head_dim": 128} and params["mha_numbers_per_token"] == 2 * 64 * 128
+    layers = client.get("/api/layers").json()
+    assert len(layers["layers"]) == 93 and layers["counts"]["mla"] == 24
+    assert layers["why_93"].startswith("93 layers, 24 MLA: 23 KKKM cycles (92 layers, 23 MLA) plus 1 final MLA layer")
+
+
+def test_replays_are_computed_by_the_ops(client):
+    import math
+
+    one = client.get("/api/replay/1", params={"shelf": 16}).json()
+    assert one["ratio"] == pytest.approx(math.exp(4), rel=1e-12) and one["bytes_read"] == 16 * 2 * 4 * 2
+    keys, values = (torch.tensor(x, dtype=torch.float64) for x in (K_CAT, V_MOCHI))
+    from evict.explore.lesson import _shelf
+
+    K, V = _shelf(16)
+    w = torch.softmax(K @ (4 * keys), 0)  # the float64 reference of the op's read
+    assert one["w_mochi"] == pytest.approx(float(w[0]), rel=1e-12) and close(one["read"], w @ V, 1e-12)
+    assert close(V[0], values)
+    assert client.get("/api/replay/1", params={"shelf": 3}).status_code == 422
+    assert close(client.get("/api/replay/2").json()["read"], [2, 2.8, 0.6, 2.2])
+    three = client.get("/api/replay/3").json()
+    assert close(three["delta_read"], V_BISCUIT) and close(three["additive_read"], [m + b for m, b in zip(V_MOCHI, V_BISCUIT)])
+    assert close(three["tax_read"], V_TAX)
+    dirty = three["contaminated"]  # cat fixed exactly; dog's read moves by (k_dog · k_cat) u
+    u = [b - c for b, c in zip(V_BISCUIT, dirty["cat_before"])]
+    assert close(dirty["cat_after"], V_BISCUIT) and close(dirty["dog_after"], [d + 0.6 * x for d, x in zip(dirty["dog_before"], u)])
+    assert close(dirty["dog_before"], [0.6 * m + r for m, r in zip(V_MOCHI, V_REX)])
+    four = client.get("/api/replay/4").json()
+    assert four["mochi"] == pytest.approx(0.2 * four["mochi_no_slam"]) and four["junk"] == pytest.approx(0.2 * four["junk_no_slam"])
+    five = client.get("/api/replay/5").json()
+    assert five["kda_mochi"] == pytest.approx(0.95) and five["kda_junk"] == pytest.approx(0.1)
+    assert close(five["shelf_row"], V_MOCHI) and close(five["mla_read"], V_MOCHI, 1e-4)
+    r = client.get("/api/replay/6")
+    assert r.status_code == 422 and r.json()["detail"] == "n: expected a replay from 1 to 5, got 6"
+
+
+def test_scorecard_matches_the_committed_lab_results(client):
+    from pathlib import Path
+
+    from evict.explore import lesson
+
+    docs = Path(__file__).resolve().parents[2] / "results" / "recall"
+    card = client.get("/api/scorecard").json()
+    assert len(card["rows"]) == 8 and card["setting"] == lesson.SETTING
+    again = lesson.measured(docs)  # the committed data/scorecard.json is what the lab's JSONL files say
+    for row in card["rows"]:
+        assert row["measured"] == (again["best"][row["arch"]] if row["arch"] else None)
+    acc = {r["arch"]: r["measured"]["accuracy"] for r in card["rows"] if r["arch"]}
+    assert acc["attention"] > 0.99 and acc["linear"] < 0.5 < acc["deltanet"]  # the rows differ at this setting
+    link = client.get("/results/results.jsonl")
+    assert link.status_code == 200 and '"arch": "attention"' in link.text
+    for row in card["rows"]:
+        if row["measured"]:
+            m = row["measured"]
+            run = client.get("/results/" + m["source"].removeprefix("results/recall/full/"), params={"line": m["line"]}).json()
+            assert run["arch"] == row["arch"] and run["accuracy"] == m["accuracy"] and run["seq_len"] == 512
+    assert client.get("/results/results.jsonl", params={"line": 0}).status_code == 422
+    assert client.get("/results/../../pyproject.toml").status_code == 404
+    with pytest.raises(ValueError, match="^docs: "):
+        lesson.measured(docs / "nowhere")
+
+
+def test_twin_board_knobs_and_favicon(client):
+    t = client.get("/api/twin-boards", params={"keep": 0.6, "clear": 0.3}).json()
+    assert t["per_channel"]["survival"]["mochi"][24] == pytest.approx(0.6) and t["scalar"]["survival"]["junk"][24] == pytest.approx(0.3)
+    assert client.get("/api/twin-boards", params={"keep": 2}).status_code == 422
+    fav = client.get("/favicon.ico")
+    assert fav.status_code == 200 and fav.text.startswith("<svg")
+
+
+def test_whiteboard_capacity_four_facts_fit_a_fifth_blurs(client):
+    four = client.get("/api/whiteboard", params={"writes": "cat,tax,owl,bee", "read": "owl"}).json()
+    assert all(r["error_norm"] < 1e-12 for r in four["reads"].values()) and close(four["o"], [0, 2, 1, 0])
+    five = client.get("/api/whiteboard", params={"writes": "cat,tax,owl,bee,fox", "read": "cat"}).json()
+    assert all(r["error_norm"] > 0.5 for r in five["reads"].values())  # every read blurs once a fifth key is in
+    assert close(five["error"], [0.5 * x for x in (2.0, 0.0, 1.0, 1.0)])  # cat's read gains (k_cat · k_fox) v_Rusty
+    twice = client.get("/api/whiteboard", params={"writes": "cat,cat", "read": "cat"}).json()
+    assert close(twice["o"], [2 * x for x in V_MOCHI])  # additive: a second write of the same fact doubles it
