@@ -10,6 +10,8 @@ A slot pool (`LM.new_pool`, used by the serving engine) is the same container la
 lengths: recurrent states and conv tails have one row per slot; KV and latent buffers are arenas of fixed-size blocks
 [n_blocks, block_size, ...] shared by all slots through a block table [n_slots, max_blocks]. Before each forward the
 caller `select`s the slots it runs and their start positions; the forward then reads and writes those rows only.
+`select_packed` instead lays out one forward over many sequences packed along T (a PackedBatch): decode rows of one
+token each and prompt chunks of any lengths, in a batch of one.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class SlotBatch:
     mask: torch.Tensor
     table: torch.Tensor
     lengths: torch.Tensor
+    exact: bool = False  # gather holds exactly each row's past and new keys (one row): causal attention, no mask
 
     def write(self, arena: torch.Tensor, new: torch.Tensor) -> None:
         """Write new [B, T, ...] into the block arena [n_blocks, block_size, ...] at the rows' positions."""
@@ -65,7 +68,54 @@ class SlotBatch:
         """Every row's positions 0..L-1 from the block arena, contiguous: [B, L, ...] (one copy of what is read)."""
         flat = arena.view(-1, *arena.shape[2:])
         B, L = self.gather.shape
+        if L == 0:
+            raise ValueError("cache: this selection reads keys in place only (a CUDA-graph decode step): no key gather")
         return flat.index_select(0, self.gather.reshape(-1)).view(B, L, *flat.shape[1:])  # ~10x advanced indexing
+
+
+@dataclass
+class PackedBatch:
+    """One forward over N sequences of a slot pool packed along T in a batch of one (tokens [1, T]).
+
+    The first D tokens are D decode rows (one token each, `decode` their SlotBatch [D, 1]); then P prompt chunks, chunk
+    i at T offsets [offsets[i], offsets[i + 1]) (`chunks[i]` its SlotBatch [1, T_i], reading exactly its L_i = start +
+    T_i keys). rows [N] slot ids in that order; positions [1, T]; where [T] arena rows of the new tokens;
+    cu_seqlens [P + 1] (CPU int64) the chunks' bounds within the prompt part (offsets - D), for the memory op.
+    Mixers project, convolve and run the memory op packed; attention runs per part (`split` / `join`).
+    """
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    where: torch.Tensor
+    decode: SlotBatch | None
+    chunks: list[SlotBatch]
+    offsets: list[int]
+    cu_seqlens: torch.Tensor
+
+    @property
+    def n_decode(self) -> int:
+        return self.offsets[0]
+
+    def write(self, arena: torch.Tensor, new: torch.Tensor) -> None:
+        SlotBatch.write(self, arena, new)  # type: ignore[arg-type]  # uses `where` only
+
+    def parts(self) -> list[tuple[SlotBatch, slice]]:
+        """(SlotBatch, rows of the packed states) of each part: the decode rows, then each chunk."""
+        D = self.n_decode
+        out = [] if self.decode is None else [(self.decode, slice(0, D))]
+        return out + [(c, slice(D + i, D + i + 1)) for i, c in enumerate(self.chunks)]
+
+    def split(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [1, T, ...] -> the parts: decode rows [D, 1, ...], then each chunk [1, T_i, ...] (views)."""
+        D = self.n_decode
+        out = [] if self.decode is None else [x[0, :D, None]]
+        return out + [x[:, a:b] for a, b in zip(self.offsets[:-1], self.offsets[1:])]
+
+    def join(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The inverse of split: [1, T, ...]."""
+        if self.decode is not None:
+            parts = [parts[0].transpose(0, 1), *parts[1:]]
+        return torch.cat(parts, dim=1)
 
 
 class HybridCache:
@@ -82,7 +132,7 @@ class HybridCache:
         self.pos = 0
         self.block_size = block_size  # None: one batch at one position; else a slot pool
         self.table = table  # [n_slots, max_blocks] int64 block ids (pool only)
-        self.batch: SlotBatch | None = None  # the pool's rows of the next forward
+        self.batch: SlotBatch | PackedBatch | None = None  # the pool's rows of the next forward
 
     # -- slot pool ----------------------------------------------------------------------------------------------
     def set_blocks(self, slot: int, blocks: list[int]) -> None:
@@ -98,18 +148,54 @@ class HybridCache:
         Every slot must own blocks up to position start + T - 1 (`set_blocks`); its earlier positions hold its past."""
         if self.block_size is None or self.table is None:
             raise ValueError("cache: select needs a slot pool (LM.new_pool), not a batch cache")
-        dev = self.table.device
+        self.batch = self._batch(rows, starts, T)
+
+    def _batch(self, rows: list[int], starts: list[int], T: int, exact: bool = False) -> SlotBatch:
+        dev = self.table.device  # type: ignore[union-attr]
         bs = self.block_size
+        assert bs is not None and self.table is not None
         rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
         positions = torch.tensor(starts, dtype=torch.int64, device=dev)[:, None] + torch.arange(T, device=dev)  # [B, T]
-        L = -(-(max(starts) + T) // bs) * bs  # keys read per row: the longest row's, whole blocks
+        end = max(starts) + T
+        L = end if exact else -(-end // bs) * bs  # keys read per row: the longest row's (whole blocks unless exact)
         blocks = self.table[rows_t]  # [B, max_blocks]
         where = (blocks.gather(1, positions // bs) * bs + positions % bs).reshape(-1)  # [B*T]
-        gather = (blocks[:, : L // bs, None] * bs + torch.arange(bs, device=dev)).reshape(len(rows), L)  # [B, L]
+        nb = -(-L // bs)
+        gather = (blocks[:, :nb, None] * bs + torch.arange(bs, device=dev)).reshape(len(rows), nb * bs)[:, :L]  # [B, L]
         mask = torch.arange(L, device=dev) <= positions[:, :, None]  # [B, T, L]
-        self.batch = SlotBatch(rows_t, positions, where, gather, mask, blocks, positions[:, -1] + 1)
+        return SlotBatch(rows_t, positions, where, gather, mask, blocks, positions[:, -1] + 1, exact=exact and len(rows) == 1)
 
-    def _selected(self) -> SlotBatch:
+    def select_packed(self, decode: list[tuple[int, int]], chunks: list[tuple[int, int, int]]) -> None:
+        """The next forward runs tokens [1, T] packed: one token of each (slot, start) of `decode`, then each prompt
+        chunk (slot, start, n) of `chunks` (n tokens from position start). Blocks as for `select`."""
+        if self.block_size is None or self.table is None:
+            raise ValueError("cache: select_packed needs a slot pool (LM.new_pool), not a batch cache")
+        if not decode and not chunks:
+            raise ValueError("cache: select_packed needs at least one decode row or prompt chunk")
+        dec = self._batch([r for r, _ in decode], [s for _, s in decode], 1) if decode else None
+        parts = [self._batch([r], [s], n, exact=True) for r, s, n in chunks]
+        offsets = [len(decode)]
+        for _, _, n in chunks:
+            offsets.append(offsets[-1] + n)
+        every = ([dec] if dec is not None else []) + parts
+        self.batch = PackedBatch(
+            rows=torch.cat([b.rows for b in every]), positions=torch.cat([b.positions.reshape(-1) for b in every])[None],
+            where=torch.cat([b.where for b in every]), decode=dec, chunks=parts, offsets=offsets,
+            cu_seqlens=torch.tensor(offsets, dtype=torch.int64) - offsets[0])
+
+    def select_static(self, rows: torch.Tensor, starts: torch.Tensor) -> SlotBatch:
+        """A one-token step for the slots `rows` [B] (device) at positions `starts` [B], computed on the device without
+        a host sync (CUDA-graph capture): the paged decode ops read keys in place, so no gather is laid out."""
+        assert self.block_size is not None and self.table is not None
+        bs = self.block_size
+        positions = starts[:, None]  # [B, 1]
+        blocks = self.table[rows]  # [B, max_blocks]
+        where = (blocks.gather(1, positions // bs) * bs + positions % bs).reshape(-1)
+        empty = torch.zeros(rows.shape[0], 0, dtype=torch.int64, device=rows.device)
+        self.batch = SlotBatch(rows, positions, where, empty, empty[:, None].bool(), blocks, starts + 1)
+        return self.batch
+
+    def _selected(self) -> SlotBatch | PackedBatch:
         if self.batch is None:
             raise ValueError("cache: no rows selected: call select(rows, starts, T) before the forward")
         return self.batch

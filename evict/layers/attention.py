@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from evict.cache import KVState, SlotBatch
+from evict.cache import KVState, PackedBatch, SlotBatch
 from evict.ops import attention
 from evict.ops.decode import decode_attention, kernel_runs_on
 from evict.ops.rope import rope
@@ -29,43 +29,53 @@ class Attention(nn.Module):
         """PyTorch's Linear defaults and the conv's own init (the LM overrides the Linears: see LM.init_weights)."""
         reset_children(self)
 
-    def forward(self, x: torch.Tensor, state: KVState | None = None, pos: int | SlotBatch = 0) -> torch.Tensor:
-        """x [B, T, d]; pos: the batch's first position, or a SlotBatch (rows of a slot pool at their own positions)."""
+    def forward(self, x: torch.Tensor, state: KVState | None = None, pos: int | SlotBatch | PackedBatch = 0) -> torch.Tensor:
+        """x [B, T, d]; pos: the batch's first position, or a SlotBatch (rows of a slot pool at their own positions),
+        or a PackedBatch (sequences of a slot pool packed along T, B = 1: each part attends over its own keys)."""
         B, T, _ = x.shape
         qkv = self.wqkv(x)
         if self.conv is not None:
-            qkv, tail = self.conv(qkv, None if state is None else state.conv)
+            qkv, tail = self.conv.run(qkv, None if state is None else state.conv, pos)
             if state is not None:
                 state.conv = tail
         q, k, v = qkv.split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
         q = q.view(B, T, self.n_heads, self.hd)  # [B, T, H, D]
         k, v = k.view(B, T, self.n_kv, self.hd), v.view(B, T, self.n_kv, self.hd)  # [B, T, Hkv, D]
         if self.rope:
-            positions = pos.positions if isinstance(pos, SlotBatch) else torch.arange(pos, pos + T, device=x.device)
+            positions = pos.positions if not isinstance(pos, int) else torch.arange(pos, pos + T, device=x.device)
             q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
-        mask, o = None, None
-        kernel = T == 1 and state is not None and self.decode_kernel and kernel_runs_on(q)
-        if isinstance(pos, SlotBatch):
+        if isinstance(pos, (SlotBatch, PackedBatch)):
             if state is None:
                 raise ValueError("state: a slot pool's rows need this layer's KVState, got None")
             pos.write(state.k, k)
             pos.write(state.v, v)
-            if kernel and state.k.dtype == q.dtype:  # the paged decode op reads each row's blocks in place
-                o = decode_attention(q[:, 0], state.k, state.v, pos.lengths, block_table=pos.table)[:, None]
-            else:  # [B, L, Hkv, D] each row's keys, the keys past its position masked
-                k, v, mask = pos.read(state.k), pos.read(state.v), pos.mask
-        elif state is not None:
-            state.k[:, pos : pos + T] = k
-            state.v[:, pos : pos + T] = v
-            k, v = state.k[:, : pos + T], state.v[:, : pos + T]
-        if o is None:
-            # one compute dtype at the op's boundary: the cache may hold another (float32 cache, bf16 autocast)
-            k, v = k.to(q.dtype), v.to(q.dtype)
-            if kernel and mask is None:
-                o = decode_attention(q[:, 0], k, v)[:, None]  # reads each cached key and value once for its query heads
-            else:  # without a mask the queries are the last T of pos + T keys
-                o = attention(q, k, v, causal=mask is None, mask=mask, check=False)
+            if isinstance(pos, SlotBatch):
+                o = self._attend_slots(q, state, pos)
+            else:
+                o = pos.join([self._attend_slots(qp, state, part) for qp, (part, _) in zip(pos.split(q), pos.parts())])
+        else:
+            if state is not None:
+                state.k[:, pos : pos + T] = k
+                state.v[:, pos : pos + T] = v
+                k, v = state.k[:, : pos + T], state.v[:, : pos + T]
+            o = self._attend(q, k, v, kernel=T == 1 and state is not None and self.decode_kernel and kernel_runs_on(q))
         return self.wo(o.reshape(B, T, self.n_heads * self.hd))
+
+    def _attend_slots(self, q: torch.Tensor, state: KVState, pos: SlotBatch) -> torch.Tensor:
+        """q [B, T, H, D] of slot-pool rows whose new keys and values are already in the arenas."""
+        if q.shape[1] == 1 and self.decode_kernel and kernel_runs_on(q) and state.k.dtype == q.dtype:
+            # the paged decode op reads each row's blocks in place
+            return decode_attention(q[:, 0], state.k, state.v, pos.lengths, block_table=pos.table)[:, None]
+        # [B, L, Hkv, D] each row's keys: exactly its past (one prompt chunk: causal), or the keys past its position masked
+        return self._attend(q, pos.read(state.k), pos.read(state.v), mask=None if pos.exact else pos.mask)
+
+    def _attend(self, q, k, v, mask=None, kernel=False) -> torch.Tensor:
+        # one compute dtype at the op's boundary: the cache may hold another (float32 cache, bf16 autocast)
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        if kernel and mask is None:
+            return decode_attention(q[:, 0], k, v)[:, None]  # reads each cached key and value once for its query heads
+        # without a mask the queries are the last T of the L keys
+        return attention(q, k, v, causal=mask is None, mask=mask, check=False)
 
     def new_state(self, batch_size: int, max_len: int, device=None, dtype=torch.float32, *, blocks: int | None = None) -> KVState:
         """Keys and values [blocks or batch_size, max_len, Hkv, D] (a pool's block arena when `blocks` is given),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from evict.cache import PackedBatch
 from evict.ops.conv import short_conv
 
 
@@ -31,3 +32,17 @@ class ShortConv(nn.Module):
     def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """y [B, T, C] and the new tail (evict.ops.conv.short_conv: Triton on CUDA without a tail, else a conv2d)."""
         return short_conv(x, self.weight[:, 0], tail)
+
+    def run(self, x: torch.Tensor, tail: torch.Tensor | None, pos=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(x, tail); for sequences packed along T (`pos` a PackedBatch, x [1, T, C], tail [N, k-1, C] one
+        per sequence), each part convolved with its own tails: y [1, T, C] and the new tails [N, k-1, C]."""
+        if not isinstance(pos, PackedBatch):
+            return self(x, tail)
+        if tail is None:
+            raise ValueError("tail: packed sequences need their conv tails [N, k-1, C], got None")
+        ys, tails = [], []
+        for part, (_, rows) in zip(pos.split(x), pos.parts()):
+            y, t = self(part, tail[rows])
+            ys.append(y)
+            tails.append(t)
+        return pos.join(ys), torch.cat(tails)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from evict.cache import RecurrentState
+from evict.cache import PackedBatch, RecurrentState
 from evict.ops import memory, memory_step
 
 from .conv import ShortConv
@@ -108,12 +108,13 @@ class MemoryMixer(nn.Module):
         return -5.0 * torch.sigmoid(A * g)
 
     def forward(self, x: torch.Tensor, state: RecurrentState | None = None, pos=0) -> torch.Tensor:
-        """x [B, T, d]; the state carries all history, so `pos` (an int or a SlotBatch) is not needed here."""
+        """x [B, T, d]; the state carries all history, so `pos` (an int or a SlotBatch) is not needed here, except a
+        PackedBatch: sequences of a slot pool packed along T (B = 1), each with its own state row and conv tail."""
         B, T, _ = x.shape
         H, D = self.H, self.D
         qkv = self.wqkv(x)  # [B, T, 3 H D]
         if self.conv is not None:
-            qkv, tail = self.conv(qkv, None if state is None else state.conv)
+            qkv, tail = self.conv.run(qkv, None if state is None else state.conv, pos)
             qkv = F.silu(qkv)
         q, k, v = qkv.view(B, T, 3, H, D).unbind(2)  # [B, T, H, D] each
         if self.features == "l2":
@@ -130,7 +131,11 @@ class MemoryMixer(nn.Module):
         beta = None
         if self.wb is not None:
             beta = torch.sigmoid(self.wb(x).to(_gate_dtype(x))) * (2.0 if self.neg_eigval else 1.0)  # [B, T, H]
-        if state is not None and T == 1:
+        if isinstance(pos, PackedBatch):
+            if state is None or state.S is None:
+                raise ValueError("state: packed sequences need this layer's RecurrentState rows, got None")
+            o, S = self._packed(q, k, v, la, beta, state.S, pos)
+        elif state is not None and T == 1:
             o, S = memory_step(q[:, 0], k[:, 0], v[:, 0], state.S, log_alpha=None if la is None else la[:, 0],
                                beta=None if beta is None else beta[:, 0], delta=self.delta)
             o = o[:, None]
@@ -146,6 +151,23 @@ class MemoryMixer(nn.Module):
         if self.o_norm is not None and self.f_out is not None:
             o = self.o_norm(o) * torch.sigmoid(self.f_out(x)).view(B, T, H, D)
         return self.wo(o.reshape(B, T, H * D))
+
+    def _packed(self, q, k, v, la, beta, S0: torch.Tensor, pos: PackedBatch):
+        """The packed sequences [1, T, H, D]: the D decode rows in one step op, the prompt chunks through the op's
+        cu_seqlens, each from its own state row of S0 [N, H, K, V]. Returns o [1, T, H, V], states [N, H, K, V]."""
+        D, outs, states = pos.n_decode, [], []
+        if D:
+            o, S = memory_step(q[0, :D], k[0, :D], v[0, :D], S0[:D], log_alpha=None if la is None else la[0, :D],
+                               beta=None if beta is None else beta[0, :D], delta=self.delta)  # [D, H, V]
+            outs.append(o[None])
+            states.append(S)
+        if pos.chunks:
+            o, S = memory(q[:, D:], k[:, D:], v[:, D:], log_alpha=None if la is None else la[:, D:],
+                          beta=None if beta is None else beta[:, D:], delta=self.delta, initial_state=S0[D:],
+                          output_final_state=True, cu_seqlens=pos.cu_seqlens, chunk_size=self.chunk_size, check=False)
+            outs.append(o)
+            states.append(S)
+        return torch.cat(outs, dim=1), torch.cat(states)
 
     def new_state(self, batch_size: int, max_len: int, device=None, dtype=torch.float32, *, blocks: int | None = None) -> RecurrentState:
         """S = 0 [batch_size, H, D, D (+1 normalizer)] float32 (float64 for a float64 cache) and a zero conv tail;

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from evict.cache import LatentState, SlotBatch
+from evict.cache import LatentState, PackedBatch, SlotBatch
 from evict.ops import attention
 from evict.ops.decode import decode_attention, kernel_runs_on
 from evict.ops.rope import rope
@@ -53,14 +53,15 @@ class MLA(nn.Module):
         nn.init.normal_(self.wuv, std=self.init_std)
         reset_children(self)
 
-    def forward(self, x: torch.Tensor, state: LatentState | None = None, pos: int | SlotBatch = 0,
+    def forward(self, x: torch.Tensor, state: LatentState | None = None, pos: int | SlotBatch | PackedBatch = 0,
                 absorb: bool | None = None) -> torch.Tensor:
-        """x [B, T, d]; pos: the batch's first position, or a SlotBatch (rows of a slot pool at their own positions)."""
+        """x [B, T, d]; pos: the batch's first position, or a SlotBatch (rows of a slot pool at their own positions),
+        or a PackedBatch (sequences packed along T, B = 1: each part attends over its own latents)."""
         B, T, _ = x.shape
         H, n, p = self.H, self.n, self.p
         q, ckv = self.wq(x), self.wdkv(x)  # [B, T, H (n + p)], [B, T, r + p]
         if self.conv is not None:
-            qc, tail = self.conv(torch.cat([q, ckv], dim=-1), None if state is None else state.conv)
+            qc, tail = self.conv.run(torch.cat([q, ckv], dim=-1), None if state is None else state.conv, pos)
             q, ckv = qc.split([H * (n + p), self.r + p], dim=-1)
             if state is not None:
                 state.conv = tail
@@ -68,32 +69,40 @@ class MLA(nn.Module):
         c, k_rope = ckv.split([self.r, p], dim=-1)
         c = self.kv_norm(c)  # [B, T, r]
         if self.use_rope:
-            positions = pos.positions if isinstance(pos, SlotBatch) else torch.arange(pos, pos + T, device=x.device)
+            positions = pos.positions if not isinstance(pos, int) else torch.arange(pos, pos + T, device=x.device)
             q_rope = rope(q_rope, positions, self.theta)
             k_rope = rope(k_rope[:, :, None], positions, self.theta)[:, :, 0]
-        if absorb is None:
-            absorb = state is not None and T == 1
-        mask, paged = None, None
-        if isinstance(pos, SlotBatch):
+        if isinstance(pos, (SlotBatch, PackedBatch)):
             if state is None:
                 raise ValueError("state: a slot pool's rows need this layer's LatentState, got None")
             pos.write(state.c, c)
             pos.write(state.k_rope, k_rope)
-            if absorb and T == 1 and self.decode_kernel and kernel_runs_on(state.c):  # the paged decode op, in place
-                c, k_rope, paged = state.c, state.k_rope, pos
-            else:  # [B, L, r], [B, L, p]: each row's latents, those past its position masked
-                c, k_rope, mask = pos.read(state.c), pos.read(state.k_rope), pos.mask
-        elif state is not None:
-            state.c[:, pos : pos + T] = c
-            state.k_rope[:, pos : pos + T] = k_rope
-            c, k_rope = state.c[:, : pos + T], state.k_rope[:, : pos + T]  # [B, L, r], [B, L, p]
-        if absorb:
-            o = self._absorbed(q_nope, q_rope, c, k_rope, mask, paged)  # [B, T, H, e]
+            if isinstance(pos, SlotBatch):
+                o = self._attend_slots(q_nope, q_rope, state, pos, absorb)
+            else:
+                o = pos.join([self._attend_slots(qn, qr, state, part, absorb)
+                              for qn, qr, (part, _) in zip(pos.split(q_nope), pos.split(q_rope), pos.parts())])
         else:
-            o = self._naive(q_nope, q_rope, c, k_rope, mask)
+            if state is not None:
+                state.c[:, pos : pos + T] = c
+                state.k_rope[:, pos : pos + T] = k_rope
+                c, k_rope = state.c[:, : pos + T], state.k_rope[:, : pos + T]  # [B, L, r], [B, L, p]
+            if absorb is None:
+                absorb = state is not None and T == 1
+            o = (self._absorbed if absorb else self._naive)(q_nope, q_rope, c, k_rope)  # [B, T, H, e]
         if self.wgate is not None:
             o = o * torch.sigmoid(self.wgate(x)).view(B, T, H, self.e)
         return self.wo(o.reshape(B, T, H * self.e))
+
+    def _attend_slots(self, q_nope, q_rope, state: LatentState, pos: SlotBatch, absorb: bool | None):
+        """[B, T, H, e] for slot-pool rows whose new latents are already in the arenas (absorbed for one-token rows)."""
+        T = q_nope.shape[1]
+        absorb = T == 1 if absorb is None else absorb
+        if absorb and T == 1 and self.decode_kernel and kernel_runs_on(state.c):  # the paged decode op, in place
+            return self._absorbed(q_nope, q_rope, state.c, state.k_rope, None, pos)
+        # [B, L, r], [B, L, p]: each row's latents: exactly its past (one prompt chunk), or those past its position masked
+        c, k_rope, mask = pos.read(state.c), pos.read(state.k_rope), None if pos.exact else pos.mask
+        return (self._absorbed if absorb else self._naive)(q_nope, q_rope, c, k_rope, mask)
 
     def _naive(self, q_nope, q_rope, c, k_rope, mask=None):
         B, L, _ = c.shape

@@ -19,7 +19,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from evict.cache import HybridCache, SlotBatch
+from evict.cache import HybridCache, PackedBatch, SlotBatch
 from evict.cli_args import first_line
 from evict.jsonfile import read_json_object
 from evict.layers.attention import Attention
@@ -95,7 +95,7 @@ class Block(nn.Module):
             for w in self.ffn.output_weights():
                 nn.init.normal_(w, std=self.out_std)
 
-    def forward(self, h: torch.Tensor | None, state=None, pos: int | SlotBatch = 0,
+    def forward(self, h: torch.Tensor | None, state=None, pos: int | SlotBatch | PackedBatch = 0,
                 completed: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Pre-norm: h [B, T, D] is the residual stream; returns h + mixer(norm(h)), then + ffn(norm(.)).
 
@@ -186,7 +186,7 @@ class LM(nn.Module):
             lo, hi = int(tokens.min()), int(tokens.max())
             if lo < 0 or hi >= self.cfg.vocab_size:
                 raise ValueError(f"tokens: expected ids in [0, vocab_size={self.cfg.vocab_size}), got range [{lo}, {hi}]")
-        pos: int | SlotBatch = 0
+        pos: int | SlotBatch | PackedBatch = 0
         states: list = [None] * len(self.blocks)
         slots = False
         if cache is not None:
@@ -205,7 +205,7 @@ class LM(nn.Module):
                 pos, states = cache.pos, cache.states
         h = self.embed(tokens)  # [B, T, D]
         if self.wpe is not None:
-            at = pos.positions if isinstance(pos, SlotBatch) else torch.arange(pos, pos + T, device=tokens.device)  # [B, T] or [T]
+            at = pos.positions if not isinstance(pos, int) else torch.arange(pos, pos + T, device=tokens.device)  # [B, T] or [T]
             if isinstance(pos, int) and pos + T > self.cfg.max_seq_len:  # a pool checks its max_len against the config once
                 raise ValueError(f"tokens: learned positions cover {self.cfg.max_seq_len} tokens, got up to {pos + T}")
             h = h + self.wpe(at)

@@ -1,19 +1,26 @@
 """The serving engine: a request queue and continuous batching over one slot pool of the hybrid cache.
 
 Every step the scheduler (1) admits waiting requests while a slot is free and the KV / latent block pool holds their
-tokens (FIFO); (2) runs one prefill chunk of the oldest request still reading its prompt; (3) runs one decode step of
-every request that has read all its tokens, one new token each, each at its own position (a SlotBatch); (4) samples
-with each request's own parameters and generator, streams the tokens, and frees the slots of finished requests.
+tokens (FIFO, at most `max_batch` running); (2) plans one forward within a budget of `max_num_batched_tokens` tokens:
+one token of every running request that has read all its tokens (a decode row) and prompt chunks of as many requests
+still reading their prompts as fit, in admission order, each chunk ending at the next multiple of `prefill_chunk` (or
+where the budget ends); `priority` "decode" fills the budget with the decode rows first, "prefill" with the chunks
+first; (3) runs them all in ONE forward, packed along T (a PackedBatch: memory layers run the chunks through the op's
+cu_seqlens, attention / MLA each sequence over its own blocks), or, when there is no prompt chunk, one decode step of
+the rows (a SlotBatch), replayed from a CUDA graph of the row count's bucket on CUDA (`cuda_graphs`); (4) samples with
+each request's own parameters and generator, streams the tokens, and frees the slots of finished requests.
 When a forward needs a block and none is free, the most recently admitted running request is preempted: its slot and
 blocks are freed and it waits at the head of the queue with the tokens it has (prompt + output), to be recomputed.
 
-A sequence's tokens are processed exactly as `generate` processes them alone: prompt chunks at the same boundaries
-(multiples of `prefill_chunk` from 0), then one token per forward; so greedy outputs equal `generate`'s.
+A sequence's tokens are processed as `generate` processes them alone: prompt chunks at the same boundaries
+(multiples of `prefill_chunk` from 0, unless the step's budget cuts one), then one token per forward; so greedy outputs
+equal `generate`'s (tested in float32 through packing and preemption).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -25,7 +32,9 @@ import torch
 
 from evict.generate import sample_next
 
+PRIORITIES = ("decode", "prefill")
 FINISH = ("stop", "length", "cancelled")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,7 @@ class Request:
     def pending(self, T: int) -> list[int]:
         """The next T tokens not yet in the slot."""
         s, P = self.cached, len(self.prompt)
-        return (self.prompt[s : s + T] if s < P else []) + self.out[max(s - P, 0) : s + T - P]
+        return (self.prompt[s : s + T] if s < P else []) + self.out[max(s - P, 0) : max(s + T - P, 0)]
 
 
 def arena_bytes(pool) -> tuple[int, int]:
@@ -87,15 +96,31 @@ class Engine:
     """Continuous batching for one LM. `submit` and `cancel` are thread-safe; `step` runs in one thread (`start`)."""
 
     def __init__(self, model, *, max_batch: int = 16, cache_budget: int = 256 << 20, block_size: int = 16,
-                 max_len: int | None = None, prefill_chunk: int = 512):
+                 max_len: int | None = None, prefill_chunk: int = 512, max_num_batched_tokens: int | None = None,
+                 priority: str = "decode", cuda_graphs: bool | None = None):
+        """`max_num_batched_tokens`: tokens per forward (default: 8192 on CUDA, 1024 on a CPU; at least max_batch);
+        `priority`: what fills that budget first, "decode" rows or "prefill" chunks; `cuda_graphs`: replay decode-only
+        steps from CUDA graphs (default: on CUDA)."""
+        self.device = next(model.parameters()).device
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(8192 if self.device.type == "cuda" else 1024, max_batch)
         for name, value in (("max_batch", max_batch), ("cache_budget", cache_budget), ("block_size", block_size),
-                            ("prefill_chunk", prefill_chunk)):
+                            ("prefill_chunk", prefill_chunk), ("max_num_batched_tokens", max_num_batched_tokens)):
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        if max_num_batched_tokens < max_batch:
+            raise ValueError(f"max_num_batched_tokens: expected at least max_batch ({max_batch}: every running request's "
+                             f"decode token fits one step), got {max_num_batched_tokens}")
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority: expected one of {', '.join(PRIORITIES)}, got {priority!r}")
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        if cuda_graphs not in (True, False) or (cuda_graphs and self.device.type != "cuda"):
+            raise ValueError(f"cuda_graphs: expected True (CUDA models only) or False, got {cuda_graphs!r} on {self.device}")
         self.model = model.eval()
         self.vocab = model.cfg.vocab_size
-        self.device = next(model.parameters()).device
         self.block_size, self.prefill_chunk, self.max_batch = block_size, prefill_chunk, max_batch
+        self.max_tokens, self.priority = max_num_batched_tokens, priority
         per_token, per_slot = arena_bytes(model.new_pool(1, 1, block_size, block_size))
         self.uses_blocks = per_token > 0
         left = cache_budget - max_batch * per_slot
@@ -110,9 +135,15 @@ class Engine:
         if type(self.max_len) is not int or not 1 <= self.max_len <= limit:
             raise ValueError(f"max_len: expected an integer in [1, {limit}] (the pool and the model's positions), got {max_len!r}")
         self.n_blocks = n_blocks
-        self.pool = model.new_pool(max_batch, n_blocks, block_size, self.max_len)
+        scratch = int(cuda_graphs)  # graphs: one more slot and block, where padding rows write
+        self.pool = model.new_pool(max_batch + scratch, n_blocks + scratch, block_size, self.max_len)
         self.block_bytes, self.slot_bytes = block_size * per_token, per_slot
-        self.pool_bytes = n_blocks * self.block_bytes + max_batch * per_slot
+        self.pool_bytes = (n_blocks + scratch) * self.block_bytes + (max_batch + scratch) * per_slot
+        self.graphs = None
+        if cuda_graphs:
+            from evict.serve.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, self.pool, max_batch=max_batch, scratch_slot=max_batch, scratch_block=n_blocks)
         self.peak_blocks = 0
         self.free_slots = list(range(max_batch - 1, -1, -1))
         self.free_blocks = list(range(n_blocks - 1, -1, -1))
@@ -121,7 +152,8 @@ class Engine:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.ids = itertools.count(1)
         self.stats = {"requests": 0, "finished": 0, "preemptions": 0, "cancelled": 0, "generated_tokens": 0,
-                      "prefill_tokens": 0, "steps": 0}
+                      "prefill_tokens": 0, "steps": 0,
+                      "packed_steps": 0, "graph_steps": 0}
         self.recent: deque[tuple[float, int]] = deque()  # (time, tokens) of the last 10 s, for tokens/s
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -227,15 +259,59 @@ class Engine:
             self.peak_blocks = max(self.peak_blocks, self.n_blocks - len(self.free_blocks))
         return True
 
-    def _forward(self, reqs: list[Request], T: int) -> torch.Tensor:
-        """Run T new tokens of each request (their tokens[cached : cached + T]); logits of the last [B, V]."""
-        self.pool.select([r.slot for r in reqs], [r.cached for r in reqs], T)
-        toks = torch.tensor([r.pending(T) for r in reqs], dtype=torch.int64, device=self.device)
-        with torch.no_grad():
-            logits = self.model(toks, cache=self.pool)[:, -1]  # [B, V]
+    def _decode(self, reqs: list[Request]) -> torch.Tensor:
+        """One token of each request (a decode-only step); logits [B, V]."""
+        toks, rows, starts = [r.pending(1)[0] for r in reqs], [r.slot for r in reqs], [r.cached for r in reqs]
+        if self.graphs is not None:
+            try:
+                logits = self.graphs(toks, rows, starts)
+                self.stats["graph_steps"] += 1
+            except RuntimeError as e:  # a model the graphs cannot capture (e.g. MoE sizes its batches on the host)
+                log.warning("serve: CUDA graphs off (%s)", str(e).splitlines()[0][:200])
+                self.graphs = None
+        if self.graphs is None:
+            self.pool.select(rows, starts, 1)
+            with torch.no_grad():
+                logits = self.model(torch.tensor(toks, dtype=torch.int64, device=self.device)[:, None], cache=self.pool)[:, -1]
         for r in reqs:
-            r.cached += T
+            r.cached += 1
         return logits
+
+    def _packed(self, decode: list[Request], chunks: list[tuple[Request, int]]) -> torch.Tensor:
+        """One forward over the decode rows and the prompt chunks packed along T; logits [N, V] at each one's last token."""
+        self.pool.select_packed([(r.slot, r.cached) for r in decode], [(r.slot, r.cached, T) for r, T in chunks])
+        toks = [r.pending(1)[0] for r in decode] + [t for r, T in chunks for t in r.pending(T)]
+        last = list(range(len(decode)))
+        for _, T in chunks:
+            last.append((last[-1] if last else -1) + T)
+        with torch.no_grad():
+            logits = self.model(torch.tensor([toks], dtype=torch.int64, device=self.device), cache=self.pool,
+                                positions=torch.tensor([last], dtype=torch.int64, device=self.device))[0]  # [N, V]
+        for r in decode:
+            r.cached += 1
+        for r, T in chunks:
+            r.cached += T
+        self.stats["packed_steps"] += 1
+        return logits
+
+    def _plan(self) -> tuple[list[Request], list[tuple[Request, int]]]:
+        """This step's decode rows and prompt chunks (request, tokens) within the token budget, by `priority`."""
+        left = self.max_tokens
+        decode = [r for r in self.running if r.n_tokens - r.cached == 1]
+        chunks: list[tuple[Request, int]] = []
+        if self.priority == "decode":
+            decode = decode[:left]
+            left -= len(decode)
+        for r in self.running:
+            if left == 0:
+                break
+            if r.n_tokens - r.cached > 1:
+                T = min(self.prefill_chunk - r.cached % self.prefill_chunk, r.n_tokens - r.cached, left)
+                chunks.append((r, T))
+                left -= T
+        if self.priority == "prefill":
+            decode = decode[:left]
+        return decode, chunks
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
         nxt = logits.argmax(-1)  # [B]; rows that sample replace theirs
@@ -266,19 +342,26 @@ class Engine:
         if not self.running:
             return False
         self.stats["steps"] += 1
-        prefill = next((r for r in self.running if r.n_tokens - r.cached > 1), None)
-        if prefill is not None:
-            T = min(self.prefill_chunk - prefill.cached % self.prefill_chunk, prefill.n_tokens - prefill.cached)
-            if self._grow(prefill, prefill.cached + T):
-                self.stats["prefill_tokens"] += T
-                logits = self._forward([prefill], T)
-                if prefill.cached == prefill.n_tokens:
-                    self._sample([prefill], logits)
-        decode = [r for r in self.running if r.n_tokens - r.cached == 1 and r is not prefill]
-        decode = [r for r in decode if r.slot is not None and self._grow(r, r.cached + 1)]
-        decode = [r for r in decode if r.slot is not None]  # a later _grow may have preempted an earlier row
-        if decode:
-            self._sample(decode, self._forward(decode, 1))
+        decode, chunks = self._plan()
+        order = [(r, 1) for r in decode] + chunks
+        if self.priority == "prefill":
+            order = chunks + [(r, 1) for r in decode]
+        for r, n in order:  # blocks in priority order
+            if r.slot is not None:
+                self._grow(r, r.cached + n)  # may preempt the youngest running request (r itself included)
+        decode = [r for r in decode if r.slot is not None]
+        chunks = [(r, T) for r, T in chunks if r.slot is not None]
+        if not decode and not chunks:
+            return True
+        if not chunks:
+            self._sample(decode, self._decode(decode))
+            return True
+        self.stats["prefill_tokens"] += sum(T for _, T in chunks)
+        logits = self._packed(decode, chunks)
+        rows = list(range(len(decode))) + [len(decode) + i for i, (r, _) in enumerate(chunks) if r.cached == r.n_tokens]
+        reqs = decode + [r for r, _ in chunks if r.cached == r.n_tokens]
+        if reqs:
+            self._sample(reqs, logits if len(rows) == len(logits) else logits[torch.tensor(rows, device=self.device)])
         return True
 
     # -- the engine thread --------------------------------------------------------------------------------------

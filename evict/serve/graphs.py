@@ -1,0 +1,68 @@
+"""Decode-only steps of a slot pool replayed from CUDA graphs captured at bucketed batch sizes.
+
+A step of n decode rows runs the graph of the smallest bucket b >= n: the rows' tokens, slots and positions are
+copied into the graph's static inputs, the b - n padding rows point at a scratch slot whose block table names a
+scratch block (their writes land there and are never read), and the forward (block-table lookups, the layers, the
+head) replays without Python dispatch. The forward inside is the model's own slot-pool forward (the paged decode ops
+read keys in place), so a replay computes exactly what the eager step computes. Graphs are captured on first use of
+their bucket, after two warm-up runs on a side stream (Triton compiles), and share one memory pool.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 to 32, 16 to 128, 32 beyond; max_batch last."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b = b * 2 if b < 8 else b + (8 if b < 32 else 16 if b < 128 else 32)
+    return out + [max_batch]
+
+
+class DecodeGraphs:
+    def __init__(self, model, pool, *, max_batch: int, scratch_slot: int, scratch_block: int):
+        self.model, self.pool, self.scratch = model, pool, scratch_slot
+        self.buckets = buckets(max_batch)
+        self.device = pool.table.device
+        pool.table[scratch_slot] = scratch_block
+        self.graphs: dict[int, tuple] = {}  # bucket -> (graph, tokens [b, 1], rows [b], starts [b], logits [b, V])
+        self.mempool = torch.cuda.graph_pool_handle()
+
+    def __call__(self, tokens: list[int], rows: list[int], starts: list[int]) -> torch.Tensor:
+        """Logits [n, V] of one decode step of n rows (valid until the next call)."""
+        n = len(rows)
+        b = next(x for x in self.buckets if x >= n)
+        if b not in self.graphs:
+            self.graphs[b] = self._capture(b)
+        graph, tok, rws, st, out = self.graphs[b]
+        pad = b - n
+        host = torch.tensor([tokens + [0] * pad, rows + [self.scratch] * pad, starts + [0] * pad], dtype=torch.int64)
+        dev = host.to(self.device, non_blocking=True)  # [3, b]
+        tok.copy_(dev[0, :, None])
+        rws.copy_(dev[1])
+        st.copy_(dev[2])
+        graph.replay()
+        return out[:n]
+
+    def _capture(self, b: int) -> tuple:
+        tok = torch.zeros(b, 1, dtype=torch.int64, device=self.device)
+        rows = torch.full((b,), self.scratch, dtype=torch.int64, device=self.device)
+        starts = torch.zeros(b, dtype=torch.int64, device=self.device)
+
+        def forward() -> torch.Tensor:
+            self.pool.select_static(rows, starts)
+            return self.model(tok, cache=self.pool)[:, -1]  # [b, V]
+
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up off the capture stream: every row is the scratch slot
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
+            out = forward()
+        return graph, tok, rows, starts, out
