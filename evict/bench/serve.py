@@ -47,7 +47,8 @@ def server_argv(args, port: int) -> list[str]:
     argv += ["--model", args.model] if args.model else ["--preset", args.preset, "--size", args.size, "--seed", str(args.seed)]
     if args.set:
         argv += ["--set", *args.set]
-    for flag in ("max_batch", "cache_budget", "block_size", "max_len", "prefill_chunk", "dtype", "threads"):
+    for flag in ("max_batch", "cache_budget", "block_size", "max_len", "prefill_chunk", "max_num_batched_tokens",
+                 "priority", "cuda_graphs", "dtype", "threads"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     return argv + ["--device", args.device]

@@ -75,7 +75,9 @@ def build_engine(args):
     model, tok, name = load_served(args, dev)
     try:
         engine = Engine(model, max_batch=args.max_batch, cache_budget=args.cache_budget, block_size=args.block_size,
-                        max_len=args.max_len, prefill_chunk=args.prefill_chunk)
+                        max_len=args.max_len, prefill_chunk=args.prefill_chunk,
+                        max_num_batched_tokens=args.max_num_batched_tokens, priority=args.priority,
+                        cuda_graphs=None if args.cuda_graphs is None else args.cuda_graphs == "on")
     except ValueError as e:
         raise SystemExit(f"--{str(e).split(':', 1)[0].replace('_', '-')}: {str(e).split(': ', 1)[-1]}") from None
     return engine, tok, name
@@ -113,6 +115,11 @@ def add_engine_flags(p, *, shared: bool = False) -> None:
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV / latent block (default 16)")
     p.add_argument("--max-len", type=positive_int, help="tokens per sequence (default: what the pool holds)")
     p.add_argument("--prefill-chunk", type=positive_int, default=512, help="prompt tokens per prefill step (default 512)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int,
+                   help="tokens per engine step: every decode row + prompt chunks (default 8192 on CUDA, 1024 on a CPU)")
+    p.add_argument("--priority", choices=["decode", "prefill"], default="decode",
+                   help="what fills a step's token budget first: decode rows (default) or prompt chunks")
+    p.add_argument("--cuda-graphs", choices=["on", "off"], help="replay decode-only steps from CUDA graphs (default: on on CUDA)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     if not shared:
         p.add_argument("--size", default="tiny", choices=["tiny", "small"], help="--preset size (default tiny)")

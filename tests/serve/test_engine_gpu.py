@@ -1,5 +1,6 @@
 """The engine on CUDA: greedy outputs equal `generate` alone in float32 (Triton memory kernels, SDPA with masks),
-and a bf16 engine completes every request."""
+through packed steps (several prompt chunks and decode rows in one forward), decode steps replayed from CUDA graphs
+and preemption; and a bf16 engine completes every request."""
 
 import random
 
@@ -25,15 +26,18 @@ def jobs(n, seed):
     return [([rng.randrange(256) for _ in range(rng.randint(1, 300))], rng.randint(1, 40)) for _ in range(n)]
 
 
-@pytest.mark.parametrize("kind", ["hybrid", "attention", "mla", "kda"])
-def test_cuda_engine_greedy_equals_generate_float32(kind):
+@pytest.mark.parametrize("kind, graphs", [("hybrid", True), ("attention", True), ("mla", True), ("kda", True),
+                                          ("hybrid", False)])
+def test_cuda_engine_greedy_equals_generate_float32(kind, graphs):
     model = build(kind)
     per_token, per_slot = arena_bytes(model.new_pool(1, 1, 16, 16))
-    eng = Engine(model, max_batch=16, cache_budget=16 * per_slot + 60 * 16 * per_token, block_size=16, prefill_chunk=128)
+    eng = Engine(model, max_batch=16, cache_budget=16 * per_slot + 60 * 16 * per_token, block_size=16, prefill_chunk=128,
+                 max_num_batched_tokens=300, cuda_graphs=graphs)
     reqs = [(p, n, eng.submit(p, SamplingParams(max_tokens=n, temperature=0))) for p, n in jobs(48, seed=2)]
     eng.run_until_idle()
     if kind != "kda":
         assert eng.stats["preemptions"] > 0
+    assert eng.stats["packed_steps"] > 0 and (eng.stats["graph_steps"] > 0) == graphs, eng.stats
     for p, n, r in reqs:
         want = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=n, temperature=0, prefill_chunk=128)
         assert r.out == want[0, len(p):].tolist(), (kind, len(p), n)
