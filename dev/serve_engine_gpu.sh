@@ -3,6 +3,8 @@
 # decode steps and preemption), then `evict bench serve` on the 3:1 hybrid (KKKM) and attention of the same width and
 # depth side by side (bf16): 128 x (4K + 512) in a 4 GiB pool, batch 1 (the TPOT reference), 64 x (32K + 64), and the
 # engine's knobs on the hybrid. JSON into ${RES:-runs/bench/serve73}. Needs fastapi, uvicorn, httpx (dev/wheels.sh).
+# Modes (arguments, default all): tests, main (4K pair, batch 1, 32K pair), knobs.
+MODES=${*:-tests main knobs}
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -10,7 +12,7 @@ RES=${RES:-runs/bench/serve73}
 mkdir -p "$RES"
 $PY -c "import torch, triton; print('card', torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
 date -u
-timeout ${TEST_S:-150} $PY -m pytest -q -rf -x -m gpu tests/serve/test_engine_gpu.py -p no:cacheprovider
+[[ $MODES == *tests* ]] && timeout ${TEST_S:-150} $PY -m pytest -q -rf -x -m gpu tests/serve/test_engine_gpu.py -p no:cacheprovider
 WIDTH="d_model=1024 n_layers=8 n_heads=8 head_dim=128 d_ff=2816 kv_lora_rank=512 qk_nope_dim=128 qk_rope_dim=64 v_head_dim=128"
 bench() {  # name model timeout flags...
     local name=$1 model=$2 t=$3; shift 3
@@ -19,6 +21,7 @@ bench() {  # name model timeout flags...
         --block-size 256 --prefill-chunk 4096 "$@" --out "$RES/${name}_${model}.json" 2>&1 | grep -v "^json:"
 }
 B4K="--clients 128 --requests 128 --prompt-len 4096 4096 --output-len 512 512 --check 2 --max-batch 128 --cache-budget 4G --max-len 4608"
+if [[ $MODES == *main* ]]; then
 for m in hybrid attention; do bench 4k "$m" 120 $B4K; done
 for m in hybrid attention; do
     bench batch1 "$m" 60 --clients 1 --requests 2 --prompt-len 4096 4096 --output-len 512 512 --check 0 --max-batch 1 \
@@ -28,10 +31,13 @@ for m in hybrid attention; do
     bench 32k "$m" 120 --clients 64 --requests 64 --prompt-len 32768 32768 --output-len 64 64 --check 1 --max-batch 64 \
         --cache-budget ${BIG:-70G} --max-len 32896
 done
+fi
+if [[ $MODES == *knobs* ]]; then
 bench 4k_prefill_first hybrid 100 $B4K --priority prefill
 bench 4k_no_graphs hybrid 100 $B4K --cuda-graphs off
 bench 4k_budget2k hybrid 100 $B4K --max-num-batched-tokens 2048
 bench 4k_budget16k hybrid 100 $B4K --max-num-batched-tokens 16384
 bench 4k_chunk1k hybrid 100 $B4K --prefill-chunk 1024
 bench 4k_max64 hybrid 100 ${B4K/--max-batch 128/--max-batch 64}
+fi
 date -u
