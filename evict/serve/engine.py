@@ -261,12 +261,13 @@ class Engine:
 
     def _decode(self, reqs: list[Request]) -> torch.Tensor:
         """One token of each request (a decode-only step); logits [B, V]."""
-        toks, rows, starts = [r.pending(1)[0] for r in reqs], [r.slot for r in reqs], [r.cached for r in reqs]
+        toks, starts = [r.pending(1)[0] for r in reqs], [r.cached for r in reqs]
+        rows = [r.slot for r in reqs if r.slot is not None]  # every row runs in its slot
         if self.graphs is not None:
             try:
                 logits = self.graphs(toks, rows, starts)
                 self.stats["graph_steps"] += 1
-            except RuntimeError as e:  # a model the graphs cannot capture (e.g. MoE sizes its batches on the host)
+            except Exception as e:  # a model the graphs cannot capture (e.g. MoE sizes its batches on the host)
                 log.warning("serve: CUDA graphs off (%s)", str(e).splitlines()[0][:200])
                 self.graphs = None
         if self.graphs is None:
