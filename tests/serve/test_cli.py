@@ -61,6 +61,9 @@ def test_served_text_equals_evict_generate(model_dir, capsys):
     (["serve", "--preset", "attention", "--set", "vocab_size=300"], "--set"),
     (["serve", "--preset", "attention", "--max-len", "999999999"], "--max-len"),
     (["bench", "serve"], "--url"),
+    (["serve", "--preset", "attention", "--cuda-graphs", "on"], "--cuda-graphs"),  # a CPU device
+    (["serve", "--preset", "attention", "--max-num-batched-tokens", "4"], "--max-num-batched-tokens"),  # < max batch
+    (["serve", "--preset", "attention", "--priority", "fifo"], "--priority"),
 ])
 def test_bad_flags_are_one_line_exit_2(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
