@@ -3,8 +3,8 @@
 # decode steps and preemption), then `evict bench serve` on the 3:1 hybrid (KKKM) and attention of the same width and
 # depth side by side (bf16): 128 x (4K + 512) in a 4 GiB pool, batch 1 (the TPOT reference), 64 x (32K + 64), and the
 # engine's knobs on the hybrid. JSON into ${RES:-runs/bench/serve73}. Needs fastapi, uvicorn, httpx (dev/wheels.sh).
-# Modes (arguments, default all): tests, main (4K pair, batch 1, 32K pair), knobs.
-MODES=${*:-tests main knobs}
+# Modes (arguments, default all): tests, main (4K pair, batch 1, 32K pair), attn (dev/packed_attention_gpu.py), knobs.
+MODES=${*:-tests main attn knobs}
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -24,7 +24,7 @@ B4K="--clients 128 --requests 128 --prompt-len 4096 4096 --output-len 512 512 --
 if [[ $MODES == *main* ]]; then
 for m in hybrid attention; do bench 4k "$m" 120 $B4K; done
 for m in hybrid attention; do
-    bench batch1 "$m" 60 --clients 1 --requests 2 --prompt-len 4096 4096 --output-len 512 512 --check 0 --max-batch 1 \
+    bench batch1 "$m" 60 --clients 1 --requests 1 --prompt-len 4096 4096 --output-len 512 512 --check 0 --max-batch 1 \
         --cache-budget 4G --max-len 4608
 done
 for m in hybrid attention; do
@@ -32,6 +32,7 @@ for m in hybrid attention; do
         --cache-budget ${BIG:-70G} --max-len 32896
 done
 fi
+[[ $MODES == *attn* ]] && timeout 60 $PY dev/packed_attention_gpu.py
 if [[ $MODES == *knobs* ]]; then
 bench 4k_prefill_first hybrid 100 $B4K --priority prefill
 bench 4k_no_graphs hybrid 100 $B4K --cuda-graphs off
