@@ -3,8 +3,9 @@
 # decode steps and preemption), then `evict bench serve` on the 3:1 hybrid (KKKM) and attention of the same width and
 # depth side by side (bf16): 128 x (4K + 512) in a 4 GiB pool, batch 1 (the TPOT reference), 64 x (32K + 64), and the
 # engine's knobs on the hybrid. JSON into ${RES:-runs/bench/serve73}. Needs fastapi, uvicorn, httpx (dev/wheels.sh).
-# Modes (arguments, default all): tests, main (4K pair, batch 1, 32K pair), attn (dev/packed_attention_gpu.py), knobs.
-MODES=${*:-tests main attn knobs}
+# Modes (arguments, default all): tests, main (4K pair, batch 1, 32K pair), attn (dev/packed_attention_gpu.py), profile
+# (dev/serve_step_profile.py), knobs.
+MODES=${*:-tests main attn profile knobs}
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -12,7 +13,7 @@ RES=${RES:-runs/bench/serve73}
 mkdir -p "$RES"
 $PY -c "import torch, triton; print('card', torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
 date -u
-[[ $MODES == *tests* ]] && timeout ${TEST_S:-150} $PY -m pytest -q -rf -x -m gpu tests/serve/test_engine_gpu.py -p no:cacheprovider
+[[ $MODES == *tests* ]] && timeout ${TEST_S:-150} $PY -m pytest -q -rf -x -m gpu tests/serve/test_engine_gpu.py -p no:cacheprovider -k "${TESTS_K:-}"
 WIDTH="d_model=1024 n_layers=8 n_heads=8 head_dim=128 d_ff=2816 kv_lora_rank=512 qk_nope_dim=128 qk_rope_dim=64 v_head_dim=128"
 bench() {  # name model timeout flags...
     local name=$1 model=$2 t=$3; shift 3
@@ -33,6 +34,10 @@ for m in hybrid attention; do
 done
 fi
 [[ $MODES == *attn* ]] && timeout 60 $PY dev/packed_attention_gpu.py
+if [[ $MODES == *profile* ]]; then  # steps of the 4K load in process: the prefill phase, then the decode phase
+    timeout 60 $PY dev/serve_step_profile.py --steps 90
+    timeout 40 $PY dev/serve_step_profile.py --steps 40 --conv torch
+fi
 if [[ $MODES == *knobs* ]]; then
 bench 4k_prefill_first hybrid 100 $B4K --priority prefill
 bench 4k_no_graphs hybrid 100 $B4K --cuda-graphs off

@@ -9,8 +9,9 @@ the next call's tail is during decoding.
 Forms: "torch" is a grouped conv2d over [B, C, 1, k-1+T] whose strides are channels-last (oneDNN's depthwise kernel on a
 CPU, ~4x faster forward + backward than unfold + einsum and ~2x faster than conv1d: dev/LOG.md); "triton" (CUDA, or the
 CPU interpreter; no tail: training's case) sums the k shifted tiles in float32, forward and backward each one pass
-(conv_triton.py), where cuDNN's grouped weight gradient cost 2.25 ms per call at the lab's largest cell. "auto" takes
-triton where it runs and there is no tail, torch otherwise.
+(conv_triton.py), where cuDNN's grouped weight gradient cost 2.25 ms per call at the lab's largest cell; with a tail
+(prefill chunks and decode steps) it runs over [tail; x] and drops the first k-1 rows. "auto" takes triton where it
+runs, torch otherwise (serving's packed steps give cuDNN a new shape nearly every step).
 """
 
 from __future__ import annotations
@@ -66,9 +67,12 @@ def short_conv(x: torch.Tensor, w: torch.Tensor, tail: torch.Tensor | None = Non
     k = w.shape[1]
     if tail is not None and tuple(tail.shape) != (B, k - 1, C):
         raise ValueError(f"tail: expected shape {(B, k - 1, C)}, got {tuple(tail.shape)}")
-    if impl == "triton" and (tail is not None or not kernel_runs_on(x)):
-        raise ValueError("impl='triton': needs a CUDA (or interpreter) tensor of 16/32-bit floats and no tail")
-    if impl == "triton" or (impl == "auto" and tail is None and kernel_runs_on(x) and T > 0):
+    if impl == "triton" and not kernel_runs_on(x):
+        raise ValueError("impl='triton': needs a CUDA (or interpreter) tensor of 16/32-bit floats")
+    if impl == "triton" or (impl == "auto" and kernel_runs_on(x) and T > 0):
+        if tail is not None:  # the tail prepended: outputs from row k-1 on are exactly the conv continued from it
+            xt = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, k-1+T, C]
+            return _ConvTriton.apply(xt, w)[:, k - 1 :], xt[:, T:]
         xc = x if x.stride(2) == 1 else x.contiguous()
         return _ConvTriton.apply(xc, w), _last_inputs(x, tail, k)
     if tail is None:

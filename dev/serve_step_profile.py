@@ -1,0 +1,68 @@
+"""Issue 73: where an engine step's time goes, in process (no HTTP). The bench's hybrid (KKKM, d 1024, 8 layers, bf16)
+serving N x (P prompt + O new) tokens: each step is timed (CUDA synchronized) and classed as a decode-only step (rows)
+or a packed step (decode rows + prompt tokens). `--conv torch` forces the short conv's cuDNN form (the form before
+this branch for a conv with a tail). Prints one JSON line. Run on CUDA:
+python dev/serve_step_profile.py [--conv auto|torch] [--steps 80]"""
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+import evict.ops.conv as conv_op
+from evict.bench.decode import model_configs
+from evict.models import LM
+from evict.serve.engine import Engine, SamplingParams
+
+WIDTH = dict(d_model=1024, n_layers=8, n_heads=8, head_dim=128, d_ff=2816, kv_lora_rank=512, qk_nope_dim=128,
+             qk_rope_dim=64, v_head_dim=128)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--conv", choices=["auto", "torch"], default="auto")
+    ap.add_argument("--model", default="hybrid")
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--n", type=int, default=128)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--width", default="bench", choices=["bench", "tiny"])
+    a = ap.parse_args()
+    if a.conv == "torch":
+        conv_op.kernel_runs_on = lambda x: False
+    torch.manual_seed(0)
+    with torch.device(a.device):
+        model = LM(model_configs((a.model,), size="tiny", width=WIDTH if a.width == "bench" else {})[a.model])
+    model = model.to(torch.bfloat16 if a.device == "cuda" else torch.float32).eval()
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+    eng = Engine(model, max_batch=128, cache_budget=4 << 30, block_size=256, prefill_chunk=4096, max_len=4608)
+    rng = random.Random(0)
+    for _ in range(a.n):
+        eng.submit([rng.randrange(256) for _ in range(4096)], SamplingParams(max_tokens=512, temperature=0))
+    steps = []
+    with torch.inference_mode():
+        for i in range(a.steps):
+            before = dict(eng.stats)
+            sync()
+            t0 = time.perf_counter()
+            eng.step()
+            sync()
+            dt = time.perf_counter() - t0
+            d = {k: eng.stats[k] - before[k] for k in ("generated_tokens", "prefill_tokens", "packed_steps", "graph_steps")}
+            steps.append((dt, d))
+    packed = [dt for dt, d in steps if d["packed_steps"]]
+    decode = [dt for dt, d in steps if not d["packed_steps"]]
+    tokens = [d["prefill_tokens"] for dt, d in steps if d["packed_steps"]]
+    print("STEP_PROFILE", json.dumps({
+        "model": a.model, "conv": a.conv, "steps": len(steps), "packed_steps": len(packed),
+        "packed_ms_median": statistics.median(packed) * 1e3 if packed else None,
+        "packed_prompt_tokens_per_s": sum(tokens) / sum(packed) if packed else None,
+        "decode_steps": len(decode), "decode_ms_median": statistics.median(decode) * 1e3 if decode else None,
+        "first_5_ms": [round(dt * 1e3, 1) for dt, _ in steps[:5]],
+        "last_5": [(round(dt * 1e3, 2), d["generated_tokens"]) for dt, d in steps[-5:]]}))
+
+
+if __name__ == "__main__":
+    main()
