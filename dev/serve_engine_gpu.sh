@@ -40,10 +40,12 @@ if [[ $MODES == *profile* ]]; then  # steps of the 4K load in process: the prefi
 fi
 if [[ $MODES == *knobs* ]]; then
 bench 4k_prefill_first hybrid 100 $B4K --priority prefill
-bench 4k_no_graphs hybrid 100 $B4K --cuda-graphs off
 bench 4k_budget2k hybrid 100 $B4K --max-num-batched-tokens 2048
+[[ -n ${ALL_KNOBS:-} ]] && {
+bench 4k_no_graphs hybrid 100 $B4K --cuda-graphs off
 bench 4k_budget16k hybrid 100 $B4K --max-num-batched-tokens 16384
 bench 4k_chunk1k hybrid 100 $B4K --prefill-chunk 1024
 bench 4k_max64 hybrid 100 ${B4K/--max-batch 128/--max-batch 64}
+}
 fi
 date -u
