@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from evict.cli_args import first_line
 from evict.generate import sample_next
 
 PRIORITIES = ("decode", "prefill")
@@ -268,7 +269,7 @@ class Engine:
                 logits = self.graphs(toks, rows, starts)
                 self.stats["graph_steps"] += 1
             except Exception as e:  # a model the graphs cannot capture (e.g. MoE sizes its batches on the host)
-                log.warning("serve: CUDA graphs off (%s)", str(e).splitlines()[0][:200])
+                log.warning("serve: CUDA graphs off (%s)", first_line(e, 200))
                 self.graphs = None
         if self.graphs is None:
             self.pool.select(rows, starts, 1)
