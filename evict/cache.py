@@ -41,6 +41,12 @@ class RecurrentState:
     conv: torch.Tensor | None = None  # [B, k-1, C] last inputs of the short conv
 
 
+def write_rows(arena: torch.Tensor, where: torch.Tensor, new: torch.Tensor) -> None:
+    """Write new [B, T, ...] into the block arena [n_blocks, block_size, ...] at flat arena rows where [B*T]."""
+    flat = arena.view(-1, *arena.shape[2:])  # [n_blocks * block_size, ...]
+    flat.index_copy_(0, where, new.reshape(-1, *new.shape[2:]).to(flat.dtype))
+
+
 @dataclass
 class SlotBatch:
     """Where one forward's rows live in a slot pool (B rows of T new tokens each, L = keys read per row).
@@ -61,8 +67,7 @@ class SlotBatch:
 
     def write(self, arena: torch.Tensor, new: torch.Tensor) -> None:
         """Write new [B, T, ...] into the block arena [n_blocks, block_size, ...] at the rows' positions."""
-        flat = arena.view(-1, *arena.shape[2:])  # [n_blocks * block_size, ...]
-        flat.index_copy_(0, self.where, new.reshape(-1, *new.shape[2:]).to(flat.dtype))
+        write_rows(arena, self.where, new)
 
     def read(self, arena: torch.Tensor) -> torch.Tensor:
         """Every row's positions 0..L-1 from the block arena, contiguous: [B, L, ...] (one copy of what is read)."""
@@ -97,7 +102,8 @@ class PackedBatch:
         return self.offsets[0]
 
     def write(self, arena: torch.Tensor, new: torch.Tensor) -> None:
-        SlotBatch.write(self, arena, new)  # type: ignore[arg-type]  # uses `where` only
+        """Write the packed new [1, T, ...] into the block arena at the sequences' positions."""
+        write_rows(arena, self.where, new)
 
     def parts(self) -> list[tuple[SlotBatch, slice]]:
         """(SlotBatch, rows of the packed states) of each part: the decode rows, then each chunk."""
