@@ -14,6 +14,7 @@ A sequence's tokens are processed exactly as `generate` processes them alone: pr
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -26,6 +27,7 @@ import torch
 from evict.cli_args import first_line
 from evict.generate import Penalties, sample_next
 
+log = logging.getLogger("evict.serve")
 FINISH = ("stop", "length", "cancelled", "error")  # error: this request's step failed (Request.error says why)
 
 
@@ -333,6 +335,8 @@ class Engine:
         if r.finish_reason is not None:
             return
         r.error = f"{type(e).__name__}: {first_line(e)}"
+        if not isinstance(e, EngineDown):
+            log.error("engine: request %d failed (%s)", r.id, r.error)
         try:
             self._finish(r, "error")
         except Exception:  # its on_finish failed too: r is finished and released all the same
@@ -368,6 +372,8 @@ class Engine:
                     try:
                         busy = self.step()
                     except Exception as e:  # a forward or the scheduler failed: its requests fail, the engine goes on
+                        log.error("engine: a step failed (%s: %s); its %d requests get an error", type(e).__name__,
+                                  first_line(e), len(self.running))
                         self._fail_all(e, waiting=False)
                         busy = True
                     if not busy:
