@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException
 
 from evict.serve.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, eos_token_id
 from evict.serve.engine import Engine, EngineDown, SamplingParams
+from evict.serve.engine import Request as EngineRequest
 from evict.serve.protocol import BadRequest, ChatRequest, CompletionRequest, Sampling, sampling_params, stop_strings
 from evict.serve.text import TextStream
 
@@ -40,10 +41,13 @@ KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_fo
          413: "invalid_request_error", 422: "invalid_request_error"}
 
 
-def error(status: int, message: str, param: str | None = None) -> JSONResponse:
+def error_body(status: int, message: str, param: str | None = None) -> dict:
     kind = KINDS.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return JSONResponse({"error": {"message": " ".join(message.split())[:500], "type": kind, "param": param,
-                                   "code": status}}, status_code=status)
+    return {"error": {"message": " ".join(message.split())[:500], "type": kind, "param": param, "code": status}}
+
+
+def error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
 
 
 @dataclass
@@ -64,7 +68,7 @@ class Choice:
     def __init__(self, index: int, tokenizer, stop: list[str], stop_ids: tuple[int, ...]):
         self.index, self.text, self.stop_ids = index, TextStream(tokenizer, stop), set(stop_ids)
         self.done, self.tokens = False, 0
-        self.req = None
+        self.req: EngineRequest | None = None
 
     def handle(self, kind: str, value, extra, cancel) -> Delta | None:
         if self.done:  # a step the engine ran past a stop text
@@ -135,9 +139,9 @@ class Generation:
         return {"prompt_tokens": len(self.ids), "completion_tokens": n, "total_tokens": len(self.ids) + n}
 
 
-def failure(message: str) -> JSONResponse:
+def failure_status(message: str) -> int:
     """A choice's step failed (500), or the engine is stopping (503)."""
-    return error(503 if message.startswith(EngineDown.__name__) else 500, message)
+    return 503 if message.startswith(EngineDown.__name__) else 500
 
 
 def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str = DEFAULT_CHAT_TEMPLATE,
@@ -230,8 +234,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str 
                     async for d in gen.deltas():
                         if d.error is not None:
                             gen.cancel()
-                            body = json.loads(failure(d.error).body)
-                            yield f"data: {json.dumps(body)}\n\n"
+                            yield f"data: {json.dumps(error_body(failure_status(d.error), d.error))}\n\n"
                             break
                         event = chunk(d, opening=False)
                         if event is not None:
@@ -255,7 +258,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str 
         try:
             async for d in gen.deltas():
                 if d.error is not None:
-                    return failure(d.error)
+                    return error(failure_status(d.error), d.error)
                 per[d.index].append(d)
         finally:  # also when the handler itself is cancelled
             watcher.cancel()
