@@ -5,27 +5,32 @@ stop string held back until it cannot."""
 from __future__ import annotations
 
 import codecs
+import json
+import weakref
 
 HOLD_AT_MOST = 32  # tokens a window may hold back for an incomplete character before its text goes out anyway
 
 
 class IncrementalDecoder:
-    """`step(id) -> new text`, `flush() -> the rest`. Byte tokenizer: an incremental UTF-8 decoder (the same
-    replacements as decoding all bytes at once); char tokenizer: one character per id; any other (BPE, HF): decode a
-    short window of ids (from the last point where text went out, one token of context before it) and send what it
-    adds, unless it ends in an incomplete character (U+FFFD), so each step decodes a few tokens whatever the length."""
+    """`step(id) -> new text`, `flush() -> the rest`. Byte tokenizer and byte-level BPE: each id's bytes through an
+    incremental UTF-8 decoder (the same replacements as decoding all bytes at once); char tokenizer: one character per
+    id; any other (an HF tokenizer with another decoder): decode a short window of ids (from the last point where text
+    went out, one token of context before it) and send what it adds, unless it ends in an incomplete character
+    (U+FFFD), so each step decodes a few tokens whatever the length."""
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
         kind = getattr(tokenizer, "kind", None)
-        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace") if kind == "byte" else None
+        self.bytes = token_bytes(tokenizer)
+        byte_level = kind == "byte" or self.bytes is not None
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace") if byte_level else None
         self.chars: str | None = tokenizer.chars if kind == "char" else None
         self.ids: list[int] = []
         self.prefix = self.read = 0  # window: ids[prefix:read] is context already sent, ids[read:] not yet
 
     def step(self, token: int) -> str:
         if self.utf8 is not None:
-            return self.utf8.decode(bytes((token,)))
+            return self.utf8.decode(self.bytes[token] if self.bytes is not None else bytes((token,)))
         if self.chars is not None:
             return self.chars[token]
         self.ids.append(token)
@@ -47,6 +52,26 @@ class IncrementalDecoder:
     def _window(self) -> tuple[str, str]:
         w = self.ids[self.prefix :]
         return self.tok.decode(w[: self.read - self.prefix]), self.tok.decode(w)
+
+
+_BYTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its token_bytes table, built once
+
+
+def token_bytes(tokenizer) -> list[bytes] | None:
+    """id -> the token's bytes for a byte-level BPE (an HF tokenizer whose decoder is ByteLevel and whose tokens are
+    all spelled in GPT-2's byte alphabet), else None."""
+    if tokenizer in _BYTES:
+        return _BYTES[tokenizer]
+    hf, table = getattr(tokenizer, "_tok", None), None
+    if hf is not None and (json.loads(hf.to_str()).get("decoder") or {}).get("type") == "ByteLevel":
+        from evict.tasks.tokenizers import byte_alphabet
+
+        inverse = {c: b for b, c in enumerate(byte_alphabet())}
+        spelled = [hf.id_to_token(i) for i in range(tokenizer.vocab_size)]
+        if all(s is not None and all(c in inverse for c in s) for s in spelled):
+            table = [bytes(inverse[c] for c in s) for s in spelled]
+    _BYTES[tokenizer] = table
+    return table
 
 
 class TextStream:

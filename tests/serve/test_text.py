@@ -12,10 +12,21 @@ from evict.tasks.tokenizers import BPETokenizer, ByteTokenizer, CharTokenizer
 CORPUS = ["héllo wörld, the quick brown fox 🦊 jumps — over the lazy dog. ", "naïve café ☕ déjà vu 12345 ", "日本語のテキスト "] * 30
 
 
+def metaspace_bpe() -> BPETokenizer:
+    """A sentencepiece-like BPE (Metaspace: spaces as U+2581, stripped at the start): decoded through windows."""
+    import tokenizers as hf
+
+    tok = hf.Tokenizer(hf.models.BPE())
+    tok.pre_tokenizer = hf.pre_tokenizers.Metaspace()
+    tok.decoder = hf.decoders.Metaspace()
+    tok.train_from_iterator(CORPUS, trainer=hf.trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    return BPETokenizer(tok)
+
+
 @pytest.fixture(scope="module")
 def tokenizers():
     pytest.importorskip("tokenizers")
-    return [ByteTokenizer(), CharTokenizer("".join(CORPUS)), BPETokenizer.train(iter(CORPUS), 400)]
+    return [ByteTokenizer(), CharTokenizer("".join(CORPUS)), BPETokenizer.train(iter(CORPUS), 400), metaspace_bpe()]
 
 
 def stream(tok, ids, stop=()):
@@ -61,8 +72,8 @@ def test_eight_thousand_tokens_stream_in_linear_time(tokenizers):
 
 
 def test_a_decoder_decodes_each_token_window_not_the_whole_text(tokenizers):
-    """The work per token is bounded: count the ids decoded over a long stream."""
-    tok = tokenizers[2]
+    """The work per token is bounded: count the ids decoded over a long stream (a tokenizer not byte-level)."""
+    tok = tokenizers[3]
     seen = []
     decode = tok.decode
     tok.decode = lambda ids: seen.append(len(ids)) or decode(ids)
