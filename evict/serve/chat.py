@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from evict.cli_args import first_line
+
 DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
                          "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 EOS_NAMES = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "</s>", "<eos>", "<|end|>")
@@ -53,7 +55,7 @@ class ChatTemplate:
             return self.template.render(messages=messages, add_generation_prompt=True, bos_token="",
                                         eos_token=self.eos_text)
         except (TemplateError, TypeError, ValueError) as e:
-            raise ValueError(f"the chat template failed on them ({str(e).splitlines()[0][:160] if str(e) else type(e).__name__})") from None
+            raise ValueError(f"the chat template failed on them ({first_line(e)})") from None
 
 
 def eos_token_id(tokenizer) -> int | None:

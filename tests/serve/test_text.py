@@ -68,7 +68,7 @@ def test_eight_thousand_tokens_stream_in_linear_time(tokenizers):
         t0 = time.perf_counter()
         got, _ = stream(tok, ids, ["a stop string that never comes"])
         assert got == tok.decode(ids)
-        assert time.perf_counter() - t0 < 1.0, tok.kind  # the old whole-text decode per token took seconds
+        assert time.perf_counter() - t0 < 2.0, tok.kind  # the old whole-text decode per token: 9 to 40 s here
 
 
 def test_a_decoder_decodes_each_token_window_not_the_whole_text(tokenizers):
