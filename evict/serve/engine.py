@@ -27,8 +27,8 @@ import torch
 from evict.cli_args import first_line
 from evict.generate import Penalties, sample_next
 
-log = logging.getLogger("evict.serve")
 FINISH = ("stop", "length", "cancelled", "error")  # error: this request's step failed (Request.error says why)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
