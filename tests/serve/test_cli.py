@@ -109,7 +109,7 @@ def test_sigterm_fails_the_requests_in_flight_and_exits(model_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "EVICT_API_KEY": "k"}
     proc = subprocess.Popen([sys.executable, "-m", "evict", "serve", "--preset", "deltanet", "--set", "n_layers=1",
                              "d_model=32", "--threads", "1", "--port", str(port), "--served-model-name", "dn",
-                             "--chat-template", str(template), "--shutdown-timeout", "3"],
+                             "--chat-template", str(template), "--shutdown-timeout", "3", "--access-log", "--log-level", "info"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()
@@ -133,6 +133,7 @@ def test_sigterm_fails_the_requests_in_flight_and_exits(model_dir, tmp_path):
         assert result["r"].status_code == 503 and "shutting down" in result["r"].json()["error"]["message"]
         assert proc.wait(timeout=20) == -signal.SIGTERM  # uvicorn re-raises the signal once it has shut down
         assert "Traceback" not in proc.stderr.read()
+        assert '"POST /v1/chat/completions HTTP/1.1" 200' in proc.stdout.read()  # uvicorn's access log
     finally:
         proc.kill()
         proc.wait()
