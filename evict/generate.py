@@ -4,16 +4,73 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
+# below float32's smallest normal number, logits / temperature leaves float32's range: such a temperature is greedy
+GREEDY_BELOW = torch.finfo(torch.float32).tiny
+
+
+@dataclass
+class Penalties:
+    """Logit adjustments from each row's history, applied before temperature (OpenAI / vLLM semantics):
+    logit_bias is added; repetition_penalty r divides a positive logit by r and multiplies a negative one by r for every
+    token in the prompt or the output; frequency_penalty f subtracts f * (times generated); presence_penalty p
+    subtracts p from every token generated at least once. `record` adds a step's tokens (on device, no sync)."""
+
+    counts: torch.Tensor  # [B, V] float32: times each token was generated
+    seen: torch.Tensor  # [B, V] bool: in the prompt or generated
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    bias: torch.Tensor | None = None  # [V] float32, added to every row
+
+    @classmethod
+    def start(cls, prompt: torch.Tensor, vocab: int, *, presence: float = 0.0, frequency: float = 0.0,
+              repetition: float = 1.0, logit_bias: dict[int, float] | None = None) -> Penalties:
+        """prompt [B, T] int64 (the tokens repetition_penalty also counts)."""
+        B, dev = prompt.shape[0], prompt.device
+        seen = torch.zeros(B, vocab, dtype=torch.bool, device=dev).scatter_(1, prompt, True)
+        bias = None
+        if logit_bias:
+            bias = torch.zeros(vocab, dtype=torch.float32, device=dev)
+            bias[torch.tensor(list(logit_bias), device=dev)] = torch.tensor(list(logit_bias.values()), device=dev)
+        return cls(torch.zeros(B, vocab, dtype=torch.float32, device=dev), seen, presence, frequency, repetition, bias)
+
+    def record(self, tokens: torch.Tensor) -> None:
+        """tokens [B] int64: one more generated token per row."""
+        self.counts.scatter_add_(1, tokens[:, None], torch.ones_like(tokens[:, None], dtype=torch.float32))
+        self.seen.scatter_(1, tokens[:, None], True)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] -> adjusted float32 logits [B, V]."""
+        x = logits.float()
+        if self.bias is not None:
+            x = x + self.bias
+        if self.repetition != 1.0:
+            x = torch.where(self.seen, torch.where(x > 0, x / self.repetition, x * self.repetition), x)
+        if self.frequency:
+            x = x - self.frequency * self.counts
+        if self.presence:
+            x = x - self.presence * (self.counts > 0).float()
+        return x
+
 
 def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int | None, top_p: float | None,
-                generator: torch.Generator | None) -> torch.Tensor:
-    """logits [B, V] -> next tokens [B]. temperature 0 = greedy; top_k / top_p filter before sampling."""
-    if temperature == 0:
+                generator: torch.Generator | None, min_p: float | None = None,
+                penalties: Penalties | None = None) -> torch.Tensor:
+    """logits [B, V] -> next tokens [B]. Penalties adjust the logits first; temperature 0 (or below GREEDY_BELOW) =
+    greedy; then, scaled in log space (max subtracted first, so no temperature overflows), min_p keeps tokens whose
+    probability is >= min_p x the largest, top_k / top_p filter, and one token is drawn."""
+    if penalties is not None:
+        logits = penalties.apply(logits)
+    if temperature < GREEDY_BELOW:
         return logits.argmax(-1)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature  # log-probabilities up to a constant; max 0
+    if min_p is not None and min_p > 0:
+        logits = logits.masked_fill(logits < math.log(min_p), float("-inf"))  # p / p_max < min_p
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -104,7 +104,7 @@ async def one_request(client, url: str, model: str, prompt: list[int], max_token
                       seed: int | None) -> dict:
     """Stream one completion; returns its token ids, finish reason and timings."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
-            "return_token_ids": True, **({} if seed is None else {"seed": seed})}
+            "stream_options": {"include_usage": True}, "return_token_ids": True, **({} if seed is None else {"seed": seed})}
     t0 = time.perf_counter()
     ids, times, reason, usage = [], [], None, None
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -114,11 +114,12 @@ async def one_request(client, url: str, model: str, prompt: list[int], max_token
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            c = chunk["choices"][0]
-            if c.get("token_ids"):
-                ids += c["token_ids"]
-                times.append(time.perf_counter())
-            reason, usage = c["finish_reason"] or reason, chunk.get("usage", usage)
+            usage = chunk.get("usage") or usage  # the last event (stream_options.include_usage), with no choices
+            for c in chunk["choices"]:
+                if c.get("token_ids"):
+                    ids += c["token_ids"]
+                    times.append(time.perf_counter())
+                reason = c["finish_reason"] or reason
     return {"prompt": prompt, "max_tokens": max_tokens, "ids": ids, "finish_reason": reason, "usage": usage,
             "ttft": times[0] - t0 if times else float("nan"),
             "tpot": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")}

@@ -85,21 +85,35 @@ def build_engine(args):
 
 def run_serve(args) -> None:
     try:
-        import uvicorn
+        import jinja2  # noqa: F401 (chat templates)
+        import uvicorn  # noqa: F401
 
+        from evict.serve.launch import bind, serve_forever
         from evict.serve.server import build_app
     except ImportError as e:
-        raise SystemExit(f"serve: {e.name} is not installed: pip install 'evict[serve]' (fastapi, uvicorn, httpx)") from None
-    engine, tok, name = build_engine(args)
-    app = build_app(engine, tok, name)
+        raise SystemExit(f"serve: {e.name} is not installed: pip install 'evict[serve]' (fastapi, uvicorn, jinja2)") from None
+    from evict.serve.chat import find_chat_template
+
+    folder = None
+    if args.model is not None:
+        from evict.commands.generate import resolve_model_dir
+
+        folder = resolve_model_dir(args.model)
+    template = find_chat_template(folder, args.chat_template)
+    sock = bind(args.host, args.port)  # before the model loads: a bad --host or a port in use fails at once
+    try:
+        engine, tok, name = build_engine(args)
+        name = args.served_model_name or name
+        app = build_app(engine, tok, name, chat_template=template, api_key=args.api_key)
+    except BaseException:
+        sock.close()
+        raise
     engine.start()
-    print(f"serving {name} on http://{args.host}:{args.port} ({engine.max_batch} slots, {engine.n_blocks} blocks of "
+    host, port = sock.getsockname()[:2]
+    print(f"serving {name} on http://{host}:{port} ({engine.max_batch} slots, {engine.n_blocks} blocks of "
           f"{engine.block_size} tokens, {engine.pool_bytes / 2**20:.1f} MiB pool, {engine.max_len} tokens per sequence)",
           flush=True)
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    finally:
-        engine.stop()
+    serve_forever(app, engine, sock, args)
 
 
 def add_engine_flags(p, *, shared: bool = False) -> None:
@@ -129,8 +143,9 @@ def add_engine_flags(p, *, shared: bool = False) -> None:
 
 
 def add_parser(sub) -> None:
-    s = sub.add_parser("serve", help="serve a model over HTTP (OpenAI completions API, continuous batching)")
+    from evict.serve.launch import add_http_flags
+
+    s = sub.add_parser("serve", help="serve a model over HTTP (OpenAI completions and chat APIs, continuous batching)")
     add_engine_flags(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=positive_int, default=8000)
+    add_http_flags(s)
     s.set_defaults(fn=run_serve)

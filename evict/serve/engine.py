@@ -31,16 +31,18 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from evict.cli_args import first_line
-from evict.generate import sample_next
+from evict.generate import Penalties, sample_next
 
 PRIORITIES = ("decode", "prefill")
-FINISH = ("stop", "length", "cancelled")
+FINISH = ("stop", "length", "cancelled", "error")  # error: this request's step failed (Request.error says why)
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling: temperature 0 = greedy; top_k / top_p filter; seed fixes the request's own generator."""
+    """Per-request sampling (evict.generate.sample_next): temperature 0 = greedy; min_p / top_k / top_p filter; seed
+    fixes the request's own generator; penalties and logit_bias adjust the logits first (evict.generate.Penalties);
+    logprobs N: each token's log-probability and the N most likely (of the model's distribution, before sampling)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -48,6 +50,16 @@ class SamplingParams:
     top_k: int | None = None
     seed: int | None = None
     stop_tokens: tuple[int, ...] = ()
+    min_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    logprobs: int | None = None
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias)
 
 
 @dataclass(eq=False)
@@ -67,6 +79,9 @@ class Request:
     generator: torch.Generator | None = None
     t_submit: float = 0.0
     t_first: float | None = None
+    penalties: Penalties | None = None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # per token: (its, top N)
+    error: str | None = None  # why finish_reason is "error"
 
     @property
     def n_tokens(self) -> int:
@@ -178,15 +193,22 @@ class Engine:
         if p.seed is not None and (not _is_int(p.seed) or not 0 <= p.seed < 2**63):
             raise ValueError(f"seed: expected an integer in [0, 2**63), got {p.seed!r}")
         _check_stop_tokens(p.stop_tokens, self.vocab)
+        check_penalties(p, self.vocab)
         if len(prompt) + p.max_tokens > self.max_len:
             raise ValueError(f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) exceed the "
                              f"server's {self.max_len} tokens per sequence")
 
     def submit(self, prompt: list[int], params: SamplingParams, on_token=None, on_finish=None) -> Request:
         self.check(prompt, params)
+        if self._thread is not None and not self.alive:
+            raise EngineDown("engine: not running (stopped, or its thread died); see the server's log")
         req = Request(list(prompt), params, on_token, on_finish, id=next(self.ids), t_submit=time.perf_counter())
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if params.penalized:
+            req.penalties = Penalties.start(torch.tensor([prompt], device=self.device), self.vocab,
+                                            presence=params.presence_penalty, frequency=params.frequency_penalty,
+                                            repetition=params.repetition_penalty, logit_bias=dict(params.logit_bias))
         self.inbox.put(("add", req))
         return req
 
@@ -317,22 +339,21 @@ class Engine:
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
         nxt = logits.argmax(-1)  # [B]; rows that sample replace theirs
+        failed: dict[int, Exception] = {}
         for i, r in enumerate(reqs):
-            p = r.params
-            if p.temperature > 0:
-                nxt[i] = sample_next(logits[i : i + 1], temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                                     generator=r.generator)[0]
+            if r.params.temperature > 0 or r.penalties is not None:
+                try:
+                    nxt[i] = self._sample_one(r, logits[i : i + 1])
+                except Exception as e:  # this request fails, the others go on
+                    failed[i] = e
         now = time.perf_counter()
-        for r, t in zip(reqs, nxt.tolist()):  # one host sync per step: the tokens go out to the clients
-            r.out.append(t)
-            r.t_first = r.t_first or now
-            self.stats["generated_tokens"] += 1
-            if r.on_token is not None:
-                r.on_token(r, t)
-            if t in r.params.stop_tokens:
-                self._finish(r, "stop")
-            elif len(r.out) >= r.params.max_tokens:
-                self._finish(r, "length")
+        for i, (r, t) in enumerate(zip(reqs, nxt.tolist())):  # one host sync per step: the tokens go out to the clients
+            try:
+                if i in failed:
+                    raise failed[i]
+                self._emit(r, t, nxt[i : i + 1], logits[i], now)
+            except Exception as e:
+                self._fail(r, e)
         self.recent.append((now, len(reqs)))
         while self.recent[0][0] < now - 10:
             self.recent.popleft()
@@ -366,22 +387,83 @@ class Engine:
             self._sample(reqs, logits if len(rows) == len(logits) else logits[torch.tensor(rows, device=self.device)])
         return True
 
+    # -- one request's sampling, its token out, its failure ----------------------------------------------------
+    def _sample_one(self, r: Request, logits: torch.Tensor) -> torch.Tensor:
+        """logits [1, V] -> r's next token [] (on device)."""
+        p = r.params
+        return sample_next(logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, generator=r.generator,
+                           min_p=p.min_p, penalties=r.penalties)[0]
+
+    def _emit(self, r: Request, t: int, t_dev: torch.Tensor, logits: torch.Tensor, now: float) -> None:
+        """Append token t (t_dev [1] on device; logits [V] it was drawn from) to r, tell its client, finish r if done."""
+        r.out.append(t)
+        r.t_first = r.t_first or now
+        self.stats["generated_tokens"] += 1
+        if r.penalties is not None:
+            r.penalties.record(t_dev)
+        if r.params.logprobs is not None:  # a host sync for this request only
+            lp = logits.float().log_softmax(-1)  # [V]
+            top = lp.topk(min(r.params.logprobs, lp.shape[0]))
+            r.logprobs.append((float(lp[t]), list(zip(top.indices.tolist(), top.values.tolist()))))
+        if r.on_token is not None:
+            r.on_token(r, t)
+        if t in r.params.stop_tokens:
+            self._finish(r, "stop")
+        elif len(r.out) >= r.params.max_tokens:
+            self._finish(r, "length")
+
+    def _fail(self, r: Request, e: BaseException) -> None:
+        """Finish r with finish_reason "error" (its slot and blocks freed); never raises."""
+        if r.finish_reason is not None:
+            return
+        r.error = f"{type(e).__name__}: {first_line(e)}"
+        if not isinstance(e, EngineDown):
+            log.error("engine: request %d failed (%s)", r.id, r.error)
+        try:
+            self._finish(r, "error")
+        except Exception:  # its on_finish failed too: r is finished and released all the same
+            pass
+
+    def _fail_all(self, e: BaseException, *, waiting: bool) -> None:
+        """Fail the running requests (a step raised: they were in it), and with `waiting` the queued ones too."""
+        for r in list(self.running) + (list(self.waiting) if waiting else []):
+            self._fail(r, e)
+
     # -- the engine thread --------------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        """The engine thread is running (started, not stopped, not dead)."""
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
     def start(self) -> None:
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="evict-engine", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop after the current step; every request not finished gets finish_reason "error" (shutting down).
+        `timeout`: seconds to wait for the thread (0: do not wait)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self._thread is not None and timeout != 0:
+            self._thread.join(timeout)
 
     def _loop(self) -> None:
-        with torch.inference_mode():
-            while not self._stop.is_set():
-                if not self.step():
-                    self._drain(block=True)
+        try:
+            with torch.inference_mode():
+                while not self._stop.is_set():
+                    try:
+                        busy = self.step()
+                    except Exception as e:  # a forward or the scheduler failed: its requests fail, the engine goes on
+                        log.error("engine: a step failed (%s: %s); its %d requests get an error", type(e).__name__,
+                                  first_line(e), len(self.running))
+                        self._fail_all(e, waiting=False)
+                        busy = True
+                    if not busy:
+                        self._drain(block=True)
+        finally:  # stopped, or this thread dies: nobody may wait for an answer that will not come
+            self._stop.set()
+            self._drain(block=False)
+            self._fail_all(EngineDown("the server is shutting down"), waiting=True)
 
     def run_until_idle(self) -> None:
         """Step in this thread until every submitted request has finished (tests, offline use)."""
@@ -400,6 +482,28 @@ class Engine:
                 "blocks_used": self.n_blocks - len(self.free_blocks), "blocks_total": self.n_blocks,
                 "pool_bytes": self.pool_bytes, "peak_memory_bytes": peak,
                 "pool_peak_used_bytes": self.peak_blocks * self.block_bytes + self.max_batch * self.slot_bytes}
+
+
+class EngineDown(RuntimeError):
+    """The engine thread is not running: a request cannot be served."""
+
+
+def check_penalties(p: SamplingParams, vocab: int) -> None:
+    """ValueError (one line, naming the field) unless min_p, the penalties, logit_bias and logprobs are valid."""
+    from evict.generate import _is_int, _is_real
+
+    if p.min_p is not None and (not _is_real(p.min_p) or not 0 <= p.min_p <= 1):
+        raise ValueError(f"min_p: expected a number in [0, 1], got {p.min_p!r}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not _is_real(getattr(p, name)) or not -2 <= getattr(p, name) <= 2:
+            raise ValueError(f"{name}: expected a number in [-2, 2], got {getattr(p, name)!r}")
+    if not _is_real(p.repetition_penalty) or p.repetition_penalty <= 0:
+        raise ValueError(f"repetition_penalty: expected a number > 0, got {p.repetition_penalty!r}")
+    for t, b in p.logit_bias:
+        if not _is_int(t) or not 0 <= t < vocab or not _is_real(b) or not -100 <= b <= 100:
+            raise ValueError(f"logit_bias: expected token ids in [0, {vocab}) with biases in [-100, 100], got {t!r}: {b!r}")
+    if p.logprobs is not None and (not _is_int(p.logprobs) or not 0 <= p.logprobs <= 20):
+        raise ValueError(f"logprobs: expected an integer in [0, 20], got {p.logprobs!r}")
 
 
 def _max_rss() -> int:

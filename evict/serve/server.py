@@ -1,95 +1,199 @@
-"""OpenAI-compatible HTTP front of the engine (FastAPI + uvicorn).
+"""OpenAI-compatible HTTP front of the engine (FastAPI + uvicorn; requests are the pydantic models of
+evict.serve.protocol, so GET /openapi.json and /docs describe them).
 
-    POST /v1/completions   prompt (text or token ids), max_tokens, temperature (0 = greedy), top_p, top_k, seed, stop,
-                           stream (server-sent `data:` events ending with `data: [DONE]`); extension: return_token_ids
-    GET  /v1/models        the one model served
-    GET  /health           {"status": "ok"}
-    GET  /metrics          Prometheus text: running / waiting requests, tokens/s, slot and cache-pool use, peak memory
-A bad request gets a 4xx JSON error in OpenAI's shape ({"error": {"message", "type", "param"}}); a client that
-disconnects (streaming or not) has its request cancelled, which frees its slot at the engine's next step.
+    POST /v1/completions        prompt (text or token ids), echo, logprobs (top N), n, stream (server-sent `data:`
+                                events ending with `data: [DONE]`, stream_options.include_usage), and the sampling
+                                fields of protocol.Sampling; extension: return_token_ids
+    POST /v1/chat/completions   messages through the model's chat template (evict.serve.chat), the same sampling
+                                fields, logprobs / top_logprobs, n, stream
+    GET  /v1/models             the one model served
+    GET  /health                200 {"status": "ok"} while the engine thread runs, else 503
+    GET  /metrics               Prometheus text: running / waiting requests, tokens/s, slot and cache-pool use, memory
+Every error (a bad field, 401, 404, 405, a failed step, shutting down) is JSON in OpenAI's shape: {"error": {"message":
+"<param>: <what was expected>", "type", "param", "code"}}; a request whose step failed gets a 500 (streaming: an
+`error` event), the others go on. The tokenizer's end-of-text token (evict.serve.chat.eos_token_id) and the
+request's stop_token_ids end a choice with finish_reason "stop" (their text is not returned). A client that hangs up
+(streaming or not) has its requests cancelled, which frees their slots at the engine's next step. With an api_key,
+/v1/ routes need `Authorization: Bearer <key>`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import threading
 import time
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
-from evict.serve.engine import Engine, SamplingParams
+from evict.serve.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, eos_token_id
+from evict.serve.engine import Engine, EngineDown, SamplingParams
+from evict.serve.engine import Request as EngineRequest
+from evict.serve.protocol import BadRequest, ChatRequest, CompletionRequest, Sampling, sampling_params, stop_strings
 from evict.serve.text import TextStream
 
-
-class BadRequest(ValueError):
-    def __init__(self, param: str, message: str, status: int = 400):
-        super().__init__(f"{param}: {message}")
-        self.param, self.status = param, status
+KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
+         413: "invalid_request_error", 422: "invalid_request_error"}
 
 
-def _field(body: dict, name: str, kinds: tuple, default, ok=lambda v: True, want: str = ""):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds) or not ok(value):
-        raise BadRequest(name, f"expected {want}, got {json.dumps(value)[:80]}")
-    return value
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    kind = KINDS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": " ".join(message.split())[:500], "type": kind, "param": param, "code": status}}
 
 
-def parse_request(body, tokenizer, model_name: str) -> tuple[list[int], SamplingParams, dict]:
-    """The completion request's JSON -> (prompt ids, sampling params, options); BadRequest names the bad field."""
-    if not isinstance(body, dict):
-        raise BadRequest("body", "expected a JSON object")
-    model = body.get("model")
-    if model is not None and model != model_name:
-        raise BadRequest("model", f"this server serves {model_name!r}, got {str(model)[:80]!r}", status=404)
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        if not prompt:
-            raise BadRequest("prompt", "expected a non-empty string or list of token ids")
+def error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+@dataclass
+class Delta:
+    """What one engine event adds to one choice."""
+
+    index: int
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)  # (token, its, top N)
+    finish: str | None = None
+    error: str | None = None
+
+
+class Choice:
+    """One choice = one engine request: its events -> Deltas (text through a TextStream, stop ids' text dropped)."""
+
+    def __init__(self, index: int, tokenizer, stop: list[str], stop_ids: tuple[int, ...]):
+        self.index, self.text, self.stop_ids = index, TextStream(tokenizer, stop), set(stop_ids)
+        self.done, self.tokens = False, 0
+        self.req: EngineRequest | None = None
+
+    def handle(self, kind: str, value, extra, cancel) -> Delta | None:
+        if self.done:  # a step the engine ran past a stop text
+            return None
+        d = Delta(self.index)
+        if kind == "token":
+            self.tokens += 1
+            d.ids = [value]
+            if extra is not None:
+                d.logprobs = [(value, *extra)]
+            if value not in self.stop_ids:
+                d.text, stopped = self.text.feed(value)
+                if stopped:
+                    self.done, d.finish = True, "stop"
+                    cancel(self.req)
+            return d
+        self.done = True
+        if value == "error":
+            d.error = extra
+        else:
+            d.text, d.finish = self.text.flush(), value
+        return d
+
+
+class Generation:
+    """The n choices of one HTTP request, submitted together; `deltas()` yields their Deltas as they come."""
+
+    def __init__(self, engine: Engine, tokenizer, ids: list[int], params: list[SamplingParams], stop: list[str]):
+        self.engine, self.ids = engine, ids
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue[tuple] = asyncio.Queue()
+        self.choices = [Choice(i, tokenizer, stop, p.stop_tokens) for i, p in enumerate(params)]
         try:
-            ids = [int(t) for t in tokenizer.encode(prompt)]
-        except ValueError as e:
-            raise BadRequest("prompt", str(e)) from None
-    elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        ids = prompt
-    else:
-        raise BadRequest("prompt", "expected a non-empty string or list of token ids (one prompt per request)")
-    number = (int, float)
-    params = SamplingParams(
-        max_tokens=_field(body, "max_tokens", (int,), 16, lambda v: v >= 1, "a positive integer"),
-        temperature=float(_field(body, "temperature", number, 1.0, lambda v: 0 <= v < float("inf"), "a number >= 0")),
-        top_p=_field(body, "top_p", number, None, lambda v: 0 < v <= 1, "a number in (0, 1]"),
-        top_k=_field(body, "top_k", (int,), None, lambda v: v >= 1 or v == -1, "a positive integer (or -1: off)"),
-        seed=_field(body, "seed", (int,), None, lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)"))
-    if params.top_k == -1:
-        params = SamplingParams(**{**params.__dict__, "top_k": None})
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop
-    if stop is not None and not (isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop)):
-        raise BadRequest("stop", "expected a non-empty string or a list of at most 4 of them")
-    for name, default in (("n", 1), ("best_of", 1)):
-        _field(body, name, (int,), default, lambda v: v == 1, "1 (one choice per request)")
-    if body.get("echo") or body.get("logprobs") is not None:
-        raise BadRequest("echo" if body.get("echo") else "logprobs", "not supported by this server")
-    opts = {"stream": _field(body, "stream", (bool,), False, want="true or false"), "stop": stop or [],
-            "return_token_ids": _field(body, "return_token_ids", (bool,), False, want="true or false")}
-    return ids, params, opts
+            for c, p in zip(self.choices, params):
+                c.req = engine.submit(ids, p, on_token=self._on_token(c.index), on_finish=self._on_finish(c.index))
+        except BaseException:
+            self.cancel()
+            raise
+
+    def _put(self, *event) -> None:  # from the engine thread
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: the server is gone
+            pass
+
+    def _on_token(self, i: int):
+        return lambda r, t: self._put(i, "token", t, r.logprobs[-1] if r.params.logprobs is not None else None)
+
+    def _on_finish(self, i: int):
+        return lambda r: self._put(i, "finish", r.finish_reason, r.error)
+
+    async def deltas(self):
+        left = sum(not c.done for c in self.choices)
+        while left:
+            i, kind, value, extra = await self.events.get()
+            d = self.choices[i].handle(kind, value, extra, self.engine.cancel)
+            if d is not None:
+                left -= d.finish is not None or d.error is not None
+                yield d
+
+    def cancel(self) -> None:
+        for c in self.choices:
+            if c.req is not None and c.req.finish_reason is None:
+                self.engine.cancel(c.req)
+
+    def usage(self) -> dict:
+        n = sum(c.tokens for c in self.choices)
+        return {"prompt_tokens": len(self.ids), "completion_tokens": n, "total_tokens": len(self.ids) + n}
 
 
-def build_app(engine: Engine, tokenizer, model_name: str):
-    app = FastAPI(title="evict serve")
+def failure_status(message: str) -> int:
+    """A choice's step failed (500), or the engine is stopping (503)."""
+    return 503 if message.startswith(EngineDown.__name__) else 500
+
+
+def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str = DEFAULT_CHAT_TEMPLATE,
+              api_key: str | None = None):
+    app = FastAPI(title="evict serve", version="1")
     counter = iter(range(1, 1 << 62))
+    eos = eos_token_id(tokenizer)
+    template = ChatTemplate(chat_template, tokenizer.decode([eos]) if eos is not None else "")
 
-    def error(e: BadRequest) -> JSONResponse:
-        kind = "invalid_request_error" if e.status == 400 else "not_found_error"
-        return JSONResponse({"error": {"message": str(e), "type": kind, "param": e.param, "code": None}}, status_code=e.status)
+    def token_text(t: int) -> str:
+        s = tokenizer.decode([t])
+        return f"token_id:{t}" if "\ufffd" in s else s  # a token that is part of a character
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc: RequestValidationError):
+        e = exc.errors()[0]
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        param = loc[0] if loc and e.get("type") != "json_invalid" else "body"
+        msg = e.get("msg", "invalid")
+        if e.get("type") == "extra_forbidden":
+            msg = "not a field this server honours (it is refused, not ignored)"
+        elif e.get("type") == "json_invalid":
+            msg = "expected a JSON object (the body is not valid JSON)"
+        elif len(loc) > 1 and loc[1] not in ("str", "int", "float", "bool"):
+            msg = f"at {'.'.join(loc[1:])}: {msg}"
+        return error(400, f"{param}: {msg}", param)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc: HTTPException):
+        param = "body" if exc.status_code == 400 else None
+        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        return error(exc.status_code, f"body: {detail}" if param else f"{detail}: {request.method} {request.url.path}",
+                     param)
+
+    @app.exception_handler(Exception)
+    async def crash(request, exc: Exception):
+        return error(500, f"{type(exc).__name__}: {str(exc)[:200]}")
+
+    if api_key:
+        @app.middleware("http")
+        async def auth(request: Request, call_next):
+            if request.url.path.startswith("/v1/"):
+                got = request.headers.get("authorization", "")
+                if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+                    return error(401, "expected the header Authorization: Bearer <the server's --api-key>")
+            return await call_next(request)
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        if not engine.alive:
+            return JSONResponse({"status": "error", "engine": "not running"}, status_code=503)
+        return {"status": "ok", "engine": "running"}
 
     @app.get("/v1/models")
     async def models():
@@ -100,81 +204,193 @@ def build_app(engine: Engine, tokenizer, model_name: str):
     async def metrics():
         return PlainTextResponse(prometheus(engine.metrics()), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    def start(body: Sampling, ids: list[int], *, max_tokens: int, logprobs: int | None) -> Generation:
+        if body.model is not None and body.model != model_name:
+            raise BadRequest("model", f"this server serves {model_name!r}, got {body.model[:80]!r}", status=404)
+        if body.max_tokens is not None:
+            max_tokens = body.max_tokens
+        stops = (eos,) if eos is not None else ()
+        params = [sampling_params(body, max_tokens=max_tokens, stop_tokens=stops, logprobs=logprobs, index=i)
+                  for i in range(body.n)]
         try:
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise BadRequest("body", "expected a JSON object") from None
-            ids, params, opts = parse_request(body, tokenizer, model_name)
-            loop = asyncio.get_running_loop()
-            events: asyncio.Queue[tuple] = asyncio.Queue()
-            put = lambda *ev: loop.call_soon_threadsafe(events.put_nowait, ev)  # noqa: E731 (engine thread -> loop)
-            req = engine.submit(ids, params, on_token=lambda r, t: put("token", t), on_finish=lambda r: put("finish", r.finish_reason))
-        except BadRequest as e:
-            return error(e)
-        except ValueError as e:  # the engine's own check (sizes against the pool)
+            return Generation(engine, tokenizer, ids, params, stop_strings(body))
+        except EngineDown as e:
+            raise BadRequest(None, str(e), status=503) from None
+        except ValueError as e:  # the engine's door: one line naming the field
             msg = str(e)
-            return error(BadRequest(msg.split(":", 1)[0], msg.split(": ", 1)[-1]))
-        head = {"id": f"cmpl-{next(counter)}", "object": "text_completion", "created": int(time.time()), "model": model_name}
-        text = TextStream(tokenizer, opts["stop"])
+            param = msg.split(":", 1)[0]
+            param = {"stop_tokens": "stop_token_ids", "prompt": "messages" if isinstance(body, ChatRequest) else "prompt"}.get(param, param)
+            raise BadRequest(param, msg.split(": ", 1)[-1]) from None
 
-        def usage() -> dict:  # the tokens this reply carries (the engine may have run a step past a stop text)
-            n = len(text.ids)
-            return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
-
-        def on_event(kind: str, value) -> tuple[str, list[int], str | None]:
-            """An engine event -> (text piece, new ids, finish reason or None); a stop text cancels the request."""
-            if kind == "finish":
-                return text.flush(), [], value
-            piece, stopped = text.feed(value)
-            if stopped:
-                engine.cancel(req)
-                return piece, [value], "stop"
-            return piece, [value], None
-
-        def choice(piece: str, new_ids: list[int], reason) -> dict:
-            c = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
-            if opts["return_token_ids"]:
-                c["token_ids"] = new_ids
-            return c
-
-        if opts["stream"]:
+    async def respond(request: Request, gen: Generation, stream: bool, include_usage: bool, chunk, final):
+        """Stream `chunk(delta)` events, or gather the deltas and answer `final(per-choice deltas)`."""
+        if stream:
             async def sse():
                 try:
-                    reason = None
-                    while reason is None:
-                        piece, new_ids, reason = on_event(*await events.get())
-                        chunk = {**head, "choices": [choice(piece, new_ids, reason)]}
-                        if reason is not None:
-                            chunk["usage"] = usage()
-                        yield f"data: {json.dumps(chunk)}\n\n"
+                    for c in gen.choices:
+                        first = chunk(Delta(c.index), opening=True)
+                        if first is not None:
+                            yield f"data: {json.dumps(first)}\n\n"
+                    async for d in gen.deltas():
+                        if d.error is not None:
+                            gen.cancel()
+                            yield f"data: {json.dumps(error_body(failure_status(d.error), d.error))}\n\n"
+                            break
+                        event = chunk(d, opening=False)
+                        if event is not None:
+                            yield f"data: {json.dumps(event)}\n\n"
+                    else:
+                        if include_usage:
+                            yield f"data: {json.dumps({**chunk(None, opening=False), 'usage': gen.usage()})}\n\n"
                     yield "data: [DONE]\n\n"
                 finally:  # also when the client went away (the generator is closed or cancelled)
-                    if req.finish_reason is None:
-                        engine.cancel(req)
+                    gen.cancel()
 
             return StreamingResponse(sse(), media_type="text/event-stream")
-        async def watch() -> None:  # the request's body is read: the next ASGI message is the client hanging up
+
+        async def watch() -> None:  # the body is read: the next ASGI message is the client hanging up
             while (await request.receive())["type"] != "http.disconnect":
                 pass
-            engine.cancel(req)
+            gen.cancel()
 
         watcher = asyncio.create_task(watch())
-        pieces, all_ids, reason = [], [], None
+        per: list[list[Delta]] = [[] for _ in gen.choices]
         try:
-            while reason is None:
-                piece, new_ids, reason = on_event(*await events.get())
-                pieces.append(piece)
-                all_ids += new_ids
+            async for d in gen.deltas():
+                if d.error is not None:
+                    return error(failure_status(d.error), d.error)
+                per[d.index].append(d)
         finally:  # also when the handler itself is cancelled
             watcher.cancel()
-            if req.finish_reason is None and reason is None:
-                engine.cancel(req)
-        if reason == "cancelled":
+            gen.cancel()
+        if any(ds[-1].finish == "cancelled" for ds in per):
             return None  # the client is gone
-        return {**head, "choices": [choice("".join(pieces), all_ids, reason)], "usage": usage()}
+        return final(per)
+
+    def head(kind: str) -> dict:
+        return {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{next(counter)}", "object": kind,
+                "created": int(time.time()), "model": model_name}
+
+    def completion_logprobs(entries, offset: int) -> dict:
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, lp, top in entries:
+            s = token_text(t)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append({token_text(i): v for i, v in top})
+            out["text_offset"].append(offset)
+            offset += len(s)
+        return out
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        try:
+            if body.echo and body.logprobs is not None:
+                raise BadRequest("echo", "with logprobs: the prompt's log-probabilities are not computed by this server")
+            if body.best_of is not None and body.best_of != body.n:
+                raise BadRequest("best_of", "expected n (this server does not rank choices)")
+            if isinstance(body.prompt, str):
+                if not body.prompt:
+                    raise BadRequest("prompt", "expected a non-empty string or list of token ids")
+                try:
+                    ids = [int(t) for t in tokenizer.encode(body.prompt)]
+                except ValueError as e:
+                    raise BadRequest("prompt", str(e)) from None
+            else:
+                ids = body.prompt
+            gen = start(body, ids, max_tokens=16, logprobs=body.logprobs)
+        except BadRequest as e:
+            return error(e.status, str(e), e.param)
+        h = head("text_completion")
+        echo = (body.prompt if isinstance(body.prompt, str) else tokenizer.decode(ids)) if body.echo else ""
+        offsets = [len(echo)] * body.n
+
+        def piece(d: Delta) -> dict:
+            c: dict = {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": d.finish}
+            if body.logprobs is not None:
+                c["logprobs"] = completion_logprobs(d.logprobs, offsets[d.index])
+                offsets[d.index] += sum(len(x) for x in c["logprobs"]["tokens"])
+            if body.return_token_ids:
+                c["token_ids"] = d.ids
+            return c
+
+        def chunk(d: Delta | None, *, opening: bool) -> dict | None:
+            if d is None:
+                return {**h, "choices": []}
+            if opening:
+                return {**h, "choices": [{"index": d.index, "text": echo, "logprobs": None, "finish_reason": None}]} if echo else None
+            if not (d.text or d.finish or d.logprobs or (body.return_token_ids and d.ids)):
+                return None
+            return {**h, "choices": [piece(d)]}
+
+        def final(per: list[list[Delta]]) -> dict:
+            choices = []
+            for i, ds in enumerate(per):
+                joined = Delta(i, echo + "".join(d.text for d in ds), [t for d in ds for t in d.ids],
+                               [e for d in ds for e in d.logprobs], ds[-1].finish)
+                choices.append(piece(joined))
+            return {**h, "choices": choices, "usage": gen.usage()}
+
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        return await respond(request, gen, body.stream, include, chunk, final)
+
+    def chat_logprobs(entries) -> dict:
+        def one(t: int, lp: float) -> dict:
+            s = token_text(t)
+            return {"token": s, "logprob": lp, "bytes": None if s.startswith("token_id:") else list(s.encode())}
+
+        return {"content": [{**one(t, lp), "top_logprobs": [one(i, v) for i, v in top]} for t, lp, top in entries]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        try:
+            if body.top_logprobs is not None and not body.logprobs:
+                raise BadRequest("top_logprobs", "needs logprobs: true")
+            if body.max_completion_tokens is not None:
+                if body.max_tokens is not None and body.max_tokens != body.max_completion_tokens:
+                    raise BadRequest("max_completion_tokens", "differs from max_tokens (give one of them)")
+                body.max_tokens = body.max_completion_tokens
+            try:
+                text = template.render([{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                                        for m in body.messages])
+                ids = [int(t) for t in tokenizer.encode(text)]
+            except ValueError as e:
+                raise BadRequest("messages", str(e)) from None
+            if not ids:
+                raise BadRequest("messages", "the chat template made an empty prompt of them")
+            n_lp = (body.top_logprobs or 0) if body.logprobs else None
+            gen = start(body, ids, max_tokens=max(engine.max_len - len(ids), 1), logprobs=n_lp)
+        except BadRequest as e:
+            return error(e.status, str(e), e.param)
+        h = head("chat.completion.chunk" if body.stream else "chat.completion")
+
+        def chunk(d: Delta | None, *, opening: bool) -> dict | None:
+            if d is None:
+                return {**h, "choices": []}
+            if opening:
+                return {**h, "choices": [{"index": d.index, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}]}
+            if not (d.text or d.finish or d.logprobs or (body.return_token_ids and d.ids)):
+                return None
+            c: dict = {"index": d.index, "delta": {"content": d.text} if d.text else {},
+                       "logprobs": chat_logprobs(d.logprobs) if body.logprobs else None, "finish_reason": d.finish}
+            if body.return_token_ids:
+                c["token_ids"] = d.ids
+            return {**h, "choices": [c]}
+
+        def final(per: list[list[Delta]]) -> dict:
+            choices = []
+            for i, ds in enumerate(per):
+                c: dict = {"index": i, "message": {"role": "assistant", "content": "".join(d.text for d in ds)},
+                           "logprobs": chat_logprobs([e for d in ds for e in d.logprobs]) if body.logprobs else None,
+                           "finish_reason": ds[-1].finish}
+                if body.return_token_ids:
+                    c["token_ids"] = [t for d in ds for t in d.ids]
+                choices.append(c)
+            return {**h, "choices": choices, "usage": gen.usage()}
+
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        return await respond(request, gen, body.stream, include, chunk, final)
 
     return app
 
@@ -184,7 +400,7 @@ def prometheus(m: dict) -> str:
     rows = [("requests_running", "gauge", "requests holding a slot", m["running"]),
             ("requests_waiting", "gauge", "requests queued (new or preempted)", m["waiting"]),
             ("requests_total", "counter", "requests received", m["requests"]),
-            ("requests_finished_total", "counter", "requests finished (stop, length or cancelled)", m["finished"]),
+            ("requests_finished_total", "counter", "requests finished (stop, length, cancelled or error)", m["finished"]),
             ("requests_cancelled_total", "counter", "requests cancelled (client gone, stop text seen)", m["cancelled"]),
             ("preemptions_total", "counter", "requests preempted (freed, to be recomputed)", m["preemptions"]),
             ("generated_tokens_total", "counter", "tokens generated", m["generated_tokens"]),

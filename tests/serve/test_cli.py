@@ -64,6 +64,11 @@ def test_served_text_equals_evict_generate(model_dir, capsys):
     (["serve", "--preset", "attention", "--cuda-graphs", "on"], "--cuda-graphs"),  # a CPU device
     (["serve", "--preset", "attention", "--max-num-batched-tokens", "4"], "--max-num-batched-tokens"),  # < max batch
     (["serve", "--preset", "attention", "--priority", "fifo"], "--priority"),
+    (["serve", "--preset", "attention", "--port", "70000"], "--port"), (["serve", "--preset", "attention", "--port", "0"], "--port"),
+    (["serve", "--preset", "attention", "--host", "999.1.1.1"], "--host"),
+    (["serve", "--preset", "attention", "--log-level", "loud"], "--log-level"),
+    (["serve", "--preset", "attention", "--shutdown-timeout", "-1"], "--shutdown-timeout"),
+    (["serve", "--preset", "attention", "--port", "8", "--chat-template", "/nonexistent.jinja"], "--chat-template"),
 ])
 def test_bad_flags_are_one_line_exit_2(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
@@ -71,3 +76,67 @@ def test_bad_flags_are_one_line_exit_2(argv, flag, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and flag in err
+
+
+def test_a_port_in_use_is_one_line_exit_2_and_never_serving(capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--preset", "attention", "--port", str(port)])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and "serving" not in out
+    assert len(err.strip().splitlines()) == 1 and "--port" in err and "in use" in err
+
+
+def test_sigterm_fails_the_requests_in_flight_and_exits(model_dir, tmp_path):
+    """A recurrent model asked for 1,000,000 tokens: SIGTERM answers that request with a 503 and the process exits."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "EVICT_API_KEY": "k"}
+    proc = subprocess.Popen([sys.executable, "-m", "evict", "serve", "--preset", "deltanet", "--set", "n_layers=1",
+                             "d_model=32", "--threads", "1", "--port", str(port), "--served-model-name", "dn",
+                             "--chat-template", str(template), "--shutdown-timeout", "3", "--access-log", "--log-level", "info"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith(f"serving dn on http://127.0.0.1:{port}"), (line, proc.stderr.read() if proc.poll() else "")
+        url, auth = f"http://127.0.0.1:{port}", {"authorization": "Bearer k"}
+        chat = httpx.post(f"{url}/v1/chat/completions", headers=auth, json={"model": "dn", "max_tokens": 3,
+                          "messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == 2  # the template: content only
+        result = {}
+
+        def ask():
+            result["r"] = httpx.post(f"{url}/v1/completions", headers=auth, timeout=60,
+                                     json={"prompt": "hi", "max_tokens": 1_000_000})
+
+        t = threading.Thread(target=ask)
+        t.start()
+        while "evict_requests_running 1" not in httpx.get(f"{url}/metrics").text:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        t.join(20)
+        assert result["r"].status_code == 503 and "shutting down" in result["r"].json()["error"]["message"]
+        assert proc.wait(timeout=20) == -signal.SIGTERM  # uvicorn re-raises the signal once it has shut down
+        assert "Traceback" not in proc.stderr.read()
+        assert '"POST /v1/chat/completions HTTP/1.1" 200' in proc.stdout.read()  # uvicorn's access log
+    finally:
+        proc.kill()
+        proc.wait()

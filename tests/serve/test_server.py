@@ -54,11 +54,12 @@ async def complete(client, url, body) -> dict:
             if line == "data: [DONE]":
                 done = True
                 continue
-            c = json.loads(line[6:])["choices"][0]
-            ids += c.get("token_ids", [])
-            text += c["text"]
-            reason = c["finish_reason"] or reason
-            usage = json.loads(line[6:]).get("usage", usage)
+            event = json.loads(line[6:])
+            usage = event.get("usage", usage)
+            for c in event["choices"]:
+                ids += c.get("token_ids", [])
+                text += c["text"]
+                reason = c["finish_reason"] or reason
     assert done
     return {"choices": [{"text": text, "token_ids": ids, "finish_reason": reason}], "usage": usage}
 
@@ -80,7 +81,7 @@ def test_64_concurrent_requests_complete_and_equal_generate(served):
     async def main():
         async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=80)) as client:
             bodies = [{"model": "tiny-hybrid", "prompt": p, "max_tokens": n, "temperature": 0, "return_token_ids": True,
-                       "stream": i % 2 == 0} for i, (p, n) in enumerate(jobs)]
+                       "stream": i % 2 == 0, **({"stream_options": {"include_usage": True}} if i % 2 == 0 else {})} for i, (p, n) in enumerate(jobs)]
             return await asyncio.gather(*(complete(client, url, b) for b in bodies))
 
     before = engine.stats["preemptions"]
@@ -107,7 +108,7 @@ def test_text_prompt_stop_and_sampling(served):
     body = {"prompt": "hello", "max_tokens": 8, "temperature": 0.9, "top_p": 0.9, "top_k": 40, "seed": 5, "return_token_ids": True}
     a, b = (httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["token_ids"] for _ in range(2))
     assert a == b and len(a) == 8
-    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{url}/health").json() == {"status": "ok", "engine": "running"}
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny-hybrid"
     wait_idle(url, engine)
 
@@ -118,7 +119,13 @@ def test_text_prompt_stop_and_sampling(served):
     ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"), ({"prompt": "hi", "max_tokens": "4"}, 400, "max_tokens"),
     ({"prompt": "hi", "temperature": -1}, 400, "temperature"), ({"prompt": "hi", "top_p": 2}, 400, "top_p"),
     ({"prompt": "hi", "top_k": 0}, 400, "top_k"), ({"prompt": "hi", "seed": -3}, 400, "seed"),
-    ({"prompt": "hi", "stop": [1]}, 400, "stop"), ({"prompt": "hi", "n": 2}, 400, "n"),
+    ({"prompt": "hi", "stop": [1]}, 400, "stop"), ({"prompt": "hi", "n": 0}, 400, "n"),
+    ({"prompt": "hi", "suffix": "x"}, 400, "suffix"), ({"prompt": "hi", "logit_bias": {"a": 1}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"3": 200}}, 400, "logit_bias"), ({"prompt": "hi", "min_p": 2}, 400, "min_p"),
+    ({"prompt": "hi", "echo": True, "logprobs": 2}, 400, "echo"), ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"), ({"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"), (b'{"prompt": "hi", "temperature": 1e400}', 400, "temperature"),
+    ({"prompt": "hi", "stop_token_ids": [999]}, 400, "stop_token_ids"), (b"[" * 100_000 + b"]" * 100_000, 400, "body"),
     ({"prompt": "hi", "stream": "yes"}, 400, "stream"), ({"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
 ])

@@ -1,0 +1,230 @@
+"""The server as a user of the official `openai` client sees it, over a real socket: completions and chat, streaming
+and not, n, logprobs (against the model's own log-softmax), echo, penalties and logit_bias, EOS ending a choice with
+"stop", the api key, OpenAI-shaped 404 / 405, a failing sampler failing only its request, a dead engine thread
+reported by /health and answered with errors (never a hang), and a stop failing what is in flight."""
+
+import threading
+
+import httpx
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from evict.models import LM, presets  # noqa: E402
+from evict.serve.engine import Engine  # noqa: E402
+from evict.serve.server import ServerThread, build_app  # noqa: E402
+from evict.tasks.tokenizers import ByteTokenizer  # noqa: E402
+from tests.serve.conftest import FAILING_TEMPERATURE  # noqa: E402
+
+NAME = "tiny"
+
+
+class EosBytes(ByteTokenizer):
+    def __init__(self, eos: int):
+        self.eos_id = eos
+
+
+@pytest.fixture(scope="module")
+def setup():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = LM(presets.get("kimi_linear", n_layers=2, init_std=0.2)).eval()
+    engine = Engine(model, max_batch=8, cache_budget=8 << 20, block_size=8, prefill_chunk=16, max_len=256)
+    engine.start()
+    yield model, engine
+    engine.stop()
+    torch.set_num_threads(n)
+
+
+def alone(model, prompt, n) -> list[int]:
+    return model.generate(torch.tensor([prompt]), max_new_tokens=n, temperature=0, prefill_chunk=16)[0, len(prompt):].tolist()
+
+
+def serve(engine, tok=None, **kw):
+    return ServerThread(build_app(engine, tok or ByteTokenizer(), NAME, **kw))
+
+
+def client(url, key="none"):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def test_completions_streaming_and_not_equal_generate(setup):
+    model, engine = setup
+    want = ByteTokenizer().decode(alone(model, list(b"To be"), 12))
+    with serve(engine) as url:
+        c = client(url)
+        r = c.completions.create(model=NAME, prompt="To be", max_tokens=12, temperature=0)
+        assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
+        assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == 5
+        chunks = list(c.completions.create(model=NAME, prompt="To be", max_tokens=12, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
+        assert chunks[-1].usage.completion_tokens == 12
+        echo = c.completions.create(model=NAME, prompt="To be", max_tokens=12, temperature=0, echo=True)
+        assert echo.choices[0].text == "To be" + want
+        assert [m.id for m in c.models.list()] == [NAME]
+
+
+def test_n_choices_seeds_and_logprobs(setup):
+    model, engine = setup
+    prompt = list(b"abc")
+    with serve(engine) as url:
+        c = client(url)
+        r = c.completions.create(model=NAME, prompt="abc", max_tokens=6, temperature=1.0, n=3, seed=7, logprobs=3,
+                                 extra_body={"return_token_ids": True})
+        again = c.completions.create(model=NAME, prompt="abc", max_tokens=6, temperature=1.0, n=3, seed=7,
+                                     extra_body={"return_token_ids": True})
+        assert [ch.index for ch in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 18
+        ids = [ch.model_extra["token_ids"] for ch in r.choices]
+        assert ids == [ch.model_extra["token_ids"] for ch in again.choices]  # seed + i per choice: reproducible
+        assert len({tuple(x) for x in ids}) > 1  # and the choices differ
+        for ch, out in zip(r.choices, ids):  # each token's logprob is the model's log-softmax at its position
+            with torch.no_grad():
+                lp = model(torch.tensor([prompt + out]))[0, len(prompt) - 1 : -1].double().log_softmax(-1)
+            want = [lp[i, t].item() for i, t in enumerate(out)]
+            assert ch.logprobs.token_logprobs == pytest.approx(want, abs=1e-4)
+            assert all(len(top) == 3 for top in ch.logprobs.top_logprobs)
+            best = [v for i in range(len(out)) for v in lp[i].topk(3).values.tolist()]
+            got = [v for top in ch.logprobs.top_logprobs for v in sorted(top.values(), reverse=True)]
+            assert got == pytest.approx(best, abs=1e-4)
+
+
+def test_logit_bias_and_penalties_reach_the_sampler(setup):
+    model, engine = setup
+    with serve(engine) as url:
+        c = client(url)
+        r = c.completions.create(model=NAME, prompt="hi", max_tokens=8, temperature=1.0, seed=1,
+                                 logit_bias={str(ord("z")): 100}, extra_body={"return_token_ids": True})
+        assert r.choices[0].text == "z" * 8
+        # a strong presence penalty forbids repeating a token under greedy decoding
+        r = c.completions.create(model=NAME, prompt="hi", max_tokens=10, temperature=0, presence_penalty=2.0,
+                                 extra_body={"return_token_ids": True, "repetition_penalty": 1.0})
+        plain = alone(model, list(b"hi"), 10)
+        assert len(set(plain)) < 10  # greedy repeats ...
+        got = r.choices[0].model_extra["token_ids"]
+        assert got != plain and got[0] == plain[0]  # ... the penalty changes the output after the first token
+
+
+def test_chat_streaming_and_not_ends_at_eos_with_stop(setup):
+    model, engine = setup
+    from evict.serve.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    prompt = list(ChatTemplate(DEFAULT_CHAT_TEMPLATE).render(messages).encode())
+    out = alone(model, prompt, 12)
+    eos = out[5]
+    k = out.index(eos)
+    want = bytes(out[:k]).decode("utf-8", errors="replace")
+    with serve(engine, EosBytes(eos)) as url:
+        c = client(url)
+        r = c.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
+        assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
+        assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens == k + 1
+        chunks = list(c.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0, stream=True))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        lp = c.chat.completions.create(model=NAME, messages=messages, max_tokens=3, temperature=0, logprobs=True,
+                                       top_logprobs=2, stop=None)
+        assert len(lp.choices[0].logprobs.content) == min(3, k + 1)
+        assert all(len(t.top_logprobs) == 2 for t in lp.choices[0].logprobs.content)
+
+
+def test_chat_template_from_the_request_side_errors(setup):
+    model, engine = setup
+    with serve(engine, chat_template="{{ raise_exception('no') if messages[0]['role'] != 'user' }}{{ messages[0]['content'] }}") as url:
+        c = client(url)
+        r = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0)
+        assert r.choices[0].finish_reason == "length"
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=NAME, messages=[{"role": "bogus", "content": "hi"}], max_tokens=2)
+        assert e.value.body["param"] == "messages"
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                      extra_body={"tools_choice": "auto"})
+        assert e.value.body["param"] == "tools_choice" and "refused" in e.value.body["message"]
+
+
+def test_api_key_404_405_are_openai_errors(setup):
+    _, engine = setup
+    with serve(engine, api_key="sesame") as url:
+        with pytest.raises(openai.AuthenticationError):
+            client(url, "wrong").completions.create(model=NAME, prompt="hi", max_tokens=1)
+        assert client(url, "sesame").completions.create(model=NAME, prompt="hi", max_tokens=1).usage.completion_tokens == 1
+        with pytest.raises(openai.NotFoundError):
+            client(url, "sesame").completions.create(model="gpt-4", prompt="hi", max_tokens=1)
+        for r in (httpx.get(f"{url}/nope"), httpx.get(f"{url}/v1/completions", headers={"authorization": "Bearer sesame"})):
+            assert r.status_code in (404, 405) and set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert httpx.get(f"{url}/health").status_code == 200  # not behind the key
+
+
+def test_a_failing_sampler_fails_only_its_request(setup, flaky_sampler):
+    model, engine = setup
+    with serve(engine) as url:
+        c = client(url)
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(model=NAME, prompt="hi", max_tokens=4, temperature=FAILING_TEMPERATURE)
+        assert "injected sampler failure" in e.value.body["message"]
+        with pytest.raises(openai.APIError):
+            list(c.completions.create(model=NAME, prompt="hi", max_tokens=4, temperature=FAILING_TEMPERATURE, stream=True))
+        # the tiniest positive temperature is greedy, not an overflow
+        r = c.completions.create(model=NAME, prompt="hi", max_tokens=4, temperature=1e-39, extra_body={"return_token_ids": True})
+        assert r.choices[0].model_extra["token_ids"] == alone(model, list(b"hi"), 4)
+        assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    assert engine.alive and not engine.running
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_engine_thread_is_reported_and_requests_get_errors():
+    torch.manual_seed(0)
+    model = LM(presets.get("kimi_linear", n_layers=1, d_model=64, init_std=0.2)).eval()
+    engine = Engine(model, max_batch=2, cache_budget=2 << 20, block_size=8, max_len=64)
+    started = threading.Event()
+    real_step = engine.step
+
+    def dying_step():
+        if engine.running:
+            started.set()
+            raise SystemExit("the thread dies")  # not an Exception: nothing in the loop catches it
+        return real_step()
+
+    engine.step = dying_step
+    engine.start()
+    with serve(engine) as url:
+        c = client(url)
+        with pytest.raises(openai.APIStatusError) as e:  # in flight when the thread died: an error, not a hang
+            c.completions.create(model=NAME, prompt="hi", max_tokens=4)
+        assert e.value.status_code == 503
+        engine._thread.join(5)
+        h = httpx.get(f"{url}/health")
+        assert h.status_code == 503 and h.json()["engine"] == "not running"
+        with pytest.raises(openai.APIStatusError) as e:  # later requests: refused at once
+            c.completions.create(model=NAME, prompt="hi", max_tokens=4)
+        assert e.value.status_code == 503
+
+
+def test_stop_fails_requests_in_flight():
+    torch.manual_seed(0)
+    model = LM(presets.get("deltanet", n_layers=1, d_model=64)).eval()  # recurrent: a long generation fits
+    engine = Engine(model, max_batch=2, cache_budget=2 << 20, block_size=8)
+    engine.start()
+    with serve(engine) as url:
+        c = client(url)
+        result = {}
+
+        def ask():
+            try:
+                c.completions.create(model=NAME, prompt="hi", max_tokens=100_000)
+            except openai.APIStatusError as e:
+                result["status"] = e.status_code
+
+        t = threading.Thread(target=ask)
+        t.start()
+        while not engine.running:
+            pass
+        engine.stop()
+        t.join(10)
+        assert not t.is_alive() and result["status"] == 503
