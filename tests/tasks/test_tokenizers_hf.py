@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from evict.cli import main
-from evict.tasks.tokenizers import BPETokenizer, ByteTokenizer, CharTokenizer, load_tokenizer
+from evict.tasks.tokenizers import EOT, BPETokenizer, ByteTokenizer, CharTokenizer, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -76,3 +76,29 @@ def test_train_with_a_pretrained_tokenizer_json(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as e:
         main(["train", "--tokenizer", str(tmp_path / "missing.json"), "--out", str(tmp_path / "r2")])
     assert e.value.code == 2 and not (tmp_path / "r2").exists()
+
+
+@pytest.mark.parametrize("make", [lambda: CharTokenizer(TEXT, eos=True), lambda: ByteTokenizer(eos=True), _bpe],
+                         ids=["char", "byte", "bpe"])
+def test_end_of_text_token_saved_and_loaded_with_the_same_id(tmp_path, make):
+    tok = make()
+    assert tok.eos_token_id == tok.vocab_size - 1 == tok.pad_token_id  # the last id
+    ids = np.concatenate([tok.encode(TEXT), [tok.eos_token_id], tok.encode("abc")])
+    assert tok.decode(ids) == TEXT + EOT + "abc"
+    tok.save(tmp_path / "tokenizer.json")
+    again = load_tokenizer(tmp_path / "tokenizer.json")
+    assert type(again) is type(tok) and again.eos_token_id == tok.eos_token_id and again.vocab_size == tok.vocab_size
+    assert np.array_equal(again.encode(TEXT), tok.encode(TEXT))
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    assert hf.convert_tokens_to_ids(EOT) == tok.eos_token_id and len(hf) == tok.vocab_size
+    assert hf.decode(ids.tolist()) == TEXT + EOT + "abc"
+
+
+def test_tokenizers_without_end_of_text_still_load(tmp_path):
+    """Model folders written before end-of-text existed keep their vocabulary: no EOT, eos_token_id None."""
+    for tok in (CharTokenizer("ab"), ByteTokenizer()):
+        tok.save(tmp_path / "t.json")
+        again = load_tokenizer(tmp_path / "t.json")
+        assert again.eos_token_id is None and again.vocab_size == tok.vocab_size == (2 if tok.kind == "char" else 256)
+    (tmp_path / "c.json").write_text(json.dumps({"kind": "char", "chars": "ab"}))
+    assert load_tokenizer(tmp_path / "c.json").eos_token_id is None
