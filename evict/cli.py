@@ -11,12 +11,12 @@ from evict.cli_args import Parser, UserError, first_line, out_of_memory
 
 def build_parser() -> Parser:
     from evict import __version__
-    from evict.commands import bench, convert, demo, explore, generate, lab, recall, serve, size, train
+    from evict.commands import bench, convert, data, demo, explore, generate, lab, recall, serve, size, train
 
     p = Parser(prog="evict", description="Attention is an associative memory; a fixed-size memory must evict.")
     p.add_argument("--version", action="version", version=f"evict {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    for command in (demo, bench, recall, size, train, generate, explore, serve, convert, lab):
+    for command in (demo, bench, recall, size, train, generate, explore, serve, convert, data, lab):
         command.add_parser(sub)
     return p
 

@@ -34,7 +34,8 @@ from evict.plots import plot_metrics
 from evict.train import TrainConfig, read_checkpoint, train
 
 # Flag defaults, applied after --config: a flag given on the command line wins, then the config file's value, then these.
-DEFAULTS = dict(preset="gpt2", size="tiny", task="text", corpus=None, tokenizer="char", bpe_vocab=2048, seq_len=None,
+DEFAULTS = dict(preset="gpt2", size="tiny", task="text", corpus=None, text_field="text", tokenizer="char", bpe_vocab=2048,
+                seq_len=None,
                 pairs=4, vocab=8192, steps=1000, batch_size=32, lr=3e-3, min_lr=0.0, warmup=None, weight_decay=0.1,
                 clip=1.0, grad_accum=1, amp="auto", compile=False, dist="fsdp", eval_every=100, eval_batches=10,
                 log_every=10, ckpt_every=None, device="auto", threads=None, seed=0, tensorboard=False,
@@ -45,7 +46,7 @@ _TRAIN_FLAGS = dict(steps="steps", batch_size="batch_size", lr="lr", warmup_step
                     eval_every="eval_every", eval_batches="eval_batches", log_every="log_every",
                     checkpoint_every="ckpt_every", device="device", threads="threads", seed="seed",
                     tensorboard="tensorboard")
-_TASK_FLAGS = ("task", "corpus", "tokenizer", "bpe_vocab", "seq_len", "pairs", "vocab")
+_TASK_FLAGS = ("task", "corpus", "text_field", "tokenizer", "bpe_vocab", "seq_len", "pairs", "vocab")
 
 
 def tokenizer_arg(text: str) -> str:
@@ -127,7 +128,7 @@ def build_task(args):
 
         try:
             return TextTask(corpus=args.corpus, tokenizer=args.tokenizer, seq_len=args.seq_len or 256,
-                            bpe_vocab_size=args.bpe_vocab, seed=args.seed)
+                            bpe_vocab_size=args.bpe_vocab, seed=args.seed, text_field=args.text_field)
         except (ValueError, ImportError) as e:
             raise SystemExit(f"--task text: {e}") from None
     from evict.tasks.mqar import MQARConfig, MQARTask
@@ -223,7 +224,7 @@ def run_train(args) -> dict | None:
     task = build_task(o)
     cfg = build_config(o, task.vocab_size)
     out = Path(o.out)
-    flags = ("corpus", "tokenizer", "bpe_vocab") if o.task == "text" else ("pairs", "vocab")
+    flags = ("corpus", "text_field", "tokenizer", "bpe_vocab") if o.task == "text" else ("pairs", "vocab")
     task_record = {"name": task.name, "task": o.task, **{k: getattr(o, k) for k in flags}, "seq_len": task.seq_len}
     run = {"model": cfg.to_dict(), "task": task_record}
     _check_resume(out, run, tcfg)
@@ -284,7 +285,10 @@ def add_parser(sub) -> None:
     t.add_argument("--size", choices=sorted(presets.SIZES), help=f"default {d['size']}")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="ModelConfig override, e.g. n_layers=2; repeatable")
     t.add_argument("--task", choices=["text", "mqar"], help="default text")
-    t.add_argument("--corpus", help="text: a UTF-8 file or a folder of *.txt (default: Shakespeare)")
+    t.add_argument("--data", "--corpus", dest="corpus",
+                   help="text: a .txt file or folder of *.txt, a .jsonl, .parquet or datasets folder (see --text-field), "
+                        "or a .bin of `evict data prepare` (default: Shakespeare, shipped)")
+    t.add_argument("--text-field", help="--data .jsonl / .parquet / datasets: the text field (default text)")
     t.add_argument("--tokenizer", type=tokenizer_arg,
                    help="char, byte, bpe (trained on the corpus) or the path of a pretrained HF tokenizer.json (default: char)")
     t.add_argument("--bpe-vocab", type=positive_int, help=f"default {d['bpe_vocab']}")
