@@ -13,14 +13,14 @@ loop's bookkeeping of either version agrees with evict's.
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from evict.cache import HybridCache, KVState, LatentState
 from evict.models.config import ModelConfig
@@ -54,7 +54,10 @@ _POSITIONAL = {KVState: ("k", "v"), LatentState: ("c", "k_rope")}  # tensors lai
 
 
 class EvictCache(Cache):
-    """evict's HybridCache behind transformers' Cache interface; it grows (doubling) when a call needs more room."""
+    """evict's HybridCache behind transformers' Cache interface; it grows (doubling) when a call needs more room.
+
+    A left-padded batch keeps one HybridCache per row instead (`rows`, see _EvictPreTrained); `seen` counts the
+    input columns fed so far, pads included (what generate() slices its inputs by)."""
 
     def __init__(self, model: LM, batch_size: int, max_len: int = 64):
         try:
@@ -63,15 +66,25 @@ class EvictCache(Cache):
             super().__init__()
         self.model = model
         self.hybrid: HybridCache = model.new_cache(batch_size, max_len)
+        self.rows: list[HybridCache] | None = None
+        self.seen = 0
 
     def __len__(self) -> int:
         return len(self.hybrid)
 
+    def split(self, lengths: list[int]) -> None:
+        """One cache per row (row r first fed lengths[r] tokens), for a left-padded batch."""
+        self.rows = [self.model.new_cache(1, max(64, n), device=_device(self.hybrid), dtype=_dtype(self.hybrid))
+                     for n in lengths]
+
     def reserve(self, n: int) -> None:
         """Make room for n more tokens, copying the positional states into larger buffers when needed."""
-        h = self.hybrid
+        self.hybrid = self.grown(self.hybrid, n)
+
+    def grown(self, h: HybridCache, n: int) -> HybridCache:
+        """h, or a larger copy of it with room for n more tokens."""
         if h.pos + n <= h.max_len:
-            return
+            return h
         limit = self.model.cfg.max_seq_len if self.model.cfg.pos == "learned" else None
         new_len = max(2 * h.max_len, h.pos + n) if limit is None else max(min(2 * h.max_len, limit), h.pos + n)
         bigger = self.model.new_cache(h.batch_size, new_len, device=_device(h), dtype=_dtype(h))
@@ -83,10 +96,10 @@ class EvictCache(Cache):
                 else:
                     setattr(new, f.name, t)
         bigger.pos = h.pos
-        self.hybrid = bigger
+        return bigger
 
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
-        return self.hybrid.pos
+        return self.seen
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1  # grows on demand
@@ -104,6 +117,7 @@ class EvictCache(Cache):
 
     def reset(self) -> None:
         self.hybrid.reset()
+        self.rows, self.seen = None, 0
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Beam search: take rows `beam_idx` of every state."""
@@ -121,6 +135,8 @@ class EvictCache(Cache):
         raise ValueError("cache: evict's recurrent states cannot be cropped (assisted decoding is not supported)")
 
     def _map(self, fn) -> None:
+        if self.rows is not None:
+            raise ValueError("cache: beam search and batch reshaping are not supported for a left-padded batch")
         for st in self.hybrid.states:
             for f in fields(st):
                 t = getattr(st, f.name)
@@ -138,10 +154,18 @@ def _dtype(h: HybridCache) -> torch.dtype | None:
     return ts[0].dtype if ts else None
 
 
-class EvictForCausalLM(PreTrainedModel, GenerationMixin):
+class _EvictPreTrained(PreTrainedModel):
+    """What the base model and the causal LM share: the config, the LM at `.model`, and the forward over it.
+
+    Padding: a batch whose attention_mask holds zeros must be left-padded (zeros, then ones, per row). evict's
+    recurrent states cannot skip a pad token, so such a batch runs row by row, each row on its real tokens only (with
+    a cache: one cache per row, kept for the rest of generate()); the outputs at pad positions are zeros. So a padded
+    batched generate() gives each row what it gives alone, at the cost of one forward per row."""
+
     config_class = EvictConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
     _tied_weights_keys: Any = {"model.head.weight": "model.embed.weight"} if _V5 else ["model.head.weight"]
 
     def __init__(self, config: EvictConfig, lm: LM | None = None):
@@ -159,49 +183,207 @@ class EvictForCausalLM(PreTrainedModel, GenerationMixin):
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.model.embed
 
-    def get_output_embeddings(self) -> torch.nn.Module:
-        return self.model.head
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                past_key_values: Cache | None = None, cache: Cache | None = None, labels: torch.Tensor | None = None,
-                use_cache: bool | None = None, return_dict: bool | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
-        """input_ids [B, T] -> logits [B, T, vocab]. With a cache (either keyword; None with use_cache=True makes one),
-        only the tokens after the cache's position are fed. `attention_mask` must be all ones (no padding)."""
-        c = cache if cache is not None else past_key_values
+    def _run(self, input_ids, inputs_embeds, attention_mask, cache_in, use_cache, hidden: list | None,
+             head: bool, keep) -> tuple[torch.Tensor, EvictCache | None]:
+        """(logits [B, T', V] or final-normed states [B, T', D], the cache): T' = T, or the kept positions."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("input_ids: give exactly one of input_ids and inputs_embeds")
+        x = input_ids if input_ids is not None else inputs_embeds
+        B, T = x.shape[0], x.shape[1]
+        c = cache_in
         if c is not None and not isinstance(c, EvictCache):
             if c.get_seq_length() > 0:
                 raise ValueError(f"cache: expected an EvictCache, got a filled {type(c).__name__}")
             c = None
         if c is None and use_cache:
-            c = EvictCache(self.model, input_ids.shape[0], max_len=max(64, input_ids.shape[1]))
-        if attention_mask is not None and (c is None or c.get_seq_length() == 0) and not bool(attention_mask.all()):
-            raise ValueError("attention_mask: evict models take no padding; expected all ones")
+            c = EvictCache(self.model, B, max_len=max(64, T))
+        fresh = c is None or c.get_seq_length() == 0
+        lengths = _left_padded(attention_mask, B, T) if fresh else None
+        if lengths is not None or (c is not None and c.rows is not None):
+            if hidden is not None:
+                raise ValueError("output_hidden_states: not supported for a padded batch; pass one row at a time")
+            out = self._by_row(x, input_ids is None, lengths or [T] * B, c, head)
+            return (out if keep is None else out.gather(1, keep[..., None].expand(-1, -1, out.shape[-1]))), c
         if c is not None:
-            c.reserve(input_ids.shape[1])
-        logits = self.model(input_ids, cache=None if c is None else c.hybrid)
+            c.reserve(T)
+        kw = {"embeds": x} if input_ids is None else {}
+        out = self.model(None if input_ids is None else x, cache=None if c is None else c.hybrid, positions=keep,
+                         hidden_states=hidden, head=head, **kw)
+        if c is not None:
+            c.seen += T
+        return out, c
+
+    def _by_row(self, x: torch.Tensor, embeds: bool, lengths: list[int], c: EvictCache | None, head: bool):
+        """Each row's last lengths[r] inputs alone (its own cache), zeros before them: [B, T, V or D]."""
+        T = x.shape[1]
+        if c is not None and c.rows is None:
+            c.split([min(n, T) for n in lengths])
+        outs = []
+        for r, n in enumerate(lengths):
+            row_cache = None
+            if c is not None:
+                assert c.rows is not None  # split above
+                c.rows[r] = c.grown(c.rows[r], n)
+                row_cache = c.rows[r]
+            xr = x[r : r + 1, T - n :]
+            o = self.model(None if embeds else xr, cache=row_cache, head=head, **({"embeds": xr} if embeds else {}))
+            outs.append(F.pad(o[0], (0, 0, T - n, 0)))  # [T, V]
+        if c is not None:
+            c.seen += T
+        return torch.stack(outs)  # [B, T, V]
+
+
+def _left_padded(mask: torch.Tensor | None, B: int, T: int) -> list[int] | None:
+    """Each row's count of real tokens when `mask` [B, T] pads some row on the left; None when nothing is padded."""
+    if mask is None:
+        return None
+    if mask.shape != (B, T):
+        raise ValueError(f"attention_mask: expected shape {(B, T)}, got {tuple(mask.shape)}")
+    m = mask.bool()
+    if bool(m.all()):
+        return None
+    if bool((m[:, 1:] < m[:, :-1]).any()):
+        raise ValueError("attention_mask: expected left padding (zeros, then ones, in each row); "
+                         "set tokenizer.padding_side = 'left'")
+    lengths = m.sum(1).tolist()
+    if min(lengths) == 0:
+        raise ValueError("attention_mask: a row has no tokens (all zeros)")
+    return lengths
+
+
+def _keep(logits_to_keep, B: int, T: int, device) -> torch.Tensor | None:
+    """transformers' logits_to_keep (int k: the last k positions, 0 = all; or a 1-D tensor of indices) -> [B, P]."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        if logits_to_keep.dim() != 1 or logits_to_keep.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"logits_to_keep: expected an int or a 1-D integer tensor, got {tuple(logits_to_keep.shape)}")
+        return logits_to_keep.to(device, torch.int64)[None].expand(B, -1)
+    if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool) or logits_to_keep < 0:
+        raise ValueError(f"logits_to_keep: expected an int >= 0, got {logits_to_keep!r}")
+    if logits_to_keep == 0 or logits_to_keep >= T:
+        return None
+    return torch.arange(T - logits_to_keep, T, device=device)[None].expand(B, -1)
+
+
+class EvictModel(_EvictPreTrained):
+    """The base model (transformers' AutoModel): the final-normed hidden states, no head."""
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                past_key_values: Cache | None = None, cache: Cache | None = None, inputs_embeds: torch.Tensor | None = None,
+                use_cache: bool | None = None, output_hidden_states: bool | None = None, return_dict: bool | None = None,
+                **kwargs: Any) -> BaseModelOutputWithPast:
+        """input_ids [B, T] (or inputs_embeds [B, T, D]) -> last_hidden_state [B, T, D]."""
+        want_hidden = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        hidden: list | None = [] if want_hidden else None
+        out, c = self._run(input_ids, inputs_embeds, attention_mask, cache if cache is not None else past_key_values,
+                           use_cache, hidden, head=False, keep=None)
+        res = BaseModelOutputWithPast(last_hidden_state=out, hidden_states=None if hidden is None else tuple(hidden))
+        res[_CACHE_FIELD] = c
+        return res
+
+
+class EvictForCausalLM(_EvictPreTrained, GenerationMixin):
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.model.head
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                past_key_values: Cache | None = None, cache: Cache | None = None, labels: torch.Tensor | None = None,
+                use_cache: bool | None = None, return_dict: bool | None = None, inputs_embeds: torch.Tensor | None = None,
+                output_hidden_states: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
+                num_items_in_batch: int | torch.Tensor | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
+        """input_ids [B, T] (or inputs_embeds [B, T, D]) -> logits [B, T, vocab] (the kept positions only, with
+        logits_to_keep). With a cache (either keyword; None with use_cache=True makes one), only the tokens after the
+        cache's position are fed. `labels` [B, T]: next-token cross-entropy (ignore_index -100; summed and divided by
+        num_items_in_batch when the Trainer passes it). A padded attention_mask: see _EvictPreTrained."""
+        x = input_ids if input_ids is not None else inputs_embeds
+        if x is None:
+            raise ValueError("input_ids: give exactly one of input_ids and inputs_embeds")
+        keep = _keep(logits_to_keep, x.shape[0], x.shape[1], x.device)
+        if labels is not None and keep is not None:
+            raise ValueError("logits_to_keep: the loss needs every position's logits; pass logits_to_keep=0 with labels")
+        want_hidden = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        hidden: list | None = [] if want_hidden else None
+        logits, c = self._run(input_ids, inputs_embeds, attention_mask, cache if cache is not None else past_key_values,
+                              use_cache, hidden, head=True, keep=keep)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
-        out = CausalLMOutputWithPast(loss=loss, logits=logits)
+            flat, target = logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device)
+            if num_items_in_batch is None:
+                loss = F.cross_entropy(flat, target, ignore_index=-100)
+            else:
+                loss = F.cross_entropy(flat, target, ignore_index=-100, reduction="sum") / num_items_in_batch
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=None if hidden is None else tuple(hidden))
         out[_CACHE_FIELD] = c
         return out
 
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, past_key_values: Cache | None = None,
                                       cache: Cache | None = None, attention_mask: torch.Tensor | None = None,
-                                      use_cache: bool = True, **kwargs: Any) -> dict:
-        """Only the tokens the cache has not seen: the whole prompt first, then one token per step."""
+                                      use_cache: bool = True, inputs_embeds: torch.Tensor | None = None,
+                                      **kwargs: Any) -> dict:
+        """Only the tokens the cache has not seen: the whole prompt first (or its inputs_embeds), then one token per step."""
         c = cache if cache is not None else past_key_values
+        seen = c.get_seq_length() if isinstance(c, EvictCache) else 0
+        if inputs_embeds is not None and seen == 0:
+            return {"inputs_embeds": inputs_embeds, "cache": c, "attention_mask": attention_mask, "use_cache": use_cache}
         if isinstance(c, EvictCache):
-            input_ids = input_ids[:, c.get_seq_length():]
+            input_ids = input_ids[:, seen:]
         return {"input_ids": input_ids, "cache": c, "attention_mask": attention_mask, "use_cache": use_cache}
 
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> torch.nn.Embedding:
+        """A vocabulary of new_num_tokens (rounded up to pad_to_multiple_of): old rows kept, new rows of the embedding
+        (and an untied head) set to the mean of the old ones (mean_resizing) or N(0, init_std). Checked first: a bad
+        value changes nothing."""
+        for name, v in (("new_num_tokens", new_num_tokens), ("pad_to_multiple_of", pad_to_multiple_of)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name}: expected None or a positive integer, got {v!r}")
+        lm, cfg = self.model, self.model.cfg
+        n = cfg.vocab_size if new_num_tokens is None else new_num_tokens
+        if pad_to_multiple_of is not None:
+            n = -(-n // pad_to_multiple_of) * pad_to_multiple_of
+        if n == cfg.vocab_size:
+            return lm.embed
+        new_cfg = replace(cfg, vocab_size=n)
+        new_cfg.validate()  # raises before anything changes
+        keep = min(n, cfg.vocab_size)
 
-def to_hf(lm: LM) -> EvictForCausalLM:
-    """A transformers model around `lm` (its parameters, not a copy), ready for generate() and save_pretrained()."""
+        def grown(old: torch.Tensor) -> torch.nn.Parameter:
+            w = old.new_empty(n, old.shape[1])
+            with torch.no_grad():
+                w[:keep] = old[:keep]
+                if n > keep:
+                    if mean_resizing:
+                        w[keep:] = old.float().mean(0).to(old.dtype)
+                    else:
+                        w[keep:].normal_(0.0, cfg.init_std)
+            return torch.nn.Parameter(w, requires_grad=old.requires_grad)
+
+        embed = torch.nn.Embedding(n, cfg.d_model, device=lm.embed.weight.device, dtype=lm.embed.weight.dtype)
+        embed.weight = grown(lm.embed.weight)
+        head = torch.nn.Linear(cfg.d_model, n, bias=False, device=lm.head.weight.device, dtype=lm.head.weight.dtype)
+        head.weight = embed.weight if cfg.tie_embeddings else grown(lm.head.weight)
+        lm.embed, lm.head, lm.cfg = embed, head, new_cfg
+        self.config.evict = new_cfg.to_dict()
+        self.config.vocab_size = n
+        return embed
+
+
+def to_hf(lm: LM, eos_token_id: int | None = None) -> EvictForCausalLM:
+    """A transformers model around `lm` (its parameters, not a copy), ready for generate() and save_pretrained().
+
+    eos_token_id (the tokenizer's end-of-text): generate() stops there, and pads with it (config and generation
+    config get it as eos, bos and pad id, GPT-2's convention)."""
     if not isinstance(lm, LM):
         raise ValueError(f"lm: expected an evict LM, got {type(lm).__name__}")
-    return EvictForCausalLM(EvictConfig(evict=lm.cfg.to_dict()), lm=lm)
+    if eos_token_id is not None and (not isinstance(eos_token_id, int) or not 0 <= eos_token_id < lm.cfg.vocab_size):
+        raise ValueError(f"eos_token_id: expected an id in [0, {lm.cfg.vocab_size}), got {eos_token_id!r}")
+    model = EvictForCausalLM(EvictConfig(evict=lm.cfg.to_dict()), lm=lm)
+    if eos_token_id is not None:
+        for c in (model.config, model.generation_config):
+            c.eos_token_id = c.bos_token_id = c.pad_token_id = eos_token_id
+    return model
 
 
 AutoConfig.register("evict", EvictConfig, exist_ok=True)
+AutoModel.register(EvictConfig, EvictModel, exist_ok=True)
 AutoModelForCausalLM.register(EvictConfig, EvictForCausalLM, exist_ok=True)

@@ -78,8 +78,8 @@ def test_bad_input_is_one_clear_error():
     model = to_hf(_model("gpt2"))
     x = torch.randint(0, 61, (2, 5))
     mask = torch.ones_like(x)
-    mask[0, 0] = 0
-    with pytest.raises(ValueError, match="attention_mask: evict models take no padding"):
+    mask[0, -1] = 0  # right padding
+    with pytest.raises(ValueError, match="attention_mask: expected left padding"):
         model(x, attention_mask=mask)
     with pytest.raises(ValueError, match="pattern"):
         EvictConfig(evict={"pattern": "Q"})

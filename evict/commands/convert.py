@@ -33,7 +33,7 @@ def run_convert(args: argparse.Namespace) -> None:
 
         def write(folder: Path) -> None:
             lm.float().save(folder)
-            _copy_tokenizer(src, folder)
+            _copy_tokenizer(src, folder, lm)
 
         out = write_folder(args.out, write)
     else:
@@ -43,13 +43,13 @@ def run_convert(args: argparse.Namespace) -> None:
             from evict.convert.fla import to_fla
 
             out = to_fla(lm, args.out, dtype=getattr(torch, args.dtype) if args.dtype else None)
-            _copy_tokenizer(folder, out)
+            _copy_tokenizer(folder, out, lm)
         else:
             from evict.hf import to_hf
 
             def write_hf(tmp: Path) -> None:
-                to_hf(lm).save_pretrained(tmp)
-                _copy_tokenizer(folder, tmp)
+                to_hf(lm, eos_token_id=_eos_id(folder, lm)).save_pretrained(tmp)
+                _copy_tokenizer(folder, tmp, lm)
 
             out = write_folder(args.out, write_hf)
     print(f"wrote {out}")
@@ -64,9 +64,24 @@ def _model_dir(src: Path) -> Path:
     return src
 
 
-def _copy_tokenizer(src: Path, dst: Path) -> None:
+def _eos_id(src: Path, lm) -> int | None:
+    """The end-of-text id of the tokenizer.json beside the model (None without one, or without end-of-text)."""
+    from evict.tasks.tokenizers import load_tokenizer
+
+    if not (src / "tokenizer.json").is_file():
+        return None
+    eos = load_tokenizer(src / "tokenizer.json").eos_token_id
+    return eos if eos is not None and eos < lm.cfg.vocab_size else None
+
+
+def _copy_tokenizer(src: Path, dst: Path, lm) -> None:
+    """tokenizer.json copied along, with the tokenizer_config.json transformers' AutoTokenizer needs beside it."""
+    from evict.tasks.tokenizers import load_tokenizer, write_hf_tokenizer_config
+
     if (src / "tokenizer.json").is_file():
         shutil.copyfile(src / "tokenizer.json", dst / "tokenizer.json")
+        limit = lm.cfg.max_seq_len if lm.cfg.pos == "learned" else None
+        write_hf_tokenizer_config(dst, load_tokenizer(dst / "tokenizer.json"), model_max_length=limit)
 
 
 def add_parser(sub) -> None:

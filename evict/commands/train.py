@@ -257,7 +257,10 @@ def run_train(args) -> dict | None:
     png = plot_metrics(out / "metrics.jsonl", out / "loss.png")
     model_dir = model.cpu().save(out / "model")
     if hasattr(task, "tokenizer"):
+        from evict.tasks.tokenizers import write_hf_tokenizer_config
+
         task.tokenizer.save(model_dir / "tokenizer.json")
+        write_hf_tokenizer_config(model_dir, task.tokenizer, cfg.max_seq_len if cfg.pos == "learned" else None)
     summary = {"steps": result.steps_done, "val_loss": result.final_val_loss,
                "val_ppl": math.exp(min(result.final_val_loss, 700.0)), "val_accuracy": result.final_val_accuracy,
                "wall_seconds": result.wall_seconds, "params": n_params, "model_dir": str(model_dir), "plot": str(png)}

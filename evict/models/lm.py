@@ -166,12 +166,26 @@ class LM(nn.Module):
         self.init_weights()
 
     # -- forward ----------------------------------------------------------------------------------------------
-    def forward(self, tokens: torch.Tensor, cache: HybridCache | None = None, *,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    gradient_checkpointing = False  # recompute each block in the backward (set by transformers' gradient_checkpointing_enable)
+
+    def forward(self, tokens: torch.Tensor | None, cache: HybridCache | None = None, *,
+                positions: torch.Tensor | None = None, embeds: torch.Tensor | None = None,
+                hidden_states: list | None = None, head: bool = True) -> torch.Tensor:
         """tokens [B, T] int64 -> logits [B, T, vocab]. With a cache: continue from cache.pos, then advance it.
 
         `positions` [B, P] int64 (indices into T): logits only there, [B, P, vocab] — the head and the loss of a task
-        whose labels sit at a few positions (MQAR) then cost P, not T, rows."""
+        whose labels sit at a few positions (MQAR) then cost P, not T, rows.
+        `embeds` [B, T, D] in place of tokens: the token embeddings (transformers' inputs_embeds).
+        `hidden_states`: a list that receives the residual stream [B, T, D] after the embedding and after each block,
+        the last one final-normed (transformers' convention); not for AttnRes models (their stream is a depth mix).
+        head=False: the final-normed stream [B, T, D] (or [B, P, D]) instead of logits."""
+        if embeds is not None:
+            if tokens is not None:
+                raise ValueError("tokens: give tokens or embeds, not both")
+            if not isinstance(embeds, torch.Tensor) or embeds.dim() != 3 or embeds.shape[-1] != self.cfg.d_model:
+                got = tuple(embeds.shape) if isinstance(embeds, torch.Tensor) else type(embeds).__name__
+                raise ValueError(f"embeds: expected a tensor [B, T, d_model={self.cfg.d_model}], got {got}")
+            return self._run(embeds, cache, positions, hidden_states, head)
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64:
             got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             raise ValueError(f"tokens: expected an int64 tensor [B, T], got {got}")
@@ -186,6 +200,16 @@ class LM(nn.Module):
             lo, hi = int(tokens.min()), int(tokens.max())
             if lo < 0 or hi >= self.cfg.vocab_size:
                 raise ValueError(f"tokens: expected ids in [0, vocab_size={self.cfg.vocab_size}), got range [{lo}, {hi}]")
+        return self._run(self.embed(tokens), cache, positions, hidden_states, head)
+
+    def _run(self, h: torch.Tensor, cache: HybridCache | None, positions: torch.Tensor | None,
+             hidden_states: list | None, head: bool) -> torch.Tensor:
+        """The embedded tokens h [B, T, D] through positions, blocks, final norm and head (see forward)."""
+        B, T = h.shape[:2]
+        if B == 0 or T == 0:
+            raise ValueError(f"embeds: expected at least one sequence of at least one token, got shape {tuple(h.shape)}")
+        if hidden_states is not None and self.final_read is not None:
+            raise ValueError("hidden_states: an AttnRes model has no single residual stream per layer")
         pos: int | SlotBatch | PackedBatch = 0
         states: list = [None] * len(self.blocks)
         slots = False
@@ -203,15 +227,19 @@ class LM(nn.Module):
                     raise ValueError(f"cache: built for batch {cache.batch_size}, got tokens for batch {B}")
                 cache.reserve(T)
                 pos, states = cache.pos, cache.states
-        h = self.embed(tokens)  # [B, T, D]
         if self.wpe is not None:
-            at = pos.positions if not isinstance(pos, int) else torch.arange(pos, pos + T, device=tokens.device)  # [B, T] or [T]
+            at = pos.positions if not isinstance(pos, int) else torch.arange(pos, pos + T, device=h.device)  # [B, T] or [T]
             if isinstance(pos, int) and pos + T > self.cfg.max_seq_len:  # a pool checks its max_len against the config once
                 raise ValueError(f"tokens: learned positions cover {self.cfg.max_seq_len} tokens, got up to {pos + T}")
             h = h + self.wpe(at)
+        recompute = self.gradient_checkpointing and self.training and cache is None and torch.is_grad_enabled()
         if self.final_read is None:
+            if hidden_states is not None:
+                hidden_states.append(h)
             for blk, st in zip(self.layers(), states):
-                h = blk(h, st, pos)
+                h = self._checkpoint(blk, h, st, pos) if recompute else blk(h, st, pos)
+                if hidden_states is not None:
+                    hidden_states.append(h)
         else:
             completed, partial = [h], None  # AttnRes depth sources: closed ones, and the current block's running sum
             for i, (blk, st) in enumerate(zip(self.layers(), states)):
@@ -230,7 +258,19 @@ class LM(nn.Module):
                 got = f"{tuple(positions.shape)} {positions.dtype}" if isinstance(positions, torch.Tensor) else type(positions).__name__
                 raise ValueError(f"positions: expected an int64 tensor [B={B}, P], got {got}")
             h = h.gather(1, positions[..., None].expand(-1, -1, h.shape[-1]))  # [B, P, D]
-        return self.head(self.norm(h))
+        h = self.norm(h)
+        if hidden_states is not None:
+            hidden_states[-1] = h if positions is None else self.norm(hidden_states[-1])
+        return self.head(h) if head else h
+
+    def _checkpoint(self, blk: Block, h: torch.Tensor, st, pos) -> torch.Tensor:
+        """blk(h, st, pos), its activations recomputed in the backward (transformers may set the function)."""
+        fn = getattr(self, "_gradient_checkpointing_func", None)
+        if fn is None:
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(blk, h, st, pos, use_reentrant=False)
+        return fn(blk.__call__, h, st, pos)
 
     # -- training hooks ---------------------------------------------------------------------------------------
     def layers(self) -> list[Block]:

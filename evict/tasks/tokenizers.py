@@ -311,6 +311,19 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return _from_hf_json(data, path) or BPETokenizer(hf_tok)
 
 
+def write_hf_tokenizer_config(folder: str | Path, tok: Tokenizer, model_max_length: int | None = None) -> None:
+    """tokenizer_config.json + special_tokens_map.json beside a tokenizer.json, so transformers' AutoTokenizer loads
+    the folder (PreTrainedTokenizerFast) with EOT as its eos, bos and pad token (GPT-2's convention; pad for batching)."""
+    special = {} if tok.eos_token_id is None else {"eos_token": EOT, "bos_token": EOT, "pad_token": EOT}
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+                              "add_bos_token": False, "add_eos_token": False, **special}
+    if model_max_length is not None:
+        config["model_max_length"] = model_max_length
+    folder = Path(folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
+    (folder / "special_tokens_map.json").write_text(json.dumps(special, indent=1) + "\n")
+
+
 def token_dtype(vocab_size: int) -> type:
     """Smallest numpy dtype that holds ids 0 … vocab_size-1 (for token arrays on disk)."""
     if vocab_size <= 1 << 8:

@@ -1,0 +1,142 @@
+"""The transformers surface users reach for: left-padded batches, AutoModel, inputs_embeds, hidden states,
+logits_to_keep, gradient checkpointing, resize_token_embeddings, AutoTokenizer on a converted folder, Trainer."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from evict.cli import main  # noqa: E402
+from evict.hf import EvictForCausalLM, EvictModel, to_hf  # noqa: E402
+from evict.models import LM, presets  # noqa: E402
+from evict.tasks.tokenizers import EOT, CharTokenizer  # noqa: E402
+
+SMALL = dict(vocab_size=61, n_layers=2, d_model=32, n_heads=2, head_dim=16, d_ff=64, kv_lora_rank=16, qk_nope_dim=8,
+             qk_rope_dim=8, v_head_dim=16, init_std=0.3)
+
+
+def _model(name: str, seed: int = 0) -> LM:
+    torch.manual_seed(seed)
+    return LM(presets.get(name, **SMALL)).eval()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "kimi_linear"])
+def test_left_padded_batch_generate_equals_one_by_one(name, one_thread):
+    lm = _model(name)
+    model = to_hf(lm, eos_token_id=60)
+    prompts = [torch.randint(0, 60, (n,)) for n in (5, 9, 2)]
+    T = max(len(p) for p in prompts)
+    ids = torch.stack([torch.cat([torch.full((T - len(p),), 60), p]) for p in prompts])  # left-padded with eos
+    mask = torch.stack([torch.cat([torch.zeros(T - len(p)), torch.ones(len(p))]) for p in prompts]).long()
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    for r, p in enumerate(prompts):
+        alone = lm.generate(p[None], max_new_tokens=6, temperature=0)[0, len(p):]
+        assert torch.equal(got[r, T:], alone), r
+    with torch.no_grad():  # the forward too: each row's logits are its own, zeros at pads
+        logits = model(ids, attention_mask=mask).logits
+        for r, p in enumerate(prompts):
+            assert torch.allclose(logits[r, T - len(p):], lm(p[None])[0], atol=1e-6, rtol=0)
+            assert not logits[r, : T - len(p)].any()
+
+
+def test_automodel_hidden_states_inputs_embeds_logits_to_keep(tmp_path, one_thread):
+    lm = _model("gpt2", seed=1)
+    to_hf(lm).save_pretrained(tmp_path)
+    base = transformers.AutoModel.from_pretrained(tmp_path)
+    causal = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert isinstance(base, EvictModel) and isinstance(causal, EvictForCausalLM)
+    x = torch.randint(0, 61, (2, 7))
+    with torch.no_grad():
+        want = lm(x)
+        out = causal(x, output_hidden_states=True)
+        hidden = base(x).last_hidden_state
+        assert torch.equal(out.logits, want)
+        assert torch.allclose(lm.head(hidden), want, atol=1e-6, rtol=0)
+        hs = out.hidden_states
+        assert len(hs) == lm.cfg.n_layers + 1 and torch.equal(hs[-1], hidden)
+        assert torch.equal(hs[0], lm.embed(x) + lm.wpe(torch.arange(7)))
+        embeds = lm.embed(x)
+        assert torch.allclose(causal(inputs_embeds=embeds).logits, want, atol=1e-6, rtol=0)
+        kept = causal(x, logits_to_keep=1).logits
+        assert kept.shape == (2, 1, 61) and torch.allclose(kept, want[:, -1:], atol=1e-6, rtol=0)
+        assert torch.allclose(causal(x, logits_to_keep=torch.tensor([0, 3])).logits, want[:, [0, 3]], atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="exactly one of input_ids and inputs_embeds"):
+        causal(x, inputs_embeds=embeds)
+
+
+@pytest.mark.filterwarnings("ignore:.*gradient_checkpointing_enable.*:FutureWarning")
+def test_gradient_checkpointing_same_gradients_blocks_recomputed(one_thread):
+    def grads(checkpointing: bool):
+        model = to_hf(_model("kimi_linear", seed=2)).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()  # the name most code still calls (transformers 5: a deprecated alias)
+        calls, ffn = [], model.model.blocks[0].ffn
+        inner = ffn.forward
+        ffn.forward = lambda *a: calls.append(1) or inner(*a)  # counts runs (hooks do not fire in the recompute)
+        x = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(0))
+        model(x, labels=x).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, len(calls)
+
+    plain, n_plain = grads(False)
+    ckpt, n_ckpt = grads(True)
+    assert n_plain == 1 and n_ckpt == 2  # the block ran again in the backward
+    assert plain.keys() == ckpt.keys()
+    for name in plain:
+        assert torch.allclose(plain[name], ckpt[name], atol=1e-6, rtol=1e-5), name
+
+
+def test_resize_token_embeddings(tmp_path, one_thread):
+    model = to_hf(_model("gpt2", seed=3))
+    x = torch.randint(0, 61, (1, 6))
+    with torch.no_grad():
+        before = model(x).logits
+    for bad in (0, -3, 2.5, "70"):
+        with pytest.raises(ValueError, match="new_num_tokens"):
+            model.resize_token_embeddings(bad)
+    assert model.model.cfg.vocab_size == 61 and model.model.embed.weight.shape[0] == 61  # nothing changed
+    emb = model.resize_token_embeddings(65, pad_to_multiple_of=8)
+    assert emb.weight.shape[0] == 72 == model.config.vocab_size == model.model.cfg.vocab_size
+    assert model.model.head.weight is model.model.embed.weight  # still tied
+    with torch.no_grad():
+        after = model(torch.cat([x, torch.tensor([[71]])], 1)).logits
+    assert torch.allclose(after[:, :6, :61], before, atol=1e-6, rtol=0)
+    model.save_pretrained(tmp_path)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert again.model.cfg.vocab_size == 72
+
+
+def test_convert_writes_a_folder_autotokenizer_loads(tmp_path, one_thread):
+    tok = CharTokenizer("abcdefghij ", eos=True)
+    torch.manual_seed(0)
+    lm = LM(presets.get("gpt2", **{**SMALL, "vocab_size": tok.vocab_size}))
+    lm.save(tmp_path / "model")
+    tok.save(tmp_path / "model" / "tokenizer.json")
+    assert main(["convert", "hf", str(tmp_path / "model"), "--out", str(tmp_path / "hf")]) == 0
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert hf_tok.eos_token == hf_tok.pad_token == EOT and hf_tok.eos_token_id == tok.eos_token_id
+    assert hf_tok("bad cafe")["input_ids"] == tok.encode("bad cafe").tolist()  # no added bos/eos
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert model.generation_config.eos_token_id == tok.eos_token_id
+    hf_tok.padding_side = "left"
+    batch = hf_tok(["abc", "hij ab"], return_tensors="pt", padding=True)
+    out = model.generate(**batch, max_new_tokens=4, do_sample=False)
+    alone = model.generate(**hf_tok(["abc"], return_tensors="pt"), max_new_tokens=4, do_sample=False)
+    assert hf_tok.decode(out[0], skip_special_tokens=True) == hf_tok.decode(alone[0], skip_special_tokens=True)
+
+
+def test_trainer_runs_a_few_steps(tmp_path, one_thread):
+    pytest.importorskip("accelerate")
+    model = to_hf(_model("kimi_linear", seed=5)).train()
+    before = model.model.embed.weight.detach().clone()
+    data = [{"input_ids": torch.randint(0, 61, (12,)).tolist()} for _ in range(8)]
+    for d in data:
+        d["labels"] = d["input_ids"]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4,
+                                          learning_rate=1e-2, report_to=[], save_strategy="no", logging_steps=1,
+                                          use_cpu=True, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    result = trainer.train()
+    assert result.global_step == 3 and torch.isfinite(torch.tensor(result.training_loss))
+    assert not torch.equal(model.model.embed.weight, before)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 3
