@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from evict.lab.generate_cli import run_generate
+from evict.commands.generate import run_generate
 from evict.models import LM
 from evict.models.config import ModelConfig
 from evict.tasks.tokenizers import CharTokenizer
