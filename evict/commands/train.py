@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from evict import distributed
+from evict import distributed, finetune
 from evict.cli_args import (device, nonneg_float, nonneg_int, parse_overrides, positive_float, positive_int, seed,
                             writable_dir)
 from evict.models import LM, presets
@@ -215,17 +215,34 @@ def _start_over(out: Path) -> None:
         shutil.rmtree(out / name, ignore_errors=True)
 
 
+def _init_from(args, o) -> finetune.InitSource | None:
+    """--init-from: the source folder, with the model, tokenizer and (unless given) --lr it sets in `o`."""
+    if getattr(args, "init_from", None) is None:
+        return None
+    finetune.check_flags(args, vars(args))
+    src = finetune.init_source(args.init_from)
+    o.model, o.tokenizer, o.task = src.model, str(src.tokenizer), "text"
+    if args.lr is None:
+        o.lr = finetune.FINETUNE_LR
+    return src
+
+
 def run_train(args) -> dict | None:
     # every flag, the model config and --out are checked before the corpus is read and anything is written
     o = resolve(args)
+    init = _init_from(args, o)
     writable_dir(o.out, "--out")
     tcfg = train_config(o)
-    build_config(o, 256)  # the vocabulary follows the task; every other field is checked now
+    build_config(o, 256 if init is None else init.model.get("vocab_size", 256))  # every field but the vocabulary
     task = build_task(o)
+    if init is not None:
+        finetune.check_vocab(init, task.vocab_size)
     cfg = build_config(o, task.vocab_size)
     out = Path(o.out)
     flags = ("corpus", "text_field", "tokenizer", "bpe_vocab") if o.task == "text" else ("pairs", "vocab")
     task_record = {"name": task.name, "task": o.task, **{k: getattr(o, k) for k in flags}, "seq_len": task.seq_len}
+    if init is not None:
+        task_record["init_from"] = str(init.folder)
     run = {"model": cfg.to_dict(), "task": task_record}
     _check_resume(out, run, tcfg)
     lead = int(os.environ.get("RANK", "0")) == 0
@@ -236,6 +253,8 @@ def run_train(args) -> dict | None:
 
     torch.manual_seed(o.seed)  # the initial weights are a function of --seed (the same on every rank)
     model = LM(cfg)
+    if init is not None:
+        finetune.load_weights(model, init)
     n_params = sum(p.numel() for p in model.parameters())
     if lead:
         print(f"model: {o.config or f'{o.preset} ({o.size})'}, {n_params / 1e6:.2f} M parameters; "
@@ -291,6 +310,9 @@ def add_parser(sub) -> None:
     t.add_argument("--data", "--corpus", dest="corpus",
                    help="text: a .txt file or folder of *.txt, a .jsonl, .parquet or datasets folder (see --text-field), "
                         "or a .bin of `evict data prepare` (default: Shakespeare, shipped)")
+    t.add_argument("--init-from", metavar="PATH",
+                   help="fine-tune: start from this model folder (evict train's model/ or an `evict convert gpt2` "
+                        f"output) with its config and tokenizer; fresh optimizer and warmup; --lr default {3e-4:g}")
     t.add_argument("--text-field", help="--data .jsonl / .parquet / datasets: the text field (default text)")
     t.add_argument("--tokenizer", type=tokenizer_arg,
                    help="char, byte, bpe (trained on the corpus) or the path of a pretrained HF tokenizer.json (default: char)")
