@@ -10,14 +10,7 @@ from evict.cli import main  # noqa: E402
 from evict.hf import EvictForCausalLM, EvictModel, to_hf  # noqa: E402
 from evict.models import LM, presets  # noqa: E402
 from evict.tasks.tokenizers import EOT, CharTokenizer  # noqa: E402
-
-SMALL = dict(vocab_size=61, n_layers=2, d_model=32, n_heads=2, head_dim=16, d_ff=64, kv_lora_rank=16, qk_nope_dim=8,
-             qk_rope_dim=8, v_head_dim=16, init_std=0.3)
-
-
-def _model(name: str, seed: int = 0) -> LM:
-    torch.manual_seed(seed)
-    return LM(presets.get(name, **SMALL)).eval()
+from tests.test_hf import SMALL, _model  # noqa: E402  (vocab 61)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "kimi_linear"])
@@ -58,8 +51,9 @@ def test_automodel_hidden_states_inputs_embeds_logits_to_keep(tmp_path, one_thre
         embeds = lm.embed(x)
         assert torch.allclose(causal(inputs_embeds=embeds).logits, want, atol=1e-6, rtol=0)
         kept = causal(x, logits_to_keep=1).logits
-        assert kept.shape == (2, 1, 61) and torch.allclose(kept, want[:, -1:], atol=1e-6, rtol=0)
-        assert torch.allclose(causal(x, logits_to_keep=torch.tensor([0, 3])).logits, want[:, [0, 3]], atol=1e-6, rtol=0)
+        # float32: the head over 1 row vs all rows sums in another order (logits up to ~8: ~1e-6 apart)
+        assert kept.shape == (2, 1, 61) and torch.allclose(kept, want[:, -1:], atol=1e-5, rtol=0)
+        assert torch.allclose(causal(x, logits_to_keep=torch.tensor([0, 3])).logits, want[:, [0, 3]], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="exactly one of input_ids and inputs_embeds"):
         causal(x, inputs_embeds=embeds)
 

@@ -183,8 +183,8 @@ class LM(nn.Module):
             if tokens is not None:
                 raise ValueError("tokens: give tokens or embeds, not both")
             if not isinstance(embeds, torch.Tensor) or embeds.dim() != 3 or embeds.shape[-1] != self.cfg.d_model:
-                got = tuple(embeds.shape) if isinstance(embeds, torch.Tensor) else type(embeds).__name__
-                raise ValueError(f"embeds: expected a tensor [B, T, d_model={self.cfg.d_model}], got {got}")
+                shape = str(tuple(embeds.shape)) if isinstance(embeds, torch.Tensor) else type(embeds).__name__
+                raise ValueError(f"embeds: expected a tensor [B, T, d_model={self.cfg.d_model}], got {shape}")
             return self._run(embeds, cache, positions, hidden_states, head)
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64:
             got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
