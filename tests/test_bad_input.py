@@ -294,11 +294,11 @@ def test_truncated_token_cache_is_rebuilt(tmp_path):
 
     (tmp_path / "c.txt").write_text("to be or not to be, that is the question. " * 50)
     first = np.array(TextTask(corpus=tmp_path / "c.txt", seq_len=8, cache_dir=tmp_path / "cache").train)  # a copy
-    npy = next((tmp_path / "cache").rglob("char.npy"))
+    npy = next((tmp_path / "cache").rglob("char-eot.npy"))
     npy.write_bytes(npy.read_bytes()[: npy.stat().st_size // 2])
     again = TextTask(corpus=tmp_path / "c.txt", seq_len=8, cache_dir=tmp_path / "cache")
     assert np.array_equal(np.asarray(again.train), first)
-    tok = next((tmp_path / "cache").rglob("char.json"))
+    tok = next((tmp_path / "cache").rglob("char-eot.json"))
     tok.write_text('{"kind": "ch')
     rebuilt = TextTask(corpus=tmp_path / "c.txt", seq_len=8, cache_dir=tmp_path / "cache")
     assert rebuilt.vocab_size == again.vocab_size and np.array_equal(np.asarray(rebuilt.train), first)

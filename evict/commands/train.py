@@ -257,7 +257,8 @@ def run_train(args) -> dict | None:
         finetune.load_weights(model, init)
     n_params = sum(p.numel() for p in model.parameters())
     if lead:
-        print(f"model: {o.config or f'{o.preset} ({o.size})'}, {n_params / 1e6:.2f} M parameters; "
+        name = f"init from {init.folder}" if init is not None else o.config or f"{o.preset} ({o.size})"
+        print(f"model: {name}, {n_params / 1e6:.2f} M parameters; "
               f"task: {task.name}, vocab {task.vocab_size}; out: {out}")
     try:
         result = train(model, task, tcfg, record=json.loads(json.dumps(run)))
