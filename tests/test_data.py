@@ -82,7 +82,8 @@ def test_bad_data_paths_are_one_line_cli_errors(tmp_path, capsys, monkeypatch):
         err = capsys.readouterr().err
         assert e.value.code == 2 and msg in err and err.count("\n") == 1 and not (tmp_path / "r").exists()
     with pytest.raises(SystemExit) as e:
-        main(["data", "prepare", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "p.bin"), "--tokenizer", "byte"])
+        main(["data", "prepare", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "p.bin"), "--tokenizer", "byte",
+              "--workers", "1"])
     assert e.value.code == 2 and not list(tmp_path.glob("p.*")) and not list(tmp_path.glob(".*p.*"))
 
 

@@ -12,6 +12,7 @@ is first built (trained) on the corpus in this process; byte needs no pass.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -83,16 +84,22 @@ def prepare(data: str | None, out: str | Path, *, tokenizer: str = "bpe", bpe_vo
     n_docs = n_tokens = 0
     workers = workers or min(8, os.cpu_count() or 1)
     try:
-        with open(tmp_bin, "wb") as fh, tqdm(desc=f"tokenising {corpus.name}", unit="doc", disable=not progress) as bar:
-            ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads (torch, HF)
-            with ctx.Pool(workers, initializer=_init_worker, initargs=(str(tmp_tok),)) as pool:
-                for encoded in pool.imap(_encode_batch, _batches(corpus.documents())):
-                    for ids in encoded:
-                        fh.write(ids.astype(BIN_DTYPES[dtype]).tobytes())
-                        fh.write(eos.tobytes())
-                        n_tokens += len(ids) + 1
-                    n_docs += len(encoded)
-                    bar.update(len(encoded))
+        with open(tmp_bin, "wb") as fh, tqdm(desc=f"tokenising {corpus.name}", unit="doc", disable=not progress) as bar, \
+                contextlib.ExitStack() as stack:
+            if workers == 1:  # in this process: no pool to start
+                _init_worker(str(tmp_tok))
+                encode_all: Iterator[list[np.ndarray]] = map(_encode_batch, _batches(corpus.documents()))
+            else:
+                ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads (torch, HF)
+                pool = stack.enter_context(ctx.Pool(workers, initializer=_init_worker, initargs=(str(tmp_tok),)))
+                encode_all = pool.imap(_encode_batch, _batches(corpus.documents()))
+            for encoded in encode_all:
+                for ids in encoded:
+                    fh.write(ids.astype(BIN_DTYPES[dtype]).tobytes())
+                    fh.write(eos.tobytes())
+                    n_tokens += len(ids) + 1
+                n_docs += len(encoded)
+                bar.update(len(encoded))
         if n_docs == 0:
             raise ValueError(f"data: {data} holds no documents")
         meta = {"format": "evict-tokens-1", "dtype": dtype, "vocab_size": tok.vocab_size,
