@@ -47,6 +47,8 @@ def test_prepare_writes_a_bin_that_training_reads(jsonl, tmp_path):
     ids, on_disk = read_bin(out)
     assert meta == on_disk and meta["dtype"] == "uint16" and meta["documents"] == len(DOCS)
     assert ids.dtype == np.uint16 and np.array_equal(ids, want) and meta["tokens"] == len(want)
+    prepare(str(jsonl), tmp_path / "one.bin", tokenizer="byte", text_field="body", workers=1, progress=False)
+    assert (tmp_path / "one.bin").read_bytes() == out.read_bytes()  # in-process = the pool's, in order
     task = TextTask(out, seq_len=16)  # memory-mapped, with the tokenizer the meta names
     assert isinstance(task.train, np.memmap) and task.tokenizer.eos_token_id == 256
     assert np.array_equal(np.concatenate([task.train, task.val]), want)
