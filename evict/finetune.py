@@ -1,5 +1,5 @@
-"""`evict train --init-from PATH`: fine-tune from saved weights (an evict model folder, its run folder, or the output
-of `evict convert gpt2` / `convert hf`'s source folder).
+"""`evict train --init-from PATH`: fine-tune from saved weights (an evict model folder, its run folder, the output of
+`evict convert gpt2`, or of `evict convert hf`: a transformers EvictForCausalLM folder, read through transformers).
 
 What carries over: the model config (every field, vocabulary included), the weights, and the tokenizer.json beside
 them (the text task tokenises the corpus with it, so ids mean what they meant in pre-training). What starts fresh:
@@ -21,8 +21,9 @@ FINETUNE_LR = 3e-4
 @dataclass
 class InitSource:
     folder: Path  # config.json + model.safetensors + tokenizer.json
-    model: dict  # the config.json
+    model: dict  # the ModelConfig dict
     tokenizer: Path
+    transformers: bool = False  # a `convert hf` folder (EvictForCausalLM's save_pretrained), read through transformers
 
 
 def init_source(path: str) -> InitSource:
@@ -40,6 +41,11 @@ def init_source(path: str) -> InitSource:
         model = read_json_object(p / "config.json", "config")
     except ValueError as e:
         raise SystemExit(f"--init-from: {e}") from None
+    if model.get("model_type") == "evict" and isinstance(model.get("evict"), dict):
+        return InitSource(p, model["evict"], p / "tokenizer.json", transformers=True)
+    if "model_type" in model:
+        raise SystemExit(f"--init-from: {p} is a transformers {model['model_type']!r} folder; convert it first "
+                         "(`evict convert gpt2 DIR --out OUT` for GPT-2)")
     return InitSource(p, model, p / "tokenizer.json")
 
 
@@ -63,6 +69,11 @@ def check_vocab(src: InitSource, task_vocab: int) -> None:
 def load_weights(model, src: InitSource) -> None:
     """The folder's weights into `model` (built from the same config); a bad file is one line."""
     try:
-        model.load_weights(src.folder)
-    except (ValueError, OSError) as e:
+        if src.transformers:
+            from evict.hf import EvictForCausalLM
+
+            model.load_state_dict(EvictForCausalLM.from_pretrained(src.folder).model.state_dict())
+        else:
+            model.load_weights(src.folder)
+    except (ValueError, OSError, RuntimeError) as e:
         raise SystemExit(f"--init-from: {e}") from None

@@ -24,6 +24,8 @@ def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("ft")
     (root / "corpus.txt").write_text(TEXT)
     tok = BPETokenizer.train(iter([TEXT]), 300)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: more threads only contend on a shared machine
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=tok.vocab_size, n_positions=64, n_embd=32,
                                                               n_layer=2, n_head=2, eos_token_id=tok.eos_token_id))
@@ -35,17 +37,21 @@ def converted(tmp_path_factory):
         hf(x, labels=x).loss.backward()
         opt.step()
         opt.zero_grad()
+    torch.set_num_threads(threads)
     hf.eval().save_pretrained(root / "hf")
     tok.save(root / "hf" / "tokenizer.json")
     assert main(["convert", "gpt2", str(root / "hf"), "--out", str(root / "conv")]) == 0
     return root, hf, tok
 
 
-def test_finetuning_starts_at_the_pretrained_loss(converted, monkeypatch):
+@pytest.mark.parametrize("source", ["conv", "conv-hf"])  # `convert gpt2`'s evict folder; then `convert hf` of it
+def test_finetuning_starts_at_the_pretrained_loss(converted, monkeypatch, source):
     root, hf, tok = converted
     monkeypatch.setenv("XDG_CACHE_HOME", str(root / "cache"))
-    out = root / "run"
-    main(["train", "--init-from", str(root / "conv"), "--data", str(root / "corpus.txt"), "--out", str(out), *FLAGS])
+    if source == "conv-hf" and not (root / source).exists():
+        assert main(["convert", "hf", str(root / "conv"), "--out", str(root / source)]) == 0
+    out = root / f"run-{source}"
+    main(["train", "--init-from", str(root / source), "--data", str(root / "corpus.txt"), "--out", str(out), *FLAGS])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first = next(r for r in rows if r["split"] == "train")
     # the same first batch under transformers' own forward of the pre-trained model
@@ -57,7 +63,7 @@ def test_finetuning_starts_at_the_pretrained_loss(converted, monkeypatch):
     assert want < math.log(tok.vocab_size) - 1.5  # pre-trained: far below a fresh model's ln(vocab)
     assert first["lr"] < 3e-4 + 1e-12  # the fine-tuning default, in warmup
     run = json.loads((out / "run.json").read_text())
-    assert run["model"]["vocab_size"] == tok.vocab_size and run["task"]["init_from"].endswith("conv")
+    assert run["model"]["vocab_size"] == tok.vocab_size and run["task"]["init_from"].endswith(source)
     assert (out / "model" / "tokenizer.json").read_text() == (root / "conv" / "tokenizer.json").read_text()
 
 
@@ -84,6 +90,9 @@ def test_mismatched_or_missing_tokenizer_is_refused(converted, tmp_path, capsys,
     with pytest.raises(SystemExit) as e:
         main(["train", "--init-from", str(bad), "--out", str(tmp_path / "r"), *FLAGS])
     assert e.value.code == 2 and "holds no tokenizer.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # an unconverted transformers folder
+        main(["train", "--init-from", str(root / "hf"), "--out", str(tmp_path / "r"), *FLAGS])
+    assert e.value.code == 2 and "a transformers 'gpt2' folder; convert it first" in capsys.readouterr().err
     ByteTokenizer(eos=True).save(bad / "tokenizer.json")  # 257 tokens, the model has 300
     with pytest.raises(SystemExit) as e:
         main(["train", "--init-from", str(bad), "--data", str(root / "corpus.txt"), "--out", str(tmp_path / "r"), *FLAGS])
