@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
@@ -18,14 +19,28 @@ def build_parser() -> Parser:
     sub = p.add_subparsers(dest="command", required=True)
     for command in (demo, bench, recall, size, train, generate, explore, serve, convert, lab):
         command.add_parser(sub)
+    for leaf in _leaves(p):
+        leaf.set_defaults(parser=leaf)
     return p
+
+
+def _leaves(p: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """The parsers of the runnable commands (`evict train`, `evict bench ops`, `evict lab state`, …), in order."""
+    subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        return [p]
+    return [leaf for s in subs for child in dict.fromkeys(s.choices.values()) for leaf in _leaves(child)]
 
 
 def main(argv=None) -> int:
     """Run one subcommand. A user error (bad flag, value, path or file) is one line on stderr and exit code 2;
     EVICT_DEBUG=1 shows the traceback instead."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    leaf = vars(args).pop("parser")  # the command's own parser (not a flag: kept out of records of the flags)
+    if extra:  # named by the command that refused them, not by `evict`
+        leaf.error(f"unrecognized arguments: {' '.join(extra)}")
     name = {"bench": f"bench {getattr(args, 'what', '')}",
             "lab": f"lab {getattr(args, 'experiment', '')}"}.get(args.command, args.command)
     try:

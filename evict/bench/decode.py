@@ -346,11 +346,10 @@ def plot(payload: dict, png: str | Path) -> Path:
     return png
 
 
-def add_arguments(b) -> None:
-    """`evict bench decode` flags, on the bench subparser (--device and --out are shared with the other benches)."""
+def add_arguments(g) -> None:
+    """`evict bench decode`'s own flags (--device and --out are added by evict/commands/bench.py)."""
     from evict.cli_args import positive_int
 
-    g = b.add_argument_group("decode", "flags of `evict bench decode`")
     g.add_argument("--contexts", type=int, nargs="+", help="context lengths (default CPU 256 … 8K, CUDA 1K … 128K)")
     g.add_argument("--models", nargs="+", choices=KINDS, help=f"default all: {' '.join(KINDS)}")
     g.add_argument("--size", choices=sorted(presets.SIZES), help="preset size (default tiny on CPU, small on CUDA)")

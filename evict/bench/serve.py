@@ -191,7 +191,6 @@ def run(args) -> dict:
     import logging
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
-    args.size, args.max_batch = args.size or "tiny", args.max_batch or 16  # shared with bench decode (default None)
     if args.url is None and args.model is None and args.preset is None:
         raise SystemExit("--url: expected a running server's URL, or --model DIR / --preset NAME to start one")
     if args.spawn == "process" and args.url is None and args.model is not None and not os.path.isdir(args.model):
@@ -210,11 +209,10 @@ def run(args) -> dict:
     return payload
 
 
-def add_arguments(b) -> None:
-    """`evict bench serve` flags on the bench subparser (--device and --out are the bench's own)."""
+def add_arguments(g) -> None:
+    """`evict bench serve`'s own flags (--device and --out are added by evict/commands/bench.py)."""
     from evict.cli_args import positive_float, positive_int
 
-    g = b.add_argument_group("serve", "flags of `evict bench serve` (engine flags as `evict serve`'s, for its own server)")
     g.add_argument("--url", help="a running server (default: start one from --model / --preset)")
     g.add_argument("--spawn", choices=["process", "thread"], default="process", help="how to start the server (default process)")
     g.add_argument("--clients", type=positive_int, default=16, help="requests in flight at most (default 16)")
@@ -229,4 +227,4 @@ def add_arguments(b) -> None:
     g.add_argument("--start-timeout", type=positive_float, default=600, help="seconds to wait for the server (default 600)")
     from evict.commands.serve import add_engine_flags
 
-    add_engine_flags(g, shared=True)
+    add_engine_flags(g, device=False)  # as `evict serve`'s, for its own server

@@ -8,7 +8,8 @@ import re
 
 import torch
 
-from evict.cli_args import device, positive_int, seed
+from evict.cli_args import device as device_type
+from evict.cli_args import positive_int, seed
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -100,9 +101,8 @@ def run_serve(args) -> None:
         engine.stop()
 
 
-def add_engine_flags(p, *, shared: bool = False) -> None:
-    """The model and engine flags of `evict serve`; `shared`: on `evict bench`'s parser, which already has --size,
-    --max-batch, --threads and --device (run_bench fills in their serve defaults)."""
+def add_engine_flags(p, *, device: bool = True) -> None:
+    """The model and engine flags of `evict serve` (and of `evict bench serve`, which has its own --device)."""
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="the run folder of `evict train` (or its model/ folder)")
     src.add_argument("--preset", choices=preset_names(), help="random weights of a preset (byte tokenizer), for load tests")
@@ -114,11 +114,11 @@ def add_engine_flags(p, *, shared: bool = False) -> None:
     p.add_argument("--max-len", type=positive_int, help="tokens per sequence (default: what the pool holds)")
     p.add_argument("--prefill-chunk", type=positive_int, default=512, help="prompt tokens per prefill step (default 512)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    if not shared:
-        p.add_argument("--size", default="tiny", choices=["tiny", "small"], help="--preset size (default tiny)")
-        p.add_argument("--max-batch", type=positive_int, default=16, help="slots: sequences decoded together (default 16)")
-        p.add_argument("--device", type=device, default="cpu", help="cpu, cuda or auto")
-        p.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    p.add_argument("--size", default="tiny", choices=["tiny", "small"], help="--preset size (default tiny)")
+    p.add_argument("--max-batch", type=positive_int, default=16, help="slots: sequences decoded together (default 16)")
+    if device:
+        p.add_argument("--device", type=device_type, default="cpu", help="cpu, cuda or auto")
+    p.add_argument("--threads", type=positive_int, help="torch CPU threads")
 
 
 def add_parser(sub) -> None:
