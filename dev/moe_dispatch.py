@@ -19,11 +19,11 @@ import collections
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from evict.bench.common import card, markdown_table, wall_time, write_json
 from evict.layers.ffn import swiglu
 from evict.layers.moe import MoE
 from evict.models import LM, presets
 from evict.ops import moe as ops
+from evict.report import card, markdown_table, wall_time, write_json
 
 
 class _CountOps(TorchDispatchMode):

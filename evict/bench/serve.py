@@ -24,7 +24,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-from evict.bench.common import card, markdown_table, write_json
+from evict.report import card, markdown_table, write_json
 
 
 def free_port() -> int:
@@ -62,7 +62,7 @@ def started_server(args):
         yield args.url.rstrip("/")
         return
     if args.spawn == "thread":
-        from evict.commands.serve import build_engine
+        from evict.serve.load import build_engine
         from evict.serve.server import ServerThread, build_app
 
         engine, tok, name = build_engine(args)
@@ -225,6 +225,6 @@ def add_arguments(g) -> None:
     g.add_argument("--vocab", type=positive_int, help="prompt token ids in [0, VOCAB) (default 256)")
     g.add_argument("--bench-seed", type=int, default=0, help="seed of the lengths, prompts and arrivals")
     g.add_argument("--start-timeout", type=positive_float, default=600, help="seconds to wait for the server (default 600)")
-    from evict.commands.serve import add_engine_flags
+    from evict.serve.load import add_engine_flags
 
     add_engine_flags(g, device=False)  # as `evict serve`'s, for its own server

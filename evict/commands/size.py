@@ -21,7 +21,7 @@ def run_size(args) -> None:
     png = accounting.plot_memory(cfgs, args.context, args.plot or f"runs/size/{'_vs_'.join(cfgs)}.png", args.bytes)
     print(f"\nplot: {png}")
     if args.json:
-        from evict.bench.common import write_json
+        from evict.report import write_json
 
         print(f"json: {write_json(args.json, {'reports': reports})}")
 

@@ -33,6 +33,7 @@ from evict.layers.moe import MoE
 from evict.layers.norms import build_norm
 
 from .config import MIXERS, ModelConfig
+from .generate import generate
 
 log = logging.getLogger(__name__)
 
@@ -288,8 +289,7 @@ class LM(nn.Module):
         return sum(b.mixer.state_size(context_len) for b in self.layers())
 
     def generate(self, prompt: torch.Tensor, **kw) -> torch.Tensor:
-        from evict.generate import generate
-
+        """Sample a continuation of `prompt` [B, T0] (evict.models.generate.generate: its keywords and checks)."""
         return generate(self, prompt, **kw)
 
     # -- persistence ------------------------------------------------------------------------------------------

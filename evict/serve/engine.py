@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from evict.generate import sample_next
+from evict.models.generate import sample_next
 
 FINISH = ("stop", "length", "cancelled")
 
@@ -134,7 +134,7 @@ class Engine:
         p = params
         if type(p.max_tokens) is not int or p.max_tokens < 1:
             raise ValueError(f"max_tokens: expected a positive integer, got {p.max_tokens!r}")
-        from evict.generate import _check_stop_tokens, _is_int, _is_real
+        from evict.models.generate import _check_stop_tokens, _is_int, _is_real
 
         if not _is_real(p.temperature) or p.temperature < 0:
             raise ValueError(f"temperature: expected a finite number >= 0, got {p.temperature!r}")

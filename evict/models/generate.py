@@ -1,4 +1,4 @@
-"""Sampling: prefill the prompt in chunks (chunked ops / SDPA), then decode one token at a time (step ops)."""
+"""Sampling (LM.generate): prefill the prompt in chunks (chunked ops / SDPA), then decode one token at a time (step ops)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import math
 from collections.abc import Iterable
 
 import torch
+from torch import nn
 
 
 def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int | None, top_p: float | None,
@@ -34,9 +35,7 @@ def generate(model, prompt: torch.Tensor, *, max_new_tokens: int = 64, temperatu
 
     Rows that stopped keep emitting their stop token. `on_token(tokens [B])` is called for each new token (streaming).
     """
-    from evict.models.lm import LM
-
-    if not isinstance(model, LM):
+    if not (isinstance(model, nn.Module) and callable(getattr(model, "new_cache", None)) and hasattr(model, "cfg")):
         raise ValueError(f"model: expected an evict LM, got {type(model).__name__}")
     vocab = model.cfg.vocab_size
     _check_args(prompt, vocab, max_new_tokens, temperature, top_k, top_p, seed, prefill_chunk, on_token)
