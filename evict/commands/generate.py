@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from evict.cli_args import device, nonneg_float, positive_int, seed, unit_interval
+from evict.cli_args import described, device, nonneg_float, positive_int, seed, unit_interval
 from evict.serve.load import load_model
 
 
@@ -95,7 +95,12 @@ def run_generate(args) -> dict:
 
 def add_parser(sub) -> None:
     """Register `evict generate` (calling fn(args)) on the argparse subparsers object."""
-    g = sub.add_parser("generate", help="stream a continuation from a model saved by `evict train`")
+    g = sub.add_parser("generate", **described(
+        "stream a continuation from a model saved by `evict train`",
+        "Load a model saved by `evict train` (its run folder or model/ folder, with its tokenizer.json), stream a\n"
+        "continuation of --prompt to stdout, and report prefill and decode speed on stderr.",
+        "evict generate --model runs/kda --prompt 'ROMEO:' --max-new-tokens 100",
+        "evict generate --model runs/kda --temperature 0 --stop 'JULIET:'"))
     g.add_argument("--model", required=True, help="the run folder of `evict train` (or its model/ folder)")
     g.add_argument("--prompt", default="\n")
     g.add_argument("--max-new-tokens", type=positive_int, default=200)

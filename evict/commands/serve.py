@@ -3,7 +3,7 @@ serve it over HTTP. Flags are checked before the model is loaded; bad values end
 
 from __future__ import annotations
 
-from evict.cli_args import positive_int
+from evict.cli_args import described, positive_int
 from evict.serve.load import add_engine_flags, build_engine
 
 
@@ -27,7 +27,13 @@ def run_serve(args) -> None:
 
 
 def add_parser(sub) -> None:
-    s = sub.add_parser("serve", help="serve a model over HTTP (OpenAI completions API, continuous batching)")
+    s = sub.add_parser("serve", **described(
+        "serve a model over HTTP (OpenAI completions API, continuous batching)",
+        "Serve a model saved by `evict train` (or a preset with random weights, for load tests) over HTTP with an\n"
+        "OpenAI-compatible /v1/completions endpoint. The engine decodes many requests together (continuous\n"
+        "batching) from one pool of cache memory (--cache-budget). Needs `pip install 'evict[serve]'`.",
+        "evict serve --model runs/kda --port 8000",
+        "evict serve --preset hybrid --device cuda --dtype bfloat16 --cache-budget 8G"))
     add_engine_flags(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=positive_int, default=8000)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from evict.cli_args import positive_int, writable_file
+from evict.cli_args import described, positive_int, writable_file
 
 
 def run_size(args) -> None:
@@ -27,7 +27,13 @@ def run_size(args) -> None:
 
 
 def add_parser(sub) -> None:
-    z = sub.add_parser("size", help="the accountant: parameters (total / active) and memory per sequence vs context")
+    z = sub.add_parser("size", **described(
+        "the accountant: parameters (total / active) and memory per sequence vs context",
+        "Count a preset's parameters (total, active per token, by kind) and the memory one sequence holds at each\n"
+        "context length (KV cache, MLA latents, recurrent states), on the meta device: nothing is allocated, so\n"
+        "released shapes such as Kimi K3 cost nothing. Prints a table per preset and writes a log-log plot.",
+        "evict size gpt2_124m kimi_linear_48b --context 8192 1048576",
+        "evict size kda attention --size small --json runs/size/kda.json"))
     z.add_argument("preset", nargs="+", help="preset name(s), e.g. gpt2_124m kimi_linear_48b kimi_k3")
     z.add_argument("--size", default="tiny", choices=["tiny", "small"], help="for the trainable families (released shapes ignore it)")
     z.add_argument("--context", type=positive_int, nargs="+", default=[1024, 8192, 131072, 1048576])

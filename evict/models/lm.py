@@ -138,7 +138,7 @@ class LM(nn.Module):
             # made while being built are discarded. So meta-built + to_empty + init_weights() gives the same weights.
             torch.set_rng_state(rng)
             self.init_weights()
-        log.info("LM %s", " ".join(f"{b.letter}{'/moe' if b.ffn_kind == 'moe' else ''}" for b in self.blocks))
+        log.debug("LM %s", " ".join(f"{b.letter}{'/moe' if b.ffn_kind == 'moe' else ''}" for b in self.blocks))
 
     def init_weights(self) -> None:
         """Initialise every parameter and buffer (also after building on the meta device and `to_empty`):
