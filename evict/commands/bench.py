@@ -52,71 +52,72 @@ def run_train(args) -> None:
                 steps=args.train_steps, variants=args.variants, out=args.out)
 
 
-def _device_and_out(p, device_help: str = "cpu, cuda, cuda:N or auto") -> None:
-    p.add_argument("--device", type=device, default="cpu", help=device_help)
-    p.add_argument("--out", default=None, help="JSON output path")
-
-
-def add_parser(sub) -> None:
-    from evict.bench.decode import add_arguments as add_decode_arguments
-    from evict.bench.serve import add_arguments as add_serve_arguments
-
-    b = sub.add_parser("bench", **described(
-        "benchmarks (print a table, write JSON)",
-        "Benchmarks, each timing forms side by side in one run and recording the card, versions and flags with\n"
-        "the numbers: ops (the memory op's forms), decode (time per token vs context), serve (a server under\n"
-        "load), train (N small training runs at once on one GPU). `evict bench NAME --help` lists its flags.",
-        "evict bench ops --device cuda --out runs/bench/ops.json",
-        "evict bench decode --models kda attention --contexts 1024 4096"))
-    benches = b.add_subparsers(dest="what", required=True)
-
-    o = benches.add_parser("ops", **described(
-        "the memory op's forms timed against each other (CPU; CUDA against fla and SDPA)",
-        "CPU: the token-by-token reference against the chunked PyTorch form, for the lesson's rules, at each\n"
-        "--lengths. CUDA: the Triton kernels' decode step, forward and forward+backward (KDA, Gated DeltaNet) in\n"
-        "bf16 against fla (when installed) and SDPA flash attention, each row also as a fraction of the roofline.",
-        "evict bench ops --lengths 256 1024",
-        "evict bench ops --device cuda --no-fla-backward --shapes 4x8192 --out runs/bench/ops_cuda.json"))
-    _device_and_out(o, "cpu, cuda or auto")
+def _ops_arguments(o) -> None:
     o.add_argument("--lengths", type=positive_int, nargs="+", default=[256, 1024, 2048, 4096], help="CPU: tokens")
     o.add_argument("--no-fla-backward", action="store_true", help="--device cuda: skip fla's fwd+bwd (it autotunes for minutes)")
     o.add_argument("--shapes", type=batch_by_length, nargs="+", default=[(4, 8192), (1, 32768)], metavar="BxT",
                    help="--device cuda: (batch, tokens) shapes at H16 D128 (default 4x8192 1x32768); the first is profiled")
-    o.set_defaults(fn=run_ops)
 
-    d = benches.add_parser("decode", **described(
-        "time per output token vs context, each memory kind at equal width and depth",
-        "Time one decode step of attention, MLA, KDA, the 3:1 hybrid and k3_mini models of equal width and depth\n"
-        "at each context length (a cache filled to that length), at batch 1 and at the largest batch whose cache\n"
-        "fits; report time per token and cache bytes per sequence, and write JSON (default runs/bench/).",
-        "evict bench decode --contexts 256 1024 4096",
-        "evict bench decode --device cuda --paths before graph --models kda hybrid"))
-    _device_and_out(d)
-    add_decode_arguments(d)
-    d.set_defaults(fn=run_decode)
 
-    s = benches.add_parser("serve", **described(
-        "load an `evict serve` server: throughput, latency, and equality with decoding alone",
-        "Send --requests completions (at most --clients in flight, Poisson arrivals at --rate) to a server: the one\n"
-        "at --url, or one started here from --model / --preset with `evict serve`'s engine flags. Report tokens per\n"
-        "second and latency percentiles, and check that --check greedy answers equal each request decoded alone.",
-        "evict bench serve --preset kda --requests 32 --clients 8",
-        "evict bench serve --url http://127.0.0.1:8000 --requests 64 --rate 4"))
-    _device_and_out(s)
-    add_serve_arguments(s)
-    s.set_defaults(fn=run_serve)
-
-    t = benches.add_parser("train", **described(
-        "GPU: N MQAR cells trained at once (cell-steps per second per variant)",
-        "Train --procs MQAR cells of the recall lab at once on one GPU (the way `evict recall --full` fills a card)\n"
-        "and report cell-steps per second for each training-step variant: before, bf16, labels (head and loss at\n"
-        "the labelled positions only), graphs (the step replayed from one CUDA graph), compiled.",
-        "evict bench train --arch kda --procs 4 --train-steps 100 --variants before graphs"))
-    t.add_argument("--out", default=None, help="JSON output path")
+def _train_arguments(t) -> None:
     t.add_argument("--arch", nargs="+", default=["attention", "kda"], help="architectures (default attention kda)")
     t.add_argument("--setting", nargs=2, type=positive_int, default=[512, 64], metavar=("L", "K"), help="default 512 64")
     t.add_argument("--d-model", type=positive_int, default=128, help="the models' width")
     t.add_argument("--procs", type=positive_int, default=8, help="cells trained at once (default 8)")
     t.add_argument("--train-steps", type=positive_int, default=300, help="timed steps per cell (default 300)")
     t.add_argument("--variants", nargs="+", default=["before", "bf16", "labels", "graphs"])
-    t.set_defaults(fn=run_train)
+
+
+def _benches() -> dict:
+    """name -> (run, its own flags, --device's help or None for no --device, described(...)'s arguments)."""
+    from evict.bench.decode import add_arguments as decode_arguments
+    from evict.bench.serve import add_arguments as serve_arguments
+
+    return {
+        "ops": (run_ops, _ops_arguments, "cpu, cuda or auto", (
+            "the memory op's forms timed against each other (CPU; CUDA against fla and SDPA)",
+            "CPU: the token-by-token reference against the chunked PyTorch form, for the lesson's rules, at each "
+            "--lengths. CUDA: the Triton kernels' decode step, forward and forward+backward (KDA, Gated DeltaNet) in "
+            "bf16 against fla (when installed) and SDPA flash attention, each row also as a fraction of the roofline.",
+            "evict bench ops --lengths 256 1024",
+            "evict bench ops --device cuda --no-fla-backward --shapes 4x8192 --out runs/bench/ops_cuda.json")),
+        "decode": (run_decode, decode_arguments, "cpu, cuda, cuda:N or auto", (
+            "time per output token vs context, each memory kind at equal width and depth",
+            "Time one decode step of attention, MLA, KDA, the 3:1 hybrid and k3_mini models of equal width and depth "
+            "at each context length (a cache filled to that length), at batch 1 and at the largest batch whose cache "
+            "fits; report time per token and cache bytes per sequence, and write JSON (default runs/bench/).",
+            "evict bench decode --contexts 256 1024 4096",
+            "evict bench decode --device cuda --paths before graph --models kda hybrid")),
+        "serve": (run_serve, serve_arguments, "cpu, cuda, cuda:N or auto", (
+            "load an `evict serve` server: throughput, latency, and equality with decoding alone",
+            "Send --requests completions (at most --clients in flight, Poisson arrivals at --rate) to a server: the "
+            "one at --url, or one started here from --model / --preset with `evict serve`'s engine flags. Report "
+            "tokens per second and latency percentiles, and check that --check greedy answers equal each request "
+            "decoded alone.",
+            "evict bench serve --preset kda --requests 32 --clients 8",
+            "evict bench serve --url http://127.0.0.1:8000 --requests 64 --rate 4")),
+        "train": (run_train, _train_arguments, None, (
+            "GPU: N MQAR cells trained at once (cell-steps per second per variant)",
+            "Train --procs MQAR cells of the recall lab at once on one GPU (the way `evict recall --full` fills a "
+            "card) and report cell-steps per second for each training-step variant: before, bf16, labels (head and "
+            "loss at the labelled positions only), graphs (the step replayed from one CUDA graph), compiled.",
+            "evict bench train --arch kda --procs 4 --train-steps 100 --variants before graphs")),
+    }
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("bench", **described(
+        "benchmarks (print a table, write JSON)",
+        "Benchmarks, each timing forms side by side in one run and recording the card, versions and flags with "
+        "the numbers: ops (the memory op's forms), decode (time per token vs context), serve (a server under "
+        "load), train (N small training runs at once on one GPU). `evict bench NAME --help` lists its flags.",
+        "evict bench ops --device cuda --out runs/bench/ops.json",
+        "evict bench decode --models kda attention --contexts 1024 4096"))
+    benches = b.add_subparsers(dest="what", required=True)
+    for name, (run, own_arguments, device_help, text) in _benches().items():
+        p = benches.add_parser(name, **described(*text))
+        if device_help is not None:
+            p.add_argument("--device", type=device, default="cpu", help=device_help)
+        p.add_argument("--out", default=None, help="JSON output path")
+        own_arguments(p)
+        p.set_defaults(fn=run)
