@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from evict.bench.common import card
 from evict.explore.dial import GPU_DATA, Dial, cost, inputs, time_chunk
+from evict.report import card
 
 
 def main(argv=None) -> int:

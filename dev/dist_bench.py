@@ -17,7 +17,7 @@ PEAK_BF16 = 989e12  # H200 (and H100 SXM) dense bf16 peak, FLOP/s
 
 
 def report(out: Path, runs: list[str], skip: int, peak: float) -> dict:
-    from evict.bench.common import card
+    from evict.report import card
     from evict.models.accounting import train_flops_per_token
     from evict.models.config import ModelConfig
 

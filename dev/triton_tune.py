@@ -8,10 +8,10 @@ import argparse
 
 import torch
 
-from evict.bench.common import markdown_table
 from evict.bench.ops import kernel_profile, rule_inputs
 from evict.ops.memory.triton.backward import backward_triton
 from evict.ops.memory.triton.forward import forward_triton
+from evict.report import markdown_table
 
 VARIANTS = {  # name -> (forward knobs, backward knobs); a* = ablations (timing only: stages skipped)
     "v0": (dict(), dict()),

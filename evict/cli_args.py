@@ -45,8 +45,9 @@ def first_line(e: BaseException, width: int = 160) -> str:
     return text.splitlines()[0][:width] if text else type(e).__name__
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every option's default in `--help` (unless it is None or False, or its help already names its default)."""
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in `--help` (unless it is None or False, or its help already names its default); the
+    description and the examples (epilog) as written."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = (action.help or "").strip()
@@ -72,6 +73,24 @@ class Parser(argparse.ArgumentParser):
             if action.help is None and action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
                 action.help = "default: %(default)s"
         return super().format_help()
+
+
+def described(help: str, description: str, *examples: str) -> dict[str, str]:
+    """`add_parser` keywords of a command: its line in the parent's list (help), what it does (description, shown
+    by its own --help, refilled to 79 columns; a blank line separates paragraphs) and one or more command lines
+    under "examples:" (epilog, as written)."""
+    return {"help": help, "description": refill(description), "epilog": examples_text(*examples)}
+
+
+def refill(text: str, width: int = 79) -> str:
+    """Each paragraph of `text` (blank-line separated) as lines of at most `width` characters."""
+    import textwrap
+
+    return "\n\n".join(textwrap.fill(" ".join(par.split()), width) for par in text.split("\n\n"))
+
+
+def examples_text(*examples: str) -> str:
+    return "examples:\n" + "\n".join(f"  {e}" for e in examples)
 
 
 def _number(text: str, kind: type[N], want: str, ok: Callable[[N], bool]) -> N:
@@ -206,12 +225,12 @@ def add_gate_dt_flag(p: argparse.ArgumentParser, default: str = "1e-3 1e-1") -> 
                    help=f"the decay gates' initial dt range, log-uniform (default {default}); the rate is A dt, A ~ U(1, 16)")
 
 
-def add_lab_parser(lab_sub, name: str, *, help: str, quick: str, full: str, seeds_help: str,
-                   modes: dict[str, str] | None = None) -> argparse.ArgumentParser:
+def add_lab_parser(lab_sub, name: str, *, help: str, description: str, examples: tuple[str, ...], quick: str, full: str,
+                   seeds_help: str, modes: dict[str, str] | None = None) -> argparse.ArgumentParser:
     """`evict lab <name>` with the flags every lab sweep has: --quick (the default) or --full (or one of the lab's
     own `modes`, flag -> help: the preset of that upper-cased name in the lab's module), --steps, --batch-size, --lr,
-    then add_sweep_flags'; the caller adds its own and sets `fn`."""
-    s = lab_sub.add_parser(name, help=help)
+    then add_sweep_flags'; the caller adds its own and sets `fn`. `help`, `description`, `examples`: as described's."""
+    s = lab_sub.add_parser(name, **described(help, description, *examples))
     mode = s.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help=f"the default: {quick}")
     mode.add_argument("--full", action="store_true", help=full)

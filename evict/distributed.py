@@ -21,6 +21,15 @@ from torch import nn
 DIST = ("fsdp", "ddp")
 
 
+def resolve_device(device: str) -> torch.device:
+    """"auto" → cuda (this rank's LOCAL_RANK device under torchrun) if available, else cpu."""
+    if device != "auto":
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
 def world() -> tuple[int, int]:
     """(rank, world size) of the initialised process group, else (0, 1)."""
     if active():

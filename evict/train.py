@@ -179,15 +179,6 @@ class WarmupCosine:
         return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def resolve_device(device: str) -> torch.device:
-    """"auto" → cuda (this rank's LOCAL_RANK device under torchrun) if available, else cpu."""
-    if device != "auto":
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices (ndim >= 2) only; norms, biases and gains (ndim < 2) get none."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -421,7 +412,7 @@ class Trainer:
     def setup_device(self) -> None:
         """The device, the process group (torchrun), threads and autocast; refuse what this world cannot run."""
         cfg = self.cfg
-        self.device = device = resolve_device(cfg.device)
+        self.device = device = distributed.resolve_device(cfg.device)
         if cfg.graphs and device.type != "cuda":
             raise ValueError(f"graphs: CUDA graphs need a CUDA device, got {device}")
         distributed.init_from_env(device)

@@ -201,7 +201,7 @@ def test_generate_arguments(kda, kw, match):
 
 
 def test_generate_needs_an_lm():
-    from evict.generate import generate
+    from evict.models.generate import generate
 
     with pytest.raises(ValueError, match=r"^model: expected an evict LM, got str"):
         generate("model.safetensors", PROMPT)

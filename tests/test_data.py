@@ -8,7 +8,7 @@ import pytest
 
 from evict.cli import main
 from evict.data import open_corpus, read_bin
-from evict.data.prepare import prepare
+from evict.tasks.prepare import prepare
 from evict.tasks.text import TextTask
 from evict.tasks.tokenizers import EOT, ByteTokenizer
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from evict.generate import GREEDY_BELOW, Penalties, sample_next
+from evict.models.generate import GREEDY_BELOW, Penalties, sample_next
 
 
 def ref_adjust(logits, prompt, out, *, presence=0.0, frequency=0.0, repetition=1.0, bias=None) -> list[float]:

@@ -36,12 +36,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from evict.bench.common import card, markdown_table, write_json
 from evict.cli_args import first_line
 from evict.layers.attention import Attention
 from evict.layers.mla import MLA
 from evict.layers.moe import MoE
 from evict.models import LM, presets
+from evict.report import card, markdown_table, write_json
 
 KINDS = ("attention", "mla", "kda", "hybrid", "k3_mini")
 CPU_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)
@@ -58,7 +58,7 @@ def model_configs(kinds=KINDS, size: str = "tiny", width: dict | None = None) ->
         if kind not in KINDS:
             raise ValueError(f"models: unknown kind {kind!r}; expected some of {', '.join(KINDS)}")
         if kind == "hybrid":
-            cfg = presets.get("kda", size=size, pattern="KKKM", final_mixer="M", **width)
+            cfg = presets.hybrid(size=size, **width)
         elif kind == "k3_mini":
             cfg = presets.get("k3_mini", size=size, **width)
             if "d_model" in width:  # the preset derives these from d_model
@@ -346,11 +346,10 @@ def plot(payload: dict, png: str | Path) -> Path:
     return png
 
 
-def add_arguments(b) -> None:
-    """`evict bench decode` flags, on the bench subparser (--device and --out are shared with the other benches)."""
+def add_arguments(g) -> None:
+    """`evict bench decode`'s own flags (--device and --out are added by evict/commands/bench.py)."""
     from evict.cli_args import positive_int
 
-    g = b.add_argument_group("decode", "flags of `evict bench decode`")
     g.add_argument("--contexts", type=int, nargs="+", help="context lengths (default CPU 256 … 8K, CUDA 1K … 128K)")
     g.add_argument("--models", nargs="+", choices=KINDS, help=f"default all: {' '.join(KINDS)}")
     g.add_argument("--size", choices=sorted(presets.SIZES), help="preset size (default tiny on CPU, small on CUDA)")

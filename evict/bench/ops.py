@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from evict.ops import memory
 
-from .common import card, markdown_table, wall_time, write_json
+from evict.report import card, markdown_table, wall_time, write_json
 
 RULES = {  # name -> (gate kind, delta)
     "linear": (None, False),

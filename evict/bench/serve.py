@@ -24,7 +24,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-from evict.bench.common import card, markdown_table, write_json
+from evict.report import card, markdown_table, write_json
 
 
 def free_port() -> int:
@@ -63,7 +63,7 @@ def started_server(args):
         yield args.url.rstrip("/")
         return
     if args.spawn == "thread":
-        from evict.commands.serve import build_engine
+        from evict.serve.load import build_engine
         from evict.serve.server import ServerThread, build_app
 
         engine, tok, name = build_engine(args)
@@ -193,7 +193,6 @@ def run(args) -> dict:
     import logging
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
-    args.size, args.max_batch = args.size or "tiny", args.max_batch or 16  # shared with bench decode (default None)
     if args.url is None and args.model is None and args.preset is None:
         raise SystemExit("--url: expected a running server's URL, or --model DIR / --preset NAME to start one")
     if args.spawn == "process" and args.url is None and args.model is not None and not os.path.isdir(args.model):
@@ -212,11 +211,10 @@ def run(args) -> dict:
     return payload
 
 
-def add_arguments(b) -> None:
-    """`evict bench serve` flags on the bench subparser (--device and --out are the bench's own)."""
+def add_arguments(g) -> None:
+    """`evict bench serve`'s own flags (--device and --out are added by evict/commands/bench.py)."""
     from evict.cli_args import positive_float, positive_int
 
-    g = b.add_argument_group("serve", "flags of `evict bench serve` (engine flags as `evict serve`'s, for its own server)")
     g.add_argument("--url", help="a running server (default: start one from --model / --preset)")
     g.add_argument("--spawn", choices=["process", "thread"], default="process", help="how to start the server (default process)")
     g.add_argument("--clients", type=positive_int, default=16, help="requests in flight at most (default 16)")
@@ -229,6 +227,6 @@ def add_arguments(b) -> None:
     g.add_argument("--vocab", type=positive_int, help="prompt token ids in [0, VOCAB) (default 256)")
     g.add_argument("--bench-seed", type=int, default=0, help="seed of the lengths, prompts and arrivals")
     g.add_argument("--start-timeout", type=positive_float, default=600, help="seconds to wait for the server (default 600)")
-    from evict.commands.serve import add_engine_flags
+    from evict.serve.load import add_engine_flags
 
-    add_engine_flags(g, shared=True)
+    add_engine_flags(g, device=False)  # as `evict serve`'s, for its own server

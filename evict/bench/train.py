@@ -18,7 +18,7 @@ import multiprocessing as mp
 import time
 from typing import Any
 
-from evict.bench.common import card, markdown_table, write_json
+from evict.report import card, markdown_table, write_json
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "before": dict(amp="none", graphs=False, select_labels=False, prefetch=0),

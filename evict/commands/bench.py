@@ -1,63 +1,123 @@
-"""`evict bench ops|decode|serve|train`: the benchmarks' flags and dispatch (the benchmarks are evict/bench/)."""
+"""`evict bench ops|decode|serve|train`: one parser per benchmark, each with only its own flags (the benchmarks
+themselves are evict/bench/)."""
 
 from __future__ import annotations
 
-from evict.cli_args import batch_by_length, device, positive_int, writable_file
+from evict.cli_args import batch_by_length, described, device, positive_int, writable_file
 
 
-def run_bench(args) -> None:
+def _resolve_device(args) -> str:
+    """--device auto -> cuda if available, else cpu; the result's kind ('cpu' or 'cuda')."""
     if args.device == "auto":
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.what == "ops" and args.device not in ("cpu", "cuda"):
+    return "cuda" if args.device.startswith("cuda") else "cpu"
+
+
+def run_ops(args) -> None:
+    _resolve_device(args)
+    if args.device not in ("cpu", "cuda"):
         raise SystemExit(f"--device: expected 'cpu' or 'cuda', got {args.device!r}")
-    kind = "cuda" if args.device.startswith("cuda") else "cpu"
-    default = f"runs/bench/decode_{kind}.json" if args.what == "decode" else None  # ops writes JSON only with --out
-    writable_file(args.out or default, "--out")  # checked before the benchmark, not after it
-    if args.what == "ops":
-        from evict.bench.ops import bench_cpu, bench_cuda
+    writable_file(args.out, "--out")  # checked before the benchmark, not after it; ops writes JSON only with --out
+    from evict.bench.ops import bench_cpu, bench_cuda
 
-        if args.device == "cuda":
-            bench_cuda(shapes=tuple(args.shapes), out=args.out, fla_backward=not args.no_fla_backward)
-        elif args.device == "cpu":
-            bench_cpu(lengths=tuple(args.lengths), out=args.out)
-        else:
-            raise SystemExit(f"--device: expected 'cpu' or 'cuda', got {args.device!r}")
-    elif args.what == "decode":
-        from evict.bench.decode import cli_run
-
-        cli_run(args)
-    elif args.what == "serve":
-        from evict.bench.serve import run
-
-        run(args)
-    elif args.what == "train":
-        from evict.bench.train import bench_train
-
-        bench_train(archs=args.arch, setting=args.setting, d_model=args.d_model or 128, procs=args.procs,
-                    steps=args.train_steps, variants=args.variants, out=args.out)
+    if args.device == "cuda":
+        bench_cuda(shapes=tuple(args.shapes), out=args.out, fla_backward=not args.no_fla_backward)
+    else:
+        bench_cpu(lengths=tuple(args.lengths), out=args.out)
 
 
-def add_parser(sub) -> None:
-    b = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
-    b.add_argument("what", choices=["ops", "decode", "train", "serve"])
-    b.add_argument("--device", type=device, default="cpu", help="cpu, cuda, cuda:N or auto (ops: cpu or cuda)")
-    b.add_argument("--lengths", type=positive_int, nargs="+", default=[256, 1024, 2048, 4096])
-    b.add_argument("--no-fla-backward", action="store_true", help="ops --device cuda: skip fla's fwd+bwd (it autotunes for minutes)")
-    b.add_argument("--shapes", type=batch_by_length, nargs="+", default=[(4, 8192), (1, 32768)], metavar="BxT",
-                   help="ops --device cuda: (batch, tokens) shapes at H16 D128 (default 4x8192 1x32768); the first is profiled")
-    b.add_argument("--out", default=None, help="JSON output path")
-    from evict.bench.decode import add_arguments as add_decode_arguments
+def run_decode(args) -> None:
+    kind = _resolve_device(args)
+    writable_file(args.out or f"runs/bench/decode_{kind}.json", "--out")
+    from evict.bench.decode import cli_run
 
-    add_decode_arguments(b)
-    from evict.bench.serve import add_arguments as add_serve_arguments
+    cli_run(args)
 
-    add_serve_arguments(b)
-    t = b.add_argument_group("train", "flags of `evict bench train` (GPU: N MQAR cells trained at once)")
+
+def run_serve(args) -> None:
+    _resolve_device(args)
+    writable_file(args.out, "--out")
+    from evict.bench.serve import run
+
+    run(args)
+
+
+def run_train(args) -> None:
+    writable_file(args.out, "--out")
+    from evict.bench.train import bench_train
+
+    bench_train(archs=args.arch, setting=args.setting, d_model=args.d_model, procs=args.procs,
+                steps=args.train_steps, variants=args.variants, out=args.out)
+
+
+def _ops_arguments(o) -> None:
+    o.add_argument("--lengths", type=positive_int, nargs="+", default=[256, 1024, 2048, 4096], help="CPU: tokens")
+    o.add_argument("--no-fla-backward", action="store_true", help="--device cuda: skip fla's fwd+bwd (it autotunes for minutes)")
+    o.add_argument("--shapes", type=batch_by_length, nargs="+", default=[(4, 8192), (1, 32768)], metavar="BxT",
+                   help="--device cuda: (batch, tokens) shapes at H16 D128 (default 4x8192 1x32768); the first is profiled")
+
+
+def _train_arguments(t) -> None:
     t.add_argument("--arch", nargs="+", default=["attention", "kda"], help="architectures (default attention kda)")
     t.add_argument("--setting", nargs=2, type=positive_int, default=[512, 64], metavar=("L", "K"), help="default 512 64")
+    t.add_argument("--d-model", type=positive_int, default=128, help="the models' width")
     t.add_argument("--procs", type=positive_int, default=8, help="cells trained at once (default 8)")
     t.add_argument("--train-steps", type=positive_int, default=300, help="timed steps per cell (default 300)")
     t.add_argument("--variants", nargs="+", default=["before", "bf16", "labels", "graphs"])
-    b.set_defaults(fn=run_bench)
+
+
+def _benches() -> dict:
+    """name -> (run, its own flags, --device's help or None for no --device, described(...)'s arguments)."""
+    from evict.bench.decode import add_arguments as decode_arguments
+    from evict.bench.serve import add_arguments as serve_arguments
+
+    return {
+        "ops": (run_ops, _ops_arguments, "cpu, cuda or auto", (
+            "the memory op's forms timed against each other (CPU; CUDA against fla and SDPA)",
+            "CPU: the token-by-token reference against the chunked PyTorch form, for the lesson's rules, at each "
+            "--lengths. CUDA: the Triton kernels' decode step, forward and forward+backward (KDA, Gated DeltaNet) in "
+            "bf16 against fla (when installed) and SDPA flash attention, each row also as a fraction of the roofline.",
+            "evict bench ops --lengths 256 1024",
+            "evict bench ops --device cuda --no-fla-backward --shapes 4x8192 --out runs/bench/ops_cuda.json")),
+        "decode": (run_decode, decode_arguments, "cpu, cuda, cuda:N or auto", (
+            "time per output token vs context, each memory kind at equal width and depth",
+            "Time one decode step of attention, MLA, KDA, the 3:1 hybrid and k3_mini models of equal width and depth "
+            "at each context length (a cache filled to that length), at batch 1 and at the largest batch whose cache "
+            "fits; report time per token and cache bytes per sequence, and write JSON (default runs/bench/).",
+            "evict bench decode --contexts 256 1024 4096",
+            "evict bench decode --device cuda --paths before graph --models kda hybrid")),
+        "serve": (run_serve, serve_arguments, "cpu, cuda, cuda:N or auto", (
+            "load an `evict serve` server: throughput, latency, and equality with decoding alone",
+            "Send --requests completions (at most --clients in flight, Poisson arrivals at --rate) to a server: the "
+            "one at --url, or one started here from --model / --preset with `evict serve`'s engine flags. Report "
+            "tokens per second and latency percentiles, and check that --check greedy answers equal each request "
+            "decoded alone.",
+            "evict bench serve --preset kda --requests 32 --clients 8",
+            "evict bench serve --url http://127.0.0.1:8000 --requests 64 --rate 4")),
+        "train": (run_train, _train_arguments, None, (
+            "GPU: N MQAR cells trained at once (cell-steps per second per variant)",
+            "Train --procs MQAR cells of the recall lab at once on one GPU (the way `evict recall --full` fills a "
+            "card) and report cell-steps per second for each training-step variant: before, bf16, labels (head and "
+            "loss at the labelled positions only), graphs (the step replayed from one CUDA graph), compiled.",
+            "evict bench train --arch kda --procs 4 --train-steps 100 --variants before graphs")),
+    }
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("bench", **described(
+        "benchmarks (print a table, write JSON)",
+        "Benchmarks, each timing forms side by side in one run and recording the card, versions and flags with "
+        "the numbers: ops (the memory op's forms), decode (time per token vs context), serve (a server under "
+        "load), train (N small training runs at once on one GPU). `evict bench NAME --help` lists its flags.",
+        "evict bench ops --device cuda --out runs/bench/ops.json",
+        "evict bench decode --models kda attention --contexts 1024 4096"))
+    benches = b.add_subparsers(dest="what", required=True)
+    for name, (run, own_arguments, device_help, text) in _benches().items():
+        p = benches.add_parser(name, **described(*text))
+        if device_help is not None:
+            p.add_argument("--device", type=device, default="cpu", help=device_help)
+        p.add_argument("--out", default=None, help="JSON output path")
+        own_arguments(p)
+        p.set_defaults(fn=run)

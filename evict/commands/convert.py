@@ -12,7 +12,7 @@ import argparse
 import shutil
 from pathlib import Path
 
-from evict.cli_args import writable_dir
+from evict.cli_args import described, writable_dir
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -20,9 +20,8 @@ DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 def run_convert(args: argparse.Namespace) -> None:
     import torch
 
-    from evict.models import LM
-
     from evict.convert.folder import write_folder
+    from evict.models import LM
 
     writable_dir(args.out, "--out")
     src = Path(args.source).expanduser()
@@ -86,7 +85,13 @@ def _copy_tokenizer(src: Path, dst: Path, lm) -> None:
 
 def add_parser(sub) -> None:
     """Register `evict convert` (calling fn(args)) on the argparse subparsers object."""
-    c = sub.add_parser("convert", help="convert models: from transformers' GPT-2; to transformers or fla folders")
+    c = sub.add_parser("convert", **described(
+        "convert models: from transformers' GPT-2; to transformers or fla folders",
+        "Convert between evict's model folders and the ecosystem's: gpt2 reads a transformers GPT-2 folder into an\n"
+        "evict model folder; hf writes an evict model as a transformers folder (EvictForCausalLM); fla writes it as\n"
+        "an fla folder (KDA / Gated DeltaNet). The output is written whole or not at all.",
+        "evict convert gpt2 ~/models/gpt2 --out runs/gpt2",
+        "evict convert hf runs/kda --out runs/kda_hf"))
     c.add_argument("kind", choices=["gpt2", "hf", "fla"], help="gpt2: from a transformers GPT-2 folder; hf / fla: from an "
                                                              "evict model folder to that format")
     c.add_argument("source", help="the folder to convert (for hf / fla: a model folder or a run folder holding model/)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from evict.cli_args import described
+
 
 def run(args) -> None:
     from evict.demo import run_demo
@@ -10,5 +12,11 @@ def run(args) -> None:
 
 
 def add_parser(sub) -> None:
-    d = sub.add_parser("demo", help="the memory op's worked examples, computed live")
+    d = sub.add_parser("demo", **described(
+        "the memory op's worked examples, computed live",
+        "The lesson's worked examples, computed by evict's memory op in float64 and printed with their numbers:\n"
+        "interference (the additive rule reads a mix of two values whose keys overlap), a targeted replace (the\n"
+        "delta rule overwrites one key's value), survival (what a gate's decays keep) and the delta update as one\n"
+        "SGD step on the memory's reconstruction loss.",
+        "evict demo"))
     d.set_defaults(fn=run)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import socket
 
-from evict.cli_args import UserError
+from evict.cli_args import UserError, described
 
 
 def port(text: str) -> int:
@@ -19,7 +19,12 @@ def port(text: str) -> int:
 
 
 def add_parser(sub) -> None:
-    e = sub.add_parser("explore", help="the lesson's figures as a local web app, computed by evict (FastAPI + uvicorn)")
+    e = sub.add_parser("explore", **described(
+        "the lesson's figures as a local web app, computed by evict (FastAPI + uvicorn)",
+        "Serve the lesson's interactive figures on this machine: each figure is computed by evict's op or models\n"
+        "as you move its controls. Needs `pip install 'evict[explore]'`. Open the printed address in a browser.",
+        "evict explore",
+        "evict explore --port 8080"))
     e.add_argument("--port", type=port, default=8000, help="default 8000")
     e.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (this machine only)")
     e.set_defaults(fn=run)

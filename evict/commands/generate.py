@@ -8,29 +8,15 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from evict.cli_args import device, nonneg_float, positive_int, seed, unit_interval
+from evict.cli_args import described, device, nonneg_float, positive_int, seed, unit_interval
+from evict.serve.load import load_model
 
 
 class _StopText(Exception):
     """Raised from the streaming callback once the generated text contains the multi-token --stop text."""
-
-
-def resolve_model_dir(path: str) -> Path:
-    """--model may name the model folder itself or the run folder holding model/."""
-    p = Path(path).expanduser()
-    if not p.is_dir():
-        raise SystemExit(f"--model: no such folder: {p}")
-    if (p / "model" / "config.json").is_file():
-        p = p / "model"
-    if not (p / "config.json").is_file():
-        raise SystemExit(f"--model: {p} holds no config.json (expected the model/ folder written by `evict train`)")
-    if not (p / "tokenizer.json").is_file():
-        raise SystemExit(f"--model: {p} holds no tokenizer.json (models trained on text tasks have one)")
-    return p
 
 
 class Streamer:
@@ -58,29 +44,8 @@ class Streamer:
             raise _StopText
 
 
-def load_model(path: str, device: torch.device):
-    """(model, tokenizer) from --model (a run folder or its model/ folder), on `device`; one-line errors."""
-    from evict.models import LM
-    from evict.tasks.tokenizers import load_tokenizer
-
-    folder = resolve_model_dir(path)
-    try:
-        model = LM.load(folder, device=device)
-    except (ValueError, OSError) as e:
-        raise SystemExit(f"--model: {e}") from None
-    model.to(device)
-    try:
-        tok = load_tokenizer(folder / "tokenizer.json")
-    except (ValueError, ImportError) as e:
-        raise SystemExit(f"--model: {e}") from None
-    if tok.vocab_size != model.cfg.vocab_size:
-        raise SystemExit(f"--model: {folder / 'tokenizer.json'} has {tok.vocab_size} tokens but the model's vocab_size is "
-                         f"{model.cfg.vocab_size} (a tokenizer from another run?)")
-    return model, tok
-
-
 def run_generate(args) -> dict:
-    from evict.train import resolve_device
+    from evict.distributed import resolve_device
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -133,7 +98,12 @@ def run_generate(args) -> dict:
 
 def add_parser(sub) -> None:
     """Register `evict generate` (calling fn(args)) on the argparse subparsers object."""
-    g = sub.add_parser("generate", help="stream a continuation from a model saved by `evict train`")
+    g = sub.add_parser("generate", **described(
+        "stream a continuation from a model saved by `evict train`",
+        "Load a model saved by `evict train` (its run folder or model/ folder, with its tokenizer.json), stream a\n"
+        "continuation of --prompt to stdout, and report prefill and decode speed on stderr.",
+        "evict generate --model runs/kda --prompt 'ROMEO:' --max-new-tokens 100",
+        "evict generate --model runs/kda --temperature 0 --stop 'JULIET:'"))
     g.add_argument("--model", required=True, help="the run folder of `evict train` (or its model/ folder)")
     g.add_argument("--prompt", default="\n")
     g.add_argument("--max-new-tokens", type=positive_int, default=200)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from evict.cli_args import add_gate_dt_flag, add_sweep_flags, parse_overrides, positive_float, positive_int, writable_dir
+from evict.cli_args import (add_gate_dt_flag, add_sweep_flags, described, parse_overrides, positive_float, positive_int,
+                            writable_dir)
 
 
 def run_recall(args) -> None:
@@ -47,7 +48,14 @@ def _check_recall_models(sweep) -> None:
 
 
 def add_parser(sub) -> None:
-    r = sub.add_parser("recall", help="the recall lab: MQAR accuracy across memories as pairs grow (the main job)")
+    r = sub.add_parser("recall", **described(
+        "the recall lab: MQAR accuracy across memories as pairs grow (the main job)",
+        "Train small models of every memory (attention, linear attention, DeltaNet, Gated DeltaNet, KDA, …) on\n"
+        "multi-query associative recall (MQAR) at growing numbers of key-value pairs, and write a table, plots and\n"
+        "a scorecard to --out. --quick runs in minutes on a CPU; --full is Zoology's grid on a GPU. A run\n"
+        "checkpoints as it goes: the same command with the same --out continues it.",
+        "evict recall --quick --out runs/recall",
+        "evict recall --archs kda attention --setting 64 8 --d-model 32 --steps 300"))
     mode = r.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="the default: a few minutes on a 2-core CPU")
     mode.add_argument("--full", action="store_true", help="Zoology's grid: (L, K) up to (512, 64), d 64-256, 4 lrs; GPU")

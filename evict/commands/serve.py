@@ -3,84 +3,8 @@ serve it over HTTP. Flags are checked before the model is loaded; bad values end
 
 from __future__ import annotations
 
-import argparse
-import re
-
-import torch
-
-from evict.cli_args import device, positive_int, seed
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def byte_size(text: str) -> int:
-    """'512M', '8G', '1.5G', '65536' (bytes; K / M / G / T are powers of 1024)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)i?B?\s*", text, flags=re.IGNORECASE)
-    if not m or float(m.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"expected a size such as 512M, 8G or a number of bytes, got {text!r}")
-    return int(float(m.group(1)) * 1024 ** "_KMGT".index(m.group(2).upper() or "_"))
-
-
-def preset_names() -> list[str]:
-    from evict.models import presets
-
-    return list(presets.FAMILIES) + ["hybrid"]
-
-
-def preset_config(name: str, size: str, overrides: list[str] | None):
-    """A preset's config ('hybrid' = the kda preset in Kimi Linear's KKKM pattern, last layer MLA, dense FFN: the
-    same width and depth as 'attention'), with --set KEY=VALUE overrides."""
-    from evict.bench.decode import model_configs
-    from evict.cli_args import parse_overrides
-    from evict.models import presets
-
-    try:
-        if name == "hybrid":
-            return model_configs(("hybrid",), size=size, width=parse_overrides(overrides))["hybrid"]
-        return presets.get(name, size=size, **parse_overrides(overrides))
-    except (ValueError, TypeError) as e:
-        raise SystemExit(f"--preset {name}: {e}") from None
-
-
-def load_served(args, dev: torch.device):
-    """(model, tokenizer, name) from --model or --preset; the preset's weights are random (seeded), its tokenizer bytes."""
-    if args.model is not None:
-        from evict.commands.generate import load_model, resolve_model_dir
-
-        model, tok = load_model(args.model, dev)
-        name = resolve_model_dir(args.model).resolve().parent.name
-    else:
-        from evict.models import LM
-        from evict.tasks.tokenizers import ByteTokenizer
-
-        cfg = preset_config(args.preset, args.size, args.set)
-        if cfg.vocab_size != 256:
-            raise SystemExit(f"--set: a preset is served with the byte tokenizer (vocab_size 256), got {cfg.vocab_size}")
-        torch.manual_seed(args.seed)
-        with torch.device(dev):
-            model = LM(cfg)
-        tok, name = ByteTokenizer(), args.preset
-    return model.to(DTYPES[args.dtype]).eval(), tok, name
-
-
-def build_engine(args):
-    from evict.serve.engine import Engine
-    from evict.train import resolve_device
-
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    if args.model is None and args.preset is None:
-        raise SystemExit("--model: expected --model DIR (a model saved by `evict train`) or --preset NAME")
-    dev = resolve_device(args.device)
-    model, tok, name = load_served(args, dev)
-    try:
-        engine = Engine(model, max_batch=args.max_batch, cache_budget=args.cache_budget, block_size=args.block_size,
-                        max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                        max_num_batched_tokens=args.max_num_batched_tokens, priority=args.priority,
-                        cuda_graphs=None if args.cuda_graphs is None else args.cuda_graphs == "on")
-    except ValueError as e:
-        raise SystemExit(f"--{str(e).split(':', 1)[0].replace('_', '-')}: {str(e).split(': ', 1)[-1]}") from None
-    return engine, tok, name
+from evict.cli_args import described, positive_int
+from evict.serve.load import add_engine_flags, build_engine
 
 
 def run_serve(args) -> None:
@@ -96,7 +20,7 @@ def run_serve(args) -> None:
 
     folder = None
     if args.model is not None:
-        from evict.commands.generate import resolve_model_dir
+        from evict.serve.load import resolve_model_dir
 
         folder = resolve_model_dir(args.model)
     template = find_chat_template(folder, args.chat_template)
@@ -116,36 +40,16 @@ def run_serve(args) -> None:
     serve_forever(app, engine, sock, args)
 
 
-def add_engine_flags(p, *, shared: bool = False) -> None:
-    """The model and engine flags of `evict serve`; `shared`: on `evict bench`'s parser, which already has --size,
-    --max-batch, --threads and --device (run_bench fills in their serve defaults)."""
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="the run folder of `evict train` (or its model/ folder)")
-    src.add_argument("--preset", choices=preset_names(), help="random weights of a preset (byte tokenizer), for load tests")
-    p.add_argument("--set", nargs="+", metavar="KEY=VALUE", help="--preset config overrides, e.g. d_model=1024 n_layers=8")
-    p.add_argument("--seed", type=seed, default=0, help="--preset weights' seed")
-    p.add_argument("--cache-budget", type=byte_size, default=byte_size("256M"),
-                   help="bytes for the slot pool: recurrent states + KV / latent blocks (e.g. 512M, 40G; default 256M)")
-    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV / latent block (default 16)")
-    p.add_argument("--max-len", type=positive_int, help="tokens per sequence (default: what the pool holds)")
-    p.add_argument("--prefill-chunk", type=positive_int, default=512, help="prompt tokens per prefill step (default 512)")
-    p.add_argument("--max-num-batched-tokens", type=positive_int,
-                   help="tokens per engine step: every decode row + prompt chunks (default 8192 on CUDA, 1024 on a CPU)")
-    p.add_argument("--priority", choices=["decode", "prefill"], default="decode",
-                   help="what fills a step's token budget first: decode rows (default) or prompt chunks")
-    p.add_argument("--cuda-graphs", choices=["on", "off"], help="replay decode-only steps from CUDA graphs (default: on on CUDA)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    if not shared:
-        p.add_argument("--size", default="tiny", choices=["tiny", "small"], help="--preset size (default tiny)")
-        p.add_argument("--max-batch", type=positive_int, default=16, help="slots: sequences decoded together (default 16)")
-        p.add_argument("--device", type=device, default="cpu", help="cpu, cuda or auto")
-        p.add_argument("--threads", type=positive_int, help="torch CPU threads")
-
-
 def add_parser(sub) -> None:
     from evict.serve.launch import add_http_flags
 
-    s = sub.add_parser("serve", help="serve a model over HTTP (OpenAI completions and chat APIs, continuous batching)")
+    s = sub.add_parser("serve", **described(
+        "serve a model over HTTP (OpenAI completions and chat APIs, continuous batching)",
+        "Serve a model saved by `evict train` (or a preset with random weights, for load tests) over HTTP with an\n"
+        "OpenAI-compatible /v1/completions and /v1/chat/completions endpoints. The engine decodes many requests together (continuous\n"
+        "batching) from one pool of cache memory (--cache-budget). Needs `pip install 'evict[serve]'`.",
+        "evict serve --model runs/kda --port 8000",
+        "evict serve --preset hybrid --device cuda --dtype bfloat16 --cache-budget 8G"))
     add_engine_flags(s)
     add_http_flags(s)
     s.set_defaults(fn=run_serve)

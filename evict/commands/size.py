@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from evict.cli_args import positive_int, writable_file
+from evict.cli_args import described, positive_int, writable_file
 
 
 def run_size(args) -> None:
@@ -21,13 +21,19 @@ def run_size(args) -> None:
     png = accounting.plot_memory(cfgs, args.context, args.plot or f"runs/size/{'_vs_'.join(cfgs)}.png", args.bytes)
     print(f"\nplot: {png}")
     if args.json:
-        from evict.bench.common import write_json
+        from evict.report import write_json
 
         print(f"json: {write_json(args.json, {'reports': reports})}")
 
 
 def add_parser(sub) -> None:
-    z = sub.add_parser("size", help="the accountant: parameters (total / active) and memory per sequence vs context")
+    z = sub.add_parser("size", **described(
+        "the accountant: parameters (total / active) and memory per sequence vs context",
+        "Count a preset's parameters (total, active per token, by kind) and the memory one sequence holds at each\n"
+        "context length (KV cache, MLA latents, recurrent states), on the meta device: nothing is allocated, so\n"
+        "released shapes such as Kimi K3 cost nothing. Prints a table per preset and writes a log-log plot.",
+        "evict size gpt2_124m kimi_linear_48b --context 8192 1048576",
+        "evict size kda attention --size small --json runs/size/kda.json"))
     z.add_argument("preset", nargs="+", help="preset name(s), e.g. gpt2_124m kimi_linear_48b kimi_k3")
     z.add_argument("--size", default="tiny", choices=["tiny", "small"], help="for the trainable families (released shapes ignore it)")
     z.add_argument("--context", type=positive_int, nargs="+", default=[1024, 8192, 131072, 1048576])

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from evict import distributed, finetune
-from evict.cli_args import (device, nonneg_float, nonneg_int, parse_overrides, positive_float, positive_int, seed,
+from evict.cli_args import (described, device, nonneg_float, nonneg_int, parse_overrides, positive_float, positive_int, seed,
                             writable_dir)
 from evict.models import LM, presets
 from evict.models.config import ModelConfig
@@ -299,7 +299,15 @@ def run_train(args) -> dict | None:
 def add_parser(sub) -> None:
     """Register `evict train` (calling fn(args)) on the argparse subparsers object. Flags default to None here and
     get their values in `resolve` (command line > --config run.json > DEFAULTS)."""
-    t = sub.add_parser("train", help="train any preset on text (default Shakespeare) or MQAR; save a generate-able model")
+    t = sub.add_parser("train", **described(
+        "train any preset on text (default Shakespeare) or MQAR; save a generate-able model",
+        "Train a preset (or a ModelConfig JSON) on a text corpus or on MQAR with the shared training loop: AdamW,\n"
+        "warmup + cosine, clipping, evaluation, checkpoints. --out gets run.json, metrics.jsonl, loss.png, a\n"
+        "checkpoint (an existing --out is resumed) and model/ for `evict generate`. Under torchrun the model is\n"
+        "sharded with FSDP2 (or replicated with --dist ddp).",
+        "evict train --preset kda --steps 300 --out runs/kda",
+        "evict train --preset attention --task mqar --pairs 8 --seq-len 64 --out runs/mqar",
+        "torchrun --nproc_per_node 2 -m evict.cli train --preset kimi_linear --size small --out runs/kl"))
     d = DEFAULTS
     src = t.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=presets.FAMILIES, help=f"model family (default {d['preset']})")

@@ -12,7 +12,7 @@
                       unpacked once into the cache; one document per text
 
 Text tasks tokenise each document and put the end-of-text id after it (evict.tasks.text); `evict data prepare`
-(evict.data.prepare) does the same once, in parallel, into a .bin.
+(evict.tasks.prepare) does the same once, in parallel, into a .bin.
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ from typing import TypedDict, cast
 
 import torch
 
-from evict.bench.common import card, wall_time
 from evict.jsonfile import read_json_object
 from evict.ops import memory
+from evict.report import card, wall_time
 
 GPU_DATA = "data/chunk_dial_gpu.json"
 

@@ -47,12 +47,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from evict.bench.common import markdown_table
+from evict.distributed import resolve_device
 from evict.lab.sweep import (check_at_least_one, check_distinct, check_names, from_json, out_of_time, run_grid,
                               seeds_of, seeds_phrase)
 from evict.ops.memory import memory
+from evict.report import markdown_table
 from evict.tasks.capacity import CapacityBatch, make_batch
-from evict.train import read_checkpoint, resolve_device, save_checkpoint
+from evict.train import read_checkpoint, save_checkpoint
 
 RULES = {"additive": "additive (β = 1)", "delta": "delta rule (learned β)"}
 PUBLISHED = {  # Schlag et al. (LAB.md): (rule, overwrite) -> {S: loss}

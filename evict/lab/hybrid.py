@@ -34,11 +34,11 @@ from pathlib import Path
 
 import torch
 
-from evict.bench.common import markdown_table
 from evict.lab import recall
 from evict.lab.sweep import (curve, diverged, fresh_compile, from_json, lab_train_config, out_of_time, run_grid,
                               seeds_phrase)
 from evict.models import LM, ModelConfig, accounting
+from evict.report import markdown_table
 from evict.tasks.mqar import MQARConfig, MQARTask
 from evict.tasks.text import TextTask, corpus_files
 from evict.train import TrainConfig, train

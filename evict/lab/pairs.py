@@ -28,10 +28,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from evict.bench.common import markdown_table
 from evict.jsonfile import read_json_object
 from evict.lab import recall
 from evict.lab.sweep import check_at_least_one, check_distinct, check_names, from_json, run_grid, seeds_of
+from evict.report import markdown_table
 from evict.tasks.mqar import MQARConfig
 from evict.train import write_json
 

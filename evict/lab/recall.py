@@ -19,12 +19,13 @@ from pathlib import Path
 
 import torch
 
-from evict.bench.common import markdown_table
+from evict.distributed import resolve_device
 from evict.lab.sweep import (check_minutes, compiles, curve, diverged, fresh_compile, from_json, out_of_time, run_jobs,
                              seeds_of, stopped_message, sweep_folder, with_deadline, write_results)
 from evict.models import LM, ModelConfig, presets
+from evict.report import markdown_table
 from evict.tasks.mqar import MQARConfig, MQARTask
-from evict.train import TrainConfig, resolve_device, train
+from evict.train import TrainConfig, train
 
 ARCHS = ("attention", "linear", "deltanet", "gated_deltanet", "kda", "gla", "kimi_linear")
 SCORECARD = [  # (architecture, stores, write, read, eviction, sweep arch measured for it)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from evict.bench.common import markdown_table
 from evict.lab.sweep import diverged, from_json, lab_train_config, out_of_time, run_grid, seeds_of
 from evict.models import LM, presets
+from evict.report import markdown_table
 from evict.tasks.state import TASKS, StateConfig, StateTask, scaled_accuracy
 from evict.train import train
 

@@ -20,8 +20,9 @@ import torch
 from tqdm import tqdm
 
 from evict.cli_args import first_line, out_of_memory
+from evict.distributed import resolve_device
 from evict.jsonfile import read_json_object
-from evict.train import TrainConfig, resolve_device, write_json
+from evict.train import TrainConfig, write_json
 
 
 T = TypeVar("T")

@@ -40,11 +40,11 @@ from pathlib import Path
 
 import torch
 
-from evict.bench.common import markdown_table
 from evict.lab.sweep import (check_at_least_one, check_names, diverged, from_json, lab_train_config, out_of_time,
                               run_grid, seeds_of)
 from evict.layers import memory_mixer
 from evict.models import LM, presets
+from evict.report import markdown_table
 from evict.stories import fade_curve, twin_boards
 from evict.tasks.switch import SwitchConfig, SwitchTask
 from evict.train import train

@@ -343,7 +343,7 @@ def size_report(name: str, cfg: ModelConfig, contexts, bytes_per_number: int = 2
 
 def render(report: dict) -> str:
     """The markdown `evict size` prints."""
-    from evict.bench.common import markdown_table
+    from evict.report import markdown_table
 
     letters = report["layers"]
     counts = ", ".join(f"{letters.count(c)} {MIXERS[c]}" for c in sorted(set(letters), key=letters.index))

@@ -33,6 +33,7 @@ from evict.layers.moe import MoE
 from evict.layers.norms import build_norm
 
 from .config import MIXERS, ModelConfig
+from .generate import generate
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ class LM(nn.Module):
             # made while being built are discarded. So meta-built + to_empty + init_weights() gives the same weights.
             torch.set_rng_state(rng)
             self.init_weights()
-        log.info("LM %s", " ".join(f"{b.letter}{'/moe' if b.ffn_kind == 'moe' else ''}" for b in self.blocks))
+        log.debug("LM %s", " ".join(f"{b.letter}{'/moe' if b.ffn_kind == 'moe' else ''}" for b in self.blocks))
 
     def init_weights(self) -> None:
         """Initialise every parameter and buffer (also after building on the meta device and `to_empty`):
@@ -328,8 +329,7 @@ class LM(nn.Module):
         return sum(b.mixer.state_size(context_len) for b in self.layers())
 
     def generate(self, prompt: torch.Tensor, **kw) -> torch.Tensor:
-        from evict.generate import generate
-
+        """Sample a continuation of `prompt` [B, T0] (evict.models.generate.generate: its keywords and checks)."""
         return generate(self, prompt, **kw)
 
     # -- persistence ------------------------------------------------------------------------------------------

@@ -72,6 +72,12 @@ def names() -> list[str]:
     return list(FAMILIES) + list(RELEASED)
 
 
+def hybrid(size: str = "tiny", **overrides) -> ModelConfig:
+    """The kda preset in Kimi Linear's 3:1 pattern (KKKM, the last layer MLA) with dense FFNs: the width and depth of
+    'attention' (the "hybrid" of `evict bench decode` and `evict serve --preset`)."""
+    return get("kda", size=size, pattern="KKKM", final_mixer="M", **overrides)
+
+
 def get(name: str, size: str = "tiny", **overrides) -> ModelConfig:
     """A fresh ModelConfig for `name` at `size` ("tiny" or "small"; released shapes ignore size)."""
     if name in RELEASED:

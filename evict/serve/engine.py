@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from evict.cli_args import first_line
-from evict.generate import Penalties, sample_next
+from evict.models.generate import Penalties, sample_next
 
 PRIORITIES = ("decode", "prefill")
 FINISH = ("stop", "length", "cancelled", "error")  # error: this request's step failed (Request.error says why)
@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling (evict.generate.sample_next): temperature 0 = greedy; min_p / top_k / top_p filter; seed
-    fixes the request's own generator; penalties and logit_bias adjust the logits first (evict.generate.Penalties);
+    """Per-request sampling (evict.models.generate.sample_next): temperature 0 = greedy; min_p / top_k / top_p filter; seed
+    fixes the request's own generator; penalties and logit_bias adjust the logits first (evict.models.generate.Penalties);
     logprobs N: each token's log-probability and the N most likely (of the model's distribution, before sampling)."""
 
     max_tokens: int = 16
@@ -182,7 +182,7 @@ class Engine:
         p = params
         if type(p.max_tokens) is not int or p.max_tokens < 1:
             raise ValueError(f"max_tokens: expected a positive integer, got {p.max_tokens!r}")
-        from evict.generate import _check_stop_tokens, _is_int, _is_real
+        from evict.models.generate import _check_stop_tokens, _is_int, _is_real
 
         if not _is_real(p.temperature) or p.temperature < 0:
             raise ValueError(f"temperature: expected a finite number >= 0, got {p.temperature!r}")
@@ -490,7 +490,7 @@ class EngineDown(RuntimeError):
 
 def check_penalties(p: SamplingParams, vocab: int) -> None:
     """ValueError (one line, naming the field) unless min_p, the penalties, logit_bias and logprobs are valid."""
-    from evict.generate import _is_int, _is_real
+    from evict.models.generate import _is_int, _is_real
 
     if p.min_p is not None and (not _is_real(p.min_p) or not 0 <= p.min_p <= 1):
         raise ValueError(f"min_p: expected a number in [0, 1], got {p.min_p!r}")

@@ -38,7 +38,7 @@ def test_served_text_equals_evict_generate(model_dir, capsys):
     import httpx
 
     from evict.cli import build_parser
-    from evict.commands.serve import build_engine
+    from evict.serve.load import build_engine
     from evict.serve.server import ServerThread, build_app
 
     main(["generate", "--model", str(model_dir), "--prompt", "To be", "--temperature", "0", "--max-new-tokens", "20",

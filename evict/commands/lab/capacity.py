@@ -25,6 +25,12 @@ def add_parser(lab_sub) -> None:
     from evict.lab.capacity import RULES
 
     s = add_lab_parser(lab_sub, "capacity", help="Schlag et al.'s capacity regression: additive vs delta rule, S grows",
+                       description="How many key -> value pairs can one fixed d_key x d_v memory hold before retrieval\n"
+                       "breaks? Learn S keys' values through the memory op with the additive update (linear\n"
+                       "attention) and with the delta rule as S grows (Schlag et al., 2021), with and without\n"
+                       "overwrites; --law fits the break S* against d_key.",
+                       examples=("evict lab capacity --quick --out runs/lab_capacity",
+                                 "evict lab capacity --law --out runs/lab_capacity_law"),
                        quick="S 20-100, 2 rules, with and without overwrites, ~2.5 min on a 2-core CPU",
                        full="S up to 300, 10,000 steps, 3 seeds; GPU",
                        seeds_help="seeds per cell; the table shows mean and range",

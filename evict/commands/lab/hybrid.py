@@ -28,6 +28,11 @@ def add_parser(lab_sub) -> None:
     from evict.lab.hybrid import KINDS, TASKS
 
     s = add_lab_parser(lab_sub, "hybrid", help="KDA : attention ratio and placement at equal parameters (Kimi Linear Table 1)",
+                       description="How many full-attention layers does a KDA stack need, and where? Train stacks of\n"
+                       "KDA and attention (MLA or plain) layers at several ratios and placements at equal parameters\n"
+                       "on MQAR and on text, as in Kimi Linear's Table 1.",
+                       examples=("evict lab hybrid --quick --out runs/lab_hybrid",
+                                 "evict lab hybrid --ratios 3:1 1:1 --kinds mla --tasks mqar"),
                        quick="4 layers: ratios 1:0 3:1 1:1 0:1, MLA and attention, placements at 1:1; "
                        "MQAR L 32 K 8 and Shakespeare (T 32); ~4.5 min on 2 cores",
                        full="16 layers: ratios 1:0 15:1 7:1 3:1 1:1 0:1, placements at 3:1; MQAR L 512 K 64; GPU",

@@ -22,6 +22,11 @@ def add_parser(lab_sub) -> None:
     from evict.lab.pairs import RULES
 
     s = add_lab_parser(lab_sub, "pairs", help="largest MQAR K recalled at >= 90%% vs head dim d, per rule; fit K* vs d",
+                       description="The largest number of MQAR pairs K* a memory recalls at >= 90% accuracy, as its\n"
+                       "head dim d grows, for each update rule: climb a ladder of K per (rule, d), then fit K* against\n"
+                       "d (is it linear in d?).",
+                       examples=("evict lab pairs --quick --out runs/lab_pairs",
+                                 "evict lab pairs --rules kda gated_deltanet --dims 8 16 --out runs/lab_pairs_kda"),
                        quick="d 8/16/32, K 2-32, 5 rules: 283 s of CPU, ~2.5 min on 2 free cores",
                        full="d 16-256, K 4-512, 3 lrs; GPU",
                        seeds_help="seeds per (rule, d); the table shows each seed's K*")

@@ -18,6 +18,12 @@ def add_parser(lab_sub) -> None:
     from evict.tasks.state import TASKS
 
     s = add_lab_parser(lab_sub, "state", help="state tracking: parity, mod-5 arithmetic, S3/S5; train short, test long",
+                       description="Can a memory track state? Train each model on short sequences of parity, modular\n"
+                       "arithmetic and S3 / S5 permutation products, test on longer ones (Grazzi et al., ICLR 2025):\n"
+                       "the delta rule with beta in [0, 2] (the _neg models: negative eigenvalues) solves parity, with\n"
+                       "beta in [0, 1] it cannot.",
+                       examples=("evict lab state --quick --out runs/lab_state",
+                                 "evict lab state --tasks parity --models deltanet deltanet_neg --steps 500"),
                        quick="parity, 6 models, ~4 min on a 2-core CPU",
                        full="Grazzi et al.'s protocol: 5 tasks (modular arithmetic left to right and with × first), 8 models, 3 seeds; GPU",
                        seeds_help="seeds per cell; a cell is the best of them")

@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from ._check import check_flag, check_inputs, check_scale, seq_offsets, state_dtype
+from ._check import LOG_ALPHA_FLOOR, check_flag, check_inputs, check_scale, seq_offsets, state_dtype
 from .chunked import memory_chunked
 from .reference import memory_reference
 from .step import memory_step
@@ -27,11 +27,6 @@ IMPLS = ("auto", "reference", "chunked", "triton")
 CHUNK_SIZES = tuple(2**i for i in range(11))  # 1 … 1024; 16–128 are the fast ones (the others: the chunk dial)
 
 __all__ = ["memory", "memory_step", "IMPLS", "CHUNK_SIZES", "LOG_ALPHA_FLOOR"]
-
-# log alpha is clamped from below at these values (by the state dtype) before any form runs: e^floor is exactly 0 there,
-# so the decay is the same "hard reset" as for any lower value, while in-chunk prefix sums stay finite and keep their
-# precision (float32's most negative value on two consecutive tokens would sum to -inf, and -inf - -inf is NaN).
-LOG_ALPHA_FLOOR = {torch.float32: -110.0, torch.float64: -750.0}
 
 
 @functools.cache

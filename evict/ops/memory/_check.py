@@ -1,4 +1,5 @@
-"""Argument validation for the memory op: one-line ValueErrors that name the argument and what was expected."""
+"""Argument validation for the memory op: one-line ValueErrors that name the argument and what was expected; the
+state's dtype and its log-alpha floor."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ def _shape(t: torch.Tensor) -> str:
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
     """The state accumulates in float32, or float64 when the inputs are float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# log alpha is clamped from below at these values (by the state dtype) before any form runs: e^floor is exactly 0 there,
+# so the decay is the same "hard reset" as for any lower value, while in-chunk prefix sums stay finite and keep their
+# precision (float32's most negative value on two consecutive tokens would sum to -inf, and -inf - -inf is NaN).
+LOG_ALPHA_FLOOR = {torch.float32: -110.0, torch.float64: -750.0}
 
 
 def check_inputs(q, k, v, log_alpha, beta, initial_state, *, step: bool, check_values: bool, cu_seqlens=None) -> None:

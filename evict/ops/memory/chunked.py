@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from ._check import LOG_ALPHA_FLOOR
+
 DEFAULT_CHUNK = 64  # chunk_size=None
 SUB = 8  # sub-chunk length for per-channel decay ratios
 # Largest in-chunk decay (-g at the chunk's end) for which the two-factor form e^{g_i} * e^{-g_j} is used for per-channel
@@ -118,8 +120,6 @@ def _rebased_prefix_sums(la, dim):
     only be exact between resets; restarting there keeps g small (a floor of -110 summed over a chunk would cost
     float32 digits of every later small decay). With no reset, g is the plain prefix sum and seg is 0.
     """
-    from . import LOG_ALPHA_FLOOR
-
     reset = la <= LOG_ALPHA_FLOOR[la.dtype]
     c = la.masked_fill(reset, 0.0).cumsum(dim)  # non-increasing along dim
     at_reset = c.masked_fill(~reset, float("inf")).cummin(dim).values  # c at the last reset (c is non-increasing)

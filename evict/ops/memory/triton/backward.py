@@ -469,18 +469,7 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     log_alpha = log_alpha.contiguous() if log_alpha is not None else None
     beta = beta.contiguous() if beta is not None else None
     delta = bool(delta)
-    # the gate's gradient is a long sum of cancelling terms: tf32 rounding in the recompute or the key kernel shows in it
-    # (log alpha's gradient 1.2e-1 vs 2.8e-3 under strong decay, scalar gate, bf16 inputs; per-channel 1.0e-2 vs
-    # 2.1e-3). tf32 in dstate and dvalue alone keeps it (scalar 2.8e-3, per-channel 2.1e-3: dev/check_precision.py,
-    # H200) and cuts 1.3 ms of KDA's backward at B4 T8192: the default for 16-bit inputs. float32 inputs keep tf32x3
-    # everywhere (their gradient tests' 1e-3 failed under tf32 in dstate / dvalue, session 5)
-    if precision is None and q.dtype in (torch.bfloat16, torch.float16):
-        precision = ("tf32x3", "tf32", "tf32", "tf32x3")
-    precs = tuple(precision) if isinstance(precision, (tuple, list)) else (precision or "tf32x3",) * 4
-    if len(precs) not in (4, 5):
-        raise ValueError(f"precision: expected one value or a tuple of 4 or 5, got {precision!r}")
-    # 5 values: the recompute split into its first stage and its carry (intra, carry, dstate, dvalue, dkey)
-    carry_prec, precs = (precs[1], (precs[0], *precs[2:])) if len(precs) == 5 else (precs[0], precs)
+    carry_prec, precs = _precisions(precision, q.dtype)
     if states is not None:  # the forward's own intermediates, states and final state: nothing to recompute
         if states["C"] != chunk_length(chunk):
             raise ValueError(f"states: kept at chunks of {states['C']}, used at {chunk_length(chunk)}")
@@ -532,16 +521,38 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
         _dkey_kernel[(N * (C // SC), B * H)](*common, BK=tile, SPLIT=2, **meta)
     else:
         _dkey_kernel[(N, B * H)](*common, BK=BK, SPLIT=0, **meta)
-    dla = None
-    if gate:  # dlog alpha_t = sum_{s >= t} dG_s, plus the final state's own factor e^{G_T}: rowsum(S_T dS_T)
-        GK = K if gate == 2 else 1
-        last = None
-        if dsT is not None:
-            last = (sT * dsT.float()).sum(-1)
-            last = (last if gate == 2 else last.sum(-1)).contiguous()
-        dla = torch.empty_like(log_alpha)
-        BKr = min(32, max(16, triton.next_power_of_2(GK)))
-        _revcumsum_kernel[(triton.cdiv(GK, BKr), seqs * H)](
-            dg, last if last is not None else dg, dla, chunks if varlen else dg, T, H=H, K=GK, C=C, BK=BKr,
-            HAS_LAST=last is not None, VARLEN=varlen, num_stages=3)
+    dla = _dlog_alpha(dg, log_alpha, sT, dsT, chunks, gate=gate, C=C) if gate else None
     return dq, dk, dv, dla, dbeta if beta is not None else None, ds0
+
+
+def _precisions(precision, dtype: torch.dtype) -> tuple[str, tuple[str, ...]]:
+    """backward_triton's `precision` -> (the recompute's carry, (recompute, dstate, dvalue, dkey))."""
+    # the gate's gradient is a long sum of cancelling terms: tf32 rounding in the recompute or the key kernel shows in it
+    # (log alpha's gradient 1.2e-1 vs 2.8e-3 under strong decay, scalar gate, bf16 inputs; per-channel 1.0e-2 vs
+    # 2.1e-3). tf32 in dstate and dvalue alone keeps it (scalar 2.8e-3, per-channel 2.1e-3: dev/check_precision.py,
+    # H200) and cuts 1.3 ms of KDA's backward at B4 T8192: the default for 16-bit inputs. float32 inputs keep tf32x3
+    # everywhere (their gradient tests' 1e-3 failed under tf32 in dstate / dvalue, session 5)
+    if precision is None and dtype in (torch.bfloat16, torch.float16):
+        precision = ("tf32x3", "tf32", "tf32", "tf32x3")
+    precs = tuple(precision) if isinstance(precision, (tuple, list)) else (precision or "tf32x3",) * 4
+    if len(precs) not in (4, 5):
+        raise ValueError(f"precision: expected one value or a tuple of 4 or 5, got {precision!r}")
+    # 5 values: the recompute split into its first stage and its carry (intra, carry, dstate, dvalue, dkey)
+    return (precs[1], (precs[0], *precs[2:])) if len(precs) == 5 else (precs[0], precs)
+
+
+def _dlog_alpha(dg, log_alpha, sT, dsT, chunks, *, gate: int, C: int) -> torch.Tensor:
+    """dlog alpha_t = sum_{s >= t} dG_s (per sequence), plus the final state's own factor e^{G_T}: rowsum(S_T dS_T)."""
+    T, H = dg.shape[1], dg.shape[2]
+    GK = dg.shape[3] if gate == 2 else 1
+    seqs, varlen = sT.shape[0], chunks is not None
+    last = None
+    if dsT is not None:
+        last = (sT * dsT.float()).sum(-1)
+        last = (last if gate == 2 else last.sum(-1)).contiguous()
+    dla = torch.empty_like(log_alpha)
+    BKr = min(32, max(16, triton.next_power_of_2(GK)))
+    _revcumsum_kernel[(triton.cdiv(GK, BKr), seqs * H)](
+        dg, last if last is not None else dg, dla, chunks if varlen else dg, T, H=H, K=GK, C=C, BK=BKr,
+        HAS_LAST=last is not None, VARLEN=varlen, num_stages=3)
+    return dla

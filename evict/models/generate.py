@@ -1,4 +1,4 @@
-"""Sampling: prefill the prompt in chunks (chunked ops / SDPA), then decode one token at a time (step ops)."""
+"""Sampling (LM.generate): prefill the prompt in chunks (chunked ops / SDPA), then decode one token at a time (step ops)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 # below float32's smallest normal number, logits / temperature leaves float32's range: such a temperature is greedy
 GREEDY_BELOW = torch.finfo(torch.float32).tiny
@@ -91,9 +92,7 @@ def generate(model, prompt: torch.Tensor, *, max_new_tokens: int = 64, temperatu
 
     Rows that stopped keep emitting their stop token. `on_token(tokens [B])` is called for each new token (streaming).
     """
-    from evict.models.lm import LM
-
-    if not isinstance(model, LM):
+    if not _is_lm(model):
         raise ValueError(f"model: expected an evict LM, got {type(model).__name__}")
     vocab = model.cfg.vocab_size
     _check_args(prompt, vocab, max_new_tokens, temperature, top_k, top_p, seed, prefill_chunk, on_token)
@@ -108,6 +107,11 @@ def generate(model, prompt: torch.Tensor, *, max_new_tokens: int = 64, temperatu
                          on_token)
     finally:  # an exception (or KeyboardInterrupt) in a forward or in on_token must not leave the model in eval mode
         model.train(was_training)
+
+
+def _is_lm(model) -> bool:
+    """An evict LM, by what this loop uses of it (LM imports this module, so this module does not import LM)."""
+    return isinstance(model, nn.Module) and callable(getattr(model, "new_cache", None)) and hasattr(model, "cfg")
 
 
 def _is_int(x) -> bool:

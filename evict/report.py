@@ -1,4 +1,4 @@
-"""Shared benchmark plumbing: timing, environment card, table printing, JSON output."""
+"""Tables and records of measured numbers (benchmarks and labs): the environment card, timing, markdown tables, JSON."""
 
 from __future__ import annotations
 
