@@ -352,6 +352,8 @@ class LM(nn.Module):
     def generate(self, prompt: torch.Tensor, **kw) -> torch.Tensor:
         from evict.generate import generate
 
+        if isinstance(prompt, torch.Tensor) and prompt.device != self.embed.weight.device:
+            raise ValueError(f"prompt: expected a tensor on the model's device {self.embed.weight.device}, got {prompt.device}")
         return generate(self, prompt, **kw)
 
     # -- persistence ------------------------------------------------------------------------------------------
