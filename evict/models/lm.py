@@ -377,6 +377,8 @@ class LM(nn.Module):
         tmp_cfg, tmp_st = path / f".config.json.tmp-{os.getpid()}", path / f".model.safetensors.tmp-{os.getpid()}"
         try:
             with _folder_lock(path, exclusive=True):
+                for stale in (*path.glob(".config.json.tmp-*"), *path.glob(".model.safetensors.tmp-*")):
+                    stale.unlink(missing_ok=True)  # temporaries exist only under this lock: these are a killed save's
                 tmp_cfg.write_text(text)
                 save_model(self, str(tmp_st), metadata=meta)
                 os.chmod(tmp_st, stat.S_IMODE(tmp_cfg.stat().st_mode))  # safetensors creates 0600; match the config
@@ -399,7 +401,7 @@ class LM(nn.Module):
         if not (path / "config.json").is_file():
             raise ValueError(f"path: expected a folder with config.json and model.safetensors, got {path}")
         with _folder_lock(path, exclusive=False):
-            raw = _read_config(path / "config.json")
+            raw = _saved_config(path)
             try:
                 cfg = ModelConfig.from_dict(dict(raw))
             except ValueError as e:
@@ -417,7 +419,7 @@ class LM(nn.Module):
         dev = _torch_device(device)
         path = _folder(path)
         with _folder_lock(path, exclusive=False):
-            self._load_checked(path, _read_config(path / "config.json"), dev)
+            self._load_checked(path, _saved_config(path), dev)
 
     def _load_checked(self, path: Path, raw: dict, device: torch.device | None) -> None:
         from safetensors import safe_open
@@ -476,6 +478,32 @@ def _folder_lock(path: Path, *, exclusive: bool):
         yield
     finally:
         os.close(fd)
+
+
+def _saved_config(path: Path) -> dict:
+    """config.json, or, where a save was killed between its two renames (the tensors renamed, the config not yet),
+    the config that save wrote for the tensors now in place: its temporary, found by digest. Called under the folder
+    lock, so a temporary seen here is a dead save's. A mismatch that remains is refused by `_load_checked`."""
+    from safetensors import safe_open
+
+    raw = _read_config(path / "config.json")
+    try:
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            want = (f.metadata() or {}).get("evict_config_sha256")
+    except Exception:  # no file, or not a safetensors file: `_load_checked` says which, naming it
+        return raw
+    if want is None or _config_digest(raw) == want:
+        return raw
+    for tmp in sorted(path.glob(".config.json.tmp-*")):
+        try:
+            candidate = read_json_object(tmp, "checkpoint")
+        except ValueError:
+            continue
+        if _config_digest(candidate) == want:
+            log.warning("checkpoint: %s: a save was cut off between its two files; loading its config from %s",
+                        path, tmp.name)
+            return candidate
+    return raw
 
 
 def _config_digest(raw: dict) -> str:
