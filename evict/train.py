@@ -92,6 +92,9 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.lr * self.weight_decay >= 1:  # AdamW multiplies each matrix by 1 - lr·wd per step: <= 0 flips or zeroes it
+            raise ValueError(f"weight_decay must be < 1 / lr = {1 / self.lr:g} (AdamW scales the weights by "
+                             f"1 - lr · weight_decay each step), got {self.weight_decay:g}")
         if not 0 <= self.warmup_steps <= self.steps:
             raise ValueError(f"warmup_steps must be in [0, steps={self.steps}], got {self.warmup_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
