@@ -31,6 +31,7 @@ from evict.cli_args import (device, nonneg_float, nonneg_int, parse_overrides, p
 from evict.models import LM, presets
 from evict.models.config import ModelConfig
 from evict.plots import plot_metrics
+from evict.runfolder import run_lock
 from evict.train import TrainConfig, read_checkpoint, train
 
 # Flag defaults, applied after --config: a flag given on the command line wins, then the config file's value, then these.
@@ -285,8 +286,13 @@ def run_train(args) -> dict | None:
     if init is not None:
         task_record["init_from"] = str(init.folder)
     run = {"model": cfg.to_dict(), "task": task_record}
-    _check_resume(out, run, tcfg)
     lead = int(os.environ.get("RANK", "0")) == 0
+    with run_lock(out, "--out") if lead else contextlib.nullcontext():  # one run at a time in a folder
+        return _run_locked(o, out, run, tcfg, task, cfg, lead)
+
+
+def _run_locked(o, out: Path, run: dict, tcfg: TrainConfig, task, cfg: ModelConfig, lead: bool) -> dict | None:
+    _check_resume(out, run, tcfg)
     if not lead:  # rank 0 alone logs and prints
         logging.getLogger().setLevel(logging.WARNING)
     if lead and out.exists() and not tcfg.resume:

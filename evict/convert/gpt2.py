@@ -9,6 +9,8 @@ the config), tanh-GELU MLP, attention scaled by 1/sqrt(head dim). Options evict 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from evict.cli_args import first_line
@@ -111,8 +113,9 @@ def load_hf_gpt2(path: str):
     hf_logging.set_verbosity_error()  # its load report would be a second account of what is refused below
     hf_logging.disable_progress_bar()
     try:
-        model, info = GPT2LMHeadModel.from_pretrained(path, local_files_only=True, output_loading_info=True, dtype="auto",
-                                                      ignore_mismatched_sizes=True)  # refused below, by name
+        loaded: Any = GPT2LMHeadModel.from_pretrained(path, local_files_only=True, output_loading_info=True,
+                                                      dtype="auto", ignore_mismatched_sizes=True)  # refused below
+        model, info = loaded
     except Exception as e:  # transformers and safetensors raise many types (OSError, SafetensorError, RuntimeError …)
         raise ValueError(f"path: {path} is not a loadable GPT-2 folder ({first_line(e)})") from None
     finally:
