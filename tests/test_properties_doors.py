@@ -106,3 +106,34 @@ def test_the_dial_cache_serves_only_finite_positive_times_of_its_shape(seconds):
         valid = len(seconds) == len(SMALL.sizes()) and all(
             type(s) in (int, float) and math.isfinite(s) and s > 0 for s in seconds)
         assert (m.result() is not None) == valid
+
+
+VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 5), st.floats(allow_nan=True, allow_infinity=True),
+                   st.text(max_size=4), st.lists(st.floats(-1, 2), max_size=3))
+
+
+@FAST
+@given(field=st.sampled_from(["betas", "target_accuracy", "prefetch", "graphs", "select_labels", "bogus"]), value=VALUES)
+def test_a_recorded_train_field_is_replayed_exactly_or_refused_in_one_line(field, value):
+    """`evict train --config run.json`: any value of a flagless `train` field is either the TrainConfig's value or one
+    line naming `train.<field>` (or TrainConfig's check of it); never dropped, never a traceback."""
+    import dataclasses
+
+    from evict.cli import build_parser
+    from evict.commands.train import resolve, train_config
+    from evict.models import presets
+    from evict.train import TrainConfig
+
+    t = {**dataclasses.asdict(TrainConfig(steps=3, batch_size=4)), field: value}
+    run = {"model": presets.get("gpt2", size="tiny", vocab_size=64).to_dict(), "task": {"task": "text"}, "train": t}
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "run.json"
+        path.write_text(json.dumps(run))
+        try:
+            tcfg = train_config(resolve(build_parser().parse_args(["train", "--config", str(path), "--out", d])))
+        except SystemExit as e:
+            msg = str(e.code)
+            assert "\n" not in msg and field in msg, msg
+            return
+    assert field != "bogus"
+    assert getattr(tcfg, field) == (tuple(value) if field == "betas" else value)

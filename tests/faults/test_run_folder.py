@@ -153,3 +153,25 @@ def test_a_full_disk_mid_run_is_one_line_and_the_run_resumes(corpus, tmp_path, c
     assert _check_folder(out) == 3
     main(_argv(corpus, out, 6))
     _check_resumed(out, 6)
+
+
+@pytest.mark.parametrize("fail", [RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed"),
+                                  OSError(errno.EROFS, "Read-only file system")])
+def test_a_checkpoint_that_cannot_be_written_keeps_the_last_one(tmp_path, fail, monkeypatch):
+    import torch
+
+    from evict.train import save_checkpoint
+
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(path, {"step": 3})
+
+    def broken(obj, f, *args, **kwargs):
+        open(f, "wb").write(b"PK\x03\x04 half")  # what a full disk leaves: a partial temporary
+        raise fail
+
+    monkeypatch.setattr(torch, "save", broken)
+    with pytest.raises(OSError, match="cannot write the checkpoint") as e:
+        save_checkpoint(path, {"step": 6})
+    assert e.value.filename == str(path)
+    monkeypatch.undo()
+    assert read_checkpoint(path)["step"] == 3 and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
