@@ -126,3 +126,23 @@ def test_a_tiny_positive_temperature_samples_like_greedy_or_is_refused_by_name()
         assert str(e).startswith("temperature: ") and "\n" not in str(e)
         return
     assert torch.equal(got, m.generate(x, max_new_tokens=6, temperature=0))
+
+
+def test_evict_generate_at_a_tiny_positive_temperature_is_greedy_or_one_line(tmp_path, capsys):
+    """The CLI form of the test above: exit 0 with the greedy text, or exit 2 with one line naming the temperature."""
+    from evict.cli import main
+    from evict.tasks.tokenizers import CharTokenizer
+
+    chars = "".join(chr(32 + i) for i in range(32))
+    _lm(vocab_size=len(chars)).save(tmp_path / "m")
+    CharTokenizer(chars).save(tmp_path / "m" / "tokenizer.json")
+    argv = ["generate", "--model", str(tmp_path / "m"), "--prompt", "12", "--max-new-tokens", "5", "--seed", "0"]
+    main([*argv, "--temperature", "0"])
+    greedy = capsys.readouterr().out
+    try:
+        main([*argv, "--temperature", "1e-39"])
+    except SystemExit as e:
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.code == 2 and len(err) == 1 and "temperature" in err[0], err
+        return
+    assert capsys.readouterr().out == greedy
