@@ -1,6 +1,7 @@
 """`evict train`: any preset (or a ModelConfig JSON) on any task, with the shared training loop.
 
-Outputs in --out (an existing folder with a checkpoint is resumed; --no-resume starts over):
+Outputs in --out (an existing folder with a checkpoint is resumed; --no-resume starts over, removing only these
+files; one run at a time: .evict-run.lock is held for the run's life, see evict.runfolder):
     run.json        the model, task and training flags of what has been trained (rewritten at each checkpoint;
                     `--config run.json` replays it, flags given on the command line win)
     metrics.jsonl   train / val rows (evict.train: loss, accuracy, lr, grad_norm, tokens_per_s); loss.png from it
