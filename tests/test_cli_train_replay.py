@@ -69,7 +69,7 @@ def test_no_resume_removes_only_what_evict_wrote(tmp_path):
     out = tmp_path / "run"
     mine = ["notes.txt", "model/README.md", "tensorboard/plot.csv", "data/x.bin"]
     evicts = ["run.json", "metrics.jsonl", "checkpoint.pt", "summary.json", "loss.png", "model/config.json",
-              "model/model.safetensors", "model/tokenizer.json", "tensorboard/events.out.tfevents.1.host",
+              "model/model.safetensors", "model/tokenizer.json", "model/tokenizer_config.json", "model/special_tokens_map.json", "tensorboard/events.out.tfevents.1.host",
               "checkpoint-4.dcp/.metadata", "checkpoint-4.dcp/__0_0.distcp"]
     for name in mine + evicts:
         (out / name).parent.mkdir(parents=True, exist_ok=True)

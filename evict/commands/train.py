@@ -236,8 +236,8 @@ def _check_resume(out: Path, run: dict, tcfg: TrainConfig) -> None:
 
 # what evict writes in a run folder: --no-resume removes these and nothing else (a folder left empty goes too)
 _RUN_FILES = ("checkpoint.pt", "run.json", "metrics.jsonl", "summary.json", "loss.png")
-_RUN_SUBFOLDERS = {"model": ("config.json", "model.safetensors", "tokenizer.json", ".config.json.tmp-*",
-                             ".model.safetensors.tmp-*"),
+_RUN_SUBFOLDERS = {"model": ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                             "special_tokens_map.json", ".config.json.tmp-*", ".model.safetensors.tmp-*"),
                    "tensorboard": ("events.out.tfevents.*",), "checkpoint-*.dcp": ("*.distcp", ".metadata")}
 
 
@@ -289,10 +289,11 @@ def run_train(args) -> dict | None:
     run = {"model": cfg.to_dict(), "task": task_record}
     lead = int(os.environ.get("RANK", "0")) == 0
     with run_lock(out, "--out") if lead else contextlib.nullcontext():  # one run at a time in a folder
-        return _run_locked(o, out, run, tcfg, task, cfg, lead)
+        return _run_locked(o, out, run, tcfg, task, cfg, lead, init)
 
 
-def _run_locked(o, out: Path, run: dict, tcfg: TrainConfig, task, cfg: ModelConfig, lead: bool) -> dict | None:
+def _run_locked(o, out: Path, run: dict, tcfg: TrainConfig, task, cfg: ModelConfig, lead: bool,
+                init: finetune.InitSource | None) -> dict | None:
     _check_resume(out, run, tcfg)
     if not lead:  # rank 0 alone logs and prints
         logging.getLogger().setLevel(logging.WARNING)
