@@ -128,7 +128,7 @@ class HybridCache:
     """Per-layer states for a batch of sequences, all at the same position — or a slot pool (see the module doc)."""
 
     def __init__(self, states: list, batch_size: int, max_len: int, *, block_size: int | None = None,
-                 table: torch.Tensor | None = None):
+                 table: torch.Tensor | None = None, owner: str | None = None):
         for name, value in (("batch_size", batch_size), ("max_len", max_len)):
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
@@ -139,6 +139,17 @@ class HybridCache:
         self.block_size = block_size  # None: one batch at one position; else a slot pool
         self.table = table  # [n_slots, max_blocks] int64 block ids (pool only)
         self.batch: SlotBatch | PackedBatch | None = None  # the pool's rows of the next forward
+        self.owner = owner  # the model it was built for (LM._cache_owner), checked by the forward; None: unchecked
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device of the states (the first tensor's), None while no state holds a tensor."""
+        for st in self.states:
+            for f in fields(st):
+                t = getattr(st, f.name)
+                if isinstance(t, torch.Tensor):
+                    return t.device
+        return None
 
     # -- slot pool ----------------------------------------------------------------------------------------------
     def set_blocks(self, slot: int, blocks: list[int]) -> None:

@@ -53,6 +53,9 @@ class EvictConfig(PretrainedConfig):
 _POSITIONAL = {KVState: ("k", "v"), LatentState: ("c", "k_rope")}  # tensors laid out [B, L_max, ...]
 
 
+_NO_ASSIST = "cache: evict's recurrent states cannot be cropped (assisted decoding is not supported)"
+
+
 class EvictCache(Cache):
     """evict's HybridCache behind transformers' Cache interface; it grows (doubling) when a call needs more room.
 
@@ -132,7 +135,7 @@ class EvictCache(Cache):
         self.hybrid.batch_size *= repeats
 
     def crop(self, max_length: int) -> None:
-        raise ValueError("cache: evict's recurrent states cannot be cropped (assisted decoding is not supported)")
+        raise ValueError(_NO_ASSIST)
 
     def _map(self, fn) -> None:
         if self.rows is not None:
@@ -315,6 +318,16 @@ class EvictForCausalLM(_EvictPreTrained, GenerationMixin):
         out = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=None if hidden is None else tuple(hidden))
         out[_CACHE_FIELD] = c
         return out
+
+    def generate(self, *args: Any, **kwargs: Any):
+        """transformers' generate(); assisted decoding (an assistant model, prompt lookup) is refused in one line: it
+        rolls the cache back, which recurrent states cannot do."""
+        gc = kwargs.get("generation_config")
+        if (kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens")
+                or kwargs.get("assistant_early_exit") or getattr(gc, "prompt_lookup_num_tokens", None)
+                or getattr(gc, "assistant_early_exit", None)):
+            raise ValueError(_NO_ASSIST)
+        return super().generate(*args, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, past_key_values: Cache | None = None,
                                       cache: Cache | None = None, attention_mask: torch.Tensor | None = None,

@@ -22,6 +22,7 @@ refused (seed, batch_size: they change which data the finished steps saw).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import inspect
 from typing import Any
 import json
@@ -42,6 +43,7 @@ from tqdm.auto import tqdm
 
 from . import distributed
 from .cli_args import first_line
+from .runfolder import run_lock, trim_metrics
 from .tasks.base import Task
 
 logger = logging.getLogger(__name__)
@@ -92,6 +94,9 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.lr * self.weight_decay >= 1:  # AdamW multiplies each matrix by 1 - lr·wd per step: <= 0 flips or zeroes it
+            raise ValueError(f"weight_decay must be < 1 / lr = {1 / self.lr:g} (AdamW scales the weights by "
+                             f"1 - lr · weight_decay each step), got {self.weight_decay:g}")
         if not 0 <= self.warmup_steps <= self.steps:
             raise ValueError(f"warmup_steps must be in [0, steps={self.steps}], got {self.warmup_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -257,10 +262,16 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
 
 
 def save_checkpoint(path: Path, state: dict) -> None:
-    """Atomic: write a temporary file beside `path`, then os.replace it into place."""
+    """Atomic: write a temporary file beside `path`, then os.replace it into place. A failed write (a full disk:
+    torch raises RuntimeError) leaves the previous checkpoint and no temporary, and is an OSError naming `path`."""
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(getattr(e, "errno", None) or errno.EIO, f"cannot write the checkpoint ({first_line(e)})",
+                      str(path)) from None
 
 
 def write_json(path: Path, obj: dict) -> None:
@@ -268,14 +279,6 @@ def write_json(path: Path, obj: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(obj, indent=2))
     os.replace(tmp, path)
-
-
-def _trim_metrics(path: Path, step: int) -> None:
-    """Drop rows logged after `step` (written by an interrupted run after its last checkpoint)."""
-    if not path.exists():
-        return
-    rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in rows))
 
 
 class _Prefetch:
@@ -384,7 +387,10 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
     three eager warm-up steps (the step has no host sync: the learning rate is a device tensor, AdamW is fused and
     capturable, clipping is on the device). Every step is the same computation on the same batch either way.
     """
-    return Trainer(model, task, cfg, record).run()
+    if cfg.out_dir is None or int(os.environ.get("RANK", "0")) != 0:
+        return Trainer(model, task, cfg, record).run()
+    with run_lock(cfg.out_dir):  # one run at a time in a folder (re-entrant: `evict train` holds it already)
+        return Trainer(model, task, cfg, record).run()
 
 
 class Trainer:
@@ -472,7 +478,7 @@ class Trainer:
             self.stopped_early = (ck["stopped_early"] and cfg.target_accuracy is not None
                                   and self.best >= cfg.target_accuracy)
             if self.lead and metrics_path is not None:
-                _trim_metrics(metrics_path, self.step)
+                trim_metrics(metrics_path, self.step)  # a torn last line is dropped, and said
         elif metrics_path is not None and self.lead and metrics_path.exists():
             metrics_path.unlink()
         self.done = self.stopped_early or self.diverged is not None or self.step >= cfg.steps
@@ -621,14 +627,18 @@ class Trainer:
         if not math.isfinite(mean_loss):  # every rank sees the same all-reduced mean
             self.diverged, self.done = self.step, True
             if self.lead:
-                logger.warning(f"train: the training loss is not finite by step {self.step} (lr {self.cfg.lr:g}); "
+                logger.warning(f"train: the training loss is not finite by step {self.step} (lr {self.cfg.lr:g}, "
+                               f"weight_decay {self.cfg.weight_decay:g}); "
                                f"stopped there, best validation accuracy so far {self.best:.4f}")
 
     def log(self, row: dict) -> None:
         """One metrics row: a line of metrics.jsonl and TensorBoard scalars (rank 0, with an out_dir)."""
         if self.metrics_path is not None and self.lead:
-            with self.metrics_path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            try:
+                with self.metrics_path.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+            except OSError as e:  # a full or read-only disk: the file is named (the checkpoint before stays good)
+                raise OSError(e.errno, e.strerror or str(e), str(self.metrics_path)) from None
             if self.writer is not None:
                 for k, v in row.items():
                     if k not in ("split", "step") and isinstance(v, (int, float)):

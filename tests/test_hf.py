@@ -97,3 +97,12 @@ def test_cli_convert_hf(tmp_path):
     x = torch.randint(0, 61, (1, 10))
     with torch.no_grad():
         assert torch.equal(loaded(x).logits, lm(x))
+
+
+def test_assisted_decoding_is_refused_with_the_documented_message():
+    model = to_hf(_model("gpt2"))
+    x = torch.randint(0, 61, (1, 5))
+    for kw in ({"assistant_model": to_hf(_model("gpt2"))}, {"prompt_lookup_num_tokens": 3}):
+        with pytest.raises(ValueError, match=r"^cache: evict's recurrent states cannot be cropped \(assisted decoding"):
+            model.generate(x, max_new_tokens=3, do_sample=False, **kw)
+    assert model.generate(x, max_new_tokens=3, do_sample=False).shape == (1, 8)  # plain decoding still runs

@@ -31,10 +31,11 @@ def run_convert(args: argparse.Namespace) -> None:
         lm = from_hf_gpt2(load_hf_gpt2(str(src)))
 
         def write(folder: Path) -> None:
-            lm.float().save(folder)
+            lm.save(folder)  # in the source's dtype (a bfloat16 GPT-2 stays bfloat16)
             _copy_tokenizer(src, folder, lm)
 
         out = write_folder(args.out, write)
+        print(f"weights kept in the source's dtype, {str(next(lm.parameters()).dtype).removeprefix('torch.')}")
     else:
         folder = _model_dir(src)
         lm = LM.load(folder)

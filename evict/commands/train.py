@@ -1,6 +1,7 @@
 """`evict train`: any preset (or a ModelConfig JSON) on any task, with the shared training loop.
 
-Outputs in --out (an existing folder with a checkpoint is resumed; --no-resume starts over):
+Outputs in --out (an existing folder with a checkpoint is resumed; --no-resume starts over, removing only these
+files; one run at a time: .evict-run.lock is held for the run's life, see evict.runfolder):
     run.json        the model, task and training flags of what has been trained (rewritten at each checkpoint;
                     `--config run.json` replays it, flags given on the command line win)
     metrics.jsonl   train / val rows (evict.train: loss, accuracy, lr, grad_norm, tokens_per_s); loss.png from it
@@ -13,11 +14,11 @@ Outputs in --out (an existing folder with a checkpoint is resumed; --no-resume s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import os
-import shutil
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,6 +32,7 @@ from evict.cli_args import (described, device, nonneg_float, nonneg_int, parse_o
 from evict.models import LM, presets
 from evict.models.config import ModelConfig
 from evict.plots import plot_metrics
+from evict.runfolder import run_lock
 from evict.train import TrainConfig, read_checkpoint, train
 
 # Flag defaults, applied after --config: a flag given on the command line wins, then the config file's value, then these.
@@ -47,6 +49,18 @@ _TRAIN_FLAGS = dict(steps="steps", batch_size="batch_size", lr="lr", warmup_step
                     checkpoint_every="ckpt_every", device="device", threads="threads", seed="seed",
                     tensorboard="tensorboard")
 _TASK_FLAGS = ("task", "corpus", "text_field", "tokenizer", "bpe_vocab", "seq_len", "pairs", "vocab")
+# run.json's "train" fields that have no flag: replayed as recorded, each checked here and then by TrainConfig
+_num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+_TRAIN_ONLY = {
+    "betas": (lambda v: isinstance(v, list) and len(v) == 2 and all(map(_num, v)), "two numbers in [0, 1)"),
+    "target_accuracy": (lambda v: v is None or _num(v), "a number in (0, 1] or null"),
+    "prefetch": (lambda v: type(v) is int, "an integer >= 0"),
+    "graphs": (lambda v: isinstance(v, bool), "true or false"),
+    "select_labels": (lambda v: isinstance(v, bool), "true or false"),
+}
+_TRAIN_DERIVED = {"min_lr_ratio"}  # replayed as --min-lr = min_lr_ratio × lr
+# fields of the session that wrote run.json, not of the run: where and how it ran, not what it trained
+_TRAIN_SESSION = {"out_dir", "resume", "progress", "stop_at", "stop_file"}
 
 
 def tokenizer_arg(text: str) -> str:
@@ -100,7 +114,7 @@ def resolve(args) -> SimpleNamespace:
     """Every flag's value: the command line's, else (--config run.json) the recorded run's, else DEFAULTS.
     A --config that is a ModelConfig JSON gives only the model."""
     given = {k: v for k, v in vars(args).items() if v is not None}
-    o: dict[str, Any] = dict(DEFAULTS, model=None, config=None, set=None)
+    o: dict[str, Any] = dict(DEFAULTS, model=None, config=None, set=None, train_only={})
     if args.config:
         d = _read_config_file(args.config)
         if {"model", "task", "train"} <= set(d):  # a run.json
@@ -108,6 +122,15 @@ def resolve(args) -> SimpleNamespace:
                 raise SystemExit(f"--config: {args.config}: model, task and train must be JSON objects")
             o["model"] = d["model"]
             t = d["train"]
+            unknown = sorted(set(t) - set(_TRAIN_FLAGS) - set(_TRAIN_ONLY) - _TRAIN_DERIVED - _TRAIN_SESSION)
+            if unknown:
+                raise SystemExit(f"--config: {args.config}: train.{unknown[0]}: not a field evict train can replay "
+                                 f"(unknown: {', '.join(unknown[:4])})")
+            for field, (ok, want) in _TRAIN_ONLY.items():
+                if field in t:
+                    if not ok(t[field]):
+                        raise SystemExit(f"--config: {args.config}: train.{field}: expected {want}, got {t[field]!r}")
+                    o["train_only"][field] = tuple(t[field]) if field == "betas" else t[field]
             recorded = {k: d["task"][k] for k in _TASK_FLAGS if k in d["task"]}
             recorded.update({flag: t[field] for field, flag in _TRAIN_FLAGS.items() if field in t})
             if isinstance(t.get("min_lr_ratio"), (int, float)) and isinstance(t.get("lr"), (int, float)):
@@ -116,6 +139,7 @@ def resolve(args) -> SimpleNamespace:
         else:
             o["model"] = d
     o.update(given)
+    o["out"] = str(Path(o["out"]).expanduser())  # as generate, convert and serve take theirs
     o["warmup"] = min(50, o["steps"]) if o["warmup"] is None else o["warmup"]
     o["ckpt_every"] = o["eval_every"] if o["ckpt_every"] is None else o["ckpt_every"]
     return SimpleNamespace(**o)
@@ -143,6 +167,9 @@ def build_task(args):
 def build_config(args, vocab_size: int) -> ModelConfig:
     """The model (--config or --preset/--size), then --set overrides; vocab_size always follows the task."""
     overrides = parse_overrides(args.set)
+    if "vocab_size" in overrides:
+        raise SystemExit("--set vocab_size: the vocabulary follows the task (--vocab for mqar, the tokenizer for "
+                         "text); drop this override")
     try:
         if args.model is not None:
             if isinstance(overrides.get("moe"), dict) and isinstance(args.model.get("moe"), dict):
@@ -170,7 +197,7 @@ def train_config(o) -> TrainConfig:
                            grad_accum=o.grad_accum, amp=o.amp, compile=o.compile, dist=o.dist, eval_every=o.eval_every,
                            eval_batches=o.eval_batches, log_every=o.log_every, checkpoint_every=o.ckpt_every,
                            seed=o.seed, threads=o.threads, device=o.device, out_dir=o.out, resume=not o.no_resume,
-                           tensorboard=o.tensorboard)
+                           tensorboard=o.tensorboard, **o.train_only)
         world = distributed.env_world_size()
         tcfg.check_world(world)
         if world > 1 and tcfg.dist == "fsdp":
@@ -207,12 +234,28 @@ def _check_resume(out: Path, run: dict, tcfg: TrainConfig) -> None:
         raise SystemExit(f"--out: {out}: {e}") from None
 
 
+# what evict writes in a run folder: --no-resume removes these and nothing else (a folder left empty goes too)
+_RUN_FILES = ("checkpoint.pt", "run.json", "metrics.jsonl", "summary.json", "loss.png")
+_RUN_SUBFOLDERS = {"model": ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                             "special_tokens_map.json", ".config.json.tmp-*", ".model.safetensors.tmp-*"),
+                   "tensorboard": ("events.out.tfevents.*",), "checkpoint-*.dcp": ("*.distcp", ".metadata")}
+
+
 def _start_over(out: Path) -> None:
-    """--no-resume: remove what a previous run left in `out` (its checkpoint, record, metrics, model)."""
-    for name in ("checkpoint.pt", "run.json", "metrics.jsonl", "summary.json", "loss.png"):
+    """--no-resume: remove what a previous run wrote in `out` (its checkpoint, record, metrics, model, event files);
+    files evict did not write stay, and so do the folders holding them."""
+    for name in _RUN_FILES:
         (out / name).unlink(missing_ok=True)
-    for name in ["model", "tensorboard", *(p.name for p in out.glob("checkpoint-*.dcp"))]:
-        shutil.rmtree(out / name, ignore_errors=True)
+    for pattern, files in _RUN_SUBFOLDERS.items():
+        for folder in out.glob(pattern):
+            if not folder.is_dir() or folder.is_symlink():
+                continue
+            for f in files:
+                for path in folder.glob(f):
+                    if path.is_file() or path.is_symlink():
+                        path.unlink()
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only if nothing else is in it
 
 
 def _init_from(args, o) -> finetune.InitSource | None:
@@ -244,8 +287,14 @@ def run_train(args) -> dict | None:
     if init is not None:
         task_record["init_from"] = str(init.folder)
     run = {"model": cfg.to_dict(), "task": task_record}
-    _check_resume(out, run, tcfg)
     lead = int(os.environ.get("RANK", "0")) == 0
+    with run_lock(out, "--out") if lead else contextlib.nullcontext():  # one run at a time in a folder
+        return _run_locked(o, out, run, tcfg, task, cfg, lead, init)
+
+
+def _run_locked(o, out: Path, run: dict, tcfg: TrainConfig, task, cfg: ModelConfig, lead: bool,
+                init: finetune.InitSource | None) -> dict | None:
+    _check_resume(out, run, tcfg)
     if not lead:  # rank 0 alone logs and prints
         logging.getLogger().setLevel(logging.WARNING)
     if lead and out.exists() and not tcfg.resume:
@@ -269,8 +318,9 @@ def run_train(args) -> dict | None:
     if not lead:
         return None
     if result.diverged_at is not None:  # nothing to save: the weights are not finite
-        raise SystemExit(f"--lr {tcfg.lr:g}: the training loss is not finite by step {result.diverged_at}; no model "
-                         f"saved (metrics and the checkpoint up to there are in {out}); try a lower --lr or --warmup")
+        raise SystemExit(f"--lr {tcfg.lr:g}, --weight-decay {tcfg.weight_decay:g}: the training loss is not finite by "
+                         f"step {result.diverged_at}; no model saved (metrics and the checkpoint up to there are in "
+                         f"{out}); try a lower --lr, a lower --weight-decay or a longer --warmup")
     if state is not None:  # FSDP2 left the model sharded: save a whole copy
         model = LM(cfg)
         model.load_state_dict(state)

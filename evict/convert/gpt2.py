@@ -9,9 +9,12 @@ the config), tanh-GELU MLP, attention scaled by 1/sqrt(head dim). Options evict 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from evict.cli_args import first_line
+from evict.jsonfile import read_json_object
 from evict.models.config import ModelConfig
 from evict.models.lm import LM
 
@@ -38,19 +41,34 @@ def gpt2_config(hf_config) -> ModelConfig:
                        tie_embeddings=True)
 
 
+_BUFFERS = ("attn.bias", "attn.masked_bias")  # causal-mask buffers older GPT-2 files carry; not weights
+
+
 def gpt2_state_dict(hf_state: dict, n_layers: int) -> dict:
-    """evict LM names -> tensors from a GPT2LMHeadModel state dict (Conv1D weights transposed)."""
+    """evict LM names -> tensors from a GPT2LMHeadModel state dict (Conv1D weights transposed). Every weight is read:
+    one missing, or one left over (a layer the config does not count), is a ValueError naming it."""
     src = {k.removeprefix("transformer."): v for k, v in hf_state.items()}
-    out = {"embed.weight": src["wte.weight"], "wpe.weight": src["wpe.weight"],
-           "norm.weight": src["ln_f.weight"], "norm.bias": src["ln_f.bias"]}
+    read: set[str] = set()
+
+    def take(name: str):
+        if name not in src:
+            raise ValueError(f"hf_model: lacks the weight transformer.{name} (config: n_layer={n_layers})")
+        read.add(name)
+        return src[name]
+
+    out = {"embed.weight": take("wte.weight"), "wpe.weight": take("wpe.weight"),
+           "norm.weight": take("ln_f.weight"), "norm.bias": take("ln_f.bias")}
     pairs = (("ln_1", "norm1", False), ("attn.c_attn", "mixer.wqkv", True), ("attn.c_proj", "mixer.wo", True),
              ("ln_2", "norm2", False), ("mlp.c_fc", "ffn.w1", True), ("mlp.c_proj", "ffn.w2", True))
     for i in range(n_layers):
         for theirs, ours, conv1d in pairs:
-            w = src[f"h.{i}.{theirs}.weight"]
+            w = take(f"h.{i}.{theirs}.weight")
             out[f"blocks.{i}.{ours}.weight"] = w.t() if conv1d else w
-            out[f"blocks.{i}.{ours}.bias"] = src[f"h.{i}.{theirs}.bias"]
-    out["head.weight"] = hf_state.get("lm_head.weight", src["wte.weight"])
+            out[f"blocks.{i}.{ours}.bias"] = take(f"h.{i}.{theirs}.bias")
+    out["head.weight"] = hf_state["lm_head.weight"] if "lm_head.weight" in hf_state else src["wte.weight"]
+    left = sorted(k for k in src if k not in read and k != "lm_head.weight" and not k.endswith(_BUFFERS))
+    if left:
+        raise ValueError(f"hf_model: holds weights evict would not read (config: n_layer={n_layers}): {left[:4]}")
     return out
 
 
@@ -70,16 +88,54 @@ def from_hf_gpt2(hf_model) -> LM:
 
 
 def load_hf_gpt2(path: str):
-    """A GPT2LMHeadModel from a local `save_pretrained` folder (never downloads); a bad folder is a ValueError."""
+    """A GPT2LMHeadModel from a local `save_pretrained` folder (never downloads), in the dtype its weights were saved
+    in. A folder that is not a GPT-2 (config model_type), has a truncated or unreadable weight file, or whose weights
+    do not cover the config exactly (a tensor missing, left over or of another shape) is a ValueError naming it."""
     from pathlib import Path
 
     try:
         from transformers import GPT2LMHeadModel
     except ImportError:
         raise ValueError("the GPT-2 converter needs transformers: pip install 'evict[hf]'") from None
-    if not (Path(path) / "config.json").is_file():
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
         raise ValueError(f"path: expected a transformers GPT-2 folder with config.json, got {path}")
+    kind = read_json_object(folder / "config.json", "path").get("model_type")
+    if kind != "gpt2":
+        raise ValueError(f"path: {folder / 'config.json'} is not a transformers GPT-2 config (model_type {kind!r}, "
+                         "expected 'gpt2')")
+    weights = folder / "model.safetensors"
+    if weights.is_file():
+        _check_safetensors(weights)
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # its load report would be a second account of what is refused below
+    hf_logging.disable_progress_bar()
     try:
-        return GPT2LMHeadModel.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        loaded: Any = GPT2LMHeadModel.from_pretrained(path, local_files_only=True, output_loading_info=True,
+                                                      dtype="auto", ignore_mismatched_sizes=True)  # refused below
+        model, info = loaded
+    except Exception as e:  # transformers and safetensors raise many types (OSError, SafetensorError, RuntimeError …)
         raise ValueError(f"path: {path} is not a loadable GPT-2 folder ({first_line(e)})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    for key, what in (("missing_keys", "lacks weights the config needs"), ("unexpected_keys", "holds weights the "
+                      "config has no place for"), ("mismatched_keys", "holds weights of other shapes than the config's")):
+        names = sorted(str(k) for k in info.get(key) or ())
+        if names:
+            raise ValueError(f"path: {path} {what} (config: n_layer={model.config.n_layer}): {names[:4]}")
+    return model
+
+
+def _check_safetensors(file) -> None:
+    """Header and length of a safetensors file (a truncated one fails here), as one line naming it."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), "pt") as f:
+            f.keys()
+    except Exception as e:  # SafetensorError is safetensors' own type
+        raise ValueError(f"path: {file} is not a readable safetensors file ({first_line(e)})") from None

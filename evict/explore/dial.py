@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import threading
@@ -116,13 +117,15 @@ class Measurer:
         self._progress: _Progress = {"done": 0, "total": len(dial.sizes()), "error": None}
 
     def result(self) -> dict | None:
+        """The cached measurement, or None when there is none or it is damaged (unreadable JSON, sizes of another
+        shape, a time that is not a finite positive number of seconds): a damaged cache is measured again."""
         if not self.path.is_file():
             return None
         try:
             data = read_json_object(self.path, "chunk dial cache")
         except ValueError:
-            return None  # a damaged cache is measured again
-        return data if data.get("sizes") == self.dial.sizes() and len(data.get("seconds", [])) == len(data["sizes"]) else None
+            return None
+        return data if _valid_measurement(data, self.dial) else None
 
     def state(self) -> dict:
         with self._lock:
@@ -162,6 +165,13 @@ class Measurer:
             torch.set_num_threads(threads)
 
 
+def _valid_measurement(data: dict, dial: Dial) -> bool:
+    seconds = data.get("seconds")
+    return (data.get("sizes") == dial.sizes() and isinstance(seconds, list) and len(seconds) == len(dial.sizes())
+            and all(type(s) in (int, float) and math.isfinite(s) and s > 0 for s in seconds)
+            and data.get("shape") == asdict(dial))
+
+
 def gpu_numbers() -> dict | None:
     """The committed GPU timings, checked; None while none have been measured."""
     path = resources.files("evict.explore").joinpath(GPU_DATA)
@@ -170,6 +180,7 @@ def gpu_numbers() -> dict | None:
     data = read_json_object(cast(Path, path), "chunk dial GPU numbers")  # the package is installed as files
     sizes, seconds = data.get("sizes"), data.get("seconds")
     if not (isinstance(sizes, list) and isinstance(seconds, list) and len(sizes) == len(seconds) and sizes
-            and isinstance(data.get("card"), dict) and isinstance(data.get("shape"), dict)):
-        raise ValueError(f"chunk dial GPU numbers: {path} lacks matching 'sizes' and 'seconds', 'card' and 'shape'")
+            and isinstance(data.get("card"), dict) and isinstance(data.get("shape"), dict)
+            and all(type(s) in (int, float) and math.isfinite(s) and s > 0 for s in seconds)):
+        raise ValueError(f"chunk dial GPU numbers: {path} lacks matching 'sizes' and 'seconds' (finite, positive), 'card' and 'shape'")
     return data

@@ -6,6 +6,8 @@ Residual stream: pre-norm `h += mixer(norm(h)); h += ffn(norm(h))`, or, with Att
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -13,6 +15,7 @@ import logging
 import math
 import operator
 import os
+import stat
 from pathlib import Path
 from typing import cast
 
@@ -211,12 +214,18 @@ class LM(nn.Module):
             raise ValueError(f"embeds: expected at least one sequence of at least one token, got shape {tuple(h.shape)}")
         if hidden_states is not None and self.final_read is not None:
             raise ValueError("hidden_states: an AttnRes model has no single residual stream per layer")
+        if positions is not None:
+            self._check_positions(positions, B, T)
         pos: int | SlotBatch | PackedBatch = 0
         states: list = [None] * len(self.blocks)
         slots = False
         if cache is not None:
             if not isinstance(cache, HybridCache) or len(cache) != len(self.blocks):
                 raise ValueError(f"cache: expected a HybridCache from this model's new_cache, got {type(cache).__name__}")
+            if cache.owner is not None and cache.owner != self._cache_owner():
+                raise ValueError("cache: built by another model's new_cache (another config); make one with this model's")
+            if cache.device is not None and cache.device != h.device:
+                raise ValueError(f"cache: expected states on the model's device {h.device}, got {cache.device}")
             slots = cache.block_size is not None  # a slot pool: rows at their own positions
             if slots:
                 if cache.batch is None or tuple(cache.batch.positions.shape) != (B, T):
@@ -254,10 +263,6 @@ class LM(nn.Module):
             else:
                 cache.advance(T)
         if positions is not None:
-            if not (isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[0] == B
-                    and positions.dtype == torch.int64):
-                got = f"{tuple(positions.shape)} {positions.dtype}" if isinstance(positions, torch.Tensor) else type(positions).__name__
-                raise ValueError(f"positions: expected an int64 tensor [B={B}, P], got {got}")
             h = h.gather(1, positions[..., None].expand(-1, -1, h.shape[-1]))  # [B, P, D]
         h = self.norm(h)
         if hidden_states is not None:
@@ -272,6 +277,19 @@ class LM(nn.Module):
 
             return checkpoint(blk, h, st, pos, use_reentrant=False)
         return fn(blk.__call__, h, st, pos)
+
+    def _check_positions(self, positions, B: int, T: int) -> None:
+        if not (isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[0] == B
+                and positions.dtype == torch.int64):
+            got = f"{tuple(positions.shape)} {positions.dtype}" if isinstance(positions, torch.Tensor) else type(positions).__name__
+            raise ValueError(f"positions: expected an int64 tensor [B={B}, P], got {got}")
+        if positions.device != self.embed.weight.device:
+            raise ValueError(f"positions: expected a tensor on the model's device {self.embed.weight.device}, "
+                             f"got {positions.device}")
+        if positions.device.type == "cpu" and positions.numel() and not torch.compiler.is_compiling():
+            lo, hi = int(positions.min()), int(positions.max())
+            if lo < 0 or hi >= T:
+                raise ValueError(f"positions: expected indices into the T={T} tokens, in [0, {T}), got range [{lo}, {hi}]")
 
     # -- training hooks ---------------------------------------------------------------------------------------
     def layers(self) -> list[Block]:
@@ -299,15 +317,12 @@ class LM(nn.Module):
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise ValueError(f"dtype: expected a floating torch dtype (or None for the model's), got {dtype!r}")
-        try:
-            device = None if device is None else torch.device(device)
-        except (RuntimeError, TypeError):
-            raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', got {device!r}") from None
+        device = _torch_device(device)
         p = next(self.parameters())
         device = p.device if device is None else device
         dtype = p.dtype if dtype is None else dtype
         return HybridCache([b.mixer.new_state(batch_size, max_len, device, dtype) for b in self.layers()], batch_size,
-                           max_len)
+                           max_len, owner=self._cache_owner())
 
     def new_pool(self, n_slots: int, n_blocks: int, block_size: int, max_len: int, device=None, dtype=None) -> HybridCache:
         """A slot pool for serving: `n_slots` sequences of up to `max_len` tokens each, their KV / latent positions
@@ -317,12 +332,19 @@ class LM(nn.Module):
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
         if self.cfg.pos == "learned" and max_len > self.cfg.max_seq_len:
             raise ValueError(f"max_len: the model's learned positions cover {self.cfg.max_seq_len} tokens, got {max_len}")
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise ValueError(f"dtype: expected a floating torch dtype (or None for the model's), got {dtype!r}")
         p = next(self.parameters())
-        device = p.device if device is None else torch.device(device)
+        device = _torch_device(device) or p.device
         dtype = p.dtype if dtype is None else dtype
         states = [b.mixer.new_state(n_slots, block_size, device, dtype, blocks=n_blocks) for b in self.layers()]
         table = torch.zeros(n_slots, -(-max_len // block_size), dtype=torch.int64, device=device)
-        return HybridCache(states, n_slots, max_len, block_size=block_size, table=table)
+        return HybridCache(states, n_slots, max_len, block_size=block_size, table=table, owner=self._cache_owner())
+
+    def _cache_owner(self) -> str:
+        """What a cache must have been built for: this config (a cache of another model, even with as many layers,
+        holds states of other shapes or kinds)."""
+        return hashlib.sha256(self.cfg.to_json().encode()).hexdigest()[:16]
 
     def state_size(self, context_len: int) -> int:
         """Numbers of memory held per sequence at this context length (KV, latents, recurrent states)."""
@@ -330,50 +352,81 @@ class LM(nn.Module):
 
     def generate(self, prompt: torch.Tensor, **kw) -> torch.Tensor:
         """Sample a continuation of `prompt` [B, T0] (evict.models.generate.generate: its keywords and checks)."""
+        if isinstance(prompt, torch.Tensor) and prompt.device != self.embed.weight.device:
+            raise ValueError(f"prompt: expected a tensor on the model's device {self.embed.weight.device}, got {prompt.device}")
         return generate(self, prompt, **kw)
 
     # -- persistence ------------------------------------------------------------------------------------------
-    def save(self, path: str | Path) -> Path:
-        """Write `model.safetensors` (with a sha256 of the tensor data in its metadata, checked at load) and
-        `config.json` into the folder `path`; each is written to a temporary name and renamed, so none is half-written."""
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write `model.safetensors` and `config.json` into the folder `path` as one unit.
+
+        The tensors' metadata carries a sha256 of the tensor data and one of the config, both checked at load, so a
+        config edited after the save, or a pair from two different saves, is refused there. Each file is written to a
+        temporary name and renamed (none is half-written); concurrent saves into one folder are serialised by an flock
+        on the folder. Both files get the mode a new file gets under the process's umask."""
         from safetensors.torch import save_model
 
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
+        path = _folder(path)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"path: cannot create the model folder {path} ({e.strerror or first_line(e)})") from None
+        text = self.cfg.to_json()
         state = self.state_dict()
-        for name, write in (("model.safetensors", lambda tmp: save_model(self, str(tmp), metadata={
-                                 "evict_sha256": _digest(_by_storage(state, state))})),
-                            ("config.json", lambda tmp: tmp.write_text(self.cfg.to_json()))):
-            tmp = path / f".{name}.tmp"
-            write(tmp)
-            os.replace(tmp, path / name)
+        meta = {"evict_sha256": _digest(_by_storage(state, state)), "evict_config_sha256": _config_digest(json.loads(text))}
+        tmp_cfg, tmp_st = path / f".config.json.tmp-{os.getpid()}", path / f".model.safetensors.tmp-{os.getpid()}"
+        try:
+            with _folder_lock(path, exclusive=True):
+                for stale in (*path.glob(".config.json.tmp-*"), *path.glob(".model.safetensors.tmp-*")):
+                    stale.unlink(missing_ok=True)  # temporaries exist only under this lock: these are a killed save's
+                tmp_cfg.write_text(text)
+                save_model(self, str(tmp_st), metadata=meta)
+                os.chmod(tmp_st, stat.S_IMODE(tmp_cfg.stat().st_mode))  # safetensors creates 0600; match the config
+                os.replace(tmp_st, path / "model.safetensors")
+                os.replace(tmp_cfg, path / "config.json")
+        except OSError as e:
+            raise ValueError(f"path: cannot write the model into {path} ({e.strerror or first_line(e)})") from None
+        finally:
+            for tmp in (tmp_cfg, tmp_st):
+                tmp.unlink(missing_ok=True)
         return path
 
     @classmethod
-    def load(cls, path: str | Path, device=None) -> "LM":
-        """Build the model from `config.json` and load `model.safetensors` (checked: see `load_weights`)."""
-        path = Path(path)
+    def load(cls, path: str | os.PathLike, device=None) -> "LM":
+        """Build the model from `config.json` and load `model.safetensors` (checked: see `load_weights`).
+
+        `device` is checked before anything is read ('cuda' without CUDA is a ValueError naming it)."""
+        dev = _torch_device(device)
+        path = _folder(path)
         if not (path / "config.json").is_file():
             raise ValueError(f"path: expected a folder with config.json and model.safetensors, got {path}")
-        try:
-            cfg = ModelConfig.from_dict(_read_config(path / "config.json"))
-        except ValueError as e:
-            msg = str(e)
-            raise ValueError(msg if msg.startswith("checkpoint: ") else f"checkpoint: {path / 'config.json'}: {msg}") from None
-        model = cls(cfg)
-        model.load_weights(path, device=device)
+        with _folder_lock(path, exclusive=False):
+            raw = _saved_config(path)
+            try:
+                cfg = ModelConfig.from_dict(dict(raw))
+            except ValueError as e:
+                msg = str(e)
+                raise ValueError(msg if msg.startswith("checkpoint: ") else f"checkpoint: {path / 'config.json'}: {msg}") from None
+            model = cls(cfg)
+            model._load_checked(path, raw, dev)
         return model
 
-    def load_weights(self, path: str | Path, device=None) -> None:
+    def load_weights(self, path: str | os.PathLike, device=None) -> None:
         """Load weights saved by `save`, checked before any is copied: the config must equal this model's (else the
-        differing fields are named), and every tensor must be present, of the model's shape, floating where the model's
-        is (any float dtype converts), and finite. Each failure is one ValueError naming the file."""
-        from safetensors.torch import load_file
+        differing fields are named) and be the one saved with the tensors, and every tensor must be present, of the
+        model's shape, floating where the model's is (any float dtype converts), and finite. Each failure is one
+        ValueError naming the file."""
+        dev = _torch_device(device)
+        path = _folder(path)
+        with _folder_lock(path, exclusive=False):
+            self._load_checked(path, _saved_config(path), dev)
 
-        path = Path(path)
-        saved = _read_config(path / "config.json")
+    def _load_checked(self, path: Path, raw: dict, device: torch.device | None) -> None:
+        from safetensors import safe_open
+
+        saved = raw
         try:  # fields added since the file was written take their defaults (what that model was built with)
-            saved = json.loads(ModelConfig.from_dict(saved).to_json())
+            saved = json.loads(ModelConfig.from_dict(dict(raw)).to_json())
         except (ValueError, TypeError):
             pass  # compared as written: the differing fields are named below
         mine = json.loads(self.cfg.to_json())
@@ -384,16 +437,98 @@ class LM(nn.Module):
         file = path / "model.safetensors"
         if not file.is_file():
             raise ValueError(f"checkpoint: no such file: {file}")
-        try:
-            tensors = load_file(str(file), device="cpu")
+        try:  # one open: the metadata and the tensors are those of one file, whatever is renamed meanwhile
+            with safe_open(str(file), "pt", device="cpu") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
         except Exception as e:  # safetensors raises its own error type (truncated file, bad header, bad offsets)
             raise ValueError(f"checkpoint: {file} is not a readable safetensors file ({first_line(e)})") from None
+        want_cfg = meta.get("evict_config_sha256")
+        if want_cfg is not None and _config_digest(raw) != want_cfg:
+            raise ValueError(f"checkpoint: {path / 'config.json'} is not the config saved with {file.name} "
+                             "(edited after the save, or from another save); save the model again")
         expected = self.state_dict()
         _check_tensors(file, tensors, expected)
-        _check_digest(file, tensors, expected)
+        want = meta.get("evict_sha256")  # files without one (older saves) are accepted as they are
+        if want is not None and _digest(_by_storage(tensors, expected)) != want:
+            raise ValueError(f"checkpoint: {file}: the tensor data does not match the checksum written at save (corrupted)")
         self.load_state_dict(tensors, strict=False)  # every name was checked above; tied copies are one tensor
         if device is not None:
             self.to(device)
+
+
+def _folder(path) -> Path:
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise ValueError(f"path: expected a folder path, got {path!r}")
+    return Path(path).expanduser()
+
+
+@contextlib.contextmanager
+def _folder_lock(path: Path, *, exclusive: bool):
+    """An flock on the folder itself: saves hold it exclusively, loads shared, so a load never sees half of a save.
+    Where the folder cannot be opened for a lock, the load goes on unlocked: the config digest still refuses a mixed
+    pair."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _saved_config(path: Path) -> dict:
+    """config.json, or, where a save was killed between its two renames (the tensors renamed, the config not yet),
+    the config that save wrote for the tensors now in place: its temporary, found by digest. Called under the folder
+    lock, so a temporary seen here is a dead save's. A mismatch that remains is refused by `_load_checked`."""
+    from safetensors import safe_open
+
+    raw = _read_config(path / "config.json")
+    try:
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            want = (f.metadata() or {}).get("evict_config_sha256")
+    except Exception:  # no file, or not a safetensors file: `_load_checked` says which, naming it
+        return raw
+    if want is None or _config_digest(raw) == want:
+        return raw
+    for tmp in sorted(path.glob(".config.json.tmp-*")):
+        try:
+            candidate = read_json_object(tmp, "checkpoint")
+        except ValueError:
+            continue
+        if _config_digest(candidate) == want:
+            log.warning("checkpoint: %s: a save was cut off between its two files; loading its config from %s",
+                        path, tmp.name)
+            return candidate
+    return raw
+
+
+def _config_digest(raw: dict) -> str:
+    """sha256 of the config as saved (keys sorted, no whitespace): what the weights were saved with."""
+    return hashlib.sha256(json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _torch_device(device) -> torch.device | None:
+    """`device` as a torch.device that exists on this machine (None stays None), else one ValueError naming it."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', got {device!r}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r}: CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device: {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type not in ("cpu", "meta"):
+        backend = getattr(torch, dev.type, None)
+        if backend is None or not getattr(backend, "is_available", lambda: False)():
+            raise ValueError(f"device: {device!r}: no such device on this machine")
+    return dev
 
 
 def _storage_groups(expected: dict) -> list[list[str]]:
@@ -419,17 +554,6 @@ def _digest(tensors: dict) -> str:
         h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def _check_digest(file: Path, tensors: dict, expected: dict) -> None:
-    """A file written by `save` carries the sha256 of its tensors: a changed byte that still decodes to finite
-    numbers of the right shape is caught here. Files without one (older saves) are accepted as they are."""
-    from safetensors import safe_open
-
-    with safe_open(str(file), "pt") as f:
-        want = (f.metadata() or {}).get("evict_sha256")
-    if want is not None and _digest(_by_storage(tensors, expected)) != want:
-        raise ValueError(f"checkpoint: {file}: the tensor data does not match the checksum written at save (corrupted)")
 
 
 def _read_config(file: Path) -> dict:
