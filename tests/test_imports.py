@@ -17,6 +17,7 @@ LAYERS = [
     {"layers", "stories"},  # model layers; the lesson's stories (ops on hand-made keys)
     {"models", "tasks"},  # the LM, its presets and sampling; the tasks
     {"hf", "convert"},  # interop with transformers / fla folders
+    {"runfolder"},  # a run folder: its lock, its metrics file
     {"train", "finetune"},  # the one training loop; the weights a fine-tune starts from
     {"serve", "lab", "explore", "demo"},  # what is built on models and train
     {"bench"},  # benchmarks may time anything below them; nothing imports a benchmark
