@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from evict.bench.model import MODES, NAMED
 from evict.cli_args import batch_by_length, device, positive_int, writable_file
 
 
@@ -32,6 +33,13 @@ def run_bench(args) -> None:
         from evict.bench.serve import run
 
         run(args)
+    elif args.what == "train" and args.lm:
+        from evict.bench.model import bench_model
+
+        bench_model(models=tuple(args.lm), size=args.lm_size, batch=args.batch_size, seq_len=args.seq_len,
+                    modes=tuple(args.modes), references=not args.no_reference, warmup=args.warmup_steps,
+                    steps=args.timed_steps, checkpoint_blocks=args.checkpoint_blocks, device=args.device,
+                    out=args.out)
     elif args.what == "train":
         from evict.bench.train import bench_train
 
@@ -60,4 +68,16 @@ def add_parser(sub) -> None:
     t.add_argument("--procs", type=positive_int, default=8, help="cells trained at once (default 8)")
     t.add_argument("--train-steps", type=positive_int, default=300, help="timed steps per cell (default 300)")
     t.add_argument("--variants", nargs="+", default=["before", "bf16", "labels", "graphs"])
+    m = b.add_argument_group("train --lm", "flags of `evict bench train --lm` (one LM's training step beside "
+                                           "transformers' / fla's: tokens/s, peak memory, MFU; evict/bench/model.py)")
+    m.add_argument("--lm", nargs="+", metavar="NAME",
+                   help=f"model-level bench of these: {', '.join(NAMED)} or any preset (at --lm-size)")
+    m.add_argument("--lm-size", choices=["tiny", "small"], default="tiny", help="presets' size (default tiny)")
+    m.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step (default 4)")
+    m.add_argument("--seq-len", type=positive_int, default=4096, help="tokens per sequence (default 4096)")
+    m.add_argument("--modes", nargs="+", choices=list(MODES), default=["eager"], help="eager and / or compiled")
+    m.add_argument("--no-reference", action="store_true", help="skip transformers' / fla's model beside evict's")
+    m.add_argument("--warmup-steps", type=positive_int, default=3, help="untimed steps first (default 3)")
+    m.add_argument("--timed-steps", type=positive_int, default=10, help="timed steps (default 10)")
+    m.add_argument("--checkpoint-blocks", action="store_true", help="evict's model with activation checkpointing")
     b.set_defaults(fn=run_bench)
