@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for issue 74's model-level training numbers (session of 2026-12-06, branch train-speed):
+# One device call for issue 74's model-level training numbers (prepared 2026-12-06 on branch train-speed; not yet run):
 # the GPU tests of what changed, then `evict.bench.model` at the issue's shapes. Carry the folder holding .whl/fla
 # (`bash dev/wheels.sh` or its fla line) so fla's KDAForCausalLM can be the oracle. JSON lands in $OUT (or runs/bench).
 set -uo pipefail
