@@ -463,7 +463,7 @@ class Trainer:
             if not isinstance(getattr(model, "checkpoint_blocks", None), bool):
                 raise ValueError(f"checkpoint_blocks: {type(model).__name__} has no per-block activation checkpointing "
                                  "(evict's LM has)")
-            model.checkpoint_blocks = True
+            setattr(model, "checkpoint_blocks", True)
         model.to(self.device)
         model.train()
         self.core = model

@@ -38,8 +38,9 @@ from evict.models.config import ModelConfig
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12}  # dense bf16 tensor-core FLOP/s of the SXM cards
 MODES = ("eager", "compiled")
 
-_KDA_226M = dict(vocab_size=32768, d_model=1024, n_layers=12, n_heads=8, head_dim=128, d_ff=2816, tie_embeddings=False)
-_MLA_1024 = dict(kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128)
+_KDA_226M: dict[str, Any] = dict(vocab_size=32768, d_model=1024, n_layers=12, n_heads=8, head_dim=128, d_ff=2816,
+                                  tie_embeddings=False)
+_MLA_1024: dict[str, Any] = dict(kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128)
 NAMED: dict[str, Callable[[], ModelConfig]] = {
     # issue 74's shapes: the KDA LM of 226M parameters and its 3:1 hybrids with attention / MLA every fourth layer
     "kda_226m": lambda: presets.get("kda", **_KDA_226M),
@@ -60,7 +61,7 @@ def model_config(name: str, size: str = "tiny") -> ModelConfig:
                          f"got {name!r}") from e
 
 
-def matmul_params(model: nn.Module, head: nn.Module) -> int:
+def matmul_params(model: nn.Module, head: nn.Linear) -> int:
     """Parameters that multiply: all but the embedding tables (a head tied to one counts once, as the head)."""
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     n = sum(p.numel() for p in model.parameters() if id(p) not in tables)
@@ -108,7 +109,7 @@ def _transformers_gpt2(cfg: ModelConfig, seq_len: int, device: torch.device) -> 
                     n_head=cfg.n_heads, n_inner=cfg.ffn_hidden, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                     layer_norm_epsilon=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings)
     hf._attn_implementation = "sdpa"
-    model = GPT2LMHeadModel(hf).to(device)
+    model = GPT2LMHeadModel(hf).to(device)  # type: ignore[arg-type]  # transformers' stub types .to oddly
     flops = 6 * matmul_params(model, model.lm_head) + attention_flops_per_token(cfg, seq_len)
     return _Subject("transformers", model, lambda x, y: model(input_ids=x, labels=x).loss, flops)
 

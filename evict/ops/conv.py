@@ -40,7 +40,7 @@ def _conv_forward_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @_conv_forward_op.register_fake
 def _(x, w):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous, as the kernel writes it
 
 
 @torch.library.custom_op("evict::short_conv_backward", mutates_args=())
@@ -52,7 +52,7 @@ def _conv_backward_op(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tup
 
 @_conv_backward_op.register_fake
 def _(x, w, dy):
-    return torch.empty_like(x), torch.empty_like(w)
+    return x.new_empty(x.shape), w.new_empty(w.shape, dtype=torch.float32)
 
 
 def _conv_setup(ctx, inputs, output):

@@ -101,9 +101,9 @@ def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_alpha: O
 @_backward_op.register_fake
 def _(q, k, v, log_alpha, beta, initial_state, chunks, do, dS, S, kept, delta, scale, chunk, mode):
     none = q.new_empty(0, dtype=torch.float32)
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            none if log_alpha is None else torch.empty_like(log_alpha), none if beta is None else torch.empty_like(beta),
-            torch.empty_like(S))
+    like = lambda t: t.new_empty(t.shape)  # noqa: E731  contiguous, as the kernels write them (inputs may be strided)
+    return (like(q), like(k), like(v), none if log_alpha is None else like(log_alpha),
+            none if beta is None else like(beta), like(S))
 
 
 def _setup_context(ctx, inputs, output):
