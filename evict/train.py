@@ -83,7 +83,7 @@ class TrainConfig:
     stop_file: str | None = None  # a path whose existence, seen at an evaluation, ends the run there (stopped_early)
     grad_accum: int = 1  # micro-batches per rank per optimizer step (batch_size is the global batch)
     compile: bool = False  # torch.compile each block (or the whole model if it has no `blocks`)
-    checkpoint_blocks: bool = False  # activation checkpointing per block (a model with `checkpoint_blocks`: evict's LM)
+    checkpoint_blocks: bool = False  # activation checkpointing per block (sets evict's LM's gradient_checkpointing)
     dist: str = "fsdp"  # under torchrun: "fsdp" (FSDP2, per block) or "ddp"
     tensorboard: bool = False  # also write the metrics rows as TensorBoard scalars into out_dir/tensorboard
 
@@ -460,10 +460,10 @@ class Trainer:
         torch.manual_seed(cfg.seed + self.rank)
         random.seed(cfg.seed + self.rank)
         if cfg.checkpoint_blocks:
-            if not isinstance(getattr(model, "checkpoint_blocks", None), bool):
+            if not isinstance(getattr(model, "gradient_checkpointing", None), bool):
                 raise ValueError(f"checkpoint_blocks: {type(model).__name__} has no per-block activation checkpointing "
-                                 "(evict's LM has)")
-            setattr(model, "checkpoint_blocks", True)
+                                 "(evict's LM has: its gradient_checkpointing)")
+            setattr(model, "gradient_checkpointing", True)
         model.to(self.device)
         model.train()
         self.core = model
