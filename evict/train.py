@@ -1,8 +1,9 @@
 """The training loop shared by every task: AdamW, warmup + cosine, clipping, eval, JSONL metrics, checkpoints.
 
 The loop knows a task only through `Task.get_batch(split, step, batch_size)` and a model only through
-`model(inputs) -> logits [B, T, V]` (or a tuple / an object with `.logits` whose first item is the logits),
-plus two optional hooks: `model.aux_loss()` (a Tensor or None, read after each forward and added to the
+`model(inputs) -> logits [B, T, V]` (or a tuple / an object with `.logits` whose first item is the logits) — or, when
+its forward takes `targets=`, `model(inputs, targets=y) -> LossOut` (evict's LM: the chunked linear cross-entropy, which
+never holds the batch's float32 logits) — plus two optional hooks: `model.aux_loss()` (a Tensor or None, read after each forward and added to the
 loss; e.g. MoE balancing) and `model.after_step()` (called after each optimizer step; e.g. MoE bias updates).
 
 Batches are a function of the step, so a run resumed from a checkpoint (model, optimizer, RNG
@@ -43,6 +44,7 @@ from tqdm.auto import tqdm
 
 from . import distributed
 from .cli_args import first_line
+from .ops.loss import LossOut
 from .runfolder import run_lock, trim_metrics
 from .tasks.base import Task
 
@@ -83,6 +85,7 @@ class TrainConfig:
     stop_file: str | None = None  # a path whose existence, seen at an evaluation, ends the run there (stopped_early)
     grad_accum: int = 1  # micro-batches per rank per optimizer step (batch_size is the global batch)
     compile: bool = False  # torch.compile each block (or the whole model if it has no `blocks`)
+    checkpoint_blocks: bool = False  # activation checkpointing per block (sets evict's LM's gradient_checkpointing)
     dist: str = "fsdp"  # under torchrun: "fsdp" (FSDP2, per block) or "ddp"
     tensorboard: bool = False  # also write the metrics rows as TensorBoard scalars into out_dir/tensorboard
 
@@ -206,10 +209,15 @@ def _aux_loss(model: nn.Module) -> torch.Tensor | None:
     return hook() if callable(hook) else None
 
 
+def _takes(model: nn.Module, name: str) -> bool:
+    """Whether the (unwrapped) model's forward has a parameter `name`."""
+    return name in inspect.signature(distributed.unwrap(model).forward).parameters
+
+
 def _labels_per_row(model: nn.Module, task: Task, cfg: TrainConfig) -> int | None:
     """The task's fixed number of labelled positions per row, when the model can compute logits at given positions."""
     n = getattr(task, "labels_per_row", None) if cfg.select_labels else None
-    return n if n is not None and "positions" in inspect.signature(distributed.unwrap(model).forward).parameters else None
+    return n if n is not None and _takes(model, "positions") else None
 
 
 def _rows(task: Task, split: str, index: int, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,12 +242,8 @@ def evaluate(model: nn.Module, task: Task, cfg: TrainConfig, device: torch.devic
             xs, ys = _rows(task, "val", i, cfg)
             for x, y in zip(xs.to(device), ys.to(device)):  # [b, T] each
                 with autocast():
-                    logits, y = _forward(model, x, y, per_row)
-                logits = logits.float()
-                mask = y != -100  # [b, T] (or [b, P])
-                sums[0] += F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
-                sums[1] += ((logits.argmax(-1) == y) & mask).sum()
-                sums[2] += mask.sum()
+                    out = _loss(model, x, y, per_row)
+                sums += torch.stack([out.loss.double() * out.labelled, out.correct.double(), out.labelled.double()])
     if world > 1:
         dist.all_reduce(sums)
     model.train(was_training)
@@ -324,16 +328,25 @@ def label_positions(y: torch.Tensor, n: int) -> torch.Tensor:
     return torch.argsort((y == -100).to(torch.int8), dim=1, stable=True)[:, :n]
 
 
-# one training step's mean loss, mean aux loss (None without MoE), last micro-batch's logits and targets, grad norm
+# one training step's mean loss, mean aux loss (None without MoE), last micro-batch's correct and labelled counts,
+# grad norm
 _StepOut = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, per_row: int | None):
-    """Logits and their targets: [B, T, V] and y, or with `per_row` labels per row only at those, [B, P, V], [B, P]."""
-    if per_row is None:
-        return _logits(model(x)), y
-    pos = label_positions(y, per_row)  # [B, P]
-    return _logits(model(x, positions=pos)), y.gather(1, pos)
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, per_row: int | None) -> LossOut:
+    """The mean loss over labelled targets of one micro-batch, with its correct and labelled counts: the model's own
+    (`targets=`: evict's LM, the chunked linear cross-entropy) when its forward takes one, else the cross-entropy of
+    its float32 logits. With `per_row` labels per row, at those positions only ([B, P] instead of [B, T])."""
+    kw = {}
+    if per_row is not None:
+        pos = label_positions(y, per_row)  # [B, P]
+        y, kw = y.gather(1, pos), {"positions": pos}
+    if _takes(model, "targets"):
+        return model(x, targets=y, **kw)
+    logits = _logits(model(x, **kw)).float()  # [B, T or P, V]
+    mask = y != -100
+    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+    return LossOut(loss, ((logits.argmax(-1) == y) & mask).sum(), mask.sum())
 
 
 def _make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
@@ -443,6 +456,11 @@ class Trainer:
         cfg = self.cfg
         torch.manual_seed(cfg.seed + self.rank)
         random.seed(cfg.seed + self.rank)
+        if cfg.checkpoint_blocks:
+            if not isinstance(getattr(model, "gradient_checkpointing", None), bool):
+                raise ValueError(f"checkpoint_blocks: {type(model).__name__} has no per-block activation checkpointing "
+                                 "(evict's LM has: its gradient_checkpointing)")
+            setattr(model, "gradient_checkpointing", True)
         model.to(self.device)
         model.train()
         self.core = model
@@ -579,14 +597,14 @@ class Trainer:
 
     def forward_backward(self, xs: torch.Tensor, ys: torch.Tensor) -> _StepOut:
         """Forward and backward of each micro-batch, clip, AdamW (gradients must be None on entry); no host sync.
-        Returns the mean loss and aux loss over the micro-batches, the last one's logits and targets, the grad norm."""
+        Returns the mean loss and aux loss over the micro-batches, the last one's correct and labelled counts, the grad
+        norm."""
         model, A = self.model, xs.shape[0]
         loss_sum = aux_sum = None
         for m in range(A):
             with distributed.grad_sync(model, m == A - 1):
                 with self.autocast():
-                    logits, y = _forward(model, xs[m], ys[m], self.per_row)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
+                    loss, correct, labelled = _loss(model, xs[m], ys[m], self.per_row)
                 aux = _aux_loss(model)
                 ((loss if aux is None else loss + aux) / A).backward()
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
@@ -598,14 +616,13 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip or math.inf,
                                               foreach=self.device.type == "cuda" or None)
         self.opt.step()
-        return loss_sum / A, None if aux_sum is None else aux_sum / A, logits.detach(), y, norm.detach()
+        return loss_sum / A, None if aux_sum is None else aux_sum / A, correct, labelled, norm.detach()
 
     def log_train(self, lr: float, x: torch.Tensor, out: _StepOut) -> None:
         """A train row over the steps since the last one (mean loss; the last step's accuracy, grad norm; tokens/s),
         averaged over ranks; a loss that is not finite ends the run (diverged)."""
-        _, aux, logits, y_used, norm = out
-        mask = y_used != -100
-        acc_loss = torch.stack([((logits.argmax(-1) == y_used) & mask).sum() / mask.sum().clamp_min(1),
+        _, aux, correct, labelled, norm = out
+        acc_loss = torch.stack([correct / labelled.clamp_min(1),
                                 self.window_loss / self.window_steps]).float()
         if self.world > 1:
             dist.all_reduce(acc_loss)

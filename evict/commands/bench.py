@@ -46,6 +46,15 @@ def run_serve(args) -> None:
 
 def run_train(args) -> None:
     writable_file(args.out, "--out")
+    if args.lm:
+        from evict.bench.model import bench_model
+
+        _resolve_device(args)
+        bench_model(models=tuple(args.lm), size=args.lm_size, batch=args.batch_size, seq_len=args.seq_len,
+                    modes=tuple(args.modes), references=not args.no_reference, warmup=args.warmup_steps,
+                    steps=args.timed_steps, checkpoint_blocks=args.checkpoint_blocks, device=args.device,
+                    out=args.out)
+        return
     from evict.bench.train import bench_train
 
     bench_train(archs=args.arch, setting=args.setting, d_model=args.d_model, procs=args.procs,
@@ -66,6 +75,20 @@ def _train_arguments(t) -> None:
     t.add_argument("--procs", type=positive_int, default=8, help="cells trained at once (default 8)")
     t.add_argument("--train-steps", type=positive_int, default=300, help="timed steps per cell (default 300)")
     t.add_argument("--variants", nargs="+", default=["before", "bf16", "labels", "graphs"])
+    from evict.bench.model import MODES, NAMED
+
+    m = t.add_argument_group("--lm", "one LM's training step beside transformers' / fla's: tokens/s, peak memory, MFU "
+                                     "(evict/bench/model.py)")
+    m.add_argument("--lm", nargs="+", metavar="NAME",
+                   help=f"model-level bench of these: {', '.join(NAMED)} or any preset (at --lm-size)")
+    m.add_argument("--lm-size", choices=["tiny", "small"], default="tiny", help="presets' size (default tiny)")
+    m.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step (default 4)")
+    m.add_argument("--seq-len", type=positive_int, default=4096, help="tokens per sequence (default 4096)")
+    m.add_argument("--modes", nargs="+", choices=list(MODES), default=["eager"], help="eager and / or compiled")
+    m.add_argument("--no-reference", action="store_true", help="skip transformers' / fla's model beside evict's")
+    m.add_argument("--warmup-steps", type=positive_int, default=3, help="untimed steps first (default 3)")
+    m.add_argument("--timed-steps", type=positive_int, default=10, help="timed steps (default 10)")
+    m.add_argument("--checkpoint-blocks", action="store_true", help="evict's model with activation checkpointing")
 
 
 def _benches() -> dict:
@@ -96,12 +119,16 @@ def _benches() -> dict:
             "decoded alone.",
             "evict bench serve --preset kda --requests 32 --clients 8",
             "evict bench serve --url http://127.0.0.1:8000 --requests 64 --rate 4")),
-        "train": (run_train, _train_arguments, None, (
-            "GPU: N MQAR cells trained at once (cell-steps per second per variant)",
+        "train": (run_train, _train_arguments, "--lm: cpu, cuda or auto (the MQAR cells always run on CUDA)", (
+            "GPU: N MQAR cells trained at once, or (--lm) one LM's step beside transformers' / fla's",
             "Train --procs MQAR cells of the recall lab at once on one GPU (the way `evict recall --full` fills a "
             "card) and report cell-steps per second for each training-step variant: before, bf16, labels (head and "
-            "loss at the labelled positions only), graphs (the step replayed from one CUDA graph), compiled.",
-            "evict bench train --arch kda --procs 4 --train-steps 100 --variants before graphs")),
+            "loss at the labelled positions only), graphs (the step replayed from one CUDA graph), compiled.\n\n"
+            "With --lm NAME: one language model's training step (bf16 autocast, fused AdamW, loss on every "
+            "position), eager and / or compiled, beside transformers' GPT-2 or fla's KDA model when installed: "
+            "tokens per second after warm-up, peak memory and MFU in one table.",
+            "evict bench train --arch kda --procs 4 --train-steps 100 --variants before graphs",
+            "evict bench train --lm kda_226m gpt2_124m --modes eager compiled --device cuda")),
     }
 
 

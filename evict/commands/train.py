@@ -39,12 +39,13 @@ from evict.train import TrainConfig, read_checkpoint, train
 DEFAULTS = dict(preset="gpt2", size="tiny", task="text", corpus=None, text_field="text", tokenizer="char", bpe_vocab=2048,
                 seq_len=None,
                 pairs=4, vocab=8192, steps=1000, batch_size=32, lr=3e-3, min_lr=0.0, warmup=None, weight_decay=0.1,
-                clip=1.0, grad_accum=1, amp="auto", compile=False, dist="fsdp", eval_every=100, eval_batches=10,
-                log_every=10, ckpt_every=None, device="auto", threads=None, seed=0, tensorboard=False,
+                clip=1.0, grad_accum=1, amp="auto", compile=False, checkpoint_blocks=False, dist="fsdp", eval_every=100,
+                eval_batches=10, log_every=10, ckpt_every=None, device="auto", threads=None, seed=0, tensorboard=False,
                 out="runs/train/latest")
 # run.json's "train" fields -> the flags they came from
 _TRAIN_FLAGS = dict(steps="steps", batch_size="batch_size", lr="lr", warmup_steps="warmup", weight_decay="weight_decay",
-                    grad_clip="clip", grad_accum="grad_accum", amp="amp", compile="compile", dist="dist",
+                    grad_clip="clip", grad_accum="grad_accum", amp="amp", compile="compile",
+                    checkpoint_blocks="checkpoint_blocks", dist="dist",
                     eval_every="eval_every", eval_batches="eval_batches", log_every="log_every",
                     checkpoint_every="ckpt_every", device="device", threads="threads", seed="seed",
                     tensorboard="tensorboard")
@@ -194,7 +195,8 @@ def train_config(o) -> TrainConfig:
     try:
         tcfg = TrainConfig(steps=o.steps, batch_size=o.batch_size, lr=o.lr, warmup_steps=o.warmup,
                            min_lr_ratio=o.min_lr / o.lr, weight_decay=o.weight_decay, grad_clip=o.clip or None,
-                           grad_accum=o.grad_accum, amp=o.amp, compile=o.compile, dist=o.dist, eval_every=o.eval_every,
+                           grad_accum=o.grad_accum, amp=o.amp, compile=o.compile,
+                           checkpoint_blocks=o.checkpoint_blocks, dist=o.dist, eval_every=o.eval_every,
                            eval_batches=o.eval_batches, log_every=o.log_every, checkpoint_every=o.ckpt_every,
                            seed=o.seed, threads=o.threads, device=o.device, out_dir=o.out, resume=not o.no_resume,
                            tensorboard=o.tensorboard, **o.train_only)
@@ -390,6 +392,8 @@ def add_parser(sub) -> None:
     t.add_argument("--clip", type=nonneg_float, help=f"gradient-norm clip, 0 = none (default {d['clip']})")
     t.add_argument("--amp", choices=["auto", "bf16", "none"], help="bf16 autocast: auto = on CUDA only (default)")
     t.add_argument("--compile", action="store_true", default=None, help="torch.compile each block")
+    t.add_argument("--checkpoint-blocks", action="store_true", default=None,
+                   help="activation checkpointing per block: recompute each block's activations in the backward")
     t.add_argument("--dist", choices=list(distributed.DIST), help="under torchrun: fsdp (FSDP2, default) or ddp")
     t.add_argument("--eval-every", type=positive_int, help=f"default {d['eval_every']}")
     t.add_argument("--eval-batches", type=positive_int, help=f"default {d['eval_batches']}")

@@ -34,6 +34,7 @@ from evict.layers.mla import MLA
 from evict.layers.mlp import GeluMLP
 from evict.layers.moe import MoE
 from evict.layers.norms import build_norm
+from evict.ops.loss import LossOut, linear_cross_entropy
 
 from .config import MIXERS, ModelConfig
 from .generate import generate
@@ -121,10 +122,20 @@ class Block(nn.Module):
 
 
 class LM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """`checkpoint_blocks` (or the `gradient_checkpointing` attribute, transformers' name, which
+    `evict train --checkpoint-blocks` and transformers' gradient_checkpointing_enable set): activation checkpointing
+    per block while training with gradients (each block keeps only its input; its activations are recomputed in the
+    backward — `torch.utils.checkpoint`, non-reentrant). A training setting, not part of the architecture (not in the
+    config). The recompute repeats a MoE block's load count, which leaves the averaged load that balances its bias
+    unchanged."""
+
+    def __init__(self, cfg: ModelConfig, *, checkpoint_blocks: bool = False):
         super().__init__()
         cfg.validate()
+        if not isinstance(checkpoint_blocks, bool):
+            raise ValueError(f"checkpoint_blocks: expected True or False, got {checkpoint_blocks!r}")
         self.cfg = cfg
+        self.gradient_checkpointing = checkpoint_blocks
         rng = torch.get_rng_state()
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.pos == "learned" else None
@@ -174,7 +185,8 @@ class LM(nn.Module):
 
     def forward(self, tokens: torch.Tensor | None, cache: HybridCache | None = None, *,
                 positions: torch.Tensor | None = None, embeds: torch.Tensor | None = None,
-                hidden_states: list | None = None, head: bool = True) -> torch.Tensor:
+                hidden_states: list | None = None, head: bool = True,
+                targets: torch.Tensor | None = None) -> torch.Tensor | LossOut:
         """tokens [B, T] int64 -> logits [B, T, vocab]. With a cache: continue from cache.pos, then advance it.
 
         `positions` [B, P] int64 (indices into T): logits only there, [B, P, vocab] — the head and the loss of a task
@@ -182,14 +194,17 @@ class LM(nn.Module):
         `embeds` [B, T, D] in place of tokens: the token embeddings (transformers' inputs_embeds).
         `hidden_states`: a list that receives the residual stream [B, T, D] after the embedding and after each block,
         the last one final-normed (transformers' convention); not for AttnRes models (their stream is a depth mix).
-        head=False: the final-normed stream [B, T, D] (or [B, P, D]) instead of logits."""
+        head=False: the final-normed stream [B, T, D] (or [B, P, D]) instead of logits.
+        `targets` [B, T] (or [B, P] with positions) int64, -100 = unlabelled: instead of logits, the training loss
+        (`evict.ops.loss.linear_cross_entropy`: LossOut(mean loss, correct, labelled)), computed in row chunks so the
+        float32 logits of the whole batch never exist."""
         if embeds is not None:
             if tokens is not None:
                 raise ValueError("tokens: give tokens or embeds, not both")
             if not isinstance(embeds, torch.Tensor) or embeds.dim() != 3 or embeds.shape[-1] != self.cfg.d_model:
                 shape = str(tuple(embeds.shape)) if isinstance(embeds, torch.Tensor) else type(embeds).__name__
                 raise ValueError(f"embeds: expected a tensor [B, T, d_model={self.cfg.d_model}], got {shape}")
-            return self._run(embeds, cache, positions, hidden_states, head)
+            return self._run(embeds, cache, positions, hidden_states, head, targets)
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64:
             got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             raise ValueError(f"tokens: expected an int64 tensor [B, T], got {got}")
@@ -204,10 +219,10 @@ class LM(nn.Module):
             lo, hi = int(tokens.min()), int(tokens.max())
             if lo < 0 or hi >= self.cfg.vocab_size:
                 raise ValueError(f"tokens: expected ids in [0, vocab_size={self.cfg.vocab_size}), got range [{lo}, {hi}]")
-        return self._run(self.embed(tokens), cache, positions, hidden_states, head)
+        return self._run(self.embed(tokens), cache, positions, hidden_states, head, targets)
 
     def _run(self, h: torch.Tensor, cache: HybridCache | None, positions: torch.Tensor | None,
-             hidden_states: list | None, head: bool) -> torch.Tensor:
+             hidden_states: list | None, head: bool, targets: torch.Tensor | None = None) -> torch.Tensor | LossOut:
         """The embedded tokens h [B, T, D] through positions, blocks, final norm and head (see forward)."""
         B, T = h.shape[:2]
         if B == 0 or T == 0:
@@ -253,7 +268,8 @@ class LM(nn.Module):
         else:
             completed, partial = [h], None  # AttnRes depth sources: closed ones, and the current block's running sum
             for i, (blk, st) in enumerate(zip(self.layers(), states)):
-                partial = blk(partial, st, pos, completed=completed)
+                partial = (self._checkpoint(blk, partial, st, pos, completed=completed) if recompute
+                           else blk(partial, st, pos, completed=completed))
                 if (i + 1) % self.cfg.attn_res_block == 0:
                     completed, partial = completed + [partial], None
             h = self.final_read(completed if partial is None else completed + [partial])
@@ -267,16 +283,21 @@ class LM(nn.Module):
         h = self.norm(h)
         if hidden_states is not None:
             hidden_states[-1] = h if positions is None else self.norm(hidden_states[-1])
-        return self.head(h) if head else h
+        if targets is None:
+            return self.head(h) if head else h
+        if not (isinstance(targets, torch.Tensor) and targets.shape == h.shape[:2] and targets.dtype == torch.int64):
+            got = f"{tuple(targets.shape)} {targets.dtype}" if isinstance(targets, torch.Tensor) else type(targets).__name__
+            raise ValueError(f"targets: expected an int64 tensor {list(h.shape[:2])} (ids or -100), got {got}")
+        return linear_cross_entropy(h.flatten(0, 1), self.head.weight, targets.flatten())
 
-    def _checkpoint(self, blk: Block, h: torch.Tensor, st, pos) -> torch.Tensor:
-        """blk(h, st, pos), its activations recomputed in the backward (transformers may set the function)."""
+    def _checkpoint(self, blk: Block, h: torch.Tensor | None, st, pos, **kw) -> torch.Tensor:
+        """blk(h, st, pos, **kw), its activations recomputed in the backward (transformers may set the function)."""
         fn = getattr(self, "_gradient_checkpointing_func", None)
         if fn is None:
             from torch.utils.checkpoint import checkpoint
 
-            return checkpoint(blk, h, st, pos, use_reentrant=False)
-        return fn(blk.__call__, h, st, pos)
+            return checkpoint(blk, h, st, pos, use_reentrant=False, **kw)
+        return fn(blk.__call__, h, st, pos, **kw)
 
     def _check_positions(self, positions, B: int, T: int) -> None:
         if not (isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[0] == B

@@ -29,23 +29,42 @@ def kernel_runs_on(x: torch.Tensor) -> bool:
     return x.dtype in (torch.float16, torch.bfloat16, torch.float32) and _tri.runs_on(x)
 
 
-class _ConvTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w):
-        from .conv_triton import conv_forward_triton
+# The Triton form as two torch.library custom ops tied by register_autograd (opaque to torch.compile: no graph break),
+# each with a fake form for shapes. The weight is taken as float32 [C, k]; the caller casts it (differentiably).
+@torch.library.custom_op("evict::short_conv_forward", mutates_args=())
+def _conv_forward_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    from .conv_triton import conv_forward_triton
 
-        wf = w.float().contiguous()
-        ctx.save_for_backward(x, wf)
-        ctx.w_dtype = w.dtype
-        return conv_forward_triton(x, wf)
+    return conv_forward_triton(x, w.contiguous())
 
-    @staticmethod
-    def backward(ctx, dy):
-        from .conv_triton import conv_backward_triton
 
-        x, wf = ctx.saved_tensors
-        dx, dw = conv_backward_triton(x, wf, dy.contiguous())
-        return dx, dw.to(ctx.w_dtype)
+@_conv_forward_op.register_fake
+def _(x, w):
+    return x.new_empty(x.shape)  # contiguous, as the kernel writes it
+
+
+@torch.library.custom_op("evict::short_conv_backward", mutates_args=())
+def _conv_backward_op(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from .conv_triton import conv_backward_triton
+
+    return conv_backward_triton(x, w.contiguous(), dy.contiguous())
+
+
+@_conv_backward_op.register_fake
+def _(x, w, dy):
+    return x.new_empty(x.shape), w.new_empty(w.shape, dtype=torch.float32)
+
+
+def _conv_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _conv_backward(ctx, dy):
+    x, w = ctx.saved_tensors
+    return _conv_backward_op(x, w, dy)
+
+
+_conv_forward_op.register_autograd(_conv_backward, setup_context=_conv_setup)
 
 
 def _last_inputs(x: torch.Tensor, tail: torch.Tensor | None, k: int) -> torch.Tensor:
@@ -72,9 +91,9 @@ def short_conv(x: torch.Tensor, w: torch.Tensor, tail: torch.Tensor | None = Non
     if impl == "triton" or (impl == "auto" and kernel_runs_on(x) and T > 0):
         if tail is not None:  # the tail prepended: outputs from row k-1 on are exactly the conv continued from it
             xt = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, k-1+T, C]
-            return _ConvTriton.apply(xt, w)[:, k - 1 :], xt[:, T:]
+            return _conv_forward_op(xt, w.float())[:, k - 1 :], xt[:, T:]
         xc = x if x.stride(2) == 1 else x.contiguous()
-        return _ConvTriton.apply(xc, w), _last_inputs(x, tail, k)
+        return _conv_forward_op(xc, w.float()), _last_inputs(x, tail, k)
     if tail is None:
         tail = x.new_zeros(B, k - 1, C)
     xt = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, k-1+T, C]

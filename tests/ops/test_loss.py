@@ -1,3 +1,114 @@
+"""Chunked linear cross-entropy against float64 F.cross_entropy(h @ W.T): loss, dh, dW, accuracy counts."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from evict.ops.loss import linear_cross_entropy
+
+
+def _reference(h, w, t, ignore_index=-100):
+    h, w = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    logits = h @ w.t()
+    loss = F.cross_entropy(logits, t, ignore_index=ignore_index)
+    loss.backward()
+    keep = t != ignore_index
+    correct = ((logits.argmax(-1) == t) & keep).sum()
+    return loss.detach(), h.grad, w.grad, int(correct), int(keep.sum())
+
+
+def _draw(N, D, V, dtype=torch.float64, ignore=0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, D, generator=g, dtype=dtype)
+    w = torch.randn(V, D, generator=g, dtype=dtype) / D ** 0.5
+    t = torch.randint(0, V, (N,), generator=g)
+    if ignore:
+        t[torch.randperm(N, generator=g)[:ignore]] = -100
+    return h.requires_grad_(), w.requires_grad_(), t
+
+
+@pytest.mark.parametrize("N,D,V,rows,ignore", [(37, 13, 101, 8, 0), (37, 13, 101, 8, 11), (5, 7, 3, 1, 2),
+                                               (64, 16, 50, None, 0), (19, 9, 257, 19, 4), (23, 11, 29, 100, 0)])
+def test_matches_float64_reference(N, D, V, rows, ignore):
+    h, w, t = _draw(N, D, V, ignore=ignore, seed=N + V)
+    out = linear_cross_entropy(h, w, t, rows=rows)
+    out.loss.backward()
+    loss, dh, dw, correct, n = _reference(h, w, t)
+    assert out.loss.dtype == h.grad.dtype == w.grad.dtype == torch.float64
+    torch.testing.assert_close(out.loss, loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(h.grad, dh, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(w.grad, dw, rtol=1e-12, atol=1e-12)
+    assert (int(out.correct), int(out.labelled)) == (correct, n)
+
+
+def test_upstream_gradient_scales_and_float32():
+    h, w, t = _draw(29, 10, 41, dtype=torch.float32, ignore=3, seed=3)
+    out = linear_cross_entropy(h, w, t, rows=7)
+    (2.5 * out.loss).backward()
+    loss, dh, dw, _, _ = _reference(h, w, t)
+    assert h.grad.dtype == w.grad.dtype == torch.float32
+    torch.testing.assert_close(out.loss.double(), loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h.grad.double(), 2.5 * dh, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(w.grad.double(), 2.5 * dw, rtol=1e-4, atol=1e-6)
+
+
+def test_bf16_autocast_as_close_as_the_unchunked_head():
+    """Under CPU bf16 autocast the products run in bf16: the error against float64 is that of the plain
+    autocast head + float32 cross-entropy (the loop's old path), not more."""
+    h, w, t = _draw(96, 64, 300, dtype=torch.float32, ignore=5, seed=7)
+    loss, dh, dw, _, _ = _reference(h, w, t)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = linear_cross_entropy(h, w, t, rows=17)
+    out.loss.backward()
+    ch, cw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = h @ w.t()
+    assert logits.dtype == torch.bfloat16
+    plain = F.cross_entropy(logits.float(), t, ignore_index=-100)
+    plain.backward()
+
+    def err(a, b):
+        return float((a.double() - b).norm() / b.norm())
+
+    assert ch.dtype == cw.dtype == torch.float32
+    assert abs(float(out.loss.detach()) - float(loss)) <= 2 * abs(float(plain.detach()) - float(loss)) + 1e-3
+    assert err(ch, dh) <= 1.5 * err(h.grad, dh) + 1e-3
+    assert err(cw, dw) <= 1.5 * err(w.grad, dw) + 1e-3
+    assert err(ch, dh) < 2e-2 and err(cw, dw) < 2e-2
+
+
+def test_no_grad_and_frozen_weight():
+    h, w, t = _draw(11, 5, 13, seed=1)
+    with torch.no_grad():
+        out = linear_cross_entropy(h, w, t, rows=4)
+    loss, dh, _, _, _ = _reference(h, w, t)
+    assert out.loss.grad_fn is None
+    torch.testing.assert_close(out.loss, loss, rtol=1e-12, atol=1e-12)
+    w.requires_grad_(False)
+    linear_cross_entropy(h, w, t, rows=4).loss.backward()
+    assert w.grad is None
+    torch.testing.assert_close(h.grad, dh, rtol=1e-12, atol=1e-12)
+
+
+def test_no_labelled_row_gives_zero():
+    h, w, t = _draw(6, 4, 9, seed=2)
+    t[:] = -100
+    out = linear_cross_entropy(h, w, t)
+    out.loss.backward()
+    assert float(out.loss.detach()) == 0.0 and int(out.labelled) == 0
+    assert not h.grad.any() and not w.grad.any()
+
+
+@pytest.mark.parametrize("kw,name", [
+    (dict(h=torch.zeros(2, 3, 4)), "h"), (dict(weight=torch.zeros(5, 4)), "weight"),
+    (dict(targets=torch.zeros(6, dtype=torch.int32)), "targets"), (dict(rows=0), "rows")])
+def test_bad_input_one_line(kw, name):
+    args = dict(h=torch.zeros(6, 3), weight=torch.zeros(5, 3), targets=torch.zeros(6, dtype=torch.int64))
+    args.update(kw)
+    rows = args.pop("rows", None)
+    with pytest.raises(ValueError, match=f"^{name}: expected"):
+        linear_cross_entropy(args["h"], args["weight"], args["targets"], rows=rows)
 
 
 @pytest.mark.gpu

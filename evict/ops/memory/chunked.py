@@ -155,9 +155,11 @@ def memory_chunked(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     xs = (q, k) if delta else (q,)
     if g is not None and g.dim() < k.dim():
         P, *A = _scalar_decayed_dots(xs, k, g, seg)
-    elif g is not None and seg is not None and (q.device.type != "cpu" or bool((seg[..., -1, :] > 0).any())):
-        # per channel: off the CPU always the exact sub-chunked form (no host sync: a CUDA graph can capture it);
-        # on the CPU that form only where a chunk holds a hard reset, else _decayed_dots picks (one cheap sync)
+    elif g is not None and seg is not None and (q.device.type != "cpu" or torch.compiler.is_compiling()
+                                                or bool((seg[..., -1, :] > 0).any())):
+        # per channel: off the CPU (no host sync: a CUDA graph can capture it) and under torch.compile (a sync is a
+        # graph break) always the exact sub-chunked form; on the CPU in eager that form only where a chunk holds a
+        # hard reset, else _decayed_dots picks (one cheap sync)
         P, *A = _channel_decayed_dots(xs, k, g, seg)
     else:
         P, *A = _decayed_dots(xs, k, g)

@@ -1,5 +1,9 @@
 """The Triton forward and backward behind torch.autograd: `memory_triton(...)` is what `memory(impl="triton")` calls.
 
+They are registered as torch.library custom ops (`evict::memory_forward`, `evict::memory_backward`, tied by
+register_autograd, each with a fake form for shapes), so torch.compile takes a block that calls them whole: no
+graph break at the op.
+
 The forward keeps its inputs and its per-chunk [C, C] factors (`keep_factors`); the backward recomputes the gates, W,
 U and the chunk start states (the rest of the forward's first stage and its carry kernel) and runs the three backward
 kernels (backward.py). Chunks are 16, 32 or 64 tokens
@@ -13,6 +17,8 @@ table of each sequence's chunks.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -21,41 +27,107 @@ from .backward import backward_triton
 from .forward import CHUNKS, C, _gate, forward_triton, precision_for
 
 
-FACTORS = ("Tm", "Am", "Pm")  # what `keep_factors` saves for the backward; `keep_states`: all of STATES
-STATES = ("G", "Ub", "W", "Tm", "Am", "Pm", "Kd", "Dec", "Qg", "U", "Hs", "sT")
+FACTORS = ("Tm", "Am", "Pm")  # what `keep_factors` saves for the backward
+KEPT = ("G", "Ub", "W", "Tm", "Am", "Pm", "Kd", "Dec", "Qg", "U", "Hs")  # the forward op's fixed kept outputs (with
+# `keep_states`: all of them, the final state being the op's own; with `keep_factors`: FACTORS; the rest empty)
+
+# The forward and backward are two torch.library custom ops (opaque to torch.compile: a compiled block holds them as
+# single nodes, no graph break) tied by register_autograd. Each has a fake (meta) form giving its outputs' shapes.
+# Their schemas are fixed: absent outputs are empty tensors, absent inputs None.
 
 
-class _MemoryTriton(torch.autograd.Function):
-    # The context holds tensors (saved) and plain ints / bools only, as torch.compile's tracing of it expects.
-    @staticmethod
-    def forward(ctx, q, k, v, log_alpha, beta, initial_state, delta, scale, chunks, chunk, keep_factors, keep_states):
-        keep = states = None
-        if keep_factors is not False and any(ctx.needs_input_grad[:6]):
-            keep = keep_factors if isinstance(keep_factors, str) else precision_for(q.dtype)
-            states = (keep_states if isinstance(keep_states, str) else "tf32x3") if keep_states else None
-        o, S, *kept = forward_triton(q, k, v, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale,
-                                     initial_state=initial_state, chunks=chunks, chunk=chunk, keep_factors=keep,
-                                     keep_states=states)
-        names = STATES if states else FACTORS if keep else ()
-        ctx.save_for_backward(q, k, v, log_alpha, beta, initial_state, *(kept[0][n] for n in names))
-        ctx.delta, ctx.scale, ctx.chunks, ctx.chunk = delta, scale, chunks, chunk
-        ctx.mode = 2 if states else 1 if keep else 0  # 0: recompute, 1: factors kept, 2: every intermediate kept
-        return o, S
+def _kept_layout(q: torch.Tensor, v: torch.Tensor, log_alpha, delta: bool, chunk: int, mode: int) -> list[tuple]:
+    """(numel, dtype) of each KEPT tensor the forward returns in `mode` (0: none, 1: FACTORS, 2: every one), as
+    forward.intra / carry allocate them."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C, f32 = chunk, torch.float32
+    rows = B * H * ((T + C - 1) // C) * C  # chunk-padded tokens, head-major
+    gate = _gate(log_alpha)
+    st = f32 if mode == 2 else q.dtype  # the forward alone stores its intermediates in a 16-bit input dtype
+    size = dict(G=rows * (K if gate == 2 else 1) if gate else 1, Ub=rows * V, W=rows * K if delta else 1,
+                Tm=rows * C if delta else 1, Am=rows * C if delta else 1, Pm=rows * C, Kd=rows * K if gate else 1,
+                Dec=rows // C * (K if gate == 2 else 1) if gate else 1, Qg=rows * K if gate else 1, U=rows * V,
+                Hs=rows // C * K * V)
+    dtype = dict(G=f32, Ub=st, W=st, Tm=f32, Am=f32, Pm=st, Kd=st, Dec=f32, Qg=f32, U=st, Hs=st)
+    kept = KEPT if mode == 2 else FACTORS if mode == 1 else ()
+    return [(size[n], dtype[n]) if n in kept else (0, f32) for n in KEPT]
 
-    @staticmethod
-    def backward(ctx, do, dS):
-        q, k, v, la, beta, s0, *saved = ctx.saved_tensors
-        factors = states = None
-        if ctx.mode == 1:
-            factors = dict(zip(FACTORS, saved), C=ctx.chunk)
-        elif ctx.mode == 2:
-            states = dict(zip(STATES, saved), C=ctx.chunk, N=max(1, triton.cdiv(q.shape[1], ctx.chunk)), gate=_gate(la), kd=True,
-                          store=torch.float32)
-        dq, dk, dv, dla, dbeta, ds0 = backward_triton(q, k, v, la, beta, s0, do, dS, delta=ctx.delta, scale=ctx.scale,
-                                                      chunks=ctx.chunks, chunk=ctx.chunk, factors=factors, states=states)
-        need = ctx.needs_input_grad
-        grads = (dq, dk, dv, dla, dbeta, ds0)
-        return (*(g if need[i] else None for i, g in enumerate(grads)), None, None, None, None, None, None)
+
+@torch.library.custom_op("evict::memory_forward", mutates_args=(), schema=(
+    "(Tensor q, Tensor k, Tensor v, Tensor? log_alpha, Tensor? beta, Tensor? initial_state, Tensor? chunks, bool delta, "
+    "float scale, int chunk, str keep, str states) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_alpha: Optional[torch.Tensor],
+                beta: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], chunks: Optional[torch.Tensor],
+                delta: bool, scale: float, chunk: int, keep: str, states: str) -> tuple[torch.Tensor, ...]:
+    """(o, final state, *KEPT): `keep` / `states` the tl.dot precisions of keep_factors / keep_states, "" = off."""
+    o, S, *kept = forward_triton(q, k, v, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale,
+                                 initial_state=initial_state, chunks=chunks, chunk=chunk, keep_factors=keep or None,
+                                 keep_states=states or None)
+    got = kept[0] if kept else {}
+    return (o, S, *(got[n] if n in got and n != "sT" else q.new_empty(0, dtype=torch.float32) for n in KEPT))
+
+
+@_forward_op.register_fake
+def _(q, k, v, log_alpha, beta, initial_state, chunks, delta, scale, chunk, keep, states):
+    B, T, H, K = q.shape
+    seqs = B if chunks is None else chunks.shape[0] - 1
+    mode = 2 if states else 1 if keep else 0
+    kept = [q.new_empty(n, dtype=dt) for n, dt in _kept_layout(q, v, log_alpha, delta, chunk, mode)]
+    return (q.new_empty(B, T, H, v.shape[-1]), q.new_empty(seqs, H, K, v.shape[-1], dtype=torch.float32), *kept)
+
+
+@torch.library.custom_op("evict::memory_backward", mutates_args=(), schema=(
+    "(Tensor q, Tensor k, Tensor v, Tensor? log_alpha, Tensor? beta, Tensor? initial_state, Tensor? chunks, Tensor? do, "
+    "Tensor? dS, Tensor S, Tensor[] kept, bool delta, float scale, int chunk, int mode) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
+def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_alpha: Optional[torch.Tensor],
+                 beta: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], chunks: Optional[torch.Tensor],
+                 do: Optional[torch.Tensor], dS: Optional[torch.Tensor], S: torch.Tensor, kept: list[torch.Tensor],
+                 delta: bool, scale: float, chunk: int, mode: int) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv, dlog_alpha, dbeta, dinitial_state); dlog_alpha / dbeta empty where there is no gate / beta."""
+    factors = states = None
+    named = dict(zip(KEPT, kept))
+    if mode == 1:
+        factors = dict(**{n: named[n] for n in FACTORS}, C=chunk)
+    elif mode == 2:
+        states = dict(named, sT=S, C=chunk, N=max(1, triton.cdiv(q.shape[1], chunk)), gate=_gate(log_alpha), kd=True,
+                      store=torch.float32)
+    dq, dk, dv, dla, dbeta, ds0 = backward_triton(q, k, v, log_alpha, beta, initial_state, do, dS, delta=delta,
+                                                  scale=scale, chunks=chunks, chunk=chunk, factors=factors, states=states)
+    none = q.new_empty(0, dtype=torch.float32)
+    return dq, dk, dv, none if dla is None else dla, none if dbeta is None else dbeta, ds0
+
+
+@_backward_op.register_fake
+def _(q, k, v, log_alpha, beta, initial_state, chunks, do, dS, S, kept, delta, scale, chunk, mode):
+    none = q.new_empty(0, dtype=torch.float32)
+    like = lambda t: t.new_empty(t.shape)  # noqa: E731  contiguous, as the kernels write them (inputs may be strided)
+    return (like(q), like(k), like(v), none if log_alpha is None else like(log_alpha),
+            none if beta is None else like(beta), like(S))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, log_alpha, beta, initial_state, chunks, delta, scale, chunk, keep, states = inputs
+    o, S, *kept = output
+    ctx.save_for_backward(q, k, v, log_alpha, beta, initial_state, chunks, S, *kept)
+    ctx.delta, ctx.scale, ctx.chunk = delta, scale, chunk
+    ctx.mode = 2 if states else 1 if keep else 0  # 0: recompute, 1: factors kept, 2: every intermediate kept
+    ctx.mark_non_differentiable(*kept)
+    ctx.set_materialize_grads(False)  # an unused output's gradient stays None (the kernels skip it), not zeros
+
+
+def _backward(ctx, do, dS, *_kept):
+    q, k, v, la, beta, s0, chunks, S, *kept = ctx.saved_tensors
+    if do is None and dS is None:
+        return None, None, None, None, None, None, None, None, None, None, None, None
+    dq, dk, dv, dla, dbeta, ds0 = _backward_op(q, k, v, la, beta, s0, chunks, do, dS, S, kept, ctx.delta, ctx.scale,
+                                               ctx.chunk, ctx.mode)
+    need = ctx.needs_input_grad
+    grads = (dq, dk, dv, dla, dbeta, ds0)
+    return (*(g if need[i] else None for i, g in enumerate(grads)), None, None, None, None, None, None)
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 MIN_K = 32  # key dims below this are zero-padded: the delta backward faults at K = 16 on an H200 (dev/LOG.md)
@@ -129,8 +201,12 @@ def memory_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, ini
     if offsets is not None:
         rows, chunks, length = _packing(offsets, q.device)
         q, k, v, log_alpha, beta = (_pad_rows(x, rows, length) for x in (q, k, v, log_alpha, beta))
-    o, S = _MemoryTriton.apply(q, k, v, log_alpha, beta, initial_state, bool(delta), float(scale), chunks, chunk,
-                               keep_factors, keep_states)
+    keep = states = ""
+    if keep_factors is not False and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, log_alpha, beta, initial_state)):
+        keep = keep_factors if isinstance(keep_factors, str) else precision_for(q.dtype)
+        states = (keep_states if isinstance(keep_states, str) else "tf32x3") if keep_states else ""
+    o, S, *_ = _forward_op(q, k, v, log_alpha, beta, initial_state, chunks, bool(delta), float(scale), chunk, keep, states)
     if offsets is not None:
         o = o.index_select(1, rows)
     return o, (S[:, :, :K] if pad else S)

@@ -1,0 +1,109 @@
+"""Chunked linear cross-entropy: the LM head and its loss in row chunks, never B·T × vocab float32 logits at once.
+
+    out = linear_cross_entropy(h, weight, targets)      # h [N, D], weight [V, D], targets [N] int64
+    out.loss      mean over labelled rows (targets != ignore_index) of logsumexp(h Wᵀ) - (h Wᵀ)[target]
+    out.correct   labelled rows whose argmax is the target (int64, no gradient)
+    out.labelled  how many rows are labelled (int64, no gradient)
+
+The forward walks `rows` rows at a time: logits of one chunk [rows, V] in the compute dtype, their float32 copy for the
+log-sum-exp, and — when a gradient is wanted — the gradient of that chunk right away (softmax - one-hot, scaled by
+1 / labelled): dh for those rows and its share of dW, summed in float32. The backward then only scales the two saved
+gradients by the incoming scalar. So the head's matmuls run once forward and twice for the gradients, as with an
+nn.Linear, and the largest temporary is one chunk's logits instead of the whole batch's.
+
+Autocast aware: under autocast the products run in its dtype (bf16 on CUDA), as nn.Linear's would, and everything
+after them (log-sum-exp, softmax, the dW sum) in float32; dh comes back in h's dtype, dW in the weight's.
+With no labelled row the loss is 0 (its gradient 0), where F.cross_entropy gives NaN.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+CHUNK_ELEMENTS = 1 << 26  # logits per chunk by default (rows = this // V): 256 MiB of float32 at most
+
+
+class LossOut(NamedTuple):
+    loss: torch.Tensor  # [] float32 (float64 for float64 inputs), differentiable
+    correct: torch.Tensor  # [] int64
+    labelled: torch.Tensor  # [] int64
+
+
+def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    dev = h.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return torch.promote_types(h.dtype, weight.dtype)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, targets, ignore_index: int, rows: int, dtype: torch.dtype, grad_h: bool, grad_w: bool):
+        N, D = h.shape
+        w = weight.to(dtype)  # [V, D]
+        valid = targets != ignore_index  # [N]
+        labelled = valid.sum()
+        acc = torch.float64 if dtype == torch.float64 else torch.float32  # what the softmax and the sums run in
+        inv = 1.0 / labelled.clamp_min(1).to(acc)
+        loss = torch.zeros((), dtype=acc, device=h.device)
+        correct = torch.zeros((), dtype=torch.int64, device=h.device)
+        dh = torch.empty_like(h) if grad_h else None  # [N, D]
+        dw = torch.zeros(weight.shape, dtype=acc, device=h.device) if grad_w else None  # [V, D]
+        for a in range(0, N, rows):
+            hc = h[a:a + rows].to(dtype)  # [c, D]
+            tc, vc = targets[a:a + rows], valid[a:a + rows]
+            safe = torch.where(vc, tc, torch.zeros_like(tc))[:, None]  # [c, 1]: ignored rows point at class 0
+            logits = (hc @ w.t()).to(acc)  # [c, V] float32 (float64 for float64)
+            lse = torch.logsumexp(logits, dim=-1)  # [c]
+            loss += ((lse - logits.gather(1, safe)[:, 0]) * vc).sum()
+            correct += ((logits.argmax(-1) == tc) & vc).sum()
+            if dh is None and dw is None:
+                continue
+            g = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+            g.scatter_add_(1, safe, -vc[:, None].to(g.dtype))  # - one-hot on labelled rows
+            g.mul_((vc.to(g.dtype) * inv)[:, None])  # ignored rows 0; the mean's 1 / labelled
+            g16 = g.to(dtype)
+            if dh is not None:
+                dh[a:a + rows] = g16 @ w
+            if dw is not None:
+                dw.add_(g16.t() @ hc)
+        ctx.save_for_backward(dh, dw)
+        ctx.h_dtype, ctx.w_dtype = h.dtype, weight.dtype
+        ctx.mark_non_differentiable(correct, labelled)
+        return loss * inv, correct, labelled
+
+    @staticmethod
+    def backward(ctx, dloss, _dcorrect, _dlabelled):
+        dh, dw = ctx.saved_tensors
+        gh = None if dh is None else (dh * dloss).to(ctx.h_dtype)
+        gw = None if dw is None else (dw * dloss).to(ctx.w_dtype)
+        return gh, gw, None, None, None, None, None, None
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
+                         rows: int | None = None) -> LossOut:
+    """Mean cross-entropy of the logits h Wᵀ against `targets`, computed `rows` rows at a time (see the module doc).
+
+    h [N, D] float; weight [V, D] (an nn.Linear's, no bias); targets [N] int64, each in [0, V) or ignore_index;
+    rows: a positive int, default CHUNK_ELEMENTS // V (at least 1). Returns LossOut(loss, correct, labelled)."""
+    if not (isinstance(h, torch.Tensor) and h.dim() == 2 and h.is_floating_point()):
+        got = f"{tuple(h.shape)} {h.dtype}" if isinstance(h, torch.Tensor) else type(h).__name__
+        raise ValueError(f"h: expected a floating tensor [N, D], got {got}")
+    if not (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == h.shape[1]
+            and weight.is_floating_point() and weight.device == h.device):
+        got = f"{tuple(weight.shape)} {weight.dtype} on {weight.device}" if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"weight: expected a floating tensor [V, D={h.shape[1]}] on {h.device}, got {got}")
+    if not (isinstance(targets, torch.Tensor) and targets.shape == h.shape[:1] and targets.dtype == torch.int64
+            and targets.device == h.device):
+        got = f"{tuple(targets.shape)} {targets.dtype} on {targets.device}" if isinstance(targets, torch.Tensor) else type(targets).__name__
+        raise ValueError(f"targets: expected an int64 tensor [N={h.shape[0]}] on {h.device}, got {got}")
+    if rows is None:
+        rows = max(1, CHUNK_ELEMENTS // weight.shape[0])
+    elif type(rows) is not int or rows < 1:
+        raise ValueError(f"rows: expected a positive integer or None, got {rows!r}")
+    grad = torch.is_grad_enabled()
+    out = _LinearCrossEntropy.apply(h, weight, targets, int(ignore_index), rows, _compute_dtype(h, weight),
+                                    grad and h.requires_grad, grad and weight.requires_grad)
+    return LossOut(*out)

@@ -1,0 +1,122 @@
+"""torch.compile takes whole blocks without a graph break: the memory op and the short conv are torch.library custom
+ops on their Triton path (checked under Triton's CPU interpreter and on CUDA), the PyTorch forms trace as they are.
+Breaks are counted with torch._dynamo.explain; compiled blocks (aot_eager on the CPU: AOTAutograd through the ops'
+fake forms and register_autograd; Inductor on CUDA) match the eager ones, forward and gradients."""
+
+import json
+
+import pytest
+import torch
+
+from evict.models import LM, presets
+from tests.conftest import run_interpreted
+
+PATTERN = "KGDACM"  # every mixer of the lab but linear attention's normalizer form; L below
+
+
+def _blocks(pattern, d=32, H=2, D=16, **kw):
+    torch.manual_seed(0)
+    cfg = presets.get("kda", pattern=pattern, vocab_size=61, n_layers=len(pattern), d_model=d, n_heads=H,
+                      head_dim=D, d_ff=48, **kw)
+    return LM(cfg).layers()
+
+
+def _breaks(blk, x):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    e = torch._dynamo.explain(blk)(x)
+    return e.graph_break_count, [str(b.reason).splitlines()[0] for b in e.break_reasons]
+
+
+def _compiled_matches(blk, x, backend, tol):
+    """Forward and every gradient of a compiled block against the eager block; returns the worst relative error."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    worst = 0.0
+    outs = []
+    for fn in (blk, torch.compile(blk, backend=backend, fullgraph=True)):
+        blk.zero_grad(set_to_none=True)
+        xi = x.detach().clone().requires_grad_()
+        y = fn(xi)
+        y.float().square().sum().backward()
+        outs.append([y.detach().float(), xi.grad.float()] + [p.grad.float() for p in blk.parameters() if p.grad is not None])
+    assert len(outs[0]) == len(outs[1])
+    for a, b in zip(*outs):
+        worst = max(worst, float((a - b).norm() / b.norm().clamp_min(1e-30)))
+    assert worst < tol, worst
+    return worst
+
+
+@pytest.mark.parametrize("letter", list(PATTERN + "L"))
+def test_cpu_blocks_have_no_graph_break(letter):
+    n, why = _breaks(_blocks(letter)[0], torch.randn(2, 20, 32))
+    assert n == 0, why
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("letter", list(PATTERN + "L"))
+def test_cpu_compiled_blocks_match_eager(letter):
+    _compiled_matches(_blocks(letter)[0], torch.randn(2, 20, 32), "aot_eager", 1e-5)
+
+
+INTERP_SCRIPT = r"""
+import json, sys
+import torch
+from tests.ops.test_compile_blocks import _blocks, _breaks, _compiled_matches
+from evict.ops.conv import kernel_runs_on
+import evict.ops.memory.triton.autograd  # registers evict::memory_forward / memory_backward
+out = {}
+for letter in sys.argv[1]:
+    blk = _blocks(letter, d=32, H=1, D=32)[0]
+    x = torch.randn(1, 20, 32)
+    assert kernel_runs_on(x)
+    n, why = _breaks(blk, x)
+    err = _compiled_matches(blk, x, "aot_eager", 1e-5)
+    out[letter] = dict(breaks=n, why=why, err=err)
+# the custom op's registrations: schema, fake form vs the real one, autograd, AOT dispatch
+q, k, v = (torch.randn(1, 20, 1, 32) for _ in range(3))
+q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+la, beta = -torch.rand(1, 20, 1, 32) * 0.3, torch.rand(1, 20, 1)
+args = [t.requires_grad_() for t in (q, k, v, la, beta)] + [None, None, True, 32 ** -0.5, 16, "tf32x3", ""]
+res = torch.library.opcheck(torch.ops.evict.memory_forward.default, args,
+                            test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+out["opcheck"] = {k: v for k, v in res.items()}
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted():  # ~2 minutes on a shared 2-core machine
+    return run_interpreted(INTERP_SCRIPT, "KGC")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("letter", list("KGC"))
+def test_interpreter_triton_blocks_compile_whole(interpreted, letter):
+    """KDA, Gated DeltaNet, GLA blocks on the Triton path (memory op + short conv custom ops): one graph, and the
+    compiled block's forward and gradients are the eager block's."""
+    r = interpreted[letter]
+    assert r["breaks"] == 0, r["why"]
+    assert r["err"] < 1e-5
+
+
+@pytest.mark.slow
+def test_interpreter_memory_op_registration(interpreted):
+    assert interpreted["opcheck"] == {"test_schema": "SUCCESS", "test_autograd_registration": "SUCCESS",
+                                      "test_faketensor": "SUCCESS"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("letter", list("KGA"))
+def test_gpu_blocks_compile_whole(letter):
+    """On CUDA in bf16 autocast (the Triton path), Inductor: no graph break, and the compiled block's forward and
+    gradients agree with eager to bf16 rounding (Inductor fuses the elementwise chain in float32 where eager rounds
+    each op to bf16)."""
+    blk = _blocks(letter, d=256, H=2, D=128)[0].cuda()
+    x = torch.randn(2, 256, 256, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        n, why = _breaks(blk, x)
+        assert n == 0, why
+        _compiled_matches(blk, x, "inductor", 3e-2)
