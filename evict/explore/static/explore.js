@@ -512,7 +512,7 @@ function fillScore() {
   const rows = score.rows.map((r) => {
     if (!answered.has(r.chapter)) return `<tr><th scope="row">${r.name}</th><td colspan="5" class="pending">answer chapter ${r.chapter}'s check to fill this row</td></tr>`;
     const m = r.measured;
-    const meas = m ? `<a href="/results/${m.source.replace("docs/recall_full/", "")}?line=${m.line}">${num(m.accuracy)}</a> <small>(lr ${m.lr}, ${comma(m.steps)} steps; ${m.source}, line ${m.line})</small>` :
+    const meas = m ? `<a href="/results/${m.source.replace("results/recall/full/", "")}?line=${m.line}">${num(m.accuracy)}</a> <small>(lr ${m.lr}, ${comma(m.steps)} steps; ${m.source}, line ${m.line})</small>` :
       "not measured: the lab trains no K3-scale model";
     return `<tr class="filled" data-row="${r.name}"><th scope="row">${r.name}</th><td>${r.stores}</td><td>${r.write}</td><td>${r.read}</td><td>${r.eviction}</td><td>${meas}</td></tr>`;
   });
