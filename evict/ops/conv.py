@@ -91,7 +91,7 @@ def short_conv(x: torch.Tensor, w: torch.Tensor, tail: torch.Tensor | None = Non
     if impl == "triton" or (impl == "auto" and kernel_runs_on(x) and T > 0):
         if tail is not None:  # the tail prepended: outputs from row k-1 on are exactly the conv continued from it
             xt = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, k-1+T, C]
-            return _conv_forward_op(xt, w.float())[:, k - 1 :], xt[:, T:]
+            return _conv_forward_op(xt, w.float())[:, k - 1 :].contiguous(), xt[:, T:]
         xc = x if x.stride(2) == 1 else x.contiguous()
         return _conv_forward_op(xc, w.float()), _last_inputs(x, tail, k)
     if tail is None:

@@ -94,16 +94,16 @@ def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_alpha: O
                       store=torch.float32)
     dq, dk, dv, dla, dbeta, ds0 = backward_triton(q, k, v, log_alpha, beta, initial_state, do, dS, delta=delta,
                                                   scale=scale, chunks=chunks, chunk=chunk, factors=factors, states=states)
-    none = q.new_empty(0, dtype=torch.float32)
-    return dq, dk, dv, none if dla is None else dla, none if dbeta is None else dbeta, ds0
+    none = lambda: q.new_empty(0, dtype=torch.float32)  # noqa: E731  one each: a custom op's returns may not alias
+    return dq, dk, dv, none() if dla is None else dla, none() if dbeta is None else dbeta, ds0
 
 
 @_backward_op.register_fake
 def _(q, k, v, log_alpha, beta, initial_state, chunks, do, dS, S, kept, delta, scale, chunk, mode):
-    none = q.new_empty(0, dtype=torch.float32)
+    none = lambda: q.new_empty(0, dtype=torch.float32)  # noqa: E731
     like = lambda t: t.new_empty(t.shape)  # noqa: E731  contiguous, as the kernels write them (inputs may be strided)
-    return (like(q), like(k), like(v), none if log_alpha is None else like(log_alpha),
-            none if beta is None else like(beta), like(S))
+    return (like(q), like(k), like(v), none() if log_alpha is None else like(log_alpha),
+            none() if beta is None else like(beta), like(S))
 
 
 def _setup_context(ctx, inputs, output):
