@@ -52,9 +52,20 @@ def create_app(dial_shape: dial.Dial | None = None, cache_dir: Path | None = Non
     """The app. `dial_shape`: the chunk dial's measured shape (default Dial()); `cache_dir`: where its measurement is
     cached (default ~/.cache/evict/explore); `warm`: build the accountant's models on a thread at once."""
     shape = dial_shape or dial.Dial()
-    measurer = dial.Measurer(shape, cache_dir)
     app = FastAPI(title="evict explore", docs_url=None, redoc_url=None)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    _add_error_handlers(app)
+    _add_page_routes(app)
+    _add_board_routes(app)
+    _add_dial_routes(app, shape, dial.Measurer(shape, cache_dir))
+    _add_lesson_routes(app)
+    if warm:  # K3 takes seconds to build even on the meta device: start before the first page asks
+        threading.Thread(target=lambda: [scale.meta_model(n) for n in scale.MODELS], daemon=True).start()
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """A bad value or type in a query: HTTP 422 with a one-line "detail"."""
 
     @app.exception_handler(ValueError)
     async def bad_value(request: Request, exc: ValueError):
@@ -64,6 +75,10 @@ def create_app(dial_shape: dial.Dial | None = None, cache_dir: Path | None = Non
     async def bad_type(request: Request, exc: RequestValidationError):  # one line, as every other bad value
         e = exc.errors()[0]
         return JSONResponse(status_code=422, content={"detail": f"{e['loc'][-1]}: {e['msg'].lower()}, got {e.get('input')!r}"})
+
+
+def _add_page_routes(app: FastAPI) -> None:
+    """The page, the concept map, the favicon."""
 
     @app.get("/", include_in_schema=False)
     def index():
@@ -76,6 +91,10 @@ def create_app(dial_shape: dial.Dial | None = None, cache_dir: Path | None = Non
     @app.get("/favicon.ico", include_in_schema=False)
     def favicon():
         return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")
+
+
+def _add_board_routes(app: FastAPI) -> None:
+    """The memory wall and the whiteboard figures."""
 
     @app.get("/api/memory-wall")
     def memory_wall(context: int = 1024, curves: bool = True):
@@ -93,6 +112,10 @@ def create_app(dial_shape: dial.Dial | None = None, cache_dir: Path | None = Non
     def delta_stamp(beta: float = 1.0):
         return board.delta_stamp(beta)
 
+
+def _add_dial_routes(app: FastAPI, shape: dial.Dial, measurer: dial.Measurer) -> None:
+    """The chunk dial: its cost law, and its CPU measurement (started by POST, polled)."""
+
     @app.get("/api/chunk-dial")
     def chunk_dial(C: int = 64):
         return {"shape": {"T": shape.T, "H": shape.H, "D": shape.D, "B": shape.B}, "sizes": shape.sizes(),
@@ -106,6 +129,10 @@ def create_app(dial_shape: dial.Dial | None = None, cache_dir: Path | None = Non
     @app.get("/api/chunk-dial/progress")
     def chunk_dial_progress():
         return measurer.state()
+
+
+def _add_lesson_routes(app: FastAPI) -> None:
+    """Fade curve, twin boards, the accountant, depth lens, Mochi's replays, the scorecard and its result files."""
 
     @app.get("/api/fade-curve")
     def fade_curve(slam: float = 0.2):
@@ -135,23 +162,21 @@ def create_app(dial_shape: dial.Dial | None = None, cache_dir: Path | None = Non
     def scorecard():
         return lesson.scorecard()
 
-    @app.get("/results/{path:path}", include_in_schema=False)
-    def results(path: str, line: int | None = None):
-        """A committed result file of results/recall/full/, or with `line` (1-based) that one run's JSON row."""
-        file = (RESULTS / path).resolve()
-        if not (file.is_relative_to(RESULTS) and file.is_file()):
-            return JSONResponse(status_code=404, content={"detail": f"path: no committed result {path!r} here (results/recall/full/ "
-                                                                    "comes with a checkout of evict, not a wheel)"})
-        if line is None:
-            return FileResponse(file, media_type="text/plain; charset=utf-8")
-        rows = file.read_text().splitlines()
-        if not 1 <= line <= len(rows):
-            raise ValueError(f"line: expected 1 to {len(rows)} for {path}, got {line}")
-        return JSONResponse(json.loads(rows[line - 1]))
+    app.get("/results/{path:path}", include_in_schema=False)(results)
 
-    if warm:  # K3 takes seconds to build even on the meta device: start before the first page asks
-        threading.Thread(target=lambda: [scale.meta_model(n) for n in scale.MODELS], daemon=True).start()
-    return app
+
+def results(path: str, line: int | None = None):
+    """A committed result file of results/recall/full/, or with `line` (1-based) that one run's JSON row."""
+    file = (RESULTS / path).resolve()
+    if not (file.is_relative_to(RESULTS) and file.is_file()):
+        return JSONResponse(status_code=404, content={"detail": f"path: no committed result {path!r} here (results/recall/full/ "
+                                                                "comes with a checkout of evict, not a wheel)"})
+    if line is None:
+        return FileResponse(file, media_type="text/plain; charset=utf-8")
+    rows = file.read_text().splitlines()
+    if not 1 <= line <= len(rows):
+        raise ValueError(f"line: expected 1 to {len(rows)} for {path}, got {line}")
+    return JSONResponse(json.loads(rows[line - 1]))
 
 
 def serve(host: str = "127.0.0.1", port: int = 8000) -> None:

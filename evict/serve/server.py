@@ -144,16 +144,57 @@ def failure_status(message: str) -> int:
     return 503 if message.startswith(EngineDown.__name__) else 500
 
 
+class Served:
+    """What the routes share: the engine, its tokenizer, the model's name, chat template and end-of-text token."""
+
+    def __init__(self, engine: Engine, tokenizer, model_name: str, chat_template: str):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.counter = iter(range(1, 1 << 62))
+        self.eos = eos_token_id(tokenizer)
+        self.template = ChatTemplate(chat_template, tokenizer.decode([self.eos]) if self.eos is not None else "")
+
+    def token_text(self, t: int) -> str:
+        s = self.tokenizer.decode([t])
+        return f"token_id:{t}" if "\ufffd" in s else s  # a token that is part of a character
+
+    def head(self, kind: str) -> dict:
+        return {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{next(self.counter)}", "object": kind,
+                "created": int(time.time()), "model": self.model_name}
+
+    def start(self, body: Sampling, ids: list[int], *, max_tokens: int, logprobs: int | None) -> Generation:
+        if body.model is not None and body.model != self.model_name:
+            raise BadRequest("model", f"this server serves {self.model_name!r}, got {body.model[:80]!r}", status=404)
+        if body.max_tokens is not None:
+            max_tokens = body.max_tokens
+        stops = (self.eos,) if self.eos is not None else ()
+        params = [sampling_params(body, max_tokens=max_tokens, stop_tokens=stops, logprobs=logprobs, index=i)
+                  for i in range(body.n)]
+        try:
+            return Generation(self.engine, self.tokenizer, ids, params, stop_strings(body))
+        except EngineDown as e:
+            raise BadRequest(None, str(e), status=503) from None
+        except ValueError as e:  # the engine's door: one line naming the field
+            msg = str(e)
+            param = msg.split(":", 1)[0]
+            param = {"stop_tokens": "stop_token_ids", "prompt": "messages" if isinstance(body, ChatRequest) else "prompt"}.get(param, param)
+            raise BadRequest(param, msg.split(": ", 1)[-1]) from None
+
+
 def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str = DEFAULT_CHAT_TEMPLATE,
               api_key: str | None = None):
     app = FastAPI(title="evict serve", version="1")
-    counter = iter(range(1, 1 << 62))
-    eos = eos_token_id(tokenizer)
-    template = ChatTemplate(chat_template, tokenizer.decode([eos]) if eos is not None else "")
+    served = Served(engine, tokenizer, model_name, chat_template)
+    add_error_handlers(app)
+    if api_key:
+        add_auth(app, api_key)
+    add_info_routes(app, served)
+    add_completions(app, served)
+    add_chat(app, served)
+    return app
 
-    def token_text(t: int) -> str:
-        s = tokenizer.decode([t])
-        return f"token_id:{t}" if "\ufffd" in s else s  # a token that is part of a character
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's JSON shape: a bad field (400), an HTTP error (401, 404, 405, ...), a crash (500)."""
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc: RequestValidationError):
@@ -180,14 +221,22 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str 
     async def crash(request, exc: Exception):
         return error(500, f"{type(exc).__name__}: {str(exc)[:200]}")
 
-    if api_key:
-        @app.middleware("http")
-        async def auth(request: Request, call_next):
-            if request.url.path.startswith("/v1/"):
-                got = request.headers.get("authorization", "")
-                if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
-                    return error(401, "expected the header Authorization: Bearer <the server's --api-key>")
-            return await call_next(request)
+
+def add_auth(app: FastAPI, api_key: str) -> None:
+    """/v1/ routes need `Authorization: Bearer <api_key>` (401 otherwise)."""
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):
+        if request.url.path.startswith("/v1/"):
+            got = request.headers.get("authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+                return error(401, "expected the header Authorization: Bearer <the server's --api-key>")
+        return await call_next(request)
+
+
+def add_info_routes(app: FastAPI, served: Served) -> None:
+    """GET /health, /v1/models, /metrics."""
+    engine = served.engine
 
     @app.get("/health")
     async def health():
@@ -197,202 +246,216 @@ def build_app(engine: Engine, tokenizer, model_name: str, *, chat_template: str 
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "evict",
-                                            "max_model_len": engine.max_len}]}
+        return {"object": "list", "data": [{"id": served.model_name, "object": "model", "created": 0,
+                                            "owned_by": "evict", "max_model_len": engine.max_len}]}
 
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(prometheus(engine.metrics()), media_type="text/plain; version=0.0.4")
 
-    def start(body: Sampling, ids: list[int], *, max_tokens: int, logprobs: int | None) -> Generation:
-        if body.model is not None and body.model != model_name:
-            raise BadRequest("model", f"this server serves {model_name!r}, got {body.model[:80]!r}", status=404)
-        if body.max_tokens is not None:
-            max_tokens = body.max_tokens
-        stops = (eos,) if eos is not None else ()
-        params = [sampling_params(body, max_tokens=max_tokens, stop_tokens=stops, logprobs=logprobs, index=i)
-                  for i in range(body.n)]
-        try:
-            return Generation(engine, tokenizer, ids, params, stop_strings(body))
-        except EngineDown as e:
-            raise BadRequest(None, str(e), status=503) from None
-        except ValueError as e:  # the engine's door: one line naming the field
-            msg = str(e)
-            param = msg.split(":", 1)[0]
-            param = {"stop_tokens": "stop_token_ids", "prompt": "messages" if isinstance(body, ChatRequest) else "prompt"}.get(param, param)
-            raise BadRequest(param, msg.split(": ", 1)[-1]) from None
 
-    async def respond(request: Request, gen: Generation, stream: bool, include_usage: bool, chunk, final):
-        """Stream `chunk(delta)` events, or gather the deltas and answer `final(per-choice deltas)`."""
-        if stream:
-            async def sse():
-                try:
-                    for c in gen.choices:
-                        first = chunk(Delta(c.index), opening=True)
-                        if first is not None:
-                            yield f"data: {json.dumps(first)}\n\n"
-                    async for d in gen.deltas():
-                        if d.error is not None:
-                            gen.cancel()
-                            yield f"data: {json.dumps(error_body(failure_status(d.error), d.error))}\n\n"
-                            break
-                        event = chunk(d, opening=False)
-                        if event is not None:
-                            yield f"data: {json.dumps(event)}\n\n"
-                    else:
-                        if include_usage:
-                            yield f"data: {json.dumps({**chunk(None, opening=False), 'usage': gen.usage()})}\n\n"
-                    yield "data: [DONE]\n\n"
-                finally:  # also when the client went away (the generator is closed or cancelled)
-                    gen.cancel()
+async def respond(request: Request, gen: Generation, stream: bool, include_usage: bool, chunk, final):
+    """Stream `chunk(delta)` events, or gather the deltas and answer `final(per-choice deltas)`."""
+    if stream:
+        return StreamingResponse(sse(gen, include_usage, chunk), media_type="text/event-stream")
 
-            return StreamingResponse(sse(), media_type="text/event-stream")
+    async def watch() -> None:  # the body is read: the next ASGI message is the client hanging up
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gen.cancel()
 
-        async def watch() -> None:  # the body is read: the next ASGI message is the client hanging up
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            gen.cancel()
+    watcher = asyncio.create_task(watch())
+    per: list[list[Delta]] = [[] for _ in gen.choices]
+    try:
+        async for d in gen.deltas():
+            if d.error is not None:
+                return error(failure_status(d.error), d.error)
+            per[d.index].append(d)
+    finally:  # also when the handler itself is cancelled
+        watcher.cancel()
+        gen.cancel()
+    if any(ds[-1].finish == "cancelled" for ds in per):
+        return None  # the client is gone
+    return final(per)
 
-        watcher = asyncio.create_task(watch())
-        per: list[list[Delta]] = [[] for _ in gen.choices]
-        try:
-            async for d in gen.deltas():
-                if d.error is not None:
-                    return error(failure_status(d.error), d.error)
-                per[d.index].append(d)
-        finally:  # also when the handler itself is cancelled
-            watcher.cancel()
-            gen.cancel()
-        if any(ds[-1].finish == "cancelled" for ds in per):
-            return None  # the client is gone
-        return final(per)
 
-    def head(kind: str) -> dict:
-        return {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{next(counter)}", "object": kind,
-                "created": int(time.time()), "model": model_name}
+async def sse(gen: Generation, include_usage: bool, chunk):
+    """The server-sent events of a streamed answer: opening chunks, one per delta, usage, `[DONE]` (or an error)."""
+    try:
+        for c in gen.choices:
+            first = chunk(Delta(c.index), opening=True)
+            if first is not None:
+                yield f"data: {json.dumps(first)}\n\n"
+        async for d in gen.deltas():
+            if d.error is not None:
+                gen.cancel()
+                yield f"data: {json.dumps(error_body(failure_status(d.error), d.error))}\n\n"
+                break
+            event = chunk(d, opening=False)
+            if event is not None:
+                yield f"data: {json.dumps(event)}\n\n"
+        else:
+            if include_usage:
+                yield f"data: {json.dumps({**chunk(None, opening=False), 'usage': gen.usage()})}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:  # also when the client went away (the generator is closed or cancelled)
+        gen.cancel()
 
-    def completion_logprobs(entries, offset: int) -> dict:
+
+def completion_ids(body: CompletionRequest, tokenizer) -> list[int]:
+    """The prompt's token ids, after the checks /v1/completions makes of its fields (BadRequest)."""
+    if body.echo and body.logprobs is not None:
+        raise BadRequest("echo", "with logprobs: the prompt's log-probabilities are not computed by this server")
+    if body.best_of is not None and body.best_of != body.n:
+        raise BadRequest("best_of", "expected n (this server does not rank choices)")
+    if not isinstance(body.prompt, str):
+        return body.prompt
+    if not body.prompt:
+        raise BadRequest("prompt", "expected a non-empty string or list of token ids")
+    try:
+        return [int(t) for t in tokenizer.encode(body.prompt)]
+    except ValueError as e:
+        raise BadRequest("prompt", str(e)) from None
+
+
+class CompletionAnswer:
+    """The /v1/completions answer of one request: its stream chunks and its final body."""
+
+    def __init__(self, served: Served, body: CompletionRequest, gen: Generation, echo: str):
+        self.served, self.body, self.gen, self.echo = served, body, gen, echo
+        self.h = served.head("text_completion")
+        self.offsets = [len(echo)] * body.n
+
+    def logprobs(self, entries, offset: int) -> dict:
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for t, lp, top in entries:
-            s = token_text(t)
+            s = self.served.token_text(t)
             out["tokens"].append(s)
             out["token_logprobs"].append(lp)
-            out["top_logprobs"].append({token_text(i): v for i, v in top})
+            out["top_logprobs"].append({self.served.token_text(i): v for i, v in top})
             out["text_offset"].append(offset)
             offset += len(s)
         return out
 
+    def piece(self, d: Delta) -> dict:
+        c: dict = {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": d.finish}
+        if self.body.logprobs is not None:
+            c["logprobs"] = self.logprobs(d.logprobs, self.offsets[d.index])
+            self.offsets[d.index] += sum(len(x) for x in c["logprobs"]["tokens"])
+        if self.body.return_token_ids:
+            c["token_ids"] = d.ids
+        return c
+
+    def chunk(self, d: Delta | None, *, opening: bool) -> dict | None:
+        h, echo = self.h, self.echo
+        if d is None:
+            return {**h, "choices": []}
+        if opening:
+            return {**h, "choices": [{"index": d.index, "text": echo, "logprobs": None, "finish_reason": None}]} if echo else None
+        if not (d.text or d.finish or d.logprobs or (self.body.return_token_ids and d.ids)):
+            return None
+        return {**h, "choices": [self.piece(d)]}
+
+    def final(self, per: list[list[Delta]]) -> dict:
+        choices = []
+        for i, ds in enumerate(per):
+            joined = Delta(i, self.echo + "".join(d.text for d in ds), [t for d in ds for t in d.ids],
+                           [e for d in ds for e in d.logprobs], ds[-1].finish)
+            choices.append(self.piece(joined))
+        return {**self.h, "choices": choices, "usage": self.gen.usage()}
+
+
+def add_completions(app: FastAPI, served: Served) -> None:
+    """POST /v1/completions."""
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         try:
-            if body.echo and body.logprobs is not None:
-                raise BadRequest("echo", "with logprobs: the prompt's log-probabilities are not computed by this server")
-            if body.best_of is not None and body.best_of != body.n:
-                raise BadRequest("best_of", "expected n (this server does not rank choices)")
-            if isinstance(body.prompt, str):
-                if not body.prompt:
-                    raise BadRequest("prompt", "expected a non-empty string or list of token ids")
-                try:
-                    ids = [int(t) for t in tokenizer.encode(body.prompt)]
-                except ValueError as e:
-                    raise BadRequest("prompt", str(e)) from None
-            else:
-                ids = body.prompt
-            gen = start(body, ids, max_tokens=16, logprobs=body.logprobs)
+            ids = completion_ids(body, served.tokenizer)
+            gen = served.start(body, ids, max_tokens=16, logprobs=body.logprobs)
         except BadRequest as e:
             return error(e.status, str(e), e.param)
-        h = head("text_completion")
-        echo = (body.prompt if isinstance(body.prompt, str) else tokenizer.decode(ids)) if body.echo else ""
-        offsets = [len(echo)] * body.n
-
-        def piece(d: Delta) -> dict:
-            c: dict = {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": d.finish}
-            if body.logprobs is not None:
-                c["logprobs"] = completion_logprobs(d.logprobs, offsets[d.index])
-                offsets[d.index] += sum(len(x) for x in c["logprobs"]["tokens"])
-            if body.return_token_ids:
-                c["token_ids"] = d.ids
-            return c
-
-        def chunk(d: Delta | None, *, opening: bool) -> dict | None:
-            if d is None:
-                return {**h, "choices": []}
-            if opening:
-                return {**h, "choices": [{"index": d.index, "text": echo, "logprobs": None, "finish_reason": None}]} if echo else None
-            if not (d.text or d.finish or d.logprobs or (body.return_token_ids and d.ids)):
-                return None
-            return {**h, "choices": [piece(d)]}
-
-        def final(per: list[list[Delta]]) -> dict:
-            choices = []
-            for i, ds in enumerate(per):
-                joined = Delta(i, echo + "".join(d.text for d in ds), [t for d in ds for t in d.ids],
-                               [e for d in ds for e in d.logprobs], ds[-1].finish)
-                choices.append(piece(joined))
-            return {**h, "choices": choices, "usage": gen.usage()}
-
+        echo = (body.prompt if isinstance(body.prompt, str) else served.tokenizer.decode(ids)) if body.echo else ""
+        answer = CompletionAnswer(served, body, gen, echo)
         include = bool(body.stream_options and body.stream_options.include_usage)
-        return await respond(request, gen, body.stream, include, chunk, final)
+        return await respond(request, gen, body.stream, include, answer.chunk, answer.final)
 
-    def chat_logprobs(entries) -> dict:
+
+def chat_ids(body: ChatRequest, served: Served) -> list[int]:
+    """The messages through the chat template as token ids, after the checks of the fields (BadRequest); sets
+    body.max_tokens from max_completion_tokens."""
+    if body.top_logprobs is not None and not body.logprobs:
+        raise BadRequest("top_logprobs", "needs logprobs: true")
+    if body.max_completion_tokens is not None:
+        if body.max_tokens is not None and body.max_tokens != body.max_completion_tokens:
+            raise BadRequest("max_completion_tokens", "differs from max_tokens (give one of them)")
+        body.max_tokens = body.max_completion_tokens
+    try:
+        text = served.template.render([{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                                       for m in body.messages])
+        ids = [int(t) for t in served.tokenizer.encode(text)]
+    except ValueError as e:
+        raise BadRequest("messages", str(e)) from None
+    if not ids:
+        raise BadRequest("messages", "the chat template made an empty prompt of them")
+    return ids
+
+
+class ChatAnswer:
+    """The /v1/chat/completions answer of one request: its stream chunks and its final body."""
+
+    def __init__(self, served: Served, body: ChatRequest, gen: Generation):
+        self.served, self.body, self.gen = served, body, gen
+        self.h = served.head("chat.completion.chunk" if body.stream else "chat.completion")
+
+    def logprobs(self, entries) -> dict:
         def one(t: int, lp: float) -> dict:
-            s = token_text(t)
+            s = self.served.token_text(t)
             return {"token": s, "logprob": lp, "bytes": None if s.startswith("token_id:") else list(s.encode())}
 
         return {"content": [{**one(t, lp), "top_logprobs": [one(i, v) for i, v in top]} for t, lp, top in entries]}
 
+    def chunk(self, d: Delta | None, *, opening: bool) -> dict | None:
+        h, body = self.h, self.body
+        if d is None:
+            return {**h, "choices": []}
+        if opening:
+            return {**h, "choices": [{"index": d.index, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}]}
+        if not (d.text or d.finish or d.logprobs or (body.return_token_ids and d.ids)):
+            return None
+        c: dict = {"index": d.index, "delta": {"content": d.text} if d.text else {},
+                   "logprobs": self.logprobs(d.logprobs) if body.logprobs else None, "finish_reason": d.finish}
+        if body.return_token_ids:
+            c["token_ids"] = d.ids
+        return {**h, "choices": [c]}
+
+    def final(self, per: list[list[Delta]]) -> dict:
+        choices = []
+        for i, ds in enumerate(per):
+            c: dict = {"index": i, "message": {"role": "assistant", "content": "".join(d.text for d in ds)},
+                       "logprobs": self.logprobs([e for d in ds for e in d.logprobs]) if self.body.logprobs else None,
+                       "finish_reason": ds[-1].finish}
+            if self.body.return_token_ids:
+                c["token_ids"] = [t for d in ds for t in d.ids]
+            choices.append(c)
+        return {**self.h, "choices": choices, "usage": self.gen.usage()}
+
+
+def add_chat(app: FastAPI, served: Served) -> None:
+    """POST /v1/chat/completions."""
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         try:
-            if body.top_logprobs is not None and not body.logprobs:
-                raise BadRequest("top_logprobs", "needs logprobs: true")
-            if body.max_completion_tokens is not None:
-                if body.max_tokens is not None and body.max_tokens != body.max_completion_tokens:
-                    raise BadRequest("max_completion_tokens", "differs from max_tokens (give one of them)")
-                body.max_tokens = body.max_completion_tokens
-            try:
-                text = template.render([{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                                        for m in body.messages])
-                ids = [int(t) for t in tokenizer.encode(text)]
-            except ValueError as e:
-                raise BadRequest("messages", str(e)) from None
-            if not ids:
-                raise BadRequest("messages", "the chat template made an empty prompt of them")
+            ids = chat_ids(body, served)
             n_lp = (body.top_logprobs or 0) if body.logprobs else None
-            gen = start(body, ids, max_tokens=max(engine.max_len - len(ids), 1), logprobs=n_lp)
+            gen = served.start(body, ids, max_tokens=max(served.engine.max_len - len(ids), 1), logprobs=n_lp)
         except BadRequest as e:
             return error(e.status, str(e), e.param)
-        h = head("chat.completion.chunk" if body.stream else "chat.completion")
-
-        def chunk(d: Delta | None, *, opening: bool) -> dict | None:
-            if d is None:
-                return {**h, "choices": []}
-            if opening:
-                return {**h, "choices": [{"index": d.index, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}]}
-            if not (d.text or d.finish or d.logprobs or (body.return_token_ids and d.ids)):
-                return None
-            c: dict = {"index": d.index, "delta": {"content": d.text} if d.text else {},
-                       "logprobs": chat_logprobs(d.logprobs) if body.logprobs else None, "finish_reason": d.finish}
-            if body.return_token_ids:
-                c["token_ids"] = d.ids
-            return {**h, "choices": [c]}
-
-        def final(per: list[list[Delta]]) -> dict:
-            choices = []
-            for i, ds in enumerate(per):
-                c: dict = {"index": i, "message": {"role": "assistant", "content": "".join(d.text for d in ds)},
-                           "logprobs": chat_logprobs([e for d in ds for e in d.logprobs]) if body.logprobs else None,
-                           "finish_reason": ds[-1].finish}
-                if body.return_token_ids:
-                    c["token_ids"] = [t for d in ds for t in d.ids]
-                choices.append(c)
-            return {**h, "choices": choices, "usage": gen.usage()}
-
+        answer = ChatAnswer(served, body, gen)
         include = bool(body.stream_options and body.stream_options.include_usage)
-        return await respond(request, gen, body.stream, include, chunk, final)
-
-    return app
+        return await respond(request, gen, body.stream, include, answer.chunk, answer.final)
 
 
 def prometheus(m: dict) -> str:
