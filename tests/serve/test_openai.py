@@ -23,6 +23,7 @@ NAME = "tiny"
 
 class EosBytes(ByteTokenizer):
     def __init__(self, eos: int):
+        super().__init__()
         self.eos_id = eos
 
 
