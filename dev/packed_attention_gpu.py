@@ -5,6 +5,7 @@ chunks concatenated, a document + causal block mask built per step, the kernel c
 shape). Prints one JSON line: median ms per step of each, and the max |difference| of their outputs.
 Run on CUDA: python dev/packed_attention_gpu.py"""
 
+import argparse
 import json
 import statistics
 import time
@@ -70,4 +71,5 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -2,6 +2,8 @@
 backend named (the README's 'faster than flash attention at 8K' came from `evict bench ops`, which forces
 SDPBackend.FLASH_ATTENTION). Prints one line per form, ms = triton.testing.do_bench median."""
 
+import argparse
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -9,6 +11,7 @@ from triton.testing import do_bench
 
 from evict.ops import memory
 
+argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
 B, T, H, D = 4, 8192, 16, 128
 dev, bf = "cuda", torch.bfloat16
 torch.manual_seed(0)

@@ -5,6 +5,7 @@
 # engine's knobs on the hybrid. JSON into ${RES:-runs/bench/serve73}. Needs fastapi, uvicorn, httpx (dev/wheels.sh).
 # Modes (arguments, default all): tests, main (4K pair, batch 1, 32K pair), attn (dev/packed_attention_gpu.py), profile
 # (dev/serve_step_profile.py), knobs.
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
 MODES=${*:-tests main attn profile knobs}
 set -uo pipefail
 cd "$(dirname "$0")/.."

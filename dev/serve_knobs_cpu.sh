@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 73's scheduling knobs side by side on a CPU (tiny hybrid KKKM, float32, one server thread): TTFT / TPOT under
 # each. JSON into ${RES:-runs/bench/serve73_cpu}. Usage: bash dev/serve_knobs_cpu.sh
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python}

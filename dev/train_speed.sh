@@ -2,6 +2,7 @@
 # One device call for issue 74's model-level training numbers (prepared 2026-12-06 on branch train-speed; not yet run):
 # the GPU tests of what changed, then `evict.bench.model` at the issue's shapes. Carry the folder holding .whl/fla
 # (`bash dev/wheels.sh` or its fla line) so fla's KDAForCausalLM can be the oracle. JSON lands in $OUT (or runs/bench).
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/bench}
