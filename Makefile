@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0 triton==3.6.0  # the Triton the kernels are tested with (CPU interpreter, H100/H200)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev,explore,serve]'
 	touch $@
 
