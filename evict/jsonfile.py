@@ -1,8 +1,10 @@
-"""Reading the JSON files evict writes (configs, tokenizers): one-line errors that name the argument and the file."""
+"""Reading the JSON files evict writes (configs, tokenizers): one-line errors that name the argument and the file;
+and replacing a small text file whole (a kill leaves the old file or the new one, never half of one)."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 
@@ -18,3 +20,11 @@ def read_json_object(path: Path, arg: str) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{arg}: {path} holds a JSON {type(data).__name__}, expected an object")
     return data
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, then rename it over `path`."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -21,6 +21,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from evict.jsonfile import replace_text
+
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".evict-run.lock"
@@ -111,6 +113,4 @@ def trim_metrics(path: Path, step: int) -> None:
     if not path.exists():
         return
     rows = [r for r in read_metrics(path) if r["step"] <= step]
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)
+    replace_text(path, "".join(json.dumps(r) + "\n" for r in rows))

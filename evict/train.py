@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 
 from . import distributed
 from .cli_args import first_line
+from .jsonfile import replace_text
 from .ops.loss import LossOut
 from .runfolder import run_lock, trim_metrics
 from .tasks.base import Task
@@ -280,9 +281,7 @@ def save_checkpoint(path: Path, state: dict) -> None:
 
 def write_json(path: Path, obj: dict) -> None:
     """Atomic, as save_checkpoint."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
+    replace_text(path, json.dumps(obj, indent=2))
 
 
 class _Prefetch:
