@@ -29,6 +29,7 @@ def main():
     ap.add_argument("--n", type=int, default=128)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--width", default="bench", choices=["bench", "tiny"])
+    ap.add_argument("--kernels", type=int, default=0, help="profile the last K steps with torch.profiler; print its table")
     a = ap.parse_args()
     if a.conv == "torch":
         conv_op.kernel_runs_on = lambda x: False
@@ -44,6 +45,10 @@ def main():
     steps = []
     with torch.inference_mode():
         for i in range(a.steps):
+            if a.kernels and i == a.steps - a.kernels:
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                              + ([torch.profiler.ProfilerActivity.CUDA] if a.device == "cuda" else []))
+                prof.__enter__()
             before = dict(eng.stats)
             sync()
             t0 = time.perf_counter()
@@ -52,6 +57,10 @@ def main():
             dt = time.perf_counter() - t0
             d = {k: eng.stats[k] - before[k] for k in ("generated_tokens", "prefill_tokens", "packed_steps", "graph_steps")}
             steps.append((dt, d))
+    if a.kernels:
+        prof.__exit__(None, None, None)
+        key = "cuda_time_total" if a.device == "cuda" else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60))
     packed = [dt for dt, d in steps if d["packed_steps"]]
     decode = [dt for dt, d in steps if not d["packed_steps"]]
     tokens = [d["prefill_tokens"] for dt, d in steps if d["packed_steps"]]
