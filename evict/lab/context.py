@@ -354,39 +354,46 @@ def report(sweep: ContextSweep, results: list[dict], decoded: list[dict]) -> str
 
 
 def plot(sweep: ContextSweep, results: list[dict], decoded: list[dict], path: Path) -> Path:
-    """Per scale (columns): tail loss vs context, one line per model (bars: seeds' range); tail loss vs decode
-    ms/token, one line per model through its contexts."""
+    """Per scale (columns): tail loss vs context, one line per model (bars: the seeds' range); decode ms/token vs
+    context (every timed context); tail loss at the longest read context vs decode ms/token at the longest timed one."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter
 
     tails, dec = _tails(results), {r["model"]: r["decode"] for r in decoded}
-    n = len(sweep.scales)
-    fig = Figure(figsize=(5.2 * n, 8.4), constrained_layout=True)
+    n, t1, far = len(sweep.scales), max(sweep.contexts), max(decode_grid(sweep))
+    fig = Figure(figsize=(5.2 * n, 11.5), constrained_layout=True)
     FigureCanvasAgg(fig)
-    axes = fig.subplots(2, n, squeeze=False)
+    axes = fig.subplots(3, n, squeeze=False)
     for j, d in enumerate(sweep.scales):
-        top, bottom = axes[0][j], axes[1][j]
-        for i, m in enumerate(m for m in models(sweep) if m.d_model == d):
+        top, mid, low = axes[0][j], axes[1][j], axes[2][j]
+        group = [m for m in models(sweep) if m.d_model == d]
+        for i, m in enumerate(group):
+            style, color = ("o-" if m.kind in ("kda", "mla") else "s--"), f"C{i}"
             cells = [tails.get((m.name, T)) for T in sweep.contexts]
-            if not all(cells):
-                continue
-            means = [statistics.fmean(c) for c in cells]
-            yerr = [[mu - min(c) for mu, c in zip(means, cells)], [max(c) - mu for mu, c in zip(means, cells)]]
-            style = "o-" if m.kind in ("kda", "mla") else "s--"
-            top.errorbar(sweep.contexts, means, yerr=yerr, fmt=style, capsize=3, color=f"C{i}", label=m.label)
+            if all(cells):
+                means = [statistics.fmean(c) for c in cells]
+                yerr = [[mu - min(c) for mu, c in zip(means, cells)], [max(c) - mu for mu, c in zip(means, cells)]]
+                nudge = 1 + 0.03 * (i - (len(group) - 1) / 2)  # side by side on the log axis
+                top.errorbar([T * nudge for T in sweep.contexts], means, yerr=yerr, fmt=style, capsize=3, color=color,
+                             label=m.label)
             got = dec.get(m.name, {})
-            if all(str(T) in got for T in sweep.contexts):
-                bottom.plot([got[str(T)]["ms_per_token"] for T in sweep.contexts], means, style, color=f"C{i}",
-                            label=m.label)
-                bottom.annotate(f"{max(sweep.contexts)}", (got[str(max(sweep.contexts))]["ms_per_token"], means[-1]),
-                                fontsize=6)
+            grid = [T for T in decode_grid(sweep) if str(T) in got]
+            mid.plot(grid, [got[str(T)]["ms_per_token"] for T in grid], style, color=color, label=m.label)
+            if cells[-1] and str(far) in got:
+                mu = statistics.fmean(cells[-1])
+                low.errorbar([got[str(far)]["ms_per_token"]], [mu], yerr=[[mu - min(cells[-1])], [max(cells[-1]) - mu]],
+                             fmt=style[0], ms=8, capsize=3, color=color, label=m.label)
         top.axvline(sweep.train_len, color="grey", lw=0.8, ls=":")
         top.set(xscale="log", xlabel="context T (tokens; dotted: the training length)",
                 ylabel=f"tail loss (last {sweep.train_len} positions, nats/char)", title=f"d_model {d}: quality vs context")
         top.set_xticks(list(sweep.contexts), [str(T) for T in sweep.contexts])
-        bottom.set(xscale="log", xlabel="decode ms per token at T (batch 1, measured)", ylabel="tail loss at T",
-                   title=f"d_model {d}: quality vs decode cost (points: T = {', '.join(map(str, sweep.contexts))})")
-        for ax in (top, bottom):
+        mid.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="decode ms per token (batch 1, measured)",
+                title=f"d_model {d}: decode cost vs context")
+        low.set(xlabel=f"decode ms per token at {far:,} (measured)", ylabel=f"tail loss at T {t1} (bars: seeds)",
+                title=f"d_model {d}: quality vs decode cost")
+        for ax in (top, mid, low):
+            ax.xaxis.set_minor_formatter(NullFormatter())
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=7)
     fig.savefig(path, dpi=120)
