@@ -4,7 +4,7 @@ than it was trained on, beside its measured decode cost at each context, at matc
 The hybrid lab (evict/lab/hybrid.py) ranks ratios at one context length and equal parameters. Here every ratio is
 trained on next-character text at one short length (`train_len`) and then read at several longer ones (`contexts`):
 length generalisation. Beside each ratio's quality, the same model's decode ms per token and cache bytes, measured
-(evict.bench.decode's timing and cache count) at each context.
+(evict.models.decode_cost: `evict bench decode`'s timing and cache count) at each context.
 
 Models. The hybrid lab's model (`hybrid.shape_config`: heads of `head_dim`, the kernel-4 short conv on every mixer,
 dense SwiGLU of width 2 × d_model) at each width of `scales`, `n_layers` deep, the attention layers spread as in Kimi
@@ -24,10 +24,11 @@ loss`), for T in `contexts`: every window of every T ends at the same `windows` 
 each T the same characters are scored, with T − train_len more characters before them than training ever showed.
 A model that uses a longer context gets lower as T grows; one that breaks past its training length gets higher.
 
-Decode: evict.bench.decode at batch 1 on an untrained model of the same config (cost depends on shape, not weights):
-a cache filled to the context, the median of `decode_steps` one-token steps (CUDA: replayed from a CUDA graph, bf16;
-CPU: eager, float32, one thread), and the bytes the cache holds per sequence, as allocated. Timed one model at a time, after
-the training runs (never beside them), at `contexts` and the longer `decode_contexts`.
+Decode: evict.models.decode_cost (`evict bench decode`'s timing) at batch 1 on an untrained model of the same
+config (cost depends on shape, not weights): a cache filled to the context, the median of `decode_steps` one-token
+steps (CUDA: replayed from a CUDA graph, bf16; CPU: eager, float32, one thread), and the bytes the cache holds per
+sequence, as allocated. Timed one model at a time, after the training runs (never beside them), at `contexts` and
+the longer `decode_contexts`.
 
 Outputs under runs/context/<timestamp>/: config.json, results.jsonl (one training run a row), decode.jsonl (one
 model a row), table.md, table.csv (one row per model, scale and context), context.png; runs/<name>/result.json.
@@ -228,8 +229,8 @@ def run_one(job: dict) -> dict | None:
 
 def time_one(job: dict) -> dict:
     """Decode ms per token and cache bytes of one model at every context (batch 1, weights untrained)."""
-    from evict.bench import decode
     from evict.distributed import resolve_device
+    from evict.models import decode_cost
 
     sweep = from_json(ContextSweep, job["sweep"])
     m = from_json(Model, job["model"])
@@ -243,10 +244,10 @@ def time_one(job: dict) -> dict:
         torch.set_num_threads(1)  # tiny models: one thread is faster, and steadier on a shared machine
     try:
         for ctx in decode_grid(sweep):
-            secs, how = decode._time_variant(model, "graph" if dev.type == "cuda" else "eager", 1, ctx,
+            secs, how = decode_cost.time_variant(model, "graph" if dev.type == "cuda" else "eager", 1, ctx,
                                              sweep.decode_steps, sweep.decode_warmup)
             with torch.inference_mode():
-                nbytes = decode.cache_bytes(decode.filled_cache(model, 1, ctx, extra=1), ctx)
+                nbytes = decode_cost.cache_bytes(decode_cost.filled_cache(model, 1, ctx, extra=1), ctx)
             rows[str(ctx)] = {"ms_per_token": 1e3 * secs, "cache_bytes": nbytes, "timing": how}
     finally:
         torch.set_num_threads(threads)
@@ -289,8 +290,8 @@ def table_rows(sweep: ContextSweep, results: list[dict], decoded: list[dict]) ->
     """One row per (model, scale, context): the CSV's (quality over seeds, decode cost, training compute)."""
     tails, dec = _tails(results), {r["model"]: r["decode"] for r in decoded}
     runs: dict = {}
-    for r in results:
-        runs.setdefault(r["model"], r)
+    for one in results:
+        runs.setdefault(one["model"], one)
     rows = []
     for m in models(sweep):
         r, d = runs.get(m.name), dec.get(m.name, {})
@@ -311,8 +312,8 @@ def report(sweep: ContextSweep, results: list[dict], decoded: list[dict]) -> str
     then the decode cost at each context; then the compute each model trained with."""
     tails, dec = _tails(results), {r["model"]: r for r in decoded}
     runs: dict = {}
-    for r in results:
-        runs.setdefault(r["model"], r)
+    for one in results:
+        runs.setdefault(one["model"], one)
     t0, t1 = sweep.train_len, max(sweep.contexts)
     parts = []
     for d in sweep.scales:
@@ -370,7 +371,7 @@ def plot(sweep: ContextSweep, results: list[dict], decoded: list[dict], path: Pa
         group = [m for m in models(sweep) if m.d_model == d]
         for i, m in enumerate(group):
             style, color = ("o-" if m.kind in ("kda", "mla") else "s--"), f"C{i}"
-            cells = [tails.get((m.name, T)) for T in sweep.contexts]
+            cells = [tails.get((m.name, T), []) for T in sweep.contexts]
             if all(cells):
                 means = [statistics.fmean(c) for c in cells]
                 yerr = [[mu - min(c) for mu, c in zip(means, cells)], [max(c) - mu for mu, c in zip(means, cells)]]
