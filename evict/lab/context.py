@@ -84,7 +84,7 @@ class ContextSweep:
     compile: bool = False  # CUDA: each block through torch.compile (sweep.compiles)
 
 
-QUICK = ContextSweep()  # 4 layers (no 7:1), d 16 and 32, 250 steps at T 32: ~3 min on 2 CPU cores (docs/labs/hybrid.md)
+QUICK = ContextSweep()  # 4 layers (no 7:1), d 16 and 32, 250 steps at T 32: ~200 CPU-seconds (docs/labs/hybrid.md)
 FULL = ContextSweep(  # one GPU, ~90 min; not run yet (docs/labs/hybrid.md)
     ratios=("1:0", "7:1", "3:1", "1:1", "0:1"), kinds=("mla", "attention"), n_layers=8, scales=(128, 256), head_dim=32,
     chunk_size=None,

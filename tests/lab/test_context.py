@@ -171,3 +171,10 @@ def test_flags_reach_the_sweep(monkeypatch):
     assert (seen[0].scales, seen[0].kinds, seen[0].contexts, seen[0].decode_contexts) == (
         (32,), ("mla", "attention"), (32, 512), ())
     assert seen[1].n_layers == 8 and seen[1].compile is False and seen[1].ratios == FULL.ratios
+
+
+@pytest.mark.slow
+def test_the_full_sweep_validates():
+    """The GPU sweep's 18 models build, tile 8 layers and fit 64 windows of 4,096 in the validation text (~13 s)."""
+    context.validate(FULL)
+    assert len(models(FULL)) == 18 and FULL.seeds * len(models(FULL)) == 54

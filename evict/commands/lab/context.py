@@ -30,7 +30,7 @@ def add_parser(lab_sub) -> None:
                        examples=("evict lab context --quick --out runs/lab_context",
                                  "evict lab context --ratios 1:0 3:1 0:1 --kinds mla attention --scales 32 --seeds 1"),
                        quick="4 layers, ratios 1:0 3:1 1:1 0:1 (MLA), d 16 and 32, trained at T 32 and read at "
-                       "32-256, 2 seeds; ~3 min on 2 cores",
+                       "32-256, 2 seeds; ~200 CPU-seconds (~2 min on 2 idle cores)",
                        full="8 layers, ratios 1:0 7:1 3:1 1:1 0:1, MLA and attention, d 128 and 256, trained at T 256 "
                        "and read at 256-4096, 3 seeds; one GPU, ~90 min",
                        seeds_help="seeds per model; the table shows mean and range")
