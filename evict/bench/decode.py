@@ -7,7 +7,7 @@ Models (one preset base, the same d_model / n_layers / heads / FFN for the first
     hybrid     "KKKM"  Kimi Linear's 3:1 (last layer MLA), dense FFN like the others
     k3_mini    the k3_mini preset with its features (gated MLA, latent MoE, AttnRes, bounded gates)
 
-Method. Decode cost does not depend on what the memory holds, only on its shape, so no prompt is prefilled:
+Method (the timing itself: evict/models/decode_cost.py). Decode cost does not depend on what the memory holds, only on its shape, so no prompt is prefilled:
 one token is run through a fresh cache (this creates the recurrent states and conv tails), every cache tensor
 is then filled with random numbers, and `cache.pos` is set to the context length. Each timed step resets
 `cache.pos` to the context, runs the one-token forward and samples greedily, so every step attends over exactly
@@ -30,17 +30,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from evict.cli_args import first_line
-from evict.layers.attention import Attention
-from evict.layers.mla import MLA
-from evict.layers.moe import MoE
 from evict.models import LM, presets
+from evict.models.decode_cost import VARIANTS, cache_bytes, filled_cache, sync, time_variant
 from evict.report import card, markdown_table, write_json
 
 KINDS = ("attention", "mla", "kda", "hybrid", "k3_mini")
@@ -70,140 +67,19 @@ def model_configs(kinds=KINDS, size: str = "tiny", width: dict | None = None) ->
     return cfgs
 
 
-def cache_bytes(cache, context: int) -> int:
-    """Bytes per sequence the cache holds at `context` tokens (KV / latent buffers counted up to context)."""
-    total = 0
-    for st in cache.states:
-        for f in fields(st):
-            t = getattr(st, f.name)
-            if not isinstance(t, torch.Tensor):
-                continue
-            n = t.numel() * t.element_size() // cache.batch_size
-            if f.name in ("k", "v", "c", "k_rope"):  # [B, L_max, ...] buffers indexed by position
-                n = n * context // cache.max_len
-            total += n
-    return total
-
-
-def filled_cache(model: LM, batch: int, context: int, extra: int):
-    """A cache at position `context` whose every tensor holds random numbers (see the module docstring)."""
-    device = next(model.parameters()).device
-    cache = model.new_cache(batch, context + extra)
-    model(torch.zeros(batch, 1, dtype=torch.int64, device=device), cache=cache)  # creates recurrent states
-    for st in cache.states:
-        for f in fields(st):
-            t = getattr(st, f.name)
-            if isinstance(t, torch.Tensor):
-                t.normal_(0.0, 1.0 if f.name in ("k", "v", "c", "k_rope") else 0.02)
-    cache.pos = context
-    return cache
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-VARIANTS = ("graph", "before", "compiled", "eager")
-
-
-def set_fast_path(model: LM, on: bool) -> None:
-    """Switch the decode kernels of attention / MLA layers and the MoE dispatch between the fast and the previous path."""
-    for m in model.modules():
-        if isinstance(m, (Attention, MLA)):
-            m.decode_kernel = on
-        if isinstance(m, MoE):
-            m.dispatch = "auto" if on else "sort"
-
-
-def compiled(model: LM):
-    """The model's forward compiled by torch.compile (static shapes: one graph per batch size and position, as the
-    bench replays a fixed step); graph breaks fall back to eager pieces."""
-    return torch.compile(model, dynamic=False)
-
-
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     """Bytes per second of a device-to-device copy (read + write bytes over the time), median of 5."""
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     times = []
     for _ in range(6):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         b.copy_(a)
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
     del a, b
     return 2 * nbytes / statistics.median(times[1:])
-
-
-@torch.inference_mode()
-def time_decode(model: LM, batch: int, context: int, *, steps: int, warmup: int, fn=None) -> float:
-    """Median seconds of one decode step (one token for each of `batch` sequences) at `context`."""
-    device = next(model.parameters()).device
-    cache = filled_cache(model, batch, context, extra=1)
-    tok = torch.zeros(batch, 1, dtype=torch.int64, device=device)  # [B, 1]
-    times = []
-    for i in range(warmup + steps):
-        cache.pos = context
-        _sync(device)
-        t0 = time.perf_counter()
-        tok = (model if fn is None else fn)(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)  # [B, 1]
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-@torch.inference_mode()
-def time_decode_graphed(model: LM, batch: int, context: int, *, steps: int, warmup: int, fn=None) -> float:
-    """Median seconds of one decode step replayed from a CUDA graph captured at `context` (CUDA only).
-
-    The graph holds one whole decode step at a fixed position: each replay writes the same cache slot and reads
-    the same `context` past tokens, i.e. exactly the work of a step at that context, without Python dispatch.
-    Raises RuntimeError when the model cannot be captured (e.g. MoE dispatch sizes its expert batches on the host).
-    """
-    device = next(model.parameters()).device
-    cache = filled_cache(model, batch, context, extra=1)
-    tok = torch.zeros(batch, 1, dtype=torch.int64, device=device)  # [B, 1]
-    fn = model if fn is None else fn
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):  # warm up (Triton compiles) off the capture stream
-        for _ in range(3):
-            cache.pos = context
-            fn(tok, cache=cache)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    cache.pos = context
-    with torch.cuda.graph(graph):
-        nxt = fn(tok, cache=cache)[:, -1].argmax(-1, keepdim=True)  # [B, 1]
-    times = []
-    for i in range(warmup + steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        graph.replay()
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    del nxt, graph
-    return statistics.median(times)
-
-
-def _time_variant(model: LM, variant: str, batch: int, ctx: int, steps: int, warmup: int) -> tuple[float, str]:
-    """(seconds per step, how it was timed) for one variant; a graph that cannot be captured falls back to eager."""
-    set_fast_path(model, variant != "before")
-    fn = compiled(model) if variant == "compiled" else model
-    try:
-        if variant == "eager":
-            return time_decode(model, batch, ctx, steps=steps, warmup=warmup), "eager"
-        try:
-            return time_decode_graphed(model, batch, ctx, steps=steps, warmup=warmup, fn=fn), "graph"
-        except Exception as e:  # keep an eager time, say why (capture refused, or compile failed)
-            why = first_line(e, 60)
-            return time_decode(model, batch, ctx, steps=steps, warmup=warmup), f"eager (no graph: {why})"
-    finally:
-        set_fast_path(model, True)
 
 
 def run(*, device: str = "cpu", kinds=KINDS, contexts=None, size: str | None = None, width: dict | None = None,
@@ -258,7 +134,7 @@ def run(*, device: str = "cpu", kinds=KINDS, contexts=None, size: str | None = N
             for variant in variants:
                 bar.set_postfix(model=kind, context=ctx, batch=batch, variant=variant)
                 if (batch, variant) not in timed:
-                    timed[batch, variant] = _time_variant(model, variant, batch, ctx, steps, warmup)
+                    timed[batch, variant] = time_variant(model, variant, batch, ctx, steps, warmup)
                 step_s, how = timed[batch, variant]
                 floor = weight_bytes[kind] / bandwidth if bandwidth else None
                 rows.append({"model": kind, "context": ctx, "batch": batch, "batch_mode": mode, "variant": variant,

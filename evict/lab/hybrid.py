@@ -188,8 +188,8 @@ def variants(sweep: HybridSweep) -> list[Variant]:
 # -- models at equal parameters ----------------------------------------------------------------------------------
 
 
-def _config(sweep: HybridSweep, pattern: str, d_ff: int, vocab_size: int):
-    # the recall lab's model at these sizes, heads of head_dim
+def shape_config(sweep: HybridSweep, pattern: str, d_ff: int, vocab_size: int):
+    """The recall lab's model of `pattern` at the sweep's sizes (heads of head_dim) with SwiGLU width `d_ff`."""
     shape = recall.RecallSweep(head_dim=sweep.head_dim, n_layers=sweep.n_layers, vocab_size=sweep.vocab_size,
                                chunk_size=sweep.chunk_size, gate_dt=tuple(sweep.gate_dt))
     base = recall.model_config("kda", sweep.d_model, shape, max(sweep.seq_len, sweep.text_seq_len))
@@ -210,15 +210,15 @@ def _body_params(cfg_json: str) -> int:  # counted on the meta device once per c
 def equal_params_d_ff(sweep: HybridSweep, pattern: str) -> int:
     """The SwiGLU width that brings `pattern`'s model closest to the all-KDA model's parameter count (the FFN is
     linear in d_ff, so one step from two counts lands on the best integer)."""
-    target = body_params(_config(sweep, LINEAR * sweep.n_layers, sweep.d_ff, sweep.vocab_size))
-    p0 = body_params(_config(sweep, pattern, sweep.d_ff, sweep.vocab_size))
-    slope = body_params(_config(sweep, pattern, sweep.d_ff + 1, sweep.vocab_size)) - p0
+    target = body_params(shape_config(sweep, LINEAR * sweep.n_layers, sweep.d_ff, sweep.vocab_size))
+    p0 = body_params(shape_config(sweep, pattern, sweep.d_ff, sweep.vocab_size))
+    slope = body_params(shape_config(sweep, pattern, sweep.d_ff + 1, sweep.vocab_size)) - p0
     return max(1, sweep.d_ff + round((target - p0) / slope))
 
 
 def model_config(sweep: HybridSweep, pattern: str, vocab_size: int):
     """The model of `pattern` for a task of `vocab_size` tokens, at the all-KDA model's parameter count."""
-    return _config(sweep, pattern, equal_params_d_ff(sweep, pattern), vocab_size)
+    return shape_config(sweep, pattern, equal_params_d_ff(sweep, pattern), vocab_size)
 
 
 def accountant(sweep: HybridSweep, pattern: str) -> dict:
@@ -228,7 +228,7 @@ def accountant(sweep: HybridSweep, pattern: str) -> dict:
     what a sequence holds whatever its length (KDA's float32 S and every conv tail); decode_bytes: the cache a
     decode step reads at each of sweep.contexts (all of it: the memory-bound cost of one token)."""
     cfg = model_config(sweep, pattern, sweep.vocab_size)
-    target = body_params(_config(sweep, LINEAR * sweep.n_layers, sweep.d_ff, sweep.vocab_size))
+    target = body_params(shape_config(sweep, LINEAR * sweep.n_layers, sweep.d_ff, sweep.vocab_size))
     params = body_params(cfg)
     one, two, *rows = accounting.memory_report(cfg, [1, 2, *sweep.contexts], CACHE_BYTES)
     per_token = two["total_bytes"] - one["total_bytes"]

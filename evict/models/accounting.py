@@ -42,6 +42,9 @@ KINDS = ("embeddings", "attention_mixers", "memory_mixers", "dense_ffn", "expert
 STATE_BYTES = 4  # the linear/delta family keeps S in float32 whatever the activation dtype
 GPT2_REPORTED = 124e6  # the lesson's GPT-2 small parameter count
 H200_BYTES = 141e9
+# forward FLOPs per token per head of each memory op, in units of D² (train_flops_per_token): write 2 + read 2,
+# + retrieval 2 for the delta rule, + fade 1 for a decay
+MEMORY_D2 = {"linear": 4, "gla": 5, "deltanet": 6, "gated_deltanet": 7, "kda": 7}
 
 
 def _check_cfg(cfg) -> None:
@@ -118,9 +121,11 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
     """Model FLOPs of one trained token at `seq_len` (forward + backward = 3 × forward; the MFU convention):
     - params: 6 × the active parameters that multiply (embeddings excluded: a lookup; an untied head included)
     - mixing: the sequence work that has no parameters, 3 × forward per layer: softmax / MLA attention
-      2 × H × (d_qk + d_v) × T/2 (causal: a query sees T/2 keys on average); a linear memory 2 × 2 × H × D²
-      (writing k vᵀ into and reading qᵀS out of the D × D state per head; the chunked form does this work in
-      another order). Returns {"params", "mixing", "total"}."""
+      2 × H × (d_qk + d_v) × T/2 (causal: a query sees T/2 keys on average); a memory op MEMORY_D2[kind] × H × D²,
+      the recurrent form's per-token work on the D × D state per head (the chunked form does it in another order):
+      write k vᵀ (2 D²) and read qᵀS (2 D²), plus for the delta rule the retrieval Sᵀk before the write (2 D²), plus
+      for a decay the fade of S (D²: a scalar or per-channel gate times every entry); O(D) terms (β, the normaliser)
+      are left out. Returns {"params", "mixing", "total"}."""
     _check_cfg(cfg)
     r = param_report(cfg)
     matmul = r["active"] - r["embeddings"]["token"] - r["embeddings"]["position"]
@@ -135,7 +140,7 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
         elif kind == "attention":
             mixing += 2 * H * 2 * D * seq_len / 2
         else:
-            mixing += 2 * 2 * H * D * D
+            mixing += MEMORY_D2[kind] * H * D * D
     return {"params": 6 * matmul, "mixing": 3 * mixing, "total": 6 * matmul + 3 * mixing}
 
 
