@@ -55,6 +55,31 @@ def run_grid(args) -> None:
     print(f"wrote {out}, {table}, {plot_grid(rows, png)}")
 
 
+def run_claims(args) -> None:
+    _resolve_device(args)
+    if args.device not in ("cpu", "cuda"):
+        raise UserError(f"--device: expected 'cpu' or 'cuda', got {args.device!r}")
+    from pathlib import Path
+
+    if args.out:
+        writable_file(args.out, "--out")
+        writable_file(Path(args.out).with_suffix(".md"), "--out (its .md beside it)")
+    from evict.bench.claims import run_claims as run
+
+    run(tuple(dict.fromkeys(args.claims)), device=args.device, compile=not args.no_compile, modes=tuple(args.modes),
+        out=args.out)
+
+
+def _claims_arguments(o) -> None:
+    from evict.bench.claims import CLAIMS
+
+    o.add_argument("--claims", nargs="+", choices=CLAIMS, default=list(CLAIMS), metavar="CLAIM",
+                   help=f"of {', '.join(CLAIMS)} (params and decode are exact on any machine; the others are timed)")
+    o.add_argument("--no-compile", action="store_true", help="situ: time the eager (unfused) form only")
+    o.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager"],
+                   help="attn_res: the training step eager and / or with each block compiled")
+
+
 def _grid_flags(args) -> dict:
     """The grid's axes: explicit flags, else --quick's subset, else the full grid; --tokens must hold whole sequences."""
     from evict.bench import grid as g
@@ -180,6 +205,17 @@ def _benches() -> dict:
             "evict bench grid --device cuda --out results/bench/grid/grid_h100.jsonl",
             "evict bench grid --lengths 256 1024 --head-dims 64 --chunks 32 64 --tokens 4096 --heads 4",
             "evict bench grid --report --out results/bench/grid/grid_h100.jsonl")),
+        "claims": (run_claims, _claims_arguments, "cpu, cuda or auto", (
+            "the lesson's numeric claims beside what evict computes or measures",
+            "params: KDA's parameters over Gated DeltaNet's, term by term, at the released shapes (exact). decode: the "
+            "3:1 hybrid against all-MLA and attention in the committed decode runs (exact, from results/bench/decode). "
+            "attn_res: a training step with and without AttnRes. situ: SiTU's activation eager (unfused) against "
+            "torch.compile (fused), SwiGLU beside it. dplr: KDA's chunked kernel against fla's general DPLR op fed "
+            "the same recurrence. The timed claims count on CUDA only; on a CPU they run at tiny sizes as a smoke "
+            "test. Writes JSON to --out and the tables as .md beside it.",
+            "evict bench claims --claims params decode --out results/bench/claims/exact.json",
+            "evict bench claims --device cuda --claims attn_res situ dplr --modes eager compiled "
+            "--out results/bench/claims/timed_h100.json")),
         "decode": (run_decode, decode_arguments, "cpu, cuda, cuda:N or auto", (
             "time per output token vs context, each memory kind at equal width and depth",
             "Time one decode step of attention, MLA, KDA, the 3:1 hybrid and k3_mini models of equal width and depth "
@@ -212,7 +248,7 @@ def add_parser(sub) -> None:
     b = sub.add_parser("bench", **described(
         "benchmarks (print a table, write JSON)",
         "Benchmarks, each timing forms side by side in one run and recording the card, versions and flags with "
-        "the numbers: ops (the memory op's forms), grid (the kernel table over N, head dim, chunk), decode (time per token vs context), serve (a server under "
+        "the numbers: ops (the memory op's forms), grid (the kernel table over N, head dim, chunk), claims (the lesson's numbers), decode (time per token vs context), serve (a server under "
         "load), train (N small training runs at once on one GPU). `evict bench NAME --help` lists its flags.",
         "evict bench ops --device cuda --out runs/bench/ops.json",
         "evict bench decode --models kda attention --contexts 1024 4096"))
