@@ -53,13 +53,13 @@ def param_overhead(name: str) -> dict:
 
     cfg = presets.get(name)
     kda, gdn = _mixer_params(cfg, "kda"), _mixer_params(cfg, "gated_deltanet")
-    terms = [{"tensor": n, "kda": kda.get(n, 0), "gdn": gdn.get(n, 0), "difference": kda.get(n, 0) - gdn.get(n, 0)}
-             for n in sorted(set(kda) | set(gdn))]
     groups: dict[str, dict] = {}
-    for t in terms:  # f_gate.0 / f_gate.1 -> f_gate
-        g = groups.setdefault(t["tensor"].split(".")[0], {"tensor": t["tensor"].split(".")[0], "kda": 0, "gdn": 0, "difference": 0})
-        for k in ("kda", "gdn", "difference"):
-            g[k] += t[k]
+    for n in sorted(set(kda) | set(gdn)):  # f_gate.0.weight / f_gate.1.weight -> f_gate
+        top = n.split(".")[0]
+        g = groups.setdefault(top, {"tensor": top, "kda": 0, "gdn": 0, "difference": 0})
+        g["kda"] += kda.get(n, 0)
+        g["gdn"] += gdn.get(n, 0)
+        g["difference"] += kda.get(n, 0) - gdn.get(n, 0)
     per_layer = sum(kda.values()) - sum(gdn.values())
     report = param_report(cfg)
     n_kda = _kda_layers(cfg)
