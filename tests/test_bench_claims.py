@@ -12,6 +12,7 @@ from evict.bench import claims_timed as ct
 from evict.bench.ops import rule_inputs
 from evict.cli import main
 from evict.ops import memory
+from tests.conftest import cli_error
 
 
 @pytest.mark.parametrize("name", c.RELEASED_KDA)
@@ -97,8 +98,5 @@ def test_the_command_writes_json_and_markdown(tmp_path, capsys):
 @pytest.mark.parametrize("argv, says", [(["--claims", "speed"], "argument --claims: invalid choice"),
                                         (["--modes", "fast"], "argument --modes: invalid choice")])
 def test_bad_flags_are_one_line(argv, says, capsys, tmp_path):
-    with pytest.raises(SystemExit) as e:
-        main(["bench", "claims", "--out", str(tmp_path / "x.json"), *argv])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and says in err[0], err
+    assert says in cli_error(["bench", "claims", "--out", str(tmp_path / "x.json"), *argv], capsys)
     assert not (tmp_path / "x.json").exists()

@@ -12,6 +12,7 @@ import torch
 from evict.bench import grid as g
 from evict.bench.grid_report import best_chunk, crossover_table, crossovers, grid_table, plot_grid
 from evict.cli import main
+from tests.conftest import cli_error
 
 TINY = dict(lengths=(16, 32), head_dims=(8,), chunks=(8, 16), tokens=64, heads=2,
             kernels=("evict_kda", "evict_gdn", "fla_kda", "sdpa_flash", "sdpa_cudnn", "sdpa_math"))
@@ -134,19 +135,12 @@ def test_the_command_writes_rows_table_and_plot(tmp_path, capsys):
     (["--head-dims", "0"], "argument --head-dims"),
 ])
 def test_bad_flags_are_one_line(argv, says, capsys, tmp_path):
-    with pytest.raises(SystemExit) as e:
-        main(["bench", "grid", "--out", str(tmp_path / "x.jsonl"), *argv])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and says in err[0], err
+    assert says in cli_error(["bench", "grid", "--out", str(tmp_path / "x.jsonl"), *argv], capsys)
     assert not (tmp_path / "x.jsonl").exists()
 
 
 def _fails(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as e:
-        main(["bench", "grid", *argv])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1, err
-    return err[0]
+    return cli_error(["bench", "grid", *argv], capsys)
 
 
 def test_a_corrupt_or_empty_file_is_one_line(tmp_path, capsys):

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from evict.cli_args import UserError, first_line, out_of_memory
+from evict.jsonfile import jsonl_records
 from evict.report import card
 
 LENGTHS = (1024, 4096, 16384, 65536)
@@ -82,13 +83,11 @@ def read_rows(path: str | os.PathLike) -> list[dict]:
     if not path.exists():
         return []
     rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"--out: {path} line {i} is not JSON ({e.msg}); expected a grid JSONL file") from None
+    try:
+        records = list(jsonl_records(path, "--out"))
+    except ValueError as e:
+        raise UserError(f"{e}; expected a grid JSONL file") from None
+    for i, row in records:
         if not isinstance(row, dict) or any(k not in row for k in KEY):
             raise UserError(f"--out: {path} line {i} is not a grid row (expected the fields {', '.join(KEY)})")
         rows.append(row)
