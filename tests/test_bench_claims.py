@@ -100,3 +100,12 @@ def test_the_command_writes_json_and_markdown(tmp_path, capsys):
 def test_bad_flags_are_one_line(argv, says, capsys, tmp_path):
     assert says in cli_error(["bench", "claims", "--out", str(tmp_path / "x.json"), *argv], capsys)
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_failing_timed_claim_is_its_row_and_the_rest_runs(monkeypatch, tmp_path):
+    def broken(device):
+        raise RuntimeError("fla refused\nsecond line")
+    monkeypatch.setattr(ct, "time_dplr", broken)
+    result = c.run_claims(("dplr", "params"), device="cpu", out=tmp_path / "x.json")
+    assert result["dplr"] == [{"claim": "dplr", "device": "cpu", "error": "RuntimeError: fla refused"}]
+    assert len(result["params"]) == 2 and "fla refused" in (tmp_path / "x.md").read_text()

@@ -191,6 +191,7 @@ def preset_overheads() -> list[dict]:
 
 def run_claims(claims=CLAIMS, *, device: str = "cpu", compile: bool = True, modes=("eager",), out=None) -> dict:
     """Compute / time each of `claims`, print one section per claim, write JSON (and .md beside it) to `out`."""
+    from evict.cli_args import first_line, out_of_memory
     from evict.report import card, markdown_table, write_json
 
     from . import claims_timed as timed
@@ -212,8 +213,14 @@ def run_claims(claims=CLAIMS, *, device: str = "cpu", compile: bool = True, mode
             text.append("## Decode: the 3:1 hybrid against all-MLA and attention (the committed GPU runs)\n\n"
                         + markdown_table(rows, list(rows[0]) if rows else ["run"]))
         else:
-            rows = {"attn_res": lambda: timed.time_attn_res(device, modes), "situ": lambda: timed.time_situ(device, compile),
-                    "dplr": lambda: timed.time_dplr(device)}[claim]()
+            run = {"attn_res": lambda: timed.time_attn_res(device, modes), "situ": lambda: timed.time_situ(device, compile),
+                   "dplr": lambda: timed.time_dplr(device)}[claim]
+            try:
+                rows = run()
+            except Exception as e:  # one claim's failure is its row; the call goes on to the next claim
+                if out_of_memory(e) and device == "cuda":
+                    torch.cuda.empty_cache()
+                rows = [{"claim": claim, "device": device, "error": f"{type(e).__name__}: {first_line(e)}"}]
             result[claim] = rows
             cols = list(dict.fromkeys(k for r in rows for k in r))
             text.append(f"## {claim} (timed, {device})\n\n" + markdown_table(rows, cols))
