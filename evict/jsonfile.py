@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 def read_json_object(path: Path, arg: str) -> dict:
@@ -20,6 +22,19 @@ def read_json_object(path: Path, arg: str) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{arg}: {path} holds a JSON {type(data).__name__}, expected an object")
     return data
+
+
+def jsonl_records(path: Path, arg: str) -> Iterator[tuple[int, Any]]:
+    """(line number, JSON value) for each non-blank line of a JSONL file, streamed; a line that is not JSON is a
+    ValueError naming `arg`, the file and the line."""
+    with path.open("r", encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                yield n, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{arg}: {path} line {n} is not JSON ({e.msg})") from None
 
 
 def replace_text(path: Path, text: str) -> None:

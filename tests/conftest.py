@@ -99,3 +99,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Norm-wise relative error of a against the reference b."""
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def cli_error(argv: list[str], capsys) -> str:
+    """`evict ARGV` must fail with exit code 2 and exactly one line on stderr; returns that line."""
+    from evict.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    return err[0]

@@ -3,7 +3,7 @@ themselves are evict/bench/)."""
 
 from __future__ import annotations
 
-from evict.cli_args import batch_by_length, described, device, positive_int, writable_file
+from evict.cli_args import UserError, batch_by_length, described, device, positive_int, writable_file
 
 
 def _resolve_device(args) -> str:
@@ -26,6 +26,74 @@ def run_ops(args) -> None:
         bench_cuda(shapes=tuple(args.shapes), out=args.out, fla_backward=not args.no_fla_backward)
     else:
         bench_cpu(lengths=tuple(args.lengths), out=args.out)
+
+
+def run_grid(args) -> None:
+    from pathlib import Path
+
+    from evict.bench import grid as g
+
+    kind = _resolve_device(args)
+    out = Path(args.out or f"runs/bench/grid_{kind}.jsonl")
+    table, png = out.with_suffix(".md"), out.with_suffix(".png")
+    for path, flag in ((out, "--out"), (table, "--out (its .md table)"), (png, "--out (its .png plot)")):
+        writable_file(path, flag)
+    rows = g.read_rows(out)  # a malformed file is refused before any cell runs
+    if args.report:
+        if not rows:
+            raise UserError(f"--report: {out} has no rows (expected a grid JSONL written by `evict bench grid`)")
+    else:
+        grid = _grid_flags(args)
+        rows = g.run_grid(out, device=args.device, max_math_tokens=args.max_math_tokens, **grid)
+    from evict.bench.grid_report import crossover_table, grid_table, plot_grid
+
+    text = (f"# Kernel grid: {out.name}\n\nms per cell (median); memory kernels at their fastest chunk C\n\n"
+            f"{grid_table(rows)}\n\nCrossover: the N from which each memory kernel is faster than each attention "
+            f"kernel\n\n{crossover_table(rows)}\n")
+    table.write_text(text)
+    print(text)
+    print(f"wrote {out}, {table}, {plot_grid(rows, png)}")
+
+
+def run_claims(args) -> None:
+    _resolve_device(args)
+    if args.device not in ("cpu", "cuda"):
+        raise UserError(f"--device: expected 'cpu' or 'cuda', got {args.device!r}")
+    from pathlib import Path
+
+    if args.out:
+        writable_file(args.out, "--out")
+        writable_file(Path(args.out).with_suffix(".md"), "--out (its .md beside it)")
+    from evict.bench.claims import run_claims as run
+
+    run(tuple(dict.fromkeys(args.claims)), device=args.device, compile=not args.no_compile, modes=tuple(args.modes),
+        out=args.out)
+
+
+def _claims_arguments(o) -> None:
+    from evict.bench.claims import CLAIMS
+
+    o.add_argument("--claims", nargs="+", choices=CLAIMS, default=list(CLAIMS), metavar="CLAIM",
+                   help=f"of {', '.join(CLAIMS)} (params and decode are exact on any machine; the others are timed)")
+    o.add_argument("--no-compile", action="store_true", help="situ: time the eager (unfused) form only")
+    o.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager"],
+                   help="attn_res: the training step eager and / or with each block compiled")
+
+
+def _grid_flags(args) -> dict:
+    """The grid's axes: explicit flags, else --quick's subset, else the full grid; --tokens must hold whole sequences."""
+    from evict.bench import grid as g
+
+    base = g.QUICK if args.quick else {"lengths": g.LENGTHS, "head_dims": g.HEAD_DIMS, "chunks": g.CHUNKS}
+    out = {k: tuple(getattr(args, k) or base[k]) for k in ("lengths", "head_dims", "chunks")}
+    bad = [n for n in out["lengths"] if args.tokens % n]
+    if bad:
+        raise UserError(f"--tokens: expected a multiple of every --lengths value (B = tokens / N), got {args.tokens} "
+                        f"with N = {', '.join(map(str, bad))}")
+    wrong = [c for c in out["chunks"] if c & (c - 1) or c > 1024]
+    if wrong:
+        raise UserError(f"--chunks: expected powers of two up to 1024, got {', '.join(map(str, wrong))}")
+    return {**out, "kernels": tuple(args.kernels), "passes": tuple(args.passes), "tokens": args.tokens, "heads": args.heads}
 
 
 def run_decode(args) -> None:
@@ -68,6 +136,25 @@ def _ops_arguments(o) -> None:
                    help="--device cuda: (batch, tokens) shapes at H16 D128 (default 4x8192 1x32768); the first is profiled")
 
 
+def _grid_arguments(o) -> None:
+    from evict.bench import grid as g
+
+    o.add_argument("--quick", action="store_true", help=f"the subset N {' '.join(map(str, g.QUICK['lengths']))}, "
+                   f"D {' '.join(map(str, g.QUICK['head_dims']))}, C {' '.join(map(str, g.QUICK['chunks']))} "
+                   "(flags given explicitly still win)")
+    o.add_argument("--lengths", type=positive_int, nargs="+", help=f"N, tokens per sequence (full: {' '.join(map(str, g.LENGTHS))})")
+    o.add_argument("--head-dims", type=positive_int, nargs="+", help=f"head dims D (full: {' '.join(map(str, g.HEAD_DIMS))})")
+    o.add_argument("--chunks", type=positive_int, nargs="+", help=f"the memory kernels' chunk C (full: {' '.join(map(str, g.CHUNKS))})")
+    o.add_argument("--kernels", nargs="+", choices=g.KERNELS, default=list(g.DEFAULT_KERNELS), metavar="KERNEL",
+                   help=f"of {', '.join(g.KERNELS)}")
+    o.add_argument("--passes", nargs="+", choices=g.PASSES, default=list(g.PASSES), help="fwd and / or fwd+bwd")
+    o.add_argument("--tokens", type=positive_int, default=g.TOKENS, help="B x N in every cell")
+    o.add_argument("--heads", type=positive_int, default=g.HEADS, help="heads H")
+    o.add_argument("--max-math-tokens", type=positive_int, default=16384,
+                   help="sdpa_math: skip N above this (it materializes N x N scores)")
+    o.add_argument("--report", action="store_true", help="time nothing: rebuild the table and plot from --out's rows")
+
+
 def _train_arguments(t) -> None:
     t.add_argument("--arch", nargs="+", default=["attention", "kda"], help="architectures (default attention kda)")
     t.add_argument("--setting", nargs=2, type=positive_int, default=[512, 64], metavar=("L", "K"), help="default 512 64")
@@ -104,6 +191,31 @@ def _benches() -> dict:
             "bf16 against fla (when installed) and SDPA flash attention, each row also as a fraction of the roofline.",
             "evict bench ops --lengths 256 1024",
             "evict bench ops --device cuda --no-fla-backward --shapes 4x8192 --out runs/bench/ops_cuda.json")),
+        "grid": (run_grid, _grid_arguments, "cpu, cuda or auto", (
+            "the kernel table: memory op vs SDPA attention over N, head dim, chunk; crossover N",
+            "Time every cell of the grid N x head dim D x chunk C x pass (fwd, fwd+bwd): evict's KDA and Gated DeltaNet "
+            "(Triton on CUDA, the chunked form on a CPU), fla's (optional oracle, CUDA, when installed) and causal "
+            "softmax attention through SDPA with one backend forced at a time (flash, cuDNN; efficient and math on "
+            "request), recording the aten op that actually ran. B = --tokens / N, so every cell does the same tokens. "
+            "One JSONL row per cell in --out (default runs/bench/grid_DEVICE.jsonl), appended as it ends: cells "
+            "already there are skipped (resumable); cells that would not fit are skipped, an out-of-memory or a "
+            "refused shape is recorded, and the grid goes on. Writes the table and the crossover N (where each "
+            "memory kernel gets faster than each attention kernel) beside it as .md, and a .png plot.",
+            "evict bench grid --device cuda --quick --out runs/bench/grid_quick.jsonl",
+            "evict bench grid --device cuda --out results/bench/grid/grid_h100.jsonl",
+            "evict bench grid --lengths 256 1024 --head-dims 64 --chunks 32 64 --tokens 4096 --heads 4",
+            "evict bench grid --report --out results/bench/grid/grid_h100.jsonl")),
+        "claims": (run_claims, _claims_arguments, "cpu, cuda or auto", (
+            "the lesson's numeric claims beside what evict computes or measures",
+            "params: KDA's parameters over Gated DeltaNet's, term by term, at the released shapes (exact). decode: the "
+            "3:1 hybrid against all-MLA and attention in the committed decode runs (exact, from results/bench/decode). "
+            "attn_res: a training step with and without AttnRes. situ: SiTU's activation eager (unfused) against "
+            "torch.compile (fused), SwiGLU beside it. dplr: KDA's chunked kernel against fla's general DPLR op fed "
+            "the same recurrence. The timed claims count on CUDA only; on a CPU they run at tiny sizes as a smoke "
+            "test. Writes JSON to --out and the tables as .md beside it.",
+            "evict bench claims --claims params decode --out results/bench/claims/exact.json",
+            "evict bench claims --device cuda --claims attn_res situ dplr --modes eager compiled "
+            "--out results/bench/claims/timed_h100.json")),
         "decode": (run_decode, decode_arguments, "cpu, cuda, cuda:N or auto", (
             "time per output token vs context, each memory kind at equal width and depth",
             "Time one decode step of attention, MLA, KDA, the 3:1 hybrid and k3_mini models of equal width and depth "
@@ -136,7 +248,7 @@ def add_parser(sub) -> None:
     b = sub.add_parser("bench", **described(
         "benchmarks (print a table, write JSON)",
         "Benchmarks, each timing forms side by side in one run and recording the card, versions and flags with "
-        "the numbers: ops (the memory op's forms), decode (time per token vs context), serve (a server under "
+        "the numbers: ops (the memory op's forms), grid (the kernel table over N, head dim, chunk), claims (the lesson's numbers), decode (time per token vs context), serve (a server under "
         "load), train (N small training runs at once on one GPU). `evict bench NAME --help` lists its flags.",
         "evict bench ops --device cuda --out runs/bench/ops.json",
         "evict bench decode --models kda attention --contexts 1024 4096"))
@@ -145,6 +257,6 @@ def add_parser(sub) -> None:
         p = benches.add_parser(name, **described(*text))
         if device_help is not None:
             p.add_argument("--device", type=device, default="cpu", help=device_help)
-        p.add_argument("--out", default=None, help="JSON output path")
+        p.add_argument("--out", default=None, help="JSONL rows, appended (resumable)" if name == "grid" else "JSON output path")
         own_arguments(p)
         p.set_defaults(fn=run)

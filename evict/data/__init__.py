@@ -18,7 +18,6 @@ Text tasks tokenise each document and put the end-of-text id after it (evict.tas
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import tarfile
 from collections.abc import Callable, Iterator
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from evict.jsonfile import read_json_object
+from evict.jsonfile import jsonl_records, read_json_object
 
 SHAKESPEARE_SHA256 = "bf39e0af03d9ef530b570a1ac65a0bce31c8bb5f828068a91635e165295086f3"
 _CHUNK_CHARS = 1 << 20
@@ -109,20 +108,13 @@ def _text_files(name: str, files: list) -> Corpus:
 
 
 def _jsonl_docs(path: Path, field: str) -> Iterator[Iterator[str]]:
-    with path.open("r", encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"data: {path} line {n} is not JSON ({e.msg})") from None
-            text = rec.get(field) if isinstance(rec, dict) else None
-            if not isinstance(text, str):
-                keys = ", ".join(list(rec)[:6]) if isinstance(rec, dict) else type(rec).__name__
-                raise ValueError(f"data: {path} line {n} has no string field {field!r} (got {keys}); "
-                                 f"name the text field with --text-field")
-            yield iter((text,))
+    for n, rec in jsonl_records(path, "data"):
+        text = rec.get(field) if isinstance(rec, dict) else None
+        if not isinstance(text, str):
+            keys = ", ".join(list(rec)[:6]) if isinstance(rec, dict) else type(rec).__name__
+            raise ValueError(f"data: {path} line {n} has no string field {field!r} (got {keys}); "
+                             f"name the text field with --text-field")
+        yield iter((text,))
 
 
 def _column(table_columns: list[str], field: str, path: Path) -> None:
