@@ -2,19 +2,23 @@
 # Issue 73's engine on one CUDA GPU: the GPU engine tests (float32 greedy = generate through packed steps, CUDA-graph
 # decode steps and preemption), then `evict bench serve` on the 3:1 hybrid (KKKM) and attention of the same width and
 # depth side by side (bf16): 128 x (4K + 512) in a 4 GiB pool, batch 1 (the TPOT reference), 64 x (32K + 64), and the
-# engine's knobs on the hybrid. JSON into ${RES:-runs/bench/serve73}. Needs fastapi, uvicorn, httpx (dev/wheels.sh).
-# Modes (arguments, default all): tests, main (4K pair, batch 1, 32K pair), attn (dev/packed_attention_gpu.py), profile
+# engine's knobs on the hybrid. JSON into ${RES:-runs/bench/serve73}. Needs fastapi, uvicorn, httpx (dev/wheels.sh:
+# carried .whl/serve, installed here when missing). Modes (arguments, default all): tests (+ the attention and decode
+# ops' GPU tests), main (4K pair, batch 1, 32K pair), engine (the 4K load in process, no HTTP, both models, one packed
+# step profiled), cap (the 4K hybrid with --decode-prefill-tokens 2048), attn (dev/packed_attention_gpu.py), profile
 # (dev/serve_step_profile.py), knobs.
 case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
-MODES=${*:-tests main attn profile knobs}
+MODES=${*:-tests main engine cap attn profile knobs}
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 RES=${RES:-runs/bench/serve73}
 mkdir -p "$RES"
+$PY -c "import fastapi, uvicorn, httpx" 2>/dev/null || $PY -m pip install -q --no-index --find-links .whl/serve fastapi uvicorn httpx
 $PY -c "import torch, triton; print('card', torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
 date -u
-[[ $MODES == *tests* ]] && timeout ${TEST_S:-150} $PY -m pytest -q -rf -x -m gpu tests/serve/test_engine_gpu.py -p no:cacheprovider -k "${TESTS_K:-}"
+[[ $MODES == *tests* ]] && timeout ${TEST_S:-150} $PY -m pytest -q -rf -m gpu tests/serve/test_engine_gpu.py \
+    tests/ops/test_attention.py tests/ops/test_decode.py -p no:cacheprovider -k "${TESTS_K:-}" ${TEST_N:+-n $TEST_N}
 WIDTH="d_model=1024 n_layers=8 n_heads=8 head_dim=128 d_ff=2816 kv_lora_rank=512 qk_nope_dim=128 qk_rope_dim=64 v_head_dim=128"
 bench() {  # name model timeout flags...
     local name=$1 model=$2 t=$3; shift 3
@@ -29,6 +33,13 @@ for m in hybrid attention; do
     bench batch1 "$m" 60 --clients 1 --requests 1 --prompt-len 4096 4096 --output-len 512 512 --check 0 --max-batch 1 \
         --cache-budget 4G --max-len 4608
 done
+fi
+if [[ $MODES == *engine* ]]; then  # the same 4K load in process: the engine's own rate, no HTTP server or clients
+    timeout 90 $PY dev/serve_step_profile.py --steps 0 --warmup 8 --kernels 3
+    timeout 90 $PY dev/serve_step_profile.py --steps 0 --warmup 8 --model attention
+fi
+[[ $MODES == *cap* ]] && bench 4k_cap2k hybrid 100 $B4K --decode-prefill-tokens 2048
+if [[ $MODES == *main* ]]; then
 for m in hybrid attention; do
     bench 32k "$m" 120 --clients 64 --requests 64 --prompt-len 32768 32768 --output-len 64 64 --check 1 --max-batch 64 \
         --cache-budget ${BIG:-70G} --max-len 32896
