@@ -100,7 +100,8 @@ class Mailbox:
     (`python dev/serve_mailbox_bench.py`)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.lock, self.items = loop, threading.Lock(), []  # items: (queue, event)
+        self.loop, self.lock = loop, threading.Lock()
+        self.items: list[tuple[asyncio.Queue, tuple]] = []  # (queue, event) posted, not yet delivered
 
     def put(self, queue: asyncio.Queue, event: tuple) -> None:  # from the engine thread
         with self.lock:
