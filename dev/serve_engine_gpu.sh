@@ -2,19 +2,21 @@
 # Issue 73's engine on one CUDA GPU: the GPU engine tests (float32 greedy = generate through packed steps, CUDA-graph
 # decode steps and preemption), then `evict bench serve` on the 3:1 hybrid (KKKM) and attention of the same width and
 # depth side by side (bf16): 128 x (4K + 512) in a 4 GiB pool, batch 1 (the TPOT reference), 64 x (32K + 64), and the
-# engine's knobs on the hybrid. JSON into ${RES:-runs/bench/serve73}. Needs fastapi, uvicorn, httpx (dev/wheels.sh).
-# Modes (arguments, default all): tests, main (4K pair, batch 1, 32K pair), attn (dev/packed_attention_gpu.py), profile
-# (dev/serve_step_profile.py), knobs.
+# engine's knobs on the hybrid. JSON into ${RES:-runs/bench/serve73}. Needs fastapi, uvicorn, httpx (dev/wheels.sh:
+# carried .whl/serve, installed here when missing). Modes, run in the order given (default all): tests (+ the attention,
+# decode and packed memory ops' GPU tests), main (= 4k batch1 32k: the pairs), engine (the 4K load in process, no HTTP,
+# both models, packed steps profiled; engine_hybrid / engine_attention one each), cap (the 4K hybrid with
+# --decode-prefill-tokens 2048), attn (dev/packed_attention_gpu.py), profile (dev/serve_step_profile.py), knobs.
 case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
-MODES=${*:-tests main attn profile knobs}
+MODES=${*:-tests main engine cap attn profile knobs}
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 RES=${RES:-runs/bench/serve73}
 mkdir -p "$RES"
+$PY -c "import fastapi, uvicorn, httpx" 2>/dev/null || $PY -m pip install -q --no-index --find-links .whl/serve fastapi uvicorn httpx
 $PY -c "import torch, triton; print('card', torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
 date -u
-[[ $MODES == *tests* ]] && timeout ${TEST_S:-150} $PY -m pytest -q -rf -x -m gpu tests/serve/test_engine_gpu.py -p no:cacheprovider -k "${TESTS_K:-}"
 WIDTH="d_model=1024 n_layers=8 n_heads=8 head_dim=128 d_ff=2816 kv_lora_rank=512 qk_nope_dim=128 qk_rope_dim=64 v_head_dim=128"
 bench() {  # name model timeout flags...
     local name=$1 model=$2 t=$3; shift 3
@@ -23,30 +25,41 @@ bench() {  # name model timeout flags...
         --block-size 256 --prefill-chunk 4096 "$@" --out "$RES/${name}_${model}.json" 2>&1 | grep -v "^json:"
 }
 B4K="--clients 128 --requests 128 --prompt-len 4096 4096 --output-len 512 512 --check 2 --max-batch 128 --cache-budget 4G --max-len 4608"
-if [[ $MODES == *main* ]]; then
-for m in hybrid attention; do bench 4k "$m" 120 $B4K; done
-for m in hybrid attention; do
-    bench batch1 "$m" 60 --clients 1 --requests 1 --prompt-len 4096 4096 --output-len 512 512 --check 0 --max-batch 1 \
-        --cache-budget 4G --max-len 4608
-done
-for m in hybrid attention; do
-    bench 32k "$m" 120 --clients 64 --requests 64 --prompt-len 32768 32768 --output-len 64 64 --check 1 --max-batch 64 \
-        --cache-budget ${BIG:-70G} --max-len 32896
-done
-fi
-[[ $MODES == *attn* ]] && timeout 60 $PY dev/packed_attention_gpu.py
-if [[ $MODES == *profile* ]]; then  # steps of the 4K load in process: the prefill phase, then the decode phase
+BATCH1="--clients 1 --requests 1 --warmup 1 --prompt-len 4096 4096 --output-len 512 512 --check 0 --max-batch 1 --cache-budget 4G --max-len 4608"
+B32K="--clients 64 --requests 64 --prompt-len 32768 32768 --output-len 64 64 --check 1 --max-batch 64 --cache-budget ${BIG:-70G} --max-len 32896"
+mode_tests() {
+    timeout "${TEST_S:-150}" $PY -m pytest -q -rf -m gpu tests/serve/test_engine_gpu.py tests/ops/test_attention.py \
+        tests/ops/test_decode.py tests/ops/test_memory_triton.py::test_gpu_packed_sequences_match_each_sequence_alone \
+        -p no:cacheprovider ${TEST_N:+-n $TEST_N}
+}
+mode_4k() { for m in hybrid attention; do bench 4k "$m" 120 $B4K; done; }
+mode_batch1() { for m in hybrid attention; do bench batch1 "$m" 60 $BATCH1; done; }
+mode_32k() { for m in hybrid attention; do bench 32k "$m" 120 $B32K; done; }
+mode_main() { mode_4k; mode_batch1; mode_32k; }
+mode_engine() {  # the same 4K load in process: the engine's own rate, no HTTP server or clients; 3 packed steps profiled
+    timeout 90 $PY dev/serve_step_profile.py --steps 0 --warmup 8 --kernels 3
+    timeout 90 $PY dev/serve_step_profile.py --steps 0 --warmup 8 --model attention
+}
+mode_engine_hybrid() { timeout 90 $PY dev/serve_step_profile.py --steps 0 --warmup 8 --kernels 3; }
+mode_engine_attention() { timeout 90 $PY dev/serve_step_profile.py --steps 0 --warmup 8 --model attention; }
+mode_cap() { bench 4k_cap2k hybrid 100 $B4K --decode-prefill-tokens 2048; }
+mode_attn() { timeout 60 $PY dev/packed_attention_gpu.py; }
+mode_profile() {  # steps of the 4K load in process: the prefill phase, then the decode phase
     timeout 60 $PY dev/serve_step_profile.py --steps 90
     timeout 40 $PY dev/serve_step_profile.py --steps 40 --conv torch
-fi
-if [[ $MODES == *knobs* ]]; then
-bench 4k_prefill_first hybrid 100 $B4K --priority prefill
-bench 4k_budget2k hybrid 100 $B4K --max-num-batched-tokens 2048
-[[ -n ${ALL_KNOBS:-} ]] && {
-bench 4k_no_graphs hybrid 100 $B4K --cuda-graphs off
-bench 4k_budget16k hybrid 100 $B4K --max-num-batched-tokens 16384
-bench 4k_chunk1k hybrid 100 $B4K --prefill-chunk 1024
-bench 4k_max64 hybrid 100 ${B4K/--max-batch 128/--max-batch 64}
 }
-fi
+mode_knobs() {
+    bench 4k_prefill_first hybrid 100 $B4K --priority prefill
+    bench 4k_budget2k hybrid 100 $B4K --max-num-batched-tokens 2048
+    [[ -n ${ALL_KNOBS:-} ]] || return 0
+    bench 4k_no_graphs hybrid 100 $B4K --cuda-graphs off
+    bench 4k_budget16k hybrid 100 $B4K --max-num-batched-tokens 16384
+    bench 4k_chunk1k hybrid 100 $B4K --prefill-chunk 1024
+    bench 4k_max64 hybrid 100 ${B4K/--max-batch 128/--max-batch 64}
+}
+for m in $MODES; do
+    declare -F "mode_$m" >/dev/null || { echo "serve_engine_gpu.sh: unknown mode $m"; exit 2; }
+    echo "=== mode $m $(date -u +%T)"
+    "mode_$m"
+done
 date -u

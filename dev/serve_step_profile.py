@@ -1,10 +1,13 @@
 """Issue 73: where an engine step's time goes, in process (no HTTP). The bench's hybrid (KKKM, d 1024, 8 layers, bf16)
 serving N x (P prompt + O new) tokens: each step is timed (CUDA synchronized) and classed as a decode-only step (rows)
 or a packed step (decode rows + prompt tokens). `--conv torch` forces the short conv's cuDNN form (the form before
-this branch for a conv with a tail). Prints one JSON line. Run on CUDA:
-python dev/serve_step_profile.py [--conv auto|torch] [--steps 80]"""
+this branch for a conv with a tail). `--warmup N` first captures the decode graphs (`Engine.warm_up`) and runs N
+requests of the same shape, untimed; `--steps 0` runs the whole load and reports the engine's own req/s and output
+tokens/s (no HTTP: the server and its clients excluded). Prints one JSON line. Run on CUDA:
+python dev/serve_step_profile.py [--model hybrid|attention] [--conv auto|torch] [--steps 80] [--warmup 8]"""
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -29,7 +32,11 @@ def main():
     ap.add_argument("--n", type=int, default=128)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--width", default="bench", choices=["bench", "tiny"])
-    ap.add_argument("--kernels", type=int, default=0, help="profile the last K steps with torch.profiler; print its table")
+    ap.add_argument("--kernels", type=int, default=0, help="profile the last K steps (with --steps 0: steps 12 .. 12+K-1, "
+                    "packed ones at the bench's load) with torch.profiler; print its tables")
+    ap.add_argument("--warmup", type=int, default=0, help="untimed requests of the same shape first (and every graph)")
+    ap.add_argument("--decode-prefill-tokens", type=int, help="the engine's cap on prompt tokens in a step that decodes")
+    ap.add_argument("--out", type=int, default=512, help="new tokens per request")
     a = ap.parse_args()
     if a.conv == "torch":
         conv_op.kernel_runs_on = lambda x: False
@@ -38,14 +45,23 @@ def main():
         model = LM(model_configs((a.model,), size="tiny", width=WIDTH if a.width == "bench" else {})[a.model])
     model = model.to(torch.bfloat16 if a.device == "cuda" else torch.float32).eval()
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
-    eng = Engine(model, max_batch=128, cache_budget=4 << 30, block_size=256, prefill_chunk=4096, max_len=4608)
+    eng = Engine(model, max_batch=128, cache_budget=4 << 30, block_size=256, prefill_chunk=4096, max_len=4608,
+                 decode_prefill_tokens=a.decode_prefill_tokens)
     rng = random.Random(0)
+    if a.warmup:
+        eng.warm_up()
+        for _ in range(a.warmup):
+            eng.submit([rng.randrange(256) for _ in range(4096)], SamplingParams(max_tokens=a.out, temperature=0))
+        eng.run_until_idle()
     for _ in range(a.n):
-        eng.submit([rng.randrange(256) for _ in range(4096)], SamplingParams(max_tokens=512, temperature=0))
+        eng.submit([rng.randrange(256) for _ in range(4096)], SamplingParams(max_tokens=a.out, temperature=0))
     steps = []
+    start, done0, gen0 = time.perf_counter(), eng.stats["finished"], eng.stats["generated_tokens"]
     with torch.inference_mode():
-        for i in range(a.steps):
-            if a.kernels and i == a.steps - a.kernels:
+        for i in itertools.count():
+            if (a.steps and i == a.steps) or (not a.steps and eng.stats["finished"] - done0 == a.n):
+                break
+            if a.kernels and i == (a.steps - a.kernels if a.steps else 12):  # the last K steps, or K packed ones
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
                                               + ([torch.profiler.ProfilerActivity.CUDA] if a.device == "cuda" else []))
                 prof.__enter__()
@@ -57,15 +73,22 @@ def main():
             dt = time.perf_counter() - t0
             d = {k: eng.stats[k] - before[k] for k in ("generated_tokens", "prefill_tokens", "packed_steps", "graph_steps")}
             steps.append((dt, d))
+            if a.kernels and not a.steps and i == 12 + a.kernels - 1:
+                prof.__exit__(None, None, None)
+    wall = time.perf_counter() - start
     if a.kernels:
-        prof.__exit__(None, None, None)
+        if a.steps:
+            prof.__exit__(None, None, None)
         key = "cuda_time_total" if a.device == "cuda" else "cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
     packed = [dt for dt, d in steps if d["packed_steps"]]
     decode = [dt for dt, d in steps if not d["packed_steps"]]
     tokens = [d["prefill_tokens"] for dt, d in steps if d["packed_steps"]]
     print("STEP_PROFILE", json.dumps({
-        "model": a.model, "conv": a.conv, "steps": len(steps), "packed_steps": len(packed),
+        "model": a.model, "conv": a.conv, "steps": len(steps), "packed_steps": len(packed), "wall_s": wall,
+        "requests_per_s": (eng.stats["finished"] - done0) / wall, "output_tokens_per_s": (eng.stats["generated_tokens"] - gen0) / wall,
+        "decode_prefill_tokens": eng.decode_prefill,
         "packed_ms_median": statistics.median(packed) * 1e3 if packed else None,
         "packed_prompt_tokens_per_s": sum(tokens) / sum(packed) if packed else None,
         "decode_steps": len(decode), "decode_ms_median": statistics.median(decode) * 1e3 if decode else None,

@@ -2,8 +2,10 @@
 
 Requests arrive as a Poisson process (--rate per second; inf = all at once), at most --clients in flight; prompt and
 output lengths are drawn uniformly from the given ranges; prompts are random token ids; every request is streamed and
-greedy unless --temperature is given. Reported: requests/s, output and total tokens/s, time to first token (TTFT) and
-time per output token after the first (TPOT), p50 / p99, peak memory (the server's /metrics), preemptions, and two
+greedy unless --temperature is given. Before the timed load, --warmup requests of the same lengths run at once (not
+counted: first-use kernel compiles and plans land there; the server captures its CUDA graphs before it answers).
+Reported: requests/s, output and total tokens/s, time to first token (TTFT) and time per output token after the first
+(TPOT), p50 / p99, peak memory (the server's /metrics), preemptions, and two
 checks: completeness (every request returned exactly max_tokens tokens, finish_reason "length") and equality (the
 first --check greedy requests, replayed one at a time on the idle server, return the same tokens).
 
@@ -48,7 +50,7 @@ def server_argv(args, port: int) -> list[str]:
     if args.set:
         argv += ["--set", *args.set]
     for flag in ("max_batch", "cache_budget", "block_size", "max_len", "prefill_chunk", "max_num_batched_tokens",
-                 "priority", "cuda_graphs", "dtype", "threads"):
+                 "decode_prefill_tokens", "priority", "cuda_graphs", "dtype", "threads"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     return argv + ["--device", args.device]
@@ -143,6 +145,14 @@ async def load(url: str, args) -> tuple[list[dict], float, dict]:
             async with gate:
                 return await one_request(client, url, info["id"], prompt, N, args.temperature, None)
 
+        # warm-up, not timed: requests of the same lengths at once (first-use kernel compiles and plans happen here)
+        warm = random.Random(args.bench_seed + 1)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client_task([warm.randrange(vocab) for _ in range(warm.randint(*args.prompt_len))],
+                                           warm.randint(*args.output_len), 0.0) for _ in range(args.warmup)))
+        warmup_s = time.perf_counter() - t0
+        before = parse_metrics((await client.get(f"{url}/metrics")).text)
+
         delays, t = [], 0.0
         for _, _, gap in jobs:
             t += gap
@@ -151,6 +161,8 @@ async def load(url: str, args) -> tuple[list[dict], float, dict]:
         results = await asyncio.gather(*(client_task(p, n, d) for (p, n, _), d in zip(jobs, delays)))
         wall = time.perf_counter() - t0
         metrics = parse_metrics((await client.get(f"{url}/metrics")).text)
+        metrics["preemptions_total"] = metrics.get("preemptions_total", 0) - before.get("preemptions_total", 0)
+        metrics.update(warmup_requests=args.warmup, warmup_s=warmup_s)
         for r in results[: args.check] if args.temperature == 0 else []:  # replayed alone, one at a time
             if "error" not in r:
                 r["alone"] = (await one_request(client, url, info["id"], r["prompt"], r["max_tokens"], 0.0, None))["ids"]
@@ -183,6 +195,7 @@ def summarize(results: list[dict], wall: float, metrics: dict, args) -> dict:
         "pool_gib": metrics.get("cache_pool_bytes", float("nan")) / 2**30,
         "pool_peak_used_gib": metrics.get("cache_pool_peak_used_bytes", float("nan")) / 2**30,
         "preemptions": int(metrics.get("preemptions_total", 0)),
+        "warmup_s": metrics.get("warmup_s", 0.0),
         "complete": f"{len(complete)}/{len(results)}",
         "equal_alone": f"{sum(r['alone'] == r['ids'] for r in replayed)}/{len(replayed)}",
         "first_error": next((r["error"] for r in results if "error" in r), None),
@@ -213,7 +226,7 @@ def run(args) -> dict:
 
 def add_arguments(g) -> None:
     """`evict bench serve`'s own flags (--device and --out are added by evict/commands/bench.py)."""
-    from evict.cli_args import positive_float, positive_int
+    from evict.cli_args import nonneg_int, positive_float, positive_int
 
     g.add_argument("--url", help="a running server (default: start one from --model / --preset)")
     g.add_argument("--spawn", choices=["process", "thread"], default="process", help="how to start the server (default process)")
@@ -223,6 +236,8 @@ def add_arguments(g) -> None:
     g.add_argument("--prompt-len", type=positive_int, nargs=2, default=[16, 256], metavar=("LO", "HI"))
     g.add_argument("--output-len", type=positive_int, nargs=2, default=[16, 64], metavar=("LO", "HI"))
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; the equality check needs it)")
+    g.add_argument("--warmup", type=nonneg_int, default=8, help="requests of the same lengths sent before the timed load, all at "
+                   "once, not counted (default 8; 0: none)")
     g.add_argument("--check", type=int, default=8, help="greedy requests replayed alone for the equality check (default 8)")
     g.add_argument("--vocab", type=positive_int, help="prompt token ids in [0, VOCAB) (default 256)")
     g.add_argument("--bench-seed", type=int, default=0, help="seed of the lengths, prompts and arrivals")

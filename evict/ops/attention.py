@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from .memory._check import FLOAT_DTYPES, check_flag, check_scale
 
@@ -62,7 +64,21 @@ def attention_reference(q, k, v, *, causal=True, scale, mask=None):
     return torch.einsum("bhij,bjhd->bihd", p, v.to(sd)).to(q.dtype)
 
 
+# SDPA's kernels for a CUDA forward without gradient (serving steps, generate): flash, memory-efficient or math, not
+# cuDNN. cuDNN builds a plan for every new shape (11.4 ms of host time per call on an H100, torch 2.11: 59 % of a packed
+# serving step's host time, dev/LOG.md session 58 serve-speed), and serving gives nearly every step new (Tq, Tk); a
+# training run's shapes are fixed (one plan each), so its dispatch is left as torch chooses.
+_NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def attention_sdpa(q, k, v, *, causal=True, scale, mask=None):
+    if q.is_cuda and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        with sdpa_kernel(_NO_CUDNN):
+            return _sdpa(q, k, v, causal=causal, scale=scale, mask=mask)
+    return _sdpa(q, k, v, causal=causal, scale=scale, mask=mask)
+
+
+def _sdpa(q, k, v, *, causal, scale, mask):
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, T, D)
     gqa = q.shape[2] != k.shape[2]  # SDPA reads each kv head once (torch >= 2.5)
     tq, tk = q.shape[1], k.shape[1]
@@ -74,9 +90,18 @@ def attention_sdpa(q, k, v, *, causal=True, scale, mask=None):
         o = F.scaled_dot_product_attention(qt, kt, vt, scale=scale, enable_gqa=gqa)
     elif tq == tk:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
-    else:
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=_causal_mask(tq, tk, q.device), scale=scale, enable_gqa=gqa)
+    else:  # a chunk over a longer cache: the queries are the last Tq of the Tk keys (bottom-right causal)
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=_suffix_causal(tq, tk, q.device), scale=scale, enable_gqa=gqa)
     return o.transpose(1, 2)
+
+
+def _suffix_causal(tq: int, tk: int, device):
+    """The bottom-right causal mask for SDPA. On CUDA as torch's `causal_lower_right` bias, which SDPA runs in the
+    flash or memory-efficient kernel with no dense mask (a [Tq, Tk] bool tensor went to cuDNN, which builds a plan for
+    every new shape: see _NO_CUDNN). Elsewhere (CPU) the bool mask (the bias would be materialized there anyway)."""
+    if device.type == "cuda":
+        return causal_lower_right(tq, tk)
+    return _causal_mask(tq, tk, device)
 
 
 def attention(q, k, v, *, causal=True, scale=None, mask=None, impl="auto", check=True):

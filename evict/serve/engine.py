@@ -113,10 +113,11 @@ class Engine:
 
     def __init__(self, model, *, max_batch: int = 16, cache_budget: int = 256 << 20, block_size: int = 16,
                  max_len: int | None = None, prefill_chunk: int = 512, max_num_batched_tokens: int | None = None,
-                 priority: str = "decode", cuda_graphs: bool | None = None):
+                 priority: str = "decode", cuda_graphs: bool | None = None, decode_prefill_tokens: int | None = None):
         """`max_num_batched_tokens`: tokens per forward (default: 8192 on CUDA, 1024 on a CPU; at least max_batch);
         `priority`: what fills that budget first, "decode" rows or "prefill" chunks; `cuda_graphs`: replay decode-only
-        steps from CUDA graphs (default: on CUDA)."""
+        steps from CUDA graphs (default: on CUDA); `decode_prefill_tokens`: prompt tokens at most in a step that also
+        runs decode rows (default: the whole budget), so a decode token waits behind at most that much prefill."""
         self.device = next(model.parameters()).device
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(8192 if self.device.type == "cuda" else 1024, max_batch)
@@ -124,6 +125,10 @@ class Engine:
                             ("prefill_chunk", prefill_chunk), ("max_num_batched_tokens", max_num_batched_tokens)):
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        if decode_prefill_tokens is None:
+            decode_prefill_tokens = max_num_batched_tokens
+        if type(decode_prefill_tokens) is not int or decode_prefill_tokens < 1:
+            raise ValueError(f"decode_prefill_tokens: expected a positive integer, got {decode_prefill_tokens!r}")
         if max_num_batched_tokens < max_batch:
             raise ValueError(f"max_num_batched_tokens: expected at least max_batch ({max_batch}: every running request's "
                              f"decode token fits one step), got {max_num_batched_tokens}")
@@ -136,7 +141,7 @@ class Engine:
         self.model = model.eval()
         self.vocab = model.cfg.vocab_size
         self.block_size, self.prefill_chunk, self.max_batch = block_size, prefill_chunk, max_batch
-        self.max_tokens, self.priority = max_num_batched_tokens, priority
+        self.max_tokens, self.priority, self.decode_prefill = max_num_batched_tokens, priority, decode_prefill_tokens
         per_token, per_slot = arena_bytes(model.new_pool(1, 1, block_size, block_size))
         self.uses_blocks = per_token > 0
         left = cache_budget - max_batch * per_slot
@@ -173,6 +178,18 @@ class Engine:
         self.recent: deque[tuple[float, int]] = deque()  # (time, tokens) of the last 10 s, for tokens/s
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+
+    def warm_up(self) -> None:
+        """Capture the decode step's CUDA graph at every bucket now (their Triton compiles included), so that a server
+        does it before it answers, not inside its first requests' time; a capture error turns graphs off (a warning)."""
+        if self.graphs is None:
+            return
+        try:
+            with torch.inference_mode():
+                self.graphs.capture_all()
+        except Exception as e:
+            log.warning("serve: CUDA graphs off (%s)", first_line(e, 200))
+            self.graphs = None
 
     # -- the door -----------------------------------------------------------------------------------------------
     def check(self, prompt, params: SamplingParams) -> None:
@@ -326,12 +343,14 @@ class Engine:
         if self.priority == "decode":
             decode = decode[:left]
             left -= len(decode)
+        prompt = min(left, self.decode_prefill) if decode else left  # prompt tokens this step
         for r in self.running:
-            if left == 0:
+            if prompt == 0:
                 break
             if r.n_tokens - r.cached > 1:
-                T = min(self.prefill_chunk - r.cached % self.prefill_chunk, r.n_tokens - r.cached, left)
+                T = min(self.prefill_chunk - r.cached % self.prefill_chunk, r.n_tokens - r.cached, prompt)
                 chunks.append((r, T))
+                prompt -= T
                 left -= T
         if self.priority == "prefill":
             decode = decode[:left]

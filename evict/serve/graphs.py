@@ -5,7 +5,7 @@ copied into the graph's static inputs, the b - n padding rows point at a scratch
 scratch block (their writes land there and are never read), and the forward (block-table lookups, the layers, the
 head) replays without Python dispatch. The forward inside is the model's own slot-pool forward (the paged decode ops
 read keys in place), so a replay computes exactly what the eager step computes. Graphs are captured on first use of
-their bucket, after two warm-up runs on a side stream (Triton compiles), and share one memory pool.
+their bucket (or all at once: `capture_all`), after two warm-up runs on a side stream (Triton compiles), and share one memory pool.
 """
 
 from __future__ import annotations
@@ -46,6 +46,12 @@ class DecodeGraphs:
         st.copy_(dev[2])
         graph.replay()
         return out[:n]
+
+    def capture_all(self) -> None:
+        """Capture every bucket now (`Engine.warm_up`), not on first use inside a step."""
+        for b in self.buckets:
+            if b not in self.graphs:
+                self.graphs[b] = self._capture(b)
 
     def _capture(self, b: int) -> tuple:
         tok = torch.zeros(b, 1, dtype=torch.int64, device=self.device)

@@ -77,9 +77,11 @@ def build_engine(args):
         engine = Engine(model, max_batch=args.max_batch, cache_budget=args.cache_budget, block_size=args.block_size,
                         max_len=args.max_len, prefill_chunk=args.prefill_chunk,
                         max_num_batched_tokens=args.max_num_batched_tokens, priority=args.priority,
-                        cuda_graphs=None if args.cuda_graphs is None else args.cuda_graphs == "on")
+                        cuda_graphs=None if args.cuda_graphs is None else args.cuda_graphs == "on",
+                        decode_prefill_tokens=args.decode_prefill_tokens)
     except ValueError as e:
         raise SystemExit(f"--{str(e).split(':', 1)[0].replace('_', '-')}: {str(e).split(': ', 1)[-1]}") from None
+    engine.warm_up()  # every decode graph captured before the server answers
     return engine, tok, name
 
 
@@ -132,6 +134,9 @@ def add_engine_flags(p, *, device: bool = True) -> None:
     p.add_argument("--prefill-chunk", type=positive_int, default=512, help="prompt tokens per prefill step (default 512)")
     p.add_argument("--max-num-batched-tokens", type=positive_int,
                    help="tokens per engine step: every decode row + prompt chunks (default 8192 on CUDA, 1024 on a CPU)")
+    p.add_argument("--decode-prefill-tokens", type=positive_int,
+                   help="prompt tokens at most in a step that also decodes (default: the whole step budget); lower: "
+                        "shorter waits between a request's tokens, later first tokens")
     p.add_argument("--priority", choices=["decode", "prefill"], default="decode",
                    help="what fills a step's token budget first: decode rows (default) or prompt chunks")
     p.add_argument("--cuda-graphs", choices=["on", "off"], help="replay decode-only steps from CUDA graphs (default: on on CUDA)")

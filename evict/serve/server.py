@@ -93,12 +93,52 @@ class Choice:
         return d
 
 
+class Mailbox:
+    """Events from the engine thread to one event loop's queues, delivered in batches: the loop is woken once for all
+    the events posted since its last delivery (one engine step's tokens of every stream), not once per token: at 128
+    streams that takes the engine thread's share from ~0.5–0.9 ms per step to ~0.08 ms on a CPU
+    (`python dev/serve_mailbox_bench.py`)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.lock = loop, threading.Lock()
+        self.items: list[tuple[asyncio.Queue, tuple]] = []  # (queue, event) posted, not yet delivered
+
+    def put(self, queue: asyncio.Queue, event: tuple) -> None:  # from the engine thread
+        with self.lock:
+            self.items.append((queue, event))
+            if len(self.items) > 1:  # a delivery is already scheduled and will take this one too
+                return
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the event loop is closed: the server is gone
+            pass
+
+    def _deliver(self) -> None:  # on the loop
+        with self.lock:
+            items, self.items = self.items, []
+        for queue, event in items:
+            queue.put_nowait(event)
+
+
+_MAILBOXES: dict[asyncio.AbstractEventLoop, Mailbox] = {}
+
+
+def mailbox() -> Mailbox:
+    """The running loop's Mailbox (made on first use)."""
+    loop = asyncio.get_running_loop()
+    if loop not in _MAILBOXES:
+        for old in [lp for lp in _MAILBOXES if lp.is_closed()]:
+            del _MAILBOXES[old]
+        _MAILBOXES[loop] = Mailbox(loop)
+    return _MAILBOXES[loop]
+
+
 class Generation:
     """The n choices of one HTTP request, submitted together; `deltas()` yields their Deltas as they come."""
 
     def __init__(self, engine: Engine, tokenizer, ids: list[int], params: list[SamplingParams], stop: list[str]):
         self.engine, self.ids = engine, ids
-        self.loop = asyncio.get_running_loop()
+        self.mailbox = mailbox()
         self.events: asyncio.Queue[tuple] = asyncio.Queue()
         self.choices = [Choice(i, tokenizer, stop, p.stop_tokens) for i, p in enumerate(params)]
         try:
@@ -109,10 +149,7 @@ class Generation:
             raise
 
     def _put(self, *event) -> None:  # from the engine thread
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the event loop is closed: the server is gone
-            pass
+        self.mailbox.put(self.events, event)
 
     def _on_token(self, i: int):
         return lambda r, t: self._put(i, "token", t, r.logprobs[-1] if r.params.logprobs is not None else None)

@@ -45,3 +45,23 @@ def test_bad_inputs():
         attention(q, q[:, :3], q[:, :3])
     with pytest.raises(ValueError, match=r"^impl:"):
         attention(q, q, q, impl="flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad", [False, True])  # without gradient (serving) SDPA runs without cuDNN
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("hkv,dv", [(8, 128), (2, 128), (8, 96)])  # MHA, GQA, a value dim unlike the key's (MLA)
+@pytest.mark.parametrize("tq,tk", [(1, 300), (77, 300), (256, 4096), (300, 300)])
+def test_gpu_suffix_queries_match_reference(grad, dtype, hkv, dv, tq, tk):
+    """A prompt chunk over a longer cache (Tq < Tk, the packed serving step) or the whole sequence (Tq = Tk) through
+    SDPA on CUDA (torch's lower-right causal bias; flash / memory-efficient kernels, not cuDNN, without gradient) against
+    the float64 reference, fresh random inputs."""
+    g = torch.Generator(device="cuda").manual_seed(tq * 7 + tk + hkv + dv)
+    q = torch.randn(2, tq, 8, 192 if dv != 128 else 128, device="cuda", generator=g)
+    k = torch.randn(2, tk, hkv, q.shape[-1], device="cuda", generator=g)
+    v = torch.randn(2, tk, hkv, dv, device="cuda", generator=g)
+    with torch.set_grad_enabled(grad):
+        o = attention(q.to(dtype), k.to(dtype), v.to(dtype), check=False)
+    ref = attention(q.double(), k.double(), v.double(), impl="reference")
+    assert o.dtype == dtype and o.shape == (2, tq, 8, dv)
+    assert rel(o, ref) <= (1e-5 if dtype == torch.float32 else 1e-2)

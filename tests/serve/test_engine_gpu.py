@@ -33,6 +33,8 @@ def test_cuda_engine_greedy_equals_generate_float32(kind, graphs):
     per_token, per_slot = arena_bytes(model.new_pool(1, 1, 16, 16))
     eng = Engine(model, max_batch=16, cache_budget=16 * per_slot + 60 * 16 * per_token, block_size=16, prefill_chunk=128,
                  max_num_batched_tokens=300, cuda_graphs=graphs)
+    eng.warm_up()  # every bucket captured before the first request (as a server does)
+    assert graphs == (eng.graphs is not None) and (not graphs or len(eng.graphs.graphs) == len(eng.graphs.buckets))
     reqs = [(p, n, eng.submit(p, SamplingParams(max_tokens=n, temperature=0))) for p, n in jobs(48, seed=2)]
     eng.run_until_idle()
     if kind != "kda":

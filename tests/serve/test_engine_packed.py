@@ -113,10 +113,42 @@ def test_priority_and_budget_shape_the_step(one_thread):
     assert plans == {"decode": (3, [17]), "prefill": (0, [20])}
 
 
+def test_decode_prefill_tokens_caps_prompt_while_decoding(one_thread):
+    """The same step with `decode_prefill_tokens` 5: 3 decode tokens and 5 prompt tokens (not 17); with nothing
+    decoding, prompts take the whole budget; greedy outputs still equal `generate` alone (KKKM, preemption)."""
+    model = build("KKKM")
+    eng = Engine(model, max_batch=5, cache_budget=1 << 22, block_size=8, prefill_chunk=32, max_num_batched_tokens=20,
+                 decode_prefill_tokens=5)
+    eng.submit(list(range(40)), SamplingParams(max_tokens=2, temperature=0))
+    eng._drain(block=False)
+    eng._admit()
+    assert [T for _, T in eng._plan()[1]] == [20]
+    eng = Engine(model, max_batch=5, cache_budget=1 << 22, block_size=8, prefill_chunk=32, max_num_batched_tokens=20,
+                 decode_prefill_tokens=5)
+    for _ in range(3):
+        eng.submit([1, 2], SamplingParams(max_tokens=50, temperature=0))
+    for _ in range(4):
+        eng.step()
+    for _ in range(2):
+        eng.submit(list(range(40)), SamplingParams(max_tokens=2, temperature=0))
+    eng._drain(block=False)
+    eng._admit()
+    decode, chunks = eng._plan()
+    assert (len(decode), [T for _, T in chunks]) == (3, [5])
+    eng = Engine(model, max_batch=5, cache_budget=budget(model, 5, 8, 13), block_size=8, prefill_chunk=16,
+                 max_num_batched_tokens=37, decode_prefill_tokens=7)
+    reqs = [(p, n, eng.submit(p, SamplingParams(max_tokens=n, temperature=0))) for p, n in jobs(10, seed=6)]
+    eng.run_until_idle()
+    assert eng.stats["preemptions"] > 0
+    for p, n, r in reqs:
+        assert r.finish_reason == "length" and r.out == alone(model, p, n, 16), (len(p), n)
+
+
 def test_knobs_validated():
     model = build("attention")
     for kw, field in [({"max_num_batched_tokens": 8, "max_batch": 16}, "max_num_batched_tokens"),
                       ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"), ({"priority": "fifo"}, "priority"),
+                      ({"decode_prefill_tokens": 0}, "decode_prefill_tokens"),
                       ({"cuda_graphs": True}, "cuda_graphs")]:
         with pytest.raises(ValueError, match=f"^{field}:"):
             Engine(model, cache_budget=1 << 22, **kw)

@@ -147,7 +147,25 @@ def auto_chunk(B: int, H: int, K: int, packed: bool = False) -> int:
     return 32 if B * H >= 64 or K > 128 else C
 
 
+_LAYOUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}  # (offsets, device) -> _packing's answer, a few kept
+
+
 def _packing(offsets: list[int], device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """_layout(offsets, device), kept for the last few offsets: every memory layer of one packed forward (a serving
+    step) runs the same offsets, and each layout costs two host-to-device copies, each a host sync that stalls the
+    host until the GPU has caught up (the layers after the first then reuse the device tensors, read-only)."""
+    if torch.compiler.is_compiling():
+        return _layout(offsets, device)
+    key = (tuple(offsets), str(device))
+    got = _LAYOUTS.get(key)
+    if got is None:
+        if len(_LAYOUTS) >= 8:
+            _LAYOUTS.pop(next(iter(_LAYOUTS)))
+        got = _LAYOUTS[key] = _layout(offsets, device)
+    return got
+
+
+def _layout(offsets: list[int], device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The chunk-aligned layout of packed sequences: each token's row in the padded row (int64 [T]), each sequence's
     chunks (int32 [N + 1]: sequence n owns chunks [chunks[n], chunks[n + 1])) and the padded length T'."""
     starts = torch.tensor(offsets[:-1], dtype=torch.int64)
