@@ -1,5 +1,5 @@
-"""The transformers surface users reach for: left-padded batches, AutoModel, inputs_embeds, hidden states,
-logits_to_keep, gradient checkpointing, resize_token_embeddings, AutoTokenizer on a converted folder, Trainer."""
+"""The transformers surface users reach for: AutoModel, inputs_embeds, hidden states, logits_to_keep, gradient
+checkpointing, resize_token_embeddings, AutoTokenizer on a converted folder, Trainer (left padding: test_hf_padding)."""
 
 import pytest
 import torch
@@ -11,25 +11,6 @@ from evict.hf import EvictForCausalLM, EvictModel, to_hf  # noqa: E402
 from evict.models import LM, presets  # noqa: E402
 from evict.tasks.tokenizers import EOT, CharTokenizer  # noqa: E402
 from tests.test_hf import SMALL, _model  # noqa: E402  (vocab 61)
-
-
-@pytest.mark.parametrize("name", ["gpt2", "kimi_linear"])
-def test_left_padded_batch_generate_equals_one_by_one(name, one_thread):
-    lm = _model(name)
-    model = to_hf(lm, eos_token_id=60)
-    prompts = [torch.randint(0, 60, (n,)) for n in (5, 9, 2)]
-    T = max(len(p) for p in prompts)
-    ids = torch.stack([torch.cat([torch.full((T - len(p),), 60), p]) for p in prompts])  # left-padded with eos
-    mask = torch.stack([torch.cat([torch.zeros(T - len(p)), torch.ones(len(p))]) for p in prompts]).long()
-    got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, min_new_tokens=6)
-    for r, p in enumerate(prompts):
-        alone = lm.generate(p[None], max_new_tokens=6, temperature=0)[0, len(p):]
-        assert torch.equal(got[r, T:], alone), r
-    with torch.no_grad():  # the forward too: each row's logits are its own, zeros at pads
-        logits = model(ids, attention_mask=mask).logits
-        for r, p in enumerate(prompts):
-            assert torch.allclose(logits[r, T - len(p):], lm(p[None])[0], atol=1e-6, rtol=0)
-            assert not logits[r, : T - len(p)].any()
 
 
 def test_automodel_hidden_states_inputs_embeds_logits_to_keep(tmp_path, one_thread):
