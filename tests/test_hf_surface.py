@@ -115,3 +115,23 @@ def test_trainer_runs_a_few_steps(tmp_path, one_thread):
     assert not torch.equal(model.model.embed.weight, before)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_convert_keeps_the_saved_dtype(tmp_path, capsys, dtype, one_thread):
+    """A bfloat16 (or float64) evict folder converts to a transformers / fla folder in that dtype, not float32."""
+    from safetensors import safe_open
+
+    lm = _model("kda", seed=6).to(dtype)
+    lm.save(tmp_path / "model")
+    assert main(["convert", "hf", str(tmp_path / "model"), "--out", str(tmp_path / "hf")]) == 0
+    assert f"weights in the source's dtype, {str(dtype).removeprefix('torch.')}" in capsys.readouterr().out
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert {p.dtype for p in loaded.parameters()} == {dtype}
+    assert all(torch.equal(a, b) for a, b in zip(loaded.model.state_dict().values(), lm.state_dict().values()))
+    assert main(["convert", "fla", str(tmp_path / "model"), "--out", str(tmp_path / "fla")]) == 0
+    with safe_open(str(tmp_path / "fla" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("model.layers.0.attn.q_proj.weight").dtype == dtype
+    assert main(["convert", "hf", str(tmp_path / "model"), "--out", str(tmp_path / "hf32"), "--dtype", "float32"]) == 0
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf32")
+    assert {p.dtype for p in again.parameters()} == {torch.float32}
