@@ -182,6 +182,44 @@ class _EvictPreTrained(PreTrainedModel):
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.model.embed
 
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> torch.nn.Embedding:
+        """A vocabulary of new_num_tokens (rounded up to pad_to_multiple_of): old rows kept, new rows of the embedding
+        (and an untied head) set to the mean of the old ones (mean_resizing) or N(0, init_std). Checked first: a bad
+        value changes nothing."""
+        for name, v in (("new_num_tokens", new_num_tokens), ("pad_to_multiple_of", pad_to_multiple_of)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name}: expected None or a positive integer, got {v!r}")
+        lm, cfg = self.model, self.model.cfg
+        n = cfg.vocab_size if new_num_tokens is None else new_num_tokens
+        if pad_to_multiple_of is not None:
+            n = -(-n // pad_to_multiple_of) * pad_to_multiple_of
+        if n == cfg.vocab_size:
+            return lm.embed
+        new_cfg = replace(cfg, vocab_size=n)
+        new_cfg.validate()  # raises before anything changes
+        keep = min(n, cfg.vocab_size)
+
+        def grown(old: torch.Tensor) -> torch.nn.Parameter:
+            w = old.new_empty(n, old.shape[1])
+            with torch.no_grad():
+                w[:keep] = old[:keep]
+                if n > keep:
+                    if mean_resizing:
+                        w[keep:] = old.float().mean(0).to(old.dtype)
+                    else:
+                        w[keep:].normal_(0.0, cfg.init_std)
+            return torch.nn.Parameter(w, requires_grad=old.requires_grad)
+
+        embed = torch.nn.Embedding(n, cfg.d_model, device=lm.embed.weight.device, dtype=lm.embed.weight.dtype)
+        embed.weight = grown(lm.embed.weight)
+        head = torch.nn.Linear(cfg.d_model, n, bias=False, device=lm.head.weight.device, dtype=lm.head.weight.dtype)
+        head.weight = embed.weight if cfg.tie_embeddings else grown(lm.head.weight)
+        lm.embed, lm.head, lm.cfg = embed, head, new_cfg
+        self.config.evict = new_cfg.to_dict()
+        self.config.vocab_size = n
+        return embed
+
     def _run(self, input_ids, inputs_embeds, attention_mask, cache_in, use_cache, hidden: list | None,
              head: bool, keep) -> tuple[torch.Tensor, EvictCache | None]:
         """(logits [B, T', V] or final-normed states [B, T', D], the cache): T' = T, or the kept positions."""
@@ -319,44 +357,6 @@ class EvictForCausalLM(_EvictPreTrained, GenerationMixin):
         if isinstance(c, EvictCache):
             input_ids = input_ids[:, seen:]
         return {"input_ids": input_ids, "cache": c, "attention_mask": attention_mask, "use_cache": use_cache}
-
-    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
-                                mean_resizing: bool = True) -> torch.nn.Embedding:
-        """A vocabulary of new_num_tokens (rounded up to pad_to_multiple_of): old rows kept, new rows of the embedding
-        (and an untied head) set to the mean of the old ones (mean_resizing) or N(0, init_std). Checked first: a bad
-        value changes nothing."""
-        for name, v in (("new_num_tokens", new_num_tokens), ("pad_to_multiple_of", pad_to_multiple_of)):
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{name}: expected None or a positive integer, got {v!r}")
-        lm, cfg = self.model, self.model.cfg
-        n = cfg.vocab_size if new_num_tokens is None else new_num_tokens
-        if pad_to_multiple_of is not None:
-            n = -(-n // pad_to_multiple_of) * pad_to_multiple_of
-        if n == cfg.vocab_size:
-            return lm.embed
-        new_cfg = replace(cfg, vocab_size=n)
-        new_cfg.validate()  # raises before anything changes
-        keep = min(n, cfg.vocab_size)
-
-        def grown(old: torch.Tensor) -> torch.nn.Parameter:
-            w = old.new_empty(n, old.shape[1])
-            with torch.no_grad():
-                w[:keep] = old[:keep]
-                if n > keep:
-                    if mean_resizing:
-                        w[keep:] = old.float().mean(0).to(old.dtype)
-                    else:
-                        w[keep:].normal_(0.0, cfg.init_std)
-            return torch.nn.Parameter(w, requires_grad=old.requires_grad)
-
-        embed = torch.nn.Embedding(n, cfg.d_model, device=lm.embed.weight.device, dtype=lm.embed.weight.dtype)
-        embed.weight = grown(lm.embed.weight)
-        head = torch.nn.Linear(cfg.d_model, n, bias=False, device=lm.head.weight.device, dtype=lm.head.weight.dtype)
-        head.weight = embed.weight if cfg.tie_embeddings else grown(lm.head.weight)
-        lm.embed, lm.head, lm.cfg = embed, head, new_cfg
-        self.config.evict = new_cfg.to_dict()
-        self.config.vocab_size = n
-        return embed
 
 
 def to_hf(lm: LM, eos_token_id: int | None = None) -> EvictForCausalLM:

@@ -78,6 +78,11 @@ def test_resize_token_embeddings(tmp_path, one_thread):
     model.save_pretrained(tmp_path)
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert again.model.cfg.vocab_size == 72
+    base = transformers.AutoModel.from_pretrained(tmp_path)  # the base model (no head of its own) resizes too
+    base.resize_token_embeddings(80)
+    assert base.model.cfg.vocab_size == 80 == base.config.vocab_size and base.model.head.weight.shape[0] == 80
+    with torch.no_grad():
+        assert base(torch.tensor([[79, 2]])).last_hidden_state.shape == (1, 2, 64)
 
 
 def test_convert_writes_a_folder_autotokenizer_loads(tmp_path, one_thread):
