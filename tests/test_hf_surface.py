@@ -1,6 +1,8 @@
 """The transformers surface users reach for: AutoModel, inputs_embeds, hidden states, logits_to_keep, gradient
 checkpointing, resize_token_embeddings, AutoTokenizer on a converted folder, Trainer (left padding: test_hf_padding)."""
 
+import json
+
 import pytest
 import torch
 
@@ -99,6 +101,9 @@ def test_convert_writes_a_folder_autotokenizer_loads(tmp_path, one_thread):
     assert model.generation_config.eos_token_id == tok.eos_token_id
     hf_tok.padding_side = "left"
     batch = hf_tok(["abc", "hij ab"], return_tensors="pt", padding=True)
+    # transformers 4.x otherwise adds token_type_ids, which generate(**batch) refuses (checked by hand on 4.56.0)
+    assert set(batch) == {"input_ids", "attention_mask"}
+    assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["model_input_names"] == list(batch)
     out = model.generate(**batch, max_new_tokens=4, do_sample=False)
     alone = model.generate(**hf_tok(["abc"], return_tensors="pt"), max_new_tokens=4, do_sample=False)
     assert hf_tok.decode(out[0], skip_special_tokens=True) == hf_tok.decode(alone[0], skip_special_tokens=True)
@@ -131,12 +136,14 @@ def test_convert_keeps_the_saved_dtype(tmp_path, capsys, dtype, one_thread):
     lm.save(tmp_path / "model")
     assert main(["convert", "hf", str(tmp_path / "model"), "--out", str(tmp_path / "hf")]) == 0
     assert f"weights in the source's dtype, {str(dtype).removeprefix('torch.')}" in capsys.readouterr().out
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == str(dtype).removeprefix("torch.")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype="auto")  # 4.x's default: float32
     assert {p.dtype for p in loaded.parameters()} == {dtype}
     assert all(torch.equal(a, b) for a, b in zip(loaded.model.state_dict().values(), lm.state_dict().values()))
     assert main(["convert", "fla", str(tmp_path / "model"), "--out", str(tmp_path / "fla")]) == 0
     with safe_open(str(tmp_path / "fla" / "model.safetensors"), "pt") as f:
         assert f.get_tensor("model.layers.0.attn.q_proj.weight").dtype == dtype
     assert main(["convert", "hf", str(tmp_path / "model"), "--out", str(tmp_path / "hf32"), "--dtype", "float32"]) == 0
-    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf32")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf32", dtype="auto")
     assert {p.dtype for p in again.parameters()} == {torch.float32}
