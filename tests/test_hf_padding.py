@@ -88,6 +88,17 @@ def test_pad_refused_in_one_line(one_thread):
         lm(x[:1], pool, pad=[1])
 
 
+def test_learned_positions_count_from_each_rows_first_token(one_thread):
+    """gpt2 with 8 learned positions: 10 columns fit when every row has at least 2 pads, not otherwise."""
+    lm = _lm("gpt2", max_seq_len=8)
+    x = torch.randint(0, 61, (2, 10))
+    with torch.no_grad():
+        out = lm(x, pad=[2, 3])
+        assert torch.allclose(out[0, 2:], lm(x[:1, 2:])[0], atol=TOL, rtol=0)
+        with pytest.raises(ValueError, match="tokens: learned positions cover 8 tokens, got up to 9"):
+            lm(x, pad=[1, 3])
+
+
 transformers = pytest.importorskip("transformers")
 from evict.hf import to_hf  # noqa: E402
 
@@ -129,3 +140,4 @@ def test_padded_beam_search_equals_one_by_one(one_thread):
     for r, p in enumerate(prompts):
         alone = model.generate(p[None], **kw)[0, len(p):]
         assert torch.equal(got[r, ids.shape[1]:], alone), r
+

@@ -266,14 +266,13 @@ class LM(nn.Module):
                         raise ValueError(f"pad: give it with a cache's first tokens (position 0), the cache is at {cache.pos}")
                     cache.pad = list(pad)
                 pos, states, pad = cache.pos, cache.states, cache.pad
-        if pad is not None:
+        last = pos + T if isinstance(pos, int) else 0  # the largest position + 1 (a pool checks its max_len once)
+        if pad is not None:  # rows at their own positions, from each row's first token
             assert isinstance(pos, int)
-            start = pos
-            pos = PaddedBatch.build(list(pad), start, T, h.device)
+            last = pos + T - min(pad)
+            pos = PaddedBatch.build(list(pad), pos, T, h.device)
         if self.wpe is not None:
             at = pos.positions if not isinstance(pos, int) else torch.arange(pos, pos + T, device=h.device)  # [B, T] or [T]
-            # a pool checks its max_len against the config once; a padded row's positions start at its first token
-            last = pos + T if isinstance(pos, int) else pos.start + T - min(pad) if pad is not None else 0
             if last > self.cfg.max_seq_len:
                 raise ValueError(f"tokens: learned positions cover {self.cfg.max_seq_len} tokens, got up to {last}")
             h = h + self.wpe(at)
