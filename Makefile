@@ -9,15 +9,12 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev,explore,serve]'
 	touch $@
 
-.PHONY: lab test test-all test-package typecheck clean
+.PHONY: lab test test-all typecheck clean
 lab: $(BIN)/.installed
 	$(BIN)/evict recall --quick
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -m "not slow" tests
-
-test-package: $(BIN)/.installed  # the built wheel in a fresh venv, then `evict train` (slow: ~2 min)
-	$(BIN)/python -m pytest tests/test_wheel.py
 
 typecheck: $(BIN)/.installed
 	$(BIN)/python -m mypy

@@ -9,8 +9,6 @@ import sys
 import sysconfig
 from pathlib import Path
 
-import pytest
-
 from tests.conftest import ROOT
 
 LINK = re.compile(r"\]\(([^)\s]+)\)")
@@ -55,7 +53,6 @@ def test_a_bad_repository_is_refused_in_one_line(tmp_path):
     assert out.returncode != 0 and "repository: expected an https:// URL of the repository, got 'github.com/x'" in out.stderr
 
 
-@pytest.mark.slow  # ~2 min on the shared 2-core dev machine (wheel build, pip, a 2-step train): `make test-package` in CI
 def test_wheel_in_a_fresh_venv_then_evict_train(tmp_path):
     """Build the wheel, make a venv without it, install the wheel alone (--no-deps --no-index: nothing downloaded; the
     dependencies come from this interpreter's site-packages through a .pth line, as `--system-site-packages` would give
