@@ -12,6 +12,9 @@ lengths: recurrent states and conv tails have one row per slot; KV and latent bu
 caller `select`s the slots it runs and their start positions; the forward then reads and writes those rows only.
 `select_packed` instead lays out one forward over many sequences packed along T (a PackedBatch): decode rows of one
 token each and prompt chunks of any lengths, in a batch of one.
+
+A batch cache may also hold left-padded rows (`pad`, set by the first forward's `LM(..., pad=)`): each forward then
+runs as a PaddedBatch, every row at its own positions, its pads invisible to what its tokens read.
 """
 
 from __future__ import annotations
