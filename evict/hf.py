@@ -59,8 +59,8 @@ _NO_ASSIST = "cache: evict's recurrent states cannot be cropped (assisted decodi
 class EvictCache(Cache):
     """evict's HybridCache behind transformers' Cache interface; it grows (doubling) when a call needs more room.
 
-    A left-padded batch keeps one HybridCache per row instead (`rows`, see _EvictPreTrained); `seen` counts the
-    input columns fed so far, pads included (what generate() slices its inputs by)."""
+    `seen` counts the input columns fed so far, pads included (what generate() slices its inputs by); a left-padded
+    batch's pads are the HybridCache's `pad` (see _EvictPreTrained)."""
 
     def __init__(self, model: LM, batch_size: int, max_len: int = 64):
         try:
@@ -69,16 +69,10 @@ class EvictCache(Cache):
             super().__init__()
         self.model = model
         self.hybrid: HybridCache = model.new_cache(batch_size, max_len)
-        self.rows: list[HybridCache] | None = None
         self.seen = 0
 
     def __len__(self) -> int:
         return len(self.hybrid)
-
-    def split(self, lengths: list[int]) -> None:
-        """One cache per row (row r first fed lengths[r] tokens), for a left-padded batch."""
-        self.rows = [self.model.new_cache(1, max(64, n), device=_device(self.hybrid), dtype=_dtype(self.hybrid))
-                     for n in lengths]
 
     def reserve(self, n: int) -> None:
         """Make room for n more tokens, copying the positional states into larger buffers when needed."""
@@ -98,7 +92,7 @@ class EvictCache(Cache):
                     getattr(new, f.name)[:, : h.pos] = t[:, : h.pos]
                 else:
                     setattr(new, f.name, t)
-        bigger.pos = h.pos
+        bigger.pos, bigger.pad = h.pos, h.pad
         return bigger
 
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
@@ -120,7 +114,7 @@ class EvictCache(Cache):
 
     def reset(self) -> None:
         self.hybrid.reset()
-        self.rows, self.seen = None, 0
+        self.seen = 0
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Beam search: take rows `beam_idx` of every state."""
@@ -128,23 +122,25 @@ class EvictCache(Cache):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._map(lambda t: t[indices])
-        self.hybrid.batch_size = len(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._map(lambda t: t.repeat_interleave(repeats, dim=0))
-        self.hybrid.batch_size *= repeats
 
     def crop(self, max_length: int) -> None:
         raise ValueError(_NO_ASSIST)
 
     def _map(self, fn) -> None:
-        if self.rows is not None:
-            raise ValueError("cache: beam search and batch reshaping are not supported for a left-padded batch")
-        for st in self.hybrid.states:
+        """fn on the batch dim of every state (and of the pads): the batch size follows."""
+        h = self.hybrid
+        for st in h.states:
             for f in fields(st):
                 t = getattr(st, f.name)
                 if isinstance(t, torch.Tensor):
                     setattr(st, f.name, fn(t))
+        rows = fn(torch.arange(h.batch_size))
+        h.batch_size = len(rows)
+        if h.pad is not None:
+            h.pad = [h.pad[i] for i in rows.tolist()]
 
 
 def _device(h: HybridCache) -> torch.device | None:
@@ -160,10 +156,10 @@ def _dtype(h: HybridCache) -> torch.dtype | None:
 class _EvictPreTrained(PreTrainedModel):
     """What the base model and the causal LM share: the config, the LM at `.model`, and the forward over it.
 
-    Padding: a batch whose attention_mask holds zeros must be left-padded (zeros, then ones, per row). evict's
-    recurrent states cannot skip a pad token, so such a batch runs row by row, each row on its real tokens only (with
-    a cache: one cache per row, kept for the rest of generate()); the outputs at pad positions are zeros. So a padded
-    batched generate() gives each row what it gives alone, at the cost of one forward per row."""
+    Padding: a batch whose attention_mask holds zeros must be left-padded (zeros, then ones, per row). It runs as one
+    batch (LM's `pad`, evict.cache.PaddedBatch): pads leave every recurrent state and conv tail as the row alone has
+    them, attention masks pad keys, positions count from each row's first token; the cache keeps the pads for the
+    rest of generate(). So each row's outputs at its tokens are what it gives alone; those at pads are zeros."""
 
     config_class = EvictConfig
     base_model_prefix = "model"
@@ -186,6 +182,44 @@ class _EvictPreTrained(PreTrainedModel):
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.model.embed
 
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> torch.nn.Embedding:
+        """A vocabulary of new_num_tokens (rounded up to pad_to_multiple_of): old rows kept, new rows of the embedding
+        (and an untied head) set to the mean of the old ones (mean_resizing) or N(0, init_std). Checked first: a bad
+        value changes nothing."""
+        for name, v in (("new_num_tokens", new_num_tokens), ("pad_to_multiple_of", pad_to_multiple_of)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name}: expected None or a positive integer, got {v!r}")
+        lm, cfg = self.model, self.model.cfg
+        n = cfg.vocab_size if new_num_tokens is None else new_num_tokens
+        if pad_to_multiple_of is not None:
+            n = -(-n // pad_to_multiple_of) * pad_to_multiple_of
+        if n == cfg.vocab_size:
+            return lm.embed
+        new_cfg = replace(cfg, vocab_size=n)
+        new_cfg.validate()  # raises before anything changes
+        keep = min(n, cfg.vocab_size)
+
+        def grown(old: torch.Tensor) -> torch.nn.Parameter:
+            w = old.new_empty(n, old.shape[1])
+            with torch.no_grad():
+                w[:keep] = old[:keep]
+                if n > keep:
+                    if mean_resizing:
+                        w[keep:] = old.float().mean(0).to(old.dtype)
+                    else:
+                        w[keep:].normal_(0.0, cfg.init_std)
+            return torch.nn.Parameter(w, requires_grad=old.requires_grad)
+
+        embed = torch.nn.Embedding(n, cfg.d_model, device=lm.embed.weight.device, dtype=lm.embed.weight.dtype)
+        embed.weight = grown(lm.embed.weight)
+        head = torch.nn.Linear(cfg.d_model, n, bias=False, device=lm.head.weight.device, dtype=lm.head.weight.dtype)
+        head.weight = embed.weight if cfg.tie_embeddings else grown(lm.head.weight)
+        lm.embed, lm.head, lm.cfg = embed, head, new_cfg
+        self.config.evict = new_cfg.to_dict()
+        self.config.vocab_size = n
+        return embed
+
     def _run(self, input_ids, inputs_embeds, attention_mask, cache_in, use_cache, hidden: list | None,
              head: bool, keep) -> tuple[torch.Tensor, EvictCache | None]:
         """(logits [B, T', V] or final-normed states [B, T', D], the cache): T' = T, or the kept positions."""
@@ -202,38 +236,20 @@ class _EvictPreTrained(PreTrainedModel):
             c = EvictCache(self.model, B, max_len=max(64, T))
         fresh = c is None or c.get_seq_length() == 0
         lengths = _left_padded(attention_mask, B, T) if fresh else None
-        if lengths is not None or (c is not None and c.rows is not None):
-            if hidden is not None:
-                raise ValueError("output_hidden_states: not supported for a padded batch; pass one row at a time")
-            out = self._by_row(x, input_ids is None, lengths or [T] * B, c, head)
-            return (out if keep is None else out.gather(1, keep[..., None].expand(-1, -1, out.shape[-1]))), c
+        pad = None if lengths is None else [T - n for n in lengths]
         if c is not None:
             c.reserve(T)
         kw = {"embeds": x} if input_ids is None else {}
         out = self.model(None if input_ids is None else x, cache=None if c is None else c.hybrid, positions=keep,
-                         hidden_states=hidden, head=head, **kw)
+                         hidden_states=hidden, head=head, pad=pad, **kw)
         if c is not None:
             c.seen += T
+        if pad is not None:  # zeros at the pads (outputs, hidden states): nothing there depends on the pad tokens
+            real = torch.arange(T, device=out.device) >= torch.tensor(pad, device=out.device)[:, None]  # [B, T]
+            out = out.masked_fill(~(real if keep is None else real.gather(1, keep))[..., None], 0)
+            if hidden is not None:
+                hidden[:] = [h.masked_fill(~real[..., None], 0) for h in hidden]
         return out, c
-
-    def _by_row(self, x: torch.Tensor, embeds: bool, lengths: list[int], c: EvictCache | None, head: bool):
-        """Each row's last lengths[r] inputs alone (its own cache), zeros before them: [B, T, V or D]."""
-        T = x.shape[1]
-        if c is not None and c.rows is None:
-            c.split([min(n, T) for n in lengths])
-        outs = []
-        for r, n in enumerate(lengths):
-            row_cache = None
-            if c is not None:
-                assert c.rows is not None  # split above
-                c.rows[r] = c.grown(c.rows[r], n)
-                row_cache = c.rows[r]
-            xr = x[r : r + 1, T - n :]
-            o = self.model(None if embeds else xr, cache=row_cache, head=head, **({"embeds": xr} if embeds else {}))
-            outs.append(F.pad(o[0], (0, 0, T - n, 0)))  # [T, V]
-        if c is not None:
-            c.seen += T
-        return torch.stack(outs)  # [B, T, V]
 
 
 def _left_padded(mask: torch.Tensor | None, B: int, T: int) -> list[int] | None:
@@ -341,44 +357,6 @@ class EvictForCausalLM(_EvictPreTrained, GenerationMixin):
         if isinstance(c, EvictCache):
             input_ids = input_ids[:, seen:]
         return {"input_ids": input_ids, "cache": c, "attention_mask": attention_mask, "use_cache": use_cache}
-
-    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
-                                mean_resizing: bool = True) -> torch.nn.Embedding:
-        """A vocabulary of new_num_tokens (rounded up to pad_to_multiple_of): old rows kept, new rows of the embedding
-        (and an untied head) set to the mean of the old ones (mean_resizing) or N(0, init_std). Checked first: a bad
-        value changes nothing."""
-        for name, v in (("new_num_tokens", new_num_tokens), ("pad_to_multiple_of", pad_to_multiple_of)):
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{name}: expected None or a positive integer, got {v!r}")
-        lm, cfg = self.model, self.model.cfg
-        n = cfg.vocab_size if new_num_tokens is None else new_num_tokens
-        if pad_to_multiple_of is not None:
-            n = -(-n // pad_to_multiple_of) * pad_to_multiple_of
-        if n == cfg.vocab_size:
-            return lm.embed
-        new_cfg = replace(cfg, vocab_size=n)
-        new_cfg.validate()  # raises before anything changes
-        keep = min(n, cfg.vocab_size)
-
-        def grown(old: torch.Tensor) -> torch.nn.Parameter:
-            w = old.new_empty(n, old.shape[1])
-            with torch.no_grad():
-                w[:keep] = old[:keep]
-                if n > keep:
-                    if mean_resizing:
-                        w[keep:] = old.float().mean(0).to(old.dtype)
-                    else:
-                        w[keep:].normal_(0.0, cfg.init_std)
-            return torch.nn.Parameter(w, requires_grad=old.requires_grad)
-
-        embed = torch.nn.Embedding(n, cfg.d_model, device=lm.embed.weight.device, dtype=lm.embed.weight.dtype)
-        embed.weight = grown(lm.embed.weight)
-        head = torch.nn.Linear(cfg.d_model, n, bias=False, device=lm.head.weight.device, dtype=lm.head.weight.dtype)
-        head.weight = embed.weight if cfg.tie_embeddings else grown(lm.head.weight)
-        lm.embed, lm.head, lm.cfg = embed, head, new_cfg
-        self.config.evict = new_cfg.to_dict()
-        self.config.vocab_size = n
-        return embed
 
 
 def to_hf(lm: LM, eos_token_id: int | None = None) -> EvictForCausalLM:

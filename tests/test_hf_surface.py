@@ -1,5 +1,7 @@
-"""The transformers surface users reach for: left-padded batches, AutoModel, inputs_embeds, hidden states,
-logits_to_keep, gradient checkpointing, resize_token_embeddings, AutoTokenizer on a converted folder, Trainer."""
+"""The transformers surface users reach for: AutoModel, inputs_embeds, hidden states, logits_to_keep, gradient
+checkpointing, resize_token_embeddings, AutoTokenizer on a converted folder, Trainer (left padding: test_hf_padding)."""
+
+import json
 
 import pytest
 import torch
@@ -11,25 +13,6 @@ from evict.hf import EvictForCausalLM, EvictModel, to_hf  # noqa: E402
 from evict.models import LM, presets  # noqa: E402
 from evict.tasks.tokenizers import EOT, CharTokenizer  # noqa: E402
 from tests.test_hf import SMALL, _model  # noqa: E402  (vocab 61)
-
-
-@pytest.mark.parametrize("name", ["gpt2", "kimi_linear"])
-def test_left_padded_batch_generate_equals_one_by_one(name, one_thread):
-    lm = _model(name)
-    model = to_hf(lm, eos_token_id=60)
-    prompts = [torch.randint(0, 60, (n,)) for n in (5, 9, 2)]
-    T = max(len(p) for p in prompts)
-    ids = torch.stack([torch.cat([torch.full((T - len(p),), 60), p]) for p in prompts])  # left-padded with eos
-    mask = torch.stack([torch.cat([torch.zeros(T - len(p)), torch.ones(len(p))]) for p in prompts]).long()
-    got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, min_new_tokens=6)
-    for r, p in enumerate(prompts):
-        alone = lm.generate(p[None], max_new_tokens=6, temperature=0)[0, len(p):]
-        assert torch.equal(got[r, T:], alone), r
-    with torch.no_grad():  # the forward too: each row's logits are its own, zeros at pads
-        logits = model(ids, attention_mask=mask).logits
-        for r, p in enumerate(prompts):
-            assert torch.allclose(logits[r, T - len(p):], lm(p[None])[0], atol=1e-6, rtol=0)
-            assert not logits[r, : T - len(p)].any()
 
 
 def test_automodel_hidden_states_inputs_embeds_logits_to_keep(tmp_path, one_thread):
@@ -97,6 +80,11 @@ def test_resize_token_embeddings(tmp_path, one_thread):
     model.save_pretrained(tmp_path)
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert again.model.cfg.vocab_size == 72
+    base = transformers.AutoModel.from_pretrained(tmp_path)  # the base model (no head of its own) resizes too
+    base.resize_token_embeddings(80)
+    assert base.model.cfg.vocab_size == 80 == base.config.vocab_size and base.model.head.weight.shape[0] == 80
+    with torch.no_grad():
+        assert base(torch.tensor([[79, 2]])).last_hidden_state.shape == (1, 2, 64)
 
 
 def test_convert_writes_a_folder_autotokenizer_loads(tmp_path, one_thread):
@@ -113,6 +101,9 @@ def test_convert_writes_a_folder_autotokenizer_loads(tmp_path, one_thread):
     assert model.generation_config.eos_token_id == tok.eos_token_id
     hf_tok.padding_side = "left"
     batch = hf_tok(["abc", "hij ab"], return_tensors="pt", padding=True)
+    # transformers 4.x otherwise adds token_type_ids, which generate(**batch) refuses (checked by hand on 4.56.0)
+    assert set(batch) == {"input_ids", "attention_mask"}
+    assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["model_input_names"] == list(batch)
     out = model.generate(**batch, max_new_tokens=4, do_sample=False)
     alone = model.generate(**hf_tok(["abc"], return_tensors="pt"), max_new_tokens=4, do_sample=False)
     assert hf_tok.decode(out[0], skip_special_tokens=True) == hf_tok.decode(alone[0], skip_special_tokens=True)
@@ -134,3 +125,25 @@ def test_trainer_runs_a_few_steps(tmp_path, one_thread):
     assert not torch.equal(model.model.embed.weight, before)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_convert_keeps_the_saved_dtype(tmp_path, capsys, dtype, one_thread):
+    """A bfloat16 (or float64) evict folder converts to a transformers / fla folder in that dtype, not float32."""
+    from safetensors import safe_open
+
+    lm = _model("kda", seed=6).to(dtype)
+    lm.save(tmp_path / "model")
+    assert main(["convert", "hf", str(tmp_path / "model"), "--out", str(tmp_path / "hf")]) == 0
+    assert f"weights in the source's dtype, {str(dtype).removeprefix('torch.')}" in capsys.readouterr().out
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == str(dtype).removeprefix("torch.")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype="auto")  # 4.x's default: float32
+    assert {p.dtype for p in loaded.parameters()} == {dtype}
+    assert all(torch.equal(a, b) for a, b in zip(loaded.model.state_dict().values(), lm.state_dict().values()))
+    assert main(["convert", "fla", str(tmp_path / "model"), "--out", str(tmp_path / "fla")]) == 0
+    with safe_open(str(tmp_path / "fla" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("model.layers.0.attn.q_proj.weight").dtype == dtype
+    assert main(["convert", "hf", str(tmp_path / "model"), "--out", str(tmp_path / "hf32"), "--dtype", "float32"]) == 0
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf32", dtype="auto")
+    assert {p.dtype for p in again.parameters()} == {torch.float32}

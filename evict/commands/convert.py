@@ -38,20 +38,25 @@ def run_convert(args: argparse.Namespace) -> None:
         print(f"weights kept in the source's dtype, {str(next(lm.parameters()).dtype).removeprefix('torch.')}")
     else:
         folder = _model_dir(src)
-        lm = LM.load(folder)
+        dtype = getattr(torch, args.dtype) if args.dtype else _saved_dtype(folder)
+        lm = LM.load(folder)  # float32 (LM.load converts), then the saved dtype or --dtype
         if args.kind == "fla":
             from evict.convert.fla import to_fla
 
-            out = to_fla(lm, args.out, dtype=getattr(torch, args.dtype) if args.dtype else None)
+            out = to_fla(lm, args.out, dtype=dtype)
             _copy_tokenizer(folder, out, lm)
         else:
             from evict.hf import to_hf
+
+            lm = lm.to(dtype)
 
             def write_hf(tmp: Path) -> None:
                 to_hf(lm, eos_token_id=_eos_id(folder, lm)).save_pretrained(tmp)
                 _copy_tokenizer(folder, tmp, lm)
 
             out = write_folder(args.out, write_hf)
+        how = "as --dtype asked" if args.dtype else "the source's dtype"
+        print(f"weights in {how}, {str(dtype).removeprefix('torch.')}")
     print(f"wrote {out}")
 
 
@@ -62,6 +67,20 @@ def _model_dir(src: Path) -> Path:
     if not (src / "config.json").is_file():
         raise ValueError(f"source: expected an evict model folder with config.json (or a run folder with model/), got {src}")
     return src
+
+
+def _saved_dtype(folder: Path):
+    """The dtype the folder's weights were saved in (its token embedding's): convert keeps it (a bfloat16 model stays
+    bfloat16). A folder LM.load cannot read is refused there."""
+    import torch
+    from safetensors import safe_open
+
+    names = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    try:
+        with safe_open(str(folder / "model.safetensors"), "pt", device="cpu") as f:
+            return names.get(f.get_slice("embed.weight").get_dtype(), torch.float32)
+    except Exception:  # missing or unreadable: LM.load names the problem in its own one line
+        return torch.float32
 
 
 def _eos_id(src: Path, lm) -> int | None:
@@ -97,5 +116,5 @@ def add_parser(sub) -> None:
                                                              "evict model folder to that format")
     c.add_argument("source", help="the folder to convert (for hf / fla: a model folder or a run folder holding model/)")
     c.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
-    c.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="fla: weight dtype (default the model's)")
+    c.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="hf / fla: weight dtype (default the dtype the model was saved in)")
     c.set_defaults(fn=run_convert)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from evict.cache import KVState, PackedBatch, SlotBatch
+from evict.cache import KVState, PackedBatch, PaddedBatch, SlotBatch
 from evict.ops import attention
 from evict.ops.decode import decode_attention, kernel_runs_on
 from evict.ops.rope import rope
@@ -29,9 +29,11 @@ class Attention(nn.Module):
         """PyTorch's Linear defaults and the conv's own init (the LM overrides the Linears: see LM.init_weights)."""
         reset_children(self)
 
-    def forward(self, x: torch.Tensor, state: KVState | None = None, pos: int | SlotBatch | PackedBatch = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: KVState | None = None,
+                pos: int | SlotBatch | PackedBatch | PaddedBatch = 0) -> torch.Tensor:
         """x [B, T, d]; pos: the batch's first position, or a SlotBatch (rows of a slot pool at their own positions),
-        or a PackedBatch (sequences of a slot pool packed along T, B = 1: each part attends over its own keys)."""
+        or a PackedBatch (sequences of a slot pool packed along T, B = 1: each part attends over its own keys), or a
+        PaddedBatch (left-padded rows: pad keys masked, positions counted from each row's first token)."""
         B, T, _ = x.shape
         qkv = self.wqkv(x)
         if self.conv is not None:
@@ -54,11 +56,13 @@ class Attention(nn.Module):
             else:
                 o = pos.join([self._attend_slots(qp, state, part) for qp, (part, _) in zip(pos.split(q), pos.parts())])
         else:
+            start, mask = (pos.start, pos.mask) if isinstance(pos, PaddedBatch) else (pos, None)
             if state is not None:
-                state.k[:, pos : pos + T] = k
-                state.v[:, pos : pos + T] = v
-                k, v = state.k[:, : pos + T], state.v[:, : pos + T]
-            o = self._attend(q, k, v, kernel=T == 1 and state is not None and self.decode_kernel and kernel_runs_on(q))
+                state.k[:, start : start + T] = k
+                state.v[:, start : start + T] = v
+                k, v = state.k[:, : start + T], state.v[:, : start + T]
+            o = self._attend(q, k, v, mask=mask,
+                             kernel=T == 1 and state is not None and self.decode_kernel and kernel_runs_on(q))
         return self.wo(o.reshape(B, T, self.n_heads * self.hd))
 
     def _attend_slots(self, q: torch.Tensor, state: KVState, pos: SlotBatch) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from evict.cache import PackedBatch
+from evict.cache import PackedBatch, PaddedBatch
 from evict.ops.conv import short_conv
 
 
@@ -35,7 +35,10 @@ class ShortConv(nn.Module):
 
     def run(self, x: torch.Tensor, tail: torch.Tensor | None, pos=None) -> tuple[torch.Tensor, torch.Tensor]:
         """forward(x, tail); for sequences packed along T (`pos` a PackedBatch, x [1, T, C], tail [N, k-1, C] one
-        per sequence), each part convolved with its own tails: y [1, T, C] and the new tails [N, k-1, C]."""
+        per sequence), each part convolved with its own tails: y [1, T, C] and the new tails [N, k-1, C]. A left-padded
+        batch (`pos` a PaddedBatch) is convolved with zeros at its pads, as a row alone sees before its first token."""
+        if isinstance(pos, PaddedBatch):
+            return self(pos.zero_pads(x), tail)
         if not isinstance(pos, PackedBatch):
             return self(x, tail)
         if tail is None:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from evict.cache import PackedBatch, RecurrentState
+from evict.cache import PackedBatch, PaddedBatch, RecurrentState
 from evict.ops import memory, memory_step
 
 from .conv import ShortConv
@@ -109,7 +109,8 @@ class MemoryMixer(nn.Module):
 
     def forward(self, x: torch.Tensor, state: RecurrentState | None = None, pos=0) -> torch.Tensor:
         """x [B, T, d]; the state carries all history, so `pos` (an int or a SlotBatch) is not needed here, except a
-        PackedBatch: sequences of a slot pool packed along T (B = 1), each with its own state row and conv tail."""
+        PackedBatch: sequences of a slot pool packed along T (B = 1), each with its own state row and conv tail; and a
+        PaddedBatch: left-padded rows, whose pads leave the state and the conv tail as a row alone has them."""
         B, T, _ = x.shape
         H, D = self.H, self.D
         qkv = self.wqkv(x)  # [B, T, 3 H D]
@@ -128,6 +129,11 @@ class MemoryMixer(nn.Module):
         if self.normalizer:  # the normalizer z = sum phi(k) is the same op run on v = ones
             v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
         la = None if self.gate is None else self.log_alpha(x)
+        if isinstance(pos, PaddedBatch) and pos.padded:
+            # S_t = exp(la_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T (delta), exp(la_t) S_{t-1} + k_t v_t^T
+            # (not): with k_t = 0 and la_t = 0 both are S_t = S_{t-1}, for every kind (beta alone is not in all of them)
+            k = pos.zero_pads(k)
+            la = None if la is None else pos.zero_pads(la)
         beta = None
         if self.wb is not None:
             beta = torch.sigmoid(self.wb(x).to(_gate_dtype(x))) * (2.0 if self.neg_eigval else 1.0)  # [B, T, H]

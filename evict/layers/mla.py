@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from evict.cache import LatentState, PackedBatch, SlotBatch
+from evict.cache import LatentState, PackedBatch, PaddedBatch, SlotBatch
 from evict.ops import attention
 from evict.ops.decode import decode_attention, kernel_runs_on
 from evict.ops.rope import rope
@@ -53,10 +53,11 @@ class MLA(nn.Module):
         nn.init.normal_(self.wuv, std=self.init_std)
         reset_children(self)
 
-    def forward(self, x: torch.Tensor, state: LatentState | None = None, pos: int | SlotBatch | PackedBatch = 0,
-                absorb: bool | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: LatentState | None = None,
+                pos: int | SlotBatch | PackedBatch | PaddedBatch = 0, absorb: bool | None = None) -> torch.Tensor:
         """x [B, T, d]; pos: the batch's first position, or a SlotBatch (rows of a slot pool at their own positions),
-        or a PackedBatch (sequences packed along T, B = 1: each part attends over its own latents)."""
+        or a PackedBatch (sequences packed along T, B = 1: each part attends over its own latents), or a PaddedBatch
+        (left-padded rows: pad latents masked, positions counted from each row's first token)."""
         B, T, _ = x.shape
         H, n, p = self.H, self.n, self.p
         q, ckv = self.wq(x), self.wdkv(x)  # [B, T, H (n + p)], [B, T, r + p]
@@ -83,13 +84,14 @@ class MLA(nn.Module):
                 o = pos.join([self._attend_slots(qn, qr, state, part, absorb)
                               for qn, qr, (part, _) in zip(pos.split(q_nope), pos.split(q_rope), pos.parts())])
         else:
+            start, mask = (pos.start, pos.mask) if isinstance(pos, PaddedBatch) else (pos, None)
             if state is not None:
-                state.c[:, pos : pos + T] = c
-                state.k_rope[:, pos : pos + T] = k_rope
-                c, k_rope = state.c[:, : pos + T], state.k_rope[:, : pos + T]  # [B, L, r], [B, L, p]
+                state.c[:, start : start + T] = c
+                state.k_rope[:, start : start + T] = k_rope
+                c, k_rope = state.c[:, : start + T], state.k_rope[:, : start + T]  # [B, L, r], [B, L, p]
             if absorb is None:
                 absorb = state is not None and T == 1
-            o = (self._absorbed if absorb else self._naive)(q_nope, q_rope, c, k_rope)  # [B, T, H, e]
+            o = (self._absorbed if absorb else self._naive)(q_nope, q_rope, c, k_rope, mask)  # [B, T, H, e]
         if self.wgate is not None:
             o = o * torch.sigmoid(self.wgate(x)).view(B, T, H, self.e)
         return self.wo(o.reshape(B, T, H * self.e))

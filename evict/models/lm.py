@@ -22,7 +22,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from evict.cache import HybridCache, PackedBatch, SlotBatch
+from evict.cache import HybridCache, PackedBatch, PaddedBatch, SlotBatch
 from evict.cli_args import first_line
 from evict.jsonfile import read_json_object
 from evict.layers.attention import Attention
@@ -100,7 +100,7 @@ class Block(nn.Module):
             for w in self.ffn.output_weights():
                 nn.init.normal_(w, std=self.out_std)
 
-    def forward(self, h: torch.Tensor | None, state=None, pos: int | SlotBatch | PackedBatch = 0,
+    def forward(self, h: torch.Tensor | None, state=None, pos: int | SlotBatch | PackedBatch | PaddedBatch = 0,
                 completed: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Pre-norm: h [B, T, D] is the residual stream; returns h + mixer(norm(h)), then + ffn(norm(.)).
 
@@ -186,7 +186,7 @@ class LM(nn.Module):
     def forward(self, tokens: torch.Tensor | None, cache: HybridCache | None = None, *,
                 positions: torch.Tensor | None = None, embeds: torch.Tensor | None = None,
                 hidden_states: list | None = None, head: bool = True,
-                targets: torch.Tensor | None = None) -> torch.Tensor | LossOut:
+                targets: torch.Tensor | None = None, pad: list[int] | None = None) -> torch.Tensor | LossOut:
         """tokens [B, T] int64 -> logits [B, T, vocab]. With a cache: continue from cache.pos, then advance it.
 
         `positions` [B, P] int64 (indices into T): logits only there, [B, P, vocab] — the head and the loss of a task
@@ -197,14 +197,17 @@ class LM(nn.Module):
         head=False: the final-normed stream [B, T, D] (or [B, P, D]) instead of logits.
         `targets` [B, T] (or [B, P] with positions) int64, -100 = unlabelled: instead of logits, the training loss
         (`evict.ops.loss.linear_cross_entropy`: LossOut(mean loss, correct, labelled)), computed in row chunks so the
-        float32 logits of the whole batch never exist."""
+        float32 logits of the whole batch never exist.
+        `pad` [B] ints: left padding, row b's first pad[b] columns are pads (a PaddedBatch: every row's outputs at its
+        tokens are what it gives alone; those at pads are finite and meaningless). With a cache, give it with the first
+        tokens (position 0): the cache keeps it for every later call."""
         if embeds is not None:
             if tokens is not None:
                 raise ValueError("tokens: give tokens or embeds, not both")
             if not isinstance(embeds, torch.Tensor) or embeds.dim() != 3 or embeds.shape[-1] != self.cfg.d_model:
                 shape = str(tuple(embeds.shape)) if isinstance(embeds, torch.Tensor) else type(embeds).__name__
                 raise ValueError(f"embeds: expected a tensor [B, T, d_model={self.cfg.d_model}], got {shape}")
-            return self._run(embeds, cache, positions, hidden_states, head, targets)
+            return self._run(embeds, cache, positions, hidden_states, head, targets, pad)
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64:
             got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             raise ValueError(f"tokens: expected an int64 tensor [B, T], got {got}")
@@ -219,10 +222,11 @@ class LM(nn.Module):
             lo, hi = int(tokens.min()), int(tokens.max())
             if lo < 0 or hi >= self.cfg.vocab_size:
                 raise ValueError(f"tokens: expected ids in [0, vocab_size={self.cfg.vocab_size}), got range [{lo}, {hi}]")
-        return self._run(self.embed(tokens), cache, positions, hidden_states, head, targets)
+        return self._run(self.embed(tokens), cache, positions, hidden_states, head, targets, pad)
 
     def _run(self, h: torch.Tensor, cache: HybridCache | None, positions: torch.Tensor | None,
-             hidden_states: list | None, head: bool, targets: torch.Tensor | None = None) -> torch.Tensor | LossOut:
+             hidden_states: list | None, head: bool, targets: torch.Tensor | None = None,
+             pad: list[int] | None = None) -> torch.Tensor | LossOut:
         """The embedded tokens h [B, T, D] through positions, blocks, final norm and head (see forward)."""
         B, T = h.shape[:2]
         if B == 0 or T == 0:
@@ -231,7 +235,11 @@ class LM(nn.Module):
             raise ValueError("hidden_states: an AttnRes model has no single residual stream per layer")
         if positions is not None:
             self._check_positions(positions, B, T)
-        pos: int | SlotBatch | PackedBatch = 0
+        if pad is not None and (not isinstance(pad, (list, tuple)) or len(pad) != B
+                                or any(type(p) is not int or not 0 <= p < T for p in pad)):
+            raise ValueError(f"pad: expected {B} ints in [0, T={T}) (each row's leading pad columns, one token at least), "
+                             f"got {pad!r}")
+        pos: int | SlotBatch | PackedBatch | PaddedBatch = 0
         states: list = [None] * len(self.blocks)
         slots = False
         if cache is not None:
@@ -243,6 +251,8 @@ class LM(nn.Module):
                 raise ValueError(f"cache: expected states on the model's device {h.device}, got {cache.device}")
             slots = cache.block_size is not None  # a slot pool: rows at their own positions
             if slots:
+                if pad is not None:
+                    raise ValueError("pad: a slot pool's rows carry their own positions; pad is for a batch cache")
                 if cache.batch is None or tuple(cache.batch.positions.shape) != (B, T):
                     got = "none" if cache.batch is None else str(list(cache.batch.positions.shape))
                     raise ValueError(f"cache: a slot pool needs select(rows, starts, T) for these [B, T] = [{B}, {T}] tokens, got {got}")
@@ -251,11 +261,20 @@ class LM(nn.Module):
                 if cache.batch_size != B:
                     raise ValueError(f"cache: built for batch {cache.batch_size}, got tokens for batch {B}")
                 cache.reserve(T)
-                pos, states = cache.pos, cache.states
+                if pad is not None:
+                    if cache.pos != 0:
+                        raise ValueError(f"pad: give it with a cache's first tokens (position 0), the cache is at {cache.pos}")
+                    cache.pad = list(pad)
+                pos, states, pad = cache.pos, cache.states, cache.pad
+        last = pos + T if isinstance(pos, int) else 0  # the largest position + 1 (a pool checks its max_len once)
+        if pad is not None:  # rows at their own positions, from each row's first token
+            assert isinstance(pos, int)
+            last = pos + T - min(pad)
+            pos = PaddedBatch.build(list(pad), pos, T, h.device)
         if self.wpe is not None:
             at = pos.positions if not isinstance(pos, int) else torch.arange(pos, pos + T, device=h.device)  # [B, T] or [T]
-            if isinstance(pos, int) and pos + T > self.cfg.max_seq_len:  # a pool checks its max_len against the config once
-                raise ValueError(f"tokens: learned positions cover {self.cfg.max_seq_len} tokens, got up to {pos + T}")
+            if last > self.cfg.max_seq_len:
+                raise ValueError(f"tokens: learned positions cover {self.cfg.max_seq_len} tokens, got up to {last}")
             h = h + self.wpe(at)
         recompute = self.gradient_checkpointing and self.training and cache is None and torch.is_grad_enabled()
         if self.final_read is None:

@@ -315,8 +315,10 @@ def write_hf_tokenizer_config(folder: str | Path, tok: Tokenizer, model_max_leng
     """tokenizer_config.json + special_tokens_map.json beside a tokenizer.json, so transformers' AutoTokenizer loads
     the folder (PreTrainedTokenizerFast) with EOT as its eos, bos and pad token (GPT-2's convention; pad for batching)."""
     special = {} if tok.eos_token_id is None else {"eos_token": EOT, "bos_token": EOT, "pad_token": EOT}
+    # model_input_names: GPT-2's; without it transformers 4.x adds token_type_ids, which generate(**batch) refuses
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-                              "add_bos_token": False, "add_eos_token": False, **special}
+                              "add_bos_token": False, "add_eos_token": False,
+                              "model_input_names": ["input_ids", "attention_mask"], **special}
     if model_max_length is not None:
         config["model_max_length"] = model_max_length
     folder = Path(folder)
