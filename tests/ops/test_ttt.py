@@ -87,6 +87,8 @@ def test_step_form_matches_the_float64_reference(name, gate, T):
     x["k"] = x["k"] * 1.3  # unnormalised keys: λ = Σ p k² is not 1
     o_ref, st_ref = ref(x, ttt)
     o, st = run_steps(x, ttt, state=TTTState(x["initial_state"], *(None,) * 3))
+    o_seq, st_seq = ref(x, ttt, impl="step")  # the step form over the sequence: the same token function
+    assert torch.equal(o_seq, o) and all(a is None or torch.equal(a, b) for a, b in zip(st_seq, st))
     assert rel(o, o_ref) <= 1e-12
     for a, b in zip(st, st_ref):
         assert (a is None) == (b is None)
@@ -199,7 +201,7 @@ def test_bad_calls_get_one_line():
         (lambda: ttt_memory(q, k, v, momentum=torch.full((1, 3, 2), 1.5, dtype=torch.float64)),
          "momentum: expected values in [0, 1]"),
         (lambda: ttt_memory(q, k, v, ttt={"inner_steps": 2}), "ttt: expected a TTT(...)"),
-        (lambda: ttt_memory(q, k, v, impl="triton"), "impl: expected 'reference' or 'chunked'"),
+        (lambda: ttt_memory(q, k, v, impl="triton"), "impl: expected one of ('reference', 'step', 'chunked')"),
         (lambda: ttt_memory(q, k, v, momentum=x["momentum"], impl="chunked"), "momentum has none here"),
         (lambda: ttt_memory(q, k, v, ttt=TTT(adaptive=1.0), impl="chunked"), "adaptive has none here"),
         (lambda: ttt_memory(q, k, v, ttt=TTT(second_order=1.0), impl="chunked"), "second_order has none here"),

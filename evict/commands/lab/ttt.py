@@ -27,7 +27,7 @@ def add_parser(lab_sub) -> None:
                        "early in training (speed of learning).",
                        examples=("evict lab ttt --quick --out runs/lab_ttt",
                                  "evict lab ttt --rules delta momentum --tasks mqar --pairs 4 8 16 --out runs/lab_ttt_mom"),
-                       quick="d_key 8, capacity S 6/10/14, MQAR K 4/8 at length 32, 5 rules, 250 steps; ~3 min on a "
+                       quick="d_key 8, capacity S 6/10/14, MQAR K 4/8 at length 32, 5 rules, 400 steps; ~3 min on a "
                              "2-core CPU",
                        full="d_key 64, S 32-96, MQAR K 16-64 at length 256, 4,000 steps, 3 seeds; one GPU",
                        seeds_help="seeds per cell; the table shows the mean")

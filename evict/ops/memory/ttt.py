@@ -15,7 +15,8 @@ Legend: B batch, T time, H heads, K key dim, V value dim. State S [B, H, K, V], 
 
 With μ absent (None), m = 1, a = c = 0 this is the op's delta rule, operation for operation. The m inner steps
 close to one step: k X_j − v = (1 − βλ)^j r with λ = Σ_i p_i k_i², so X_m = S' + Diag(p) kᵀ β_m (v − k S'),
-β_m = β Σ_{j<m} (1 − βλ)^j. The reference form takes the m steps literally; the step form uses β_m; the chunked
+β_m = β Σ_{j<m} (1 − βλ)^j. The reference form takes the m steps literally; the step form uses β_m (and runs over
+a sequence too, impl="step": the same token function in a loop); the chunked
 form exists for inner steps alone (β_m into the op's chunked form) and is refused, with the reason, otherwise.
 """
 
@@ -31,6 +32,7 @@ from ._check import LOG_ALPHA_FLOOR, check_inputs, check_scale, state_dtype
 from .chunked import memory_chunked
 
 MAX_INNER_STEPS = 64
+IMPLS = ("reference", "step", "chunked")
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,12 @@ def _start(S0, B, H, K, V, ref, sd, ttt: TTT, momentum) -> TTTState:
                     pick(given.h, ttt.second_order > 0, (B, H, K)))
 
 
+def _kept(x: torch.Tensor | None) -> torch.Tensor:
+    """A statistic the settings use (_start made it): never None here."""
+    assert x is not None
+    return x
+
+
 def _decay(S, log_alpha):
     if log_alpha is None:
         return S
@@ -105,10 +113,10 @@ def reference_token(q, k, v, st: TTTState, log_alpha, beta, mu, scale: float, tt
     grad = lambda X: k[..., :, None] * (torch.einsum("bhk,bhkv->bhv", k, X) - v)[..., None, :]  # noqa: E731
     n = h = p_n = p_h = None
     if ttt.adaptive > 0:
-        n = ttt.stat_decay * st.n + grad(S).pow(2).sum(-1)  # [B, H, K] squared gradient of each row of S
+        n = ttt.stat_decay * _kept(st.n) + grad(S).pow(2).sum(-1)  # [B, H, K] squared gradient of each row of S
         p_n = (1 + ttt.adaptive * n).rsqrt()
     if ttt.second_order > 0:
-        h = ttt.stat_decay * st.h + torch.diagonal(k[..., :, None] * k[..., None, :], dim1=-2, dim2=-1)  # diag kᵀk
+        h = ttt.stat_decay * _kept(st.h) + torch.diagonal(k[..., :, None] * k[..., None, :], dim1=-2, dim2=-1)  # diag kᵀk
         p_h = 1 / (1 + ttt.second_order * h)
     p = _step_size(p_n, p_h)
     wk = k if p is None else p * k
@@ -133,10 +141,10 @@ def step_token(q, k, v, st: TTTState, log_alpha, beta, mu, scale: float, ttt: TT
     kk = k * k
     n = h = p_n = p_h = None
     if ttt.adaptive > 0:
-        n = ttt.stat_decay * st.n + kk * u.pow(2).sum(-1, keepdim=True)  # (k ⊙ k) ‖r‖²
+        n = ttt.stat_decay * _kept(st.n) + kk * u.pow(2).sum(-1, keepdim=True)  # (k ⊙ k) ‖r‖²
         p_n = (1 + ttt.adaptive * n).rsqrt()
     if ttt.second_order > 0:
-        h = ttt.stat_decay * st.h + kk
+        h = ttt.stat_decay * _kept(st.h) + kk
         p_h = 1 / (1 + ttt.second_order * h)
     p = _step_size(p_n, p_h)
     b = beta
@@ -204,11 +212,12 @@ def ttt_memory(q, k, v, *, log_alpha=None, beta=None, momentum=None, scale=None,
                ttt: TTT = TTT(), impl: str = "reference", chunk_size=None, check: bool = True):
     """The TTT update over a sequence: q, k [B, T, H, K]; v [B, T, H, V]; log_alpha [B, T, H] or [B, T, H, K];
     beta, momentum (μ, None = no momentum state) [B, T, H]; initial_state a TTTState or S [B, H, K, V].
-    impl "reference" (the token loop, literal inner steps; float64-capable) or "chunked" (inner steps alone).
+    impl "reference" (the token loop, literal inner steps; float64-capable), "step" (the step form token by token:
+    the inner steps in closed form, fewer operations for the autograd tape) or "chunked" (inner steps alone).
     Returns (o [B, T, H, V] in q's dtype, final TTTState)."""
     _door(q, k, v, log_alpha, beta, momentum, initial_state, ttt, step=False, check=check)
-    if impl not in ("reference", "chunked"):
-        raise ValueError(f"impl: expected 'reference' or 'chunked', got {impl!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
     scale = check_scale(scale, q.shape[-1])
     sd = state_dtype(q.dtype)
     if log_alpha is not None:
@@ -217,19 +226,20 @@ def ttt_memory(q, k, v, *, log_alpha=None, beta=None, momentum=None, scale=None,
         if impl == "chunked":
             o, st = _chunked(q, k, v, log_alpha, beta, momentum, scale, initial_state, ttt, chunk_size, sd)
         else:
-            o, st = _reference(q, k, v, log_alpha, beta, momentum, scale, initial_state, ttt, sd)
+            token = reference_token if impl == "reference" else step_token
+            o, st = _loop(token, q, k, v, log_alpha, beta, momentum, scale, initial_state, ttt, sd)
     return o.to(q.dtype), st
 
 
-def _reference(q, k, v, log_alpha, beta, momentum, scale, initial_state, ttt, sd):
+def _loop(token, q, k, v, log_alpha, beta, momentum, scale, initial_state, ttt, sd):
+    """`token` (reference_token or step_token) over time."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     st = _start(initial_state, B, H, K, V, q, sd, ttt, momentum)
     at = lambda x, t: None if x is None else x[:, t].to(sd)  # noqa: E731
     outs = []
     for t in range(T):
-        o, st = reference_token(at(q, t), at(k, t), at(v, t), st, at(log_alpha, t), at(beta, t), at(momentum, t),
-                                scale, ttt)
+        o, st = token(at(q, t), at(k, t), at(v, t), st, at(log_alpha, t), at(beta, t), at(momentum, t), scale, ttt)
         outs.append(o)
     return (torch.stack(outs, dim=1) if outs else q.new_zeros(B, 0, H, V, dtype=sd)), st
 
