@@ -110,23 +110,22 @@ class MQARMemory(nn.Module):
 @dataclass
 class TTTSweep:
     rules: tuple = tuple(RULES)
-    tasks: tuple = TASKS
-    sizes: tuple = (6, 10, 14)  # capacity: S distinct keys at d_key (S / d = 0.75, 1.25, 1.75)
-    pairs: tuple = (4, 8)  # MQAR: K pairs at seq_len
     d_key: int = 8  # the state is d_key × d_key in MQAR, d_key × S in the capacity regression
-    d_model: int = 32  # MQAR's embedding width
-    seq_len: int = 32
-    vocab_size: int = 64
-    steps: int = 400
+    tasks: tuple = TASKS
+    steps: int = 400  # Adam steps of every run, held-out evaluations every eval_every
     batch_size: int = 32
     lr: float = 3e-3
     eval_every: int = 50
     eval_batches: int = 2
+    sizes: tuple = (6, 10, 14)  # capacity: S distinct keys at d_key (S / d = 0.75, 1.25, 1.75)
+    d_model: int = 32  # MQAR: the embedding width, the sequence length, the vocabulary and the pairs K
+    seq_len: int = 32
+    vocab_size: int = 64
+    pairs: tuple = (4, 8)
     seed: int = 0
     seeds: int = 1
     workers: int = 2
     device: str = "cpu"
-
 
 QUICK = TTTSweep()
 FULL = TTTSweep(  # sized for one GPU, ~1 hour (not run yet; every number here is ours)

@@ -58,8 +58,7 @@ def test_state_numbers():
 
 def test_sweep_runs_resumes_and_writes_outputs(tmp_path):
     root = run_sweep(MICRO, out=tmp_path / "sweep")
-    for name in ("config.json", "results.jsonl", "table.md", "ttt.png"):
-        assert (root / name).stat().st_size > 0, name
+    assert all((root / name).stat().st_size > 0 for name in ("config.json", "results.jsonl", "table.md", "ttt.png"))
     rows = [json.loads(line) for line in (root / "results.jsonl").read_text().splitlines()]
     assert {(r["task"], r["rule"], r["size"]) for r in rows} == {
         *(("capacity", r, S) for r in MICRO.rules for S in MICRO.sizes), *(("mqar", r, 1) for r in MICRO.rules)}
