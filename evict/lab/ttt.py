@@ -55,8 +55,8 @@ EVAL_SEED_OFFSET = 10_000
 def _form(rule: str) -> str:
     """The op's form for a rule: the chunked one where it exists, else the step form token by token (both tested
     against the float64 reference; the reference's literal gradient matrices cost more on the autograd tape)."""
-    ttt, mu = RULES[rule][1], RULES[rule][2]
-    return "chunked" if mu is None and ttt.adaptive == 0 and ttt.second_order == 0 else "step"
+    ttt = RULES[rule][1]
+    return "chunked" if ttt.adaptive == 0 and ttt.second_order == 0 else "step"
 
 
 def _memory(rule: str, q, k, v, beta, mu_mask):

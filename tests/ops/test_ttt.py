@@ -106,6 +106,32 @@ def test_chunked_inner_steps_match_the_literal_steps(gate, m):
         assert rel(o, o_ref) <= 1e-10 and rel(st.S, st_ref.S) <= 1e-10, cs
 
 
+@pytest.mark.parametrize("gate", ["none", "scalar"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_chunked_momentum_matches_the_reference(gate, m):
+    """(S, M) in chunks (ttt_momentum.py): odd T, a shorter last chunk, μ = 0 on some tokens, hard resets."""
+    x = inputs(2, 37, 3, 5, 4, gate=gate, init=True)
+    x["momentum"][:, ::4] = 0.0
+    if gate == "scalar":
+        x["log_alpha"][:, 7] = torch.finfo(torch.float64).min  # a hard reset (clamped to the float64 floor)
+    x["initial_state"] = TTTState(x["initial_state"], torch.randn_like(x["initial_state"]))
+    o_ref, st_ref = ref(x, TTT(inner_steps=m))
+    for cs in (1, 4, 16, 64):
+        o, st = ref(x, TTT(inner_steps=m), impl="chunked", chunk_size=cs)
+        assert rel(o, o_ref) <= 1e-10 and rel(st.S, st_ref.S) <= 1e-10 and rel(st.M, st_ref.M) <= 1e-10, cs
+
+
+def test_gradients_of_the_chunked_momentum_match_the_reference():
+    x = inputs(1, 19, 2, 5, 3, gate="scalar", init=True, beta_max=1.0)
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items() if t is not None}
+    grads = []
+    for impl in ("reference", "chunked"):
+        o, st = ref(leaves, TTT(inner_steps=2), impl=impl, chunk_size=8)
+        grads.append(torch.autograd.grad(o.pow(2).sum() + st.S.sum() + st.M.pow(2).sum(), list(leaves.values())))
+    for n, a, b in zip(leaves, *grads):
+        assert rel(a, b) <= 1e-10, n
+
+
 def test_inner_steps_by_hand():
     """One unit key, S' holding `old` at k, β = ½: each SGD step halves the residual, so after m steps the read is
     v − 2^{-m} (v − old); the closed form says β_m = 1 − 2^{-m}."""
@@ -202,7 +228,8 @@ def test_bad_calls_get_one_line():
          "momentum: expected values in [0, 1]"),
         (lambda: ttt_memory(q, k, v, ttt={"inner_steps": 2}), "ttt: expected a TTT(...)"),
         (lambda: ttt_memory(q, k, v, impl="triton"), "impl: expected one of ('reference', 'step', 'chunked')"),
-        (lambda: ttt_memory(q, k, v, momentum=x["momentum"], impl="chunked"), "momentum has none here"),
+        (lambda: ttt_memory(q, k, v, momentum=x["momentum"], log_alpha=torch.zeros_like(q), impl="chunked"),
+         "channel has none here"),
         (lambda: ttt_memory(q, k, v, ttt=TTT(adaptive=1.0), impl="chunked"), "adaptive has none here"),
         (lambda: ttt_memory(q, k, v, ttt=TTT(second_order=1.0), impl="chunked"), "second_order has none here"),
         (lambda: ttt_memory(q, k, v, ttt=TTT(inner_steps=2), impl="chunked", chunk_size=3), "chunk_size: expected"),

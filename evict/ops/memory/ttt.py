@@ -16,8 +16,9 @@ Legend: B batch, T time, H heads, K key dim, V value dim. State S [B, H, K, V], 
 With μ absent (None), m = 1, a = c = 0 this is the op's delta rule, operation for operation. The m inner steps
 close to one step: k X_j − v = (1 − βλ)^j r with λ = Σ_i p_i k_i², so X_m = S' + Diag(p) kᵀ β_m (v − k S'),
 β_m = β Σ_{j<m} (1 − βλ)^j. The reference form takes the m steps literally; the step form uses β_m (and runs over
-a sequence too, impl="step": the same token function in a loop); the chunked
-form exists for inner steps alone (β_m into the op's chunked form) and is refused, with the reason, otherwise.
+a sequence too, impl="step": the same token function in a loop); the chunked form exists for inner steps (β_m into
+the op's chunked form) and momentum (the (S, M) chunks of ttt_momentum.py, scalar gates), and is refused, with the
+reason, for the rest.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from typing import NamedTuple
 import torch
 
 from ._check import LOG_ALPHA_FLOOR, check_inputs, check_scale, state_dtype
-from .chunked import memory_chunked
+from .chunked import DEFAULT_CHUNK, memory_chunked
+from .ttt_momentum import momentum_chunked
 
 MAX_INNER_STEPS = 64
 IMPLS = ("reference", "step", "chunked")
@@ -213,7 +215,8 @@ def ttt_memory(q, k, v, *, log_alpha=None, beta=None, momentum=None, scale=None,
     """The TTT update over a sequence: q, k [B, T, H, K]; v [B, T, H, V]; log_alpha [B, T, H] or [B, T, H, K];
     beta, momentum (μ, None = no momentum state) [B, T, H]; initial_state a TTTState or S [B, H, K, V].
     impl "reference" (the token loop, literal inner steps; float64-capable), "step" (the step form token by token:
-    the inner steps in closed form, fewer operations for the autograd tape) or "chunked" (inner steps alone).
+    the inner steps in closed form, fewer operations for the autograd tape) or "chunked" (inner steps and momentum
+    with scalar or no gates; refused with the reason otherwise).
     Returns (o [B, T, H, V] in q's dtype, final TTTState)."""
     _door(q, k, v, log_alpha, beta, momentum, initial_state, ttt, step=False, check=check)
     if impl not in IMPLS:
@@ -255,8 +258,7 @@ def inner_steps_beta(k, beta, m: int):
 
 
 NO_CHUNKED = {  # setting -> why it has no chunked form here
-    "momentum": "linear in (S, M), so a chunked form exists (README.md: token-pair coefficients c_tj on the Gram "
-                "matrices, the state (S, M) carried), but it is not implemented",
+    "channel": "momentum with a per-channel gate: its token-pair coefficients are a C × C × K tensor, not implemented",
     "adaptive": "Adagrad's statistic reads the residual ‖k S − v‖², so the update is nonlinear in S: no chunk algebra",
     "second_order": "linear in S, but the write key p ⊙ k differs from the erase key k: it needs a DPLR op with "
                     "separate erase and write keys, which evict's op is not",
@@ -264,15 +266,24 @@ NO_CHUNKED = {  # setting -> why it has no chunked form here
 
 
 def _chunked(q, k, v, log_alpha, beta, momentum, scale, initial_state, ttt, chunk_size, sd):
-    used = [name for name, on in (("momentum", momentum is not None), ("adaptive", ttt.adaptive > 0),
-                                  ("second_order", ttt.second_order > 0)) if on]
+    """Inner steps: the op's chunked form with β_m; with momentum (scalar gates): the (S, M) chunks of ttt_momentum."""
+    used = [name for name, on in (("channel", momentum is not None and log_alpha is not None and log_alpha.dim() == 4),
+                                  ("adaptive", ttt.adaptive > 0), ("second_order", ttt.second_order > 0)) if on]
     if used:
-        raise ValueError(f"impl: 'chunked' exists for inner_steps alone; {used[0]} has none here ({NO_CHUNKED[used[0]]})")
+        raise ValueError(f"impl: 'chunked' exists for inner_steps and momentum (scalar gates); {used[0]} has none "
+                         f"here ({NO_CHUNKED[used[0]]})")
     if chunk_size is not None and (type(chunk_size) is not int or chunk_size < 1 or chunk_size & (chunk_size - 1)):
         raise ValueError(f"chunk_size: expected None or a power of two, got {chunk_size!r}")
-    S0 = initial_state.S if isinstance(initial_state, TTTState) else initial_state
     kd = k.to(sd)
     b = beta if ttt.inner_steps == 1 else inner_steps_beta(kd, None if beta is None else beta.to(sd), ttt.inner_steps)
+    if momentum is not None:
+        B, _, H, K = q.shape
+        st = _start(initial_state, B, H, K, v.shape[-1], q, sd, ttt, momentum)
+        c = lambda x: None if x is None else x.to(sd)  # noqa: E731
+        o, S, M = momentum_chunked(c(q), kd, c(v), log_alpha=c(log_alpha), beta=c(b), momentum=c(momentum),
+                                   scale=scale, S=st.S, M=st.M, chunk_size=chunk_size or DEFAULT_CHUNK)
+        return o, TTTState(S, M)
+    S0 = initial_state.S if isinstance(initial_state, TTTState) else initial_state
     o, S = memory_chunked(q, k, v, log_alpha=log_alpha, beta=b, delta=True, scale=scale, initial_state=S0,
                           chunk_size=chunk_size)
     return o, TTTState(S)
