@@ -128,9 +128,10 @@ class TTTSweep:
     device: str = "cpu"
 
 QUICK = TTTSweep()
-FULL = TTTSweep(  # sized for one GPU, ~1 hour (not run yet; every number here is ours)
-    sizes=(32, 48, 64, 80, 96), pairs=(16, 32, 48, 64), d_key=64, d_model=128, seq_len=256, vocab_size=512,
-    steps=4000, batch_size=64, lr=1e-3, eval_every=250, eval_batches=8, seeds=3, workers=4, device="auto",
+FULL = TTTSweep(  # sized for one GPU in < 90 min by estimate (not run yet; every number here is ours): d_key 32, S and
+    # K around d, T <= 128 for the token-loop rules (adagrad, newton)
+    sizes=(24, 32, 40, 48, 64), pairs=(16, 24, 32), d_key=32, d_model=128, seq_len=128, vocab_size=256,
+    steps=3000, batch_size=64, lr=1e-3, eval_every=250, eval_batches=8, seeds=3, workers=4, device="auto",
 )
 
 

@@ -30,7 +30,7 @@ def add_parser(lab_sub) -> None:
         examples=("evict lab ttt --quick --out runs/lab_ttt",
                   "evict lab ttt --rules delta momentum --tasks mqar --pairs 4 8 16 --out runs/lab_ttt_mom"),
         quick="d_key 8, capacity S 6/10/14, MQAR K 4/8 at length 32, 5 rules, 400 steps; ~3 min on a 2-core CPU",
-        full="d_key 64, S 32-96, MQAR K 16-64 at length 256, 4,000 steps, 3 seeds; one GPU")
+        full="d_key 32, S 24-64, MQAR K 16-32 at length 128, 3,000 steps, 3 seeds; one GPU (not run yet)")
     s.add_argument("--rules", nargs="+", choices=list(RULES))
     s.add_argument("--tasks", nargs="+", choices=list(TASKS))
     s.add_argument("--sizes", nargs="+", type=positive_int, metavar="S",
