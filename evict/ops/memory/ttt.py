@@ -64,11 +64,6 @@ class TTT:
         if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not 0 <= rho <= 1:
             raise ValueError(f"stat_decay: expected a number in [0, 1], got {rho!r}")
 
-    @property
-    def linear(self) -> bool:
-        """Whether the update is linear in the state: the adaptive step reads the residual (nonlinear in S)."""
-        return self.adaptive == 0
-
 
 class TTTState(NamedTuple):
     """S [B, H, K, V]; M [B, H, K, V] (momentum) and n, h [B, H, K] (adaptive, second order), None where unused."""
@@ -221,6 +216,8 @@ def ttt_memory(q, k, v, *, log_alpha=None, beta=None, momentum=None, scale=None,
     _door(q, k, v, log_alpha, beta, momentum, initial_state, ttt, step=False, check=check)
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    if chunk_size is not None and (type(chunk_size) is not int or chunk_size < 1 or chunk_size & (chunk_size - 1)):
+        raise ValueError(f"chunk_size: expected None or a power of two (the chunked form's), got {chunk_size!r}")
     scale = check_scale(scale, q.shape[-1])
     sd = state_dtype(q.dtype)
     if log_alpha is not None:
@@ -272,8 +269,6 @@ def _chunked(q, k, v, log_alpha, beta, momentum, scale, initial_state, ttt, chun
     if used:
         raise ValueError(f"impl: 'chunked' exists for inner_steps and momentum (scalar gates); {used[0]} has none "
                          f"here ({NO_CHUNKED[used[0]]})")
-    if chunk_size is not None and (type(chunk_size) is not int or chunk_size < 1 or chunk_size & (chunk_size - 1)):
-        raise ValueError(f"chunk_size: expected None or a power of two, got {chunk_size!r}")
     kd = k.to(sd)
     b = beta if ttt.inner_steps == 1 else inner_steps_beta(kd, None if beta is None else beta.to(sd), ttt.inner_steps)
     if momentum is not None:
