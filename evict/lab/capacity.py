@@ -102,7 +102,11 @@ class CapacityModel(nn.Module):
             beta = torch.ones(e.shape[0], W, device=e.device)
         else:
             beta = torch.sigmoid(self.beta_proj(e[:, :W]))[..., 0]  # [B, W]
-        return write_then_read(q, k, v, beta, delta=self.rule == "delta", n_queries=batch.query_keys.shape[1])
+        return self.read(q, k, v, beta, batch.query_keys.shape[1])
+
+    def read(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, n_queries: int) -> torch.Tensor:
+        """The memory between the writes and the reads (write_then_read); evict.lab.ttt swaps in its update here."""
+        return write_then_read(q, k, v, beta, delta=self.rule == "delta", n_queries=n_queries)
 
 
 def regression_loss(pred: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

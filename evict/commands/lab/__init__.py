@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from evict.cli_args import described
-from evict.commands.lab import capacity, context, hybrid, pairs, state, stories
+from evict.commands.lab import capacity, context, hybrid, pairs, state, stories, ttt
 
 
 def add_parser(sub) -> None:
@@ -15,5 +15,5 @@ def add_parser(sub) -> None:
         "evict lab state --quick --out runs/lab_state",
         "evict lab pairs --full --minutes 30 --out runs/lab_pairs"))
     experiments = lab.add_subparsers(dest="experiment", required=True)
-    for module in (state, capacity, pairs, stories, hybrid, context):
+    for module in (state, capacity, pairs, stories, hybrid, context, ttt):
         module.add_parser(experiments)
