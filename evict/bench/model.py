@@ -175,9 +175,10 @@ def _measure(subject: _Subject, x: torch.Tensor, y: torch.Tensor, *, warmup: int
     loss = float(last)
     if not math.isfinite(loss):
         raise ValueError(f"{subject.impl}: the training loss is not finite after {warmup + steps} steps ({loss})")
-    out = {"tok/s": round(tps), "peak GiB": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-           if device.type == "cuda" else None, "MFU %": None if peak is None else round(100 * subject.flops_per_token * tps / peak, 1),
-           "ms/step": round(1000 * dt / steps, 1), "loss": round(loss, 3)}
+    mem = round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
+    out: dict[str, Any] = {"tok/s": round(tps), "peak GiB": mem,
+                           "MFU %": None if peak is None else round(100 * subject.flops_per_token * tps / peak, 1),
+                           "ms/step": round(1000 * dt / steps, 1), "loss": round(loss, 3)}
     if profile:
         out["kernels"] = _kernel_table(step, sync, device, profile)
     return out
