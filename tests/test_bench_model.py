@@ -40,8 +40,18 @@ def test_cpu_run_beside_transformers(tmp_path):
     assert (tmp_path / "b.json").exists()
 
 
+def test_profile_writes_each_rows_kernel_table(tmp_path):
+    """profile=N: one more step under torch.profiler per row, its top-N table in the JSON row and in the .kernels.txt."""
+    rows = bench_model(models=("gpt2",), size="tiny", batch=1, seq_len=8, warmup=1, steps=1, device="cpu",
+                       references=False, profile=4, out=tmp_path / "b.json")
+    table = rows[0]["kernels"]
+    assert "Self CPU" in table and "aten::" in table
+    text = (tmp_path / "b.kernels.txt").read_text()
+    assert text.startswith("## gpt2 evict eager B1 T8:") and table in text
+
+
 @pytest.mark.parametrize("kw,name", [(dict(models=("nope",)), "model"), (dict(modes=("fast",)), "modes"),
-                                     (dict(batch=0), "batch"), (dict(models=("gpt2",), seq_len=4096), "seq_len")])
+                                     (dict(batch=0), "batch"), (dict(profile=-1), "profile"), (dict(models=("gpt2",), seq_len=4096), "seq_len")])
 def test_bad_input_one_line(kw, name, tmp_path):
     with pytest.raises(ValueError, match=f"^{name}: expected|^{name}: gpt2 has"):
         bench_model(**{"device": "cpu", "out": tmp_path / "x.json", **kw})
@@ -49,7 +59,8 @@ def test_bad_input_one_line(kw, name, tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["--lm", "nope"], ["--lm", "gpt2", "--batch-size", "0"],
-                                  ["--lm", "gpt2", "--modes", "fast"], ["--lm", "gpt2", "--seq-len", "5000"]])
+                                  ["--lm", "gpt2", "--modes", "fast"], ["--lm", "gpt2", "--seq-len", "5000"],
+                                  ["--lm", "gpt2", "--profile", "0"]])
 def test_cli_bad_flags_one_line_exit_2(argv, tmp_path, monkeypatch, capsys):
     from evict.cli import main
 

@@ -136,7 +136,7 @@ def _reference(cfg: ModelConfig) -> tuple[str, Callable] | None:
 
 
 def _measure(subject: _Subject, x: torch.Tensor, y: torch.Tensor, *, warmup: int, steps: int,
-             compiled: bool) -> dict[str, Any]:
+             compiled: bool, profile: int = 0) -> dict[str, Any]:
     model, device = subject.model, x.device
     model.train()
     loss_fn = subject.loss
@@ -175,19 +175,39 @@ def _measure(subject: _Subject, x: torch.Tensor, y: torch.Tensor, *, warmup: int
     loss = float(last)
     if not math.isfinite(loss):
         raise ValueError(f"{subject.impl}: the training loss is not finite after {warmup + steps} steps ({loss})")
-    return {"tok/s": round(tps), "peak GiB": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-            if device.type == "cuda" else None, "MFU %": None if peak is None else round(100 * subject.flops_per_token * tps / peak, 1),
-            "ms/step": round(1000 * dt / steps, 1), "loss": round(loss, 3)}
+    mem = round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
+    out: dict[str, Any] = {"tok/s": round(tps), "peak GiB": mem,
+                           "MFU %": None if peak is None else round(100 * subject.flops_per_token * tps / peak, 1),
+                           "ms/step": round(1000 * dt / steps, 1), "loss": round(loss, 3)}
+    if profile:
+        out["kernels"] = _kernel_table(step, sync, device, profile)
+    return out
+
+
+def _kernel_table(step: Callable[[], torch.Tensor], sync: Callable[[], None], device: torch.device, rows: int) -> str:
+    """torch.profiler over one more step: the top `rows` kernels by their own device time (CPU ops on a CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        step()
+        sync()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=100)
 
 
 def bench_model(*, models=("kda_226m",), size: str = "tiny", batch: int = 4, seq_len: int = 4096,
                 modes=("eager",), references: bool = True, warmup: int = 3, steps: int = 10,
-                checkpoint_blocks: bool = False, device: str = "cuda", out=None) -> list[dict]:
+                checkpoint_blocks: bool = False, device: str = "cuda", out=None, profile: int = 0) -> list[dict]:
     """Train each of `models` (NAMED shapes or presets at `size`) at batch × seq_len in each of `modes`, beside its
-    reference when `references`; print one table, write JSON to `out`. Returns the rows."""
-    for name, value, low in (("batch", batch, 1), ("seq_len", seq_len, 1), ("warmup", warmup, 1), ("steps", steps, 1)):
+    reference when `references`; print one table, write JSON to `out`. Returns the rows.
+
+    profile: > 0 profiles one more step of every row (torch.profiler) and prints its top `profile` kernels by device
+    time; the tables go into the JSON (each row's "kernels") and beside it as text (`out` with .kernels.txt)."""
+    for name, value, low in (("batch", batch, 1), ("seq_len", seq_len, 1), ("warmup", warmup, 1), ("steps", steps, 1),
+                             ("profile", profile, 0)):
         if type(value) is not int or value < low:
-            raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+            raise ValueError(f"{name}: expected {'a positive' if low else 'a non-negative'} integer, got {value!r}")
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise ValueError(f"modes: expected names from {MODES}, got {list(modes)}")
@@ -221,9 +241,12 @@ def bench_model(*, models=("kda_226m",), size: str = "tiny", batch: int = 4, seq
                     continue
                 row["params M"] = round(sum(p.numel() for p in subject.model.parameters()) / 1e6, 1)
                 row["GFLOP/token"] = round(subject.flops_per_token / 1e9, 3)
-                row.update(_measure(subject, x, y, warmup=warmup, steps=steps, compiled=mode == "compiled"))
+                row.update(_measure(subject, x, y, warmup=warmup, steps=steps, compiled=mode == "compiled",
+                                    profile=profile))
                 rows.append(row)
-                print(row, flush=True)
+                print({k: v for k, v in row.items() if k != "kernels"}, flush=True)
+                if "kernels" in row:
+                    print(f"{name} {impl} {mode}: top {profile} kernels of one step\n{row['kernels']}", flush=True)
                 del subject
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
@@ -236,6 +259,12 @@ def bench_model(*, models=("kda_226m",), size: str = "tiny", batch: int = 4, seq
     if out:
         write_json(out, {"card": card(), "batch": batch, "seq_len": seq_len, "modes": list(modes), "warmup": warmup,
                          "steps": steps, "checkpoint_blocks": checkpoint_blocks, "rows": rows})
+        if profile:
+            from pathlib import Path
+
+            Path(out).with_suffix(".kernels.txt").write_text("".join(
+                f"## {r['model']} {r['impl']} {r['mode']} {r['shape']}: {r['tok/s']} tok/s, peak {r['peak GiB']} GiB\n"
+                f"{r['kernels']}\n" for r in rows if "kernels" in r))
     return rows
 
 

@@ -121,7 +121,7 @@ def run_train(args) -> None:
         bench_model(models=tuple(args.lm), size=args.lm_size, batch=args.batch_size, seq_len=args.seq_len,
                     modes=tuple(args.modes), references=not args.no_reference, warmup=args.warmup_steps,
                     steps=args.timed_steps, checkpoint_blocks=args.checkpoint_blocks, device=args.device,
-                    out=args.out)
+                    out=args.out, profile=args.profile or 0)
         return
     from evict.bench.train import bench_train
 
@@ -176,6 +176,8 @@ def _train_arguments(t) -> None:
     m.add_argument("--warmup-steps", type=positive_int, default=3, help="untimed steps first (default 3)")
     m.add_argument("--timed-steps", type=positive_int, default=10, help="timed steps (default 10)")
     m.add_argument("--checkpoint-blocks", action="store_true", help="evict's model with activation checkpointing")
+    m.add_argument("--profile", type=positive_int, metavar="N",
+                   help="also profile one step of every row: its top N kernels by device time (printed; in the JSON)")
 
 
 def _benches() -> dict:

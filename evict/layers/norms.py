@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 NORMS = ("rmsnorm", "layernorm")
@@ -25,8 +26,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.to(y.dtype)).to(x.dtype)
+        # F.rms_norm: the same math (x · rsqrt(mean(x²) + eps) · weight, in xf's dtype); on CUDA one fused kernel each
+        # way (torch's _fused_rms_norm and its backward) where the written-out form took ~7 forward and ~10 backward
+        return F.rms_norm(xf, (xf.shape[-1],), self.weight.to(xf.dtype), self.eps).to(x.dtype)
 
 
 def build_norm(kind: str, dim: int, eps: float) -> nn.LayerNorm | RMSNorm:

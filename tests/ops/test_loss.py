@@ -1,10 +1,14 @@
-"""Chunked linear cross-entropy against float64 F.cross_entropy(h @ W.T): loss, dh, dW, accuracy counts."""
+"""Chunked linear cross-entropy against float64 F.cross_entropy(h @ W.T): loss, dh, dW, accuracy counts; the Triton
+chunk kernel (evict/ops/loss_triton.py) in the CPU interpreter and on CUDA."""
+
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from evict.ops.loss import linear_cross_entropy
+from tests.conftest import run_interpreted
 
 
 def _reference(h, w, t, ignore_index=-100):
@@ -100,6 +104,52 @@ def test_no_labelled_row_gives_zero():
     assert not h.grad.any() and not w.grad.any()
 
 
+# (N, D, V, rows, ignored rows): rows of one and of several of the kernel's 4,096-logit blocks, a last partial block
+TRITON_CASES = [(37, 13, 101, 8, 11), (5, 7, 3, 1, 2), (20, 9, 5000, 64, 6), (3, 4, 9000, 2, 0), (6, 5, 4096, 4, 1)]
+
+TRITON_SCRIPT = r"""
+import json, sys
+from evict.ops.loss import linear_cross_entropy
+from tests.ops.test_loss import _draw, _reference
+out = {}
+for N, D, V, rows, ignore in json.loads(sys.argv[1]):
+    h, w, t = _draw(N, D, V, dtype=torch.float32, ignore=ignore, seed=N + V)
+    t[0] = int((h[0] @ w.t()).argmax())  # at least one argmax hit
+    res = linear_cross_entropy(h, w, t, rows=rows, impl="triton")
+    dh, dw = torch.autograd.grad(res.loss * 1.7, (h, w))
+    loss, rdh, rdw, correct, n = _reference(h, w, t)
+
+    def rel(a, b):
+        return float((a.double() - b).norm() / b.norm().clamp_min(1e-30))
+
+    out[f"{N}_{V}"] = [abs(float(res.loss) - float(loss)) / abs(float(loss)), rel(dh, 1.7 * rdh), rel(dw, 1.7 * rdw),
+                       [int(res.correct), int(res.labelled)], [correct, n], str(res.loss.dtype), str(dh.dtype)]
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_interpreted(TRITON_SCRIPT, json.dumps(TRITON_CASES))
+
+
+@pytest.mark.parametrize("case", [f"{N}_{V}" for N, _, V, _, _ in TRITON_CASES])
+def test_triton_kernel_matches_float64_reference(interpreted, case):
+    """float32 in the interpreter: loss and both gradients within float32 rounding of the float64 reference, the same
+    argmax hits and labelled count, the float32 dtypes."""
+    el, edh, edw, got, want, ldt, gdt = interpreted[case]
+    assert el <= 1e-6 and edh <= 1e-5 and edw <= 1e-5, (el, edh, edw)
+    assert got == want and ldt == gdt == "torch.float32"
+
+
+def test_triton_refused_where_it_cannot_run():
+    h, w, t = _draw(4, 3, 5)
+    with pytest.raises(ValueError, match="^impl='triton': needs CUDA"):
+        linear_cross_entropy(h, w, t, impl="triton")  # float64 on the CPU
+    with pytest.raises(ValueError, match="^impl: expected one of"):
+        linear_cross_entropy(h, w, t, impl="fast")
+
+
 @pytest.mark.parametrize("kw,name", [
     (dict(h=torch.zeros(2, 3, 4)), "h"), (dict(weight=torch.zeros(5, 4)), "weight"),
     (dict(targets=torch.zeros(6, dtype=torch.int32)), "targets"), (dict(rows=0), "rows")])
@@ -112,9 +162,11 @@ def test_bad_input_one_line(kw, name):
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_autocast_as_close_as_the_unchunked_head():
-    """CUDA bf16 autocast at a model-like shape (several chunks): loss and both gradients against float64, no worse
-    than the plain autocast head + float32 cross-entropy; the chunked loss's peak memory stays below the plain one's."""
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_gpu_bf16_autocast_as_close_as_the_unchunked_head(impl):
+    """CUDA bf16 autocast at a model-like shape (several chunks), each form: loss and both gradients against float64,
+    no worse than the plain autocast head + float32 cross-entropy; the chunked loss's peak memory stays below the
+    plain one's."""
     g = torch.Generator(device="cuda").manual_seed(0)
     N, D, V = 8192, 256, 32768
     h = torch.randn(N, D, device="cuda", generator=g).requires_grad_()
@@ -132,7 +184,7 @@ def test_gpu_bf16_autocast_as_close_as_the_unchunked_head():
         base = torch.cuda.memory_allocated()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             if chunked:
-                loss = linear_cross_entropy(h, w, t, rows=2048).loss
+                loss = linear_cross_entropy(h, w, t, rows=2048, impl=impl).loss
             else:
                 loss = F.cross_entropy((h @ w.t()).float(), t, ignore_index=-100)
         loss.backward()
