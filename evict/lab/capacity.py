@@ -30,7 +30,11 @@ capacity --law`) repeats the unique-key experiment at d_key 16, 32, 64, 128 with
 S* ≈ c·d and the log-log slope p. For orthogonal keys the answer is d exactly; whether training finds them is what
 the run measures.
 
-A sweep is a grid of (rule, overwrite, d_key, S, seed) runs; each trains a fresh model with Adam for a fixed number of
+`HEADS` (`--heads`) asks whether splitting one memory into many smaller heads at the same total state H·d_k·d_v
+buys or costs capacity: layouts 1×64², 4×32², 16×16² (`HEADS_FULL`, `--heads-full`: 1×128² … 64×16²), the model
+of evict/lab/capacity_heads.py (learned value embeddings of the head dim, one output map to R^S).
+
+A sweep is a grid of (rule, overwrite, d_key, S, seed) runs (or (rule, overwrite, layout, S, seed)); each trains a fresh model with Adam for a fixed number of
 steps and reports the loss on held-out batches. Outputs under runs/capacity/<timestamp>/: config.json,
 results.jsonl, table.md, capacity.png, runs/<name>/result.json (resumable with evict.lab.sweep.run_jobs).
 """
@@ -65,16 +69,21 @@ EVAL_SEED_OFFSET = 10_000  # held-out batches come from seed + this: no training
 
 def write_then_read(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *, delta: bool,
                     n_queries: int) -> torch.Tensor:
-    """Run W writes and then n_queries reads through evict.ops.memory; returns the reads [B, n_queries, V].
+    """Run W writes and then n_queries reads through evict.ops.memory; returns the reads [B, n_queries, V] (one head)
+    or [B, n_queries, H, V] (H heads).
 
-    q, k: [B, W + n_queries, K] (q of the writes and k, v of the queries are ignored: the queries carry β = 0);
-    v: [B, W + n_queries, V]; beta: [B, W] (the writes' β). One head, scale 1.
+    q, k: [B, W + n_queries, K] or [B, W + n_queries, H, K] (q of the writes and k, v of the queries are ignored: the
+    queries carry β = 0); v: [B, W + n_queries, V] or [B, W + n_queries, H, V]; beta: [B, W] or [B, W, H] (the writes'
+    β). Scale 1.
     """
-    B, T, _ = k.shape
-    beta = torch.cat([beta, beta.new_zeros(B, n_queries)], dim=1)  # [B, T]: queries write nothing
-    o, _ = memory(q[:, :, None], k[:, :, None], v[:, :, None], beta=beta[:, :, None], delta=delta, scale=1.0,
-                  impl="chunked", check=False)  # [B, T, 1, V]
-    return o[:, T - n_queries:, 0]
+    one = k.dim() == 3
+    if one:
+        q, k, v, beta = q[:, :, None], k[:, :, None], v[:, :, None], beta[:, :, None]
+    B, T, H, _ = k.shape
+    beta = torch.cat([beta, beta.new_zeros(B, n_queries, H)], dim=1)  # [B, T, H]: queries write nothing
+    o, _ = memory(q, k, v, beta=beta, delta=delta, scale=1.0, impl="chunked", check=False)  # [B, T, H, V]
+    o = o[:, T - n_queries:]
+    return o[:, :, 0] if one else o
 
 
 class CapacityModel(nn.Module):
@@ -123,6 +132,7 @@ class CapacitySweep:
     batch_size: int = 32
     lr: float = 3e-3
     eval_batches: int = 4
+    layouts: tuple = ()  # instead of d_keys: "HxD" memories of H heads of d_k = d_v = D at one total state H·D²
     seed: int = 0
     seeds: int = 1
     workers: int = 2
@@ -138,6 +148,21 @@ FULL = CapacitySweep(  # S well past the break; every number here is ours (LAB.m
 # The published point is d_key 64 (between S = 60 and 80); the other dims and the ladder are ours.
 LAW = CapacitySweep(sizes=(), per_d=(0.5, 0.75, 0.875, 1.0, 1.125, 1.25, 1.5), overwrite=(False,),
                     d_keys=(16, 32, 64, 128))
+# `--heads`: one total state of 64² = 4096 numbers as 1, 4 or 16 heads; S doubling from 32 to 256 brackets every
+# layout's rank bound H·D (64, 128, 256). Unique keys, both rules; the ladder is ours.
+HEADS = CapacitySweep(sizes=(32, 64, 128, 256), overwrite=(False,), layouts=("1x64", "4x32", "16x16"))
+# `--heads-full` (GPU, not run yet): 128² = 16384 numbers as 1, 4, 16 or 64 heads (rank bounds 128 … 1024), with and
+# without overwrites, 5,000 steps, 3 seeds: 240 runs. At the pace of FULL's runs above on an H200 (about 60 s per
+# 10,000-step run, 4 at once; results/full_runs.md), scaled by the longer rows (S up to 1024), about 40 minutes.
+HEADS_FULL = CapacitySweep(sizes=(64, 128, 256, 512, 1024), layouts=("1x128", "4x64", "16x32", "64x16"), steps=5000,
+                           batch_size=64, lr=1e-3, eval_batches=16, seeds=3, workers=4, device="auto")
+
+
+def key_dims(sweep: CapacitySweep) -> list[int]:
+    """The key dims a sweep climbs its ladder at: its layouts' head dims, or its d_keys."""
+    from evict.lab.capacity_heads import parse_layout
+
+    return [parse_layout(t)[1] for t in sweep.layouts] if sweep.layouts else list(sweep.d_keys)
 
 
 def sizes_at(sweep: CapacitySweep, d: int) -> list[int]:
@@ -161,7 +186,7 @@ def run_one(job: dict) -> dict | None:
     S, seed, overwrite, d = job["S"], job["seed"], job["overwrite"], job["d_key"]
     device = resolve_device(sweep.device)
     torch.manual_seed(seed)
-    model = CapacityModel(S, job["rule"], d).to(device)
+    model = _model(job).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=sweep.lr)
     ckpt = Path(job["dir"]) / "checkpoint.pt"
     first, earlier, curve = 0, 0.0, []
@@ -202,16 +227,29 @@ def run_one(job: dict) -> dict | None:
     }
 
 
-def _name(rule: str, overwrite: bool, d: int, S: int, seed: int) -> str:
-    return f"{rule}_{'ow' if overwrite else 'unique'}_d{d}_S{S}_s{seed}"
+def _model(job: dict) -> nn.Module:
+    """A run's model: CapacityModel at its d_key, or (a job with a layout) HeadsCapacityModel of that layout."""
+    if "layout" not in job:
+        return CapacityModel(job["S"], job["rule"], job["d_key"])
+    from evict.lab.capacity_heads import HeadsCapacityModel, parse_layout
+
+    return HeadsCapacityModel(job["S"], job["rule"], *parse_layout(job["layout"]))
+
+
+def _name(rule: str, overwrite: bool, d: int, S: int, seed: int, layout: str | None = None) -> str:
+    return f"{rule}_{'ow' if overwrite else 'unique'}_{f'h{layout}' if layout else f'd{d}'}_S{S}_s{seed}"
 
 
 def jobs_for(sweep: CapacitySweep, root: Path) -> list[dict]:
-    """Every (seed, d_key, S, overwrite, rule) run, the costliest (largest d, then S) first."""
+    """Every (seed, d_key or layout, S, overwrite, rule) run, the costliest (largest d, then S) first."""
     sw = dataclasses.asdict(sweep)
+    from evict.lab.capacity_heads import parse_layout
+
+    layout_of = {parse_layout(t)[1]: t for t in sweep.layouts}  # head dim -> layout (a sweep's head dims are distinct)
     return [{"rule": r, "overwrite": ow, "d_key": d, "S": S, "seed": s, "sweep": sw,
-             "dir": str(root / "runs" / _name(r, ow, d, S, s))}
-            for s in seeds_of(sweep) for d in sorted(sweep.d_keys, reverse=True)
+             **({"layout": layout_of[d]} if d in layout_of else {}),
+             "dir": str(root / "runs" / _name(r, ow, d, S, s, layout_of.get(d)))}
+            for s in seeds_of(sweep) for d in sorted(key_dims(sweep), reverse=True)
             for S in reversed(sizes_at(sweep, d)) for ow in sweep.overwrite for r in sweep.rules]
 
 
@@ -233,7 +271,7 @@ def breaks(sweep: CapacitySweep, results: list[dict]) -> dict:
     cells, out = mean_loss(results), {}
     for r in sweep.rules:
         for ow in sweep.overwrite:
-            for d in sweep.d_keys:
+            for d in key_dims(sweep):
                 best, top = 0, True
                 for S in sizes_at(sweep, d):
                     if cells[(r, ow, d, S)][0] > sweep.threshold:
@@ -279,7 +317,12 @@ def _cell_text(sweep: CapacitySweep, cell: tuple) -> str:
 
 def report(sweep: CapacitySweep, results: list[dict]) -> str:
     """Final held-out loss per S (rows) and (rule, overwrite) (columns), the published number in brackets; with
-    several key dims (or sizes relative to d) one row per (d_key, S) and the breaks S* with their fit below."""
+    several key dims (or sizes relative to d) one row per (d_key, S) and the breaks S* with their fit below; with
+    layouts, capacity_heads.report's table."""
+    if sweep.layouts:
+        from evict.lab import capacity_heads
+
+        return capacity_heads.report(sweep, results)
     cells, cols = mean_loss(results), _columns(sweep)
     rows = []
     for d in sorted(sweep.d_keys):
@@ -317,7 +360,12 @@ def report(sweep: CapacitySweep, results: list[dict]) -> str:
 
 def plot(sweep: CapacitySweep, results: list[dict], path: Path) -> Path:
     """Loss vs S, one line per (rule, overwrite), published points as crosses; with several key dims (or sizes
-    relative to d): loss vs S / d_key per (rule, d_key) beside the break S* against d_key with its fit."""
+    relative to d): loss vs S / d_key per (rule, d_key) beside the break S* against d_key with its fit; with layouts,
+    capacity_heads.plot's."""
+    if sweep.layouts:
+        from evict.lab import capacity_heads
+
+        return capacity_heads.plot(sweep, results, path)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -386,6 +434,14 @@ def validate(sweep: CapacitySweep) -> None:
     if sweep.per_d and (any(not f > 0 for f in sweep.per_d) or len(set(sweep.per_d)) != len(sweep.per_d)):
         raise ValueError(f"per_d: expected distinct fractions of d_key > 0, got {list(sweep.per_d)}")
     check_distinct("d_keys", sweep.d_keys, 1, "key dims")
+    if sweep.layouts:
+        from evict.lab.capacity_heads import check_layouts
+
+        check_layouts(sweep.layouts)
+        if tuple(sweep.d_keys) != CapacitySweep.d_keys:
+            raise ValueError(f"d_keys: the heads sweep takes its head dims from layouts, got d_keys {list(sweep.d_keys)}")
+        if sweep.per_d:
+            raise ValueError(f"per_d: the heads sweep takes sizes, got per_d {list(sweep.per_d)}")
     merged = [d for d in sorted(sweep.d_keys) if sweep.per_d and len(sizes_at(sweep, d)) != len(sweep.per_d)]
     if merged:
         raise ValueError(f"per_d: {list(sweep.per_d)} rounds two fractions to one S at d_key {merged[0]}; use fewer "
