@@ -137,7 +137,7 @@ def plot(sweep, results: list[dict], path: Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from evict.lab.capacity import _columns, breaks, mean_loss
+    from evict.lab.capacity import _columns, break_axes, breaks, mean_loss
 
     cells, cols, layouts = mean_loss(results), _columns(sweep), _layouts(sweep)
     sizes = sorted(sweep.sizes)
@@ -165,11 +165,6 @@ def plot(sweep, results: list[dict], path: Path) -> Path:
         bx.scatter([h for h, (_, top) in pts if top], [max(b, 1) for _, (b, top) in pts if top], s=90,
                    facecolors="none", edgecolors=f"C{i}")
     bx.plot([h for h, _ in layouts], [h * d for h, d in layouts], color="k", lw=0.6, ls="-.", label="H·D (rank bound)")
-    bx.set_xscale("log", base=2)
-    bx.set_yscale("log", base=2)
-    bx.set_xlabel("heads H (head dim D = √(state / H))")
-    bx.set_ylabel(f"S* (largest S at loss ≤ {sweep.threshold:g})")
-    bx.set_title("The break against the split (open: ladder's top)", fontsize=10)
-    bx.legend(fontsize=7)
+    break_axes(bx, sweep, "heads H (head dim D = √(state / H))", "the split")
     fig.savefig(path, dpi=120)
     return path
