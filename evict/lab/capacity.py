@@ -149,7 +149,8 @@ FULL = CapacitySweep(  # S well past the break; every number here is ours (LAB.m
 LAW = CapacitySweep(sizes=(), per_d=(0.5, 0.75, 0.875, 1.0, 1.125, 1.25, 1.5), overwrite=(False,),
                     d_keys=(16, 32, 64, 128))
 # `--heads`: one total state of 64² = 4096 numbers as 1, 4 or 16 heads; S = 48, 96, 192 puts one rung between every
-# two layouts' rank bounds H·D (64, 128, 256). Unique keys, both rules; the ladder is ours.
+# two layouts' rank bounds H·D (64, 128, 256). Unique keys, both rules; the ladder is ours. 18 runs: 31 min of CPU
+# time (2026-12-06), ~16 min on 2 free cores — over the 5-minute quick target; the S = 192 runs cost most.
 HEADS = CapacitySweep(sizes=(48, 96, 192), overwrite=(False,), layouts=("1x64", "4x32", "16x16"))
 # `--heads-full` (GPU, not run yet): 128² = 16384 numbers as 1, 4, 16 or 64 heads (rank bounds 128 … 1024), with and
 # without overwrites, 5,000 steps, 3 seeds: 240 runs. At the pace of FULL's runs above on an H200 (about 60 s per
