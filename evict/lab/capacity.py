@@ -30,9 +30,8 @@ capacity --law`) repeats the unique-key experiment at d_key 16, 32, 64, 128 with
 S* ≈ c·d and the log-log slope p. For orthogonal keys the answer is d exactly; whether training finds them is what
 the run measures.
 
-`HEADS` (`--heads`) asks whether splitting one memory into many smaller heads at the same total state H·d_k·d_v
-buys or costs capacity: layouts 1×64², 4×32², 16×16² (`HEADS_FULL`, `--heads-full`: 1×128² … 64×16²), the model
-of evict/lab/capacity_heads.py (learned value embeddings of the head dim, one output map to R^S).
+A sweep with `layouts` (heads against head dim at one total state: `--heads`) is evict/lab/capacity_heads.py's: its
+own model, report and plot over this module's jobs, training (fit_job) and breaks.
 
 A sweep is a grid of (rule, overwrite, d_key, S, seed) runs (or (rule, overwrite, layout, S, seed)); each trains a fresh model with Adam for a fixed number of
 steps and reports the loss on held-out batches. Outputs under runs/capacity/<timestamp>/: config.json,
@@ -44,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,21 +148,29 @@ FULL = CapacitySweep(  # S well past the break; every number here is ours (LAB.m
 # The published point is d_key 64 (between S = 60 and 80); the other dims and the ladder are ours.
 LAW = CapacitySweep(sizes=(), per_d=(0.5, 0.75, 0.875, 1.0, 1.125, 1.25, 1.5), overwrite=(False,),
                     d_keys=(16, 32, 64, 128))
-# `--heads`: one total state of 64² = 4096 numbers as 1, 4 or 16 heads; S = 48, 96, 192 puts one rung between every
-# two layouts' rank bounds H·D (64, 128, 256). Unique keys, both rules; the ladder is ours. 18 runs: 31 min of CPU
-# time (2026-12-06), ~16 min on 2 free cores — over the 5-minute quick target; the S = 192 runs cost most.
-HEADS = CapacitySweep(sizes=(48, 96, 192), overwrite=(False,), layouts=("1x64", "4x32", "16x16"))
-# `--heads-full` (GPU, not run yet): 128² = 16384 numbers as 1, 4, 16 or 64 heads (rank bounds 128 … 1024), with and
-# without overwrites, 5,000 steps, 3 seeds: 240 runs. At the pace of FULL's runs above on an H200 (about 60 s per
-# 10,000-step run, 4 at once; results/full_runs.md), scaled by the longer rows (S up to 1024), about 40 minutes.
-HEADS_FULL = CapacitySweep(sizes=(64, 128, 256, 512, 1024), layouts=("1x128", "4x64", "16x32", "64x16"), steps=5000,
-                           batch_size=64, lr=1e-3, eval_batches=16, seeds=3, workers=4, device="auto")
+
+
+def parse_layout(text: str) -> tuple[int, int]:
+    """"16x32" -> (16, 32): H heads of head dim D; else ValueError naming `layouts`."""
+    h, sep, d = text.partition("x")
+    if not (sep and h.isascii() and h.isdigit() and d.isascii() and d.isdigit() and int(h) >= 1 and int(d) >= 2):
+        raise ValueError(f"layouts: expected HxD with H >= 1 heads of head dim D >= 2 (e.g. 4x32), got {text!r}")
+    return int(h), int(d)
+
+
+def check_layouts(layouts: tuple) -> None:
+    """Distinct layouts of one total state H · D² (the question is at fixed state); else ValueError."""
+    parsed = [parse_layout(t) for t in layouts]
+    if not parsed or len({d for _, d in parsed}) != len(parsed):
+        raise ValueError(f"layouts: expected layouts of distinct head dims, got {list(layouts)}")
+    totals = {h * d * d for h, d in parsed}
+    if len(totals) != 1:
+        raise ValueError(f"layouts: expected one total state H*D*D for every layout, got {list(layouts)} "
+                         f"({', '.join(f'{h}x{d}: {h * d * d}' for h, d in parsed)})")
 
 
 def key_dims(sweep: CapacitySweep) -> list[int]:
     """The key dims a sweep climbs its ladder at: its layouts' head dims, or its d_keys."""
-    from evict.lab.capacity_heads import parse_layout
-
     return [parse_layout(t)[1] for t in sweep.layouts] if sweep.layouts else list(sweep.d_keys)
 
 
@@ -176,6 +184,11 @@ def _batch_to(batch: CapacityBatch, device: torch.device) -> CapacityBatch:
 
 
 def run_one(job: dict) -> dict | None:
+    """Train one run's CapacityModel (fit_job); module-level so worker processes can run it."""
+    return fit_job(job, lambda: CapacityModel(job["S"], job["rule"], job["d_key"]))
+
+
+def fit_job(job: dict, make_model: Callable[[], nn.Module]) -> dict | None:
     """Train one (rule, overwrite, S, seed) model with Adam; module-level so worker processes can run it. In a timed
     piece a run starts only while the piece lasts, and one still training at the piece's end saves checkpoint.pt
     (weights, Adam's state, the curve so far, its seconds) in its folder and returns None; the next piece on that
@@ -187,7 +200,7 @@ def run_one(job: dict) -> dict | None:
     S, seed, overwrite, d = job["S"], job["seed"], job["overwrite"], job["d_key"]
     device = resolve_device(sweep.device)
     torch.manual_seed(seed)
-    model = _model(job).to(device)
+    model = make_model().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=sweep.lr)
     ckpt = Path(job["dir"]) / "checkpoint.pt"
     first, earlier, curve = 0, 0.0, []
@@ -228,15 +241,6 @@ def run_one(job: dict) -> dict | None:
     }
 
 
-def _model(job: dict) -> nn.Module:
-    """A run's model: CapacityModel at its d_key, or (a job with a layout) HeadsCapacityModel of that layout."""
-    if "layout" not in job:
-        return CapacityModel(job["S"], job["rule"], job["d_key"])
-    from evict.lab.capacity_heads import HeadsCapacityModel, parse_layout
-
-    return HeadsCapacityModel(job["S"], job["rule"], *parse_layout(job["layout"]))
-
-
 def _name(rule: str, overwrite: bool, d: int, S: int, seed: int, layout: str | None = None) -> str:
     return f"{rule}_{'ow' if overwrite else 'unique'}_{f'h{layout}' if layout else f'd{d}'}_S{S}_s{seed}"
 
@@ -244,8 +248,6 @@ def _name(rule: str, overwrite: bool, d: int, S: int, seed: int, layout: str | N
 def jobs_for(sweep: CapacitySweep, root: Path) -> list[dict]:
     """Every (seed, d_key or layout, S, overwrite, rule) run, the costliest (largest d, then S) first."""
     sw = dataclasses.asdict(sweep)
-    from evict.lab.capacity_heads import parse_layout
-
     layout_of = {parse_layout(t)[1]: t for t in sweep.layouts}  # head dim -> layout (a sweep's head dims are distinct)
     return [{"rule": r, "overwrite": ow, "d_key": d, "S": S, "seed": s, "sweep": sw,
              **({"layout": layout_of[d]} if d in layout_of else {}),
@@ -318,12 +320,7 @@ def _cell_text(sweep: CapacitySweep, cell: tuple) -> str:
 
 def report(sweep: CapacitySweep, results: list[dict]) -> str:
     """Final held-out loss per S (rows) and (rule, overwrite) (columns), the published number in brackets; with
-    several key dims (or sizes relative to d) one row per (d_key, S) and the breaks S* with their fit below; with
-    layouts, capacity_heads.report's table."""
-    if sweep.layouts:
-        from evict.lab import capacity_heads
-
-        return capacity_heads.report(sweep, results)
+    several key dims (or sizes relative to d) one row per (d_key, S) and the breaks S* with their fit below."""
     cells, cols = mean_loss(results), _columns(sweep)
     rows = []
     for d in sorted(sweep.d_keys):
@@ -361,12 +358,7 @@ def report(sweep: CapacitySweep, results: list[dict]) -> str:
 
 def plot(sweep: CapacitySweep, results: list[dict], path: Path) -> Path:
     """Loss vs S, one line per (rule, overwrite), published points as crosses; with several key dims (or sizes
-    relative to d): loss vs S / d_key per (rule, d_key) beside the break S* against d_key with its fit; with layouts,
-    capacity_heads.plot's."""
-    if sweep.layouts:
-        from evict.lab import capacity_heads
-
-        return capacity_heads.plot(sweep, results, path)
+    relative to d): loss vs S / d_key per (rule, d_key) beside the break S* against d_key with its fit."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -441,8 +433,6 @@ def validate(sweep: CapacitySweep) -> None:
         raise ValueError(f"per_d: expected distinct fractions of d_key > 0, got {list(sweep.per_d)}")
     check_distinct("d_keys", sweep.d_keys, 1, "key dims")
     if sweep.layouts:
-        from evict.lab.capacity_heads import check_layouts
-
         check_layouts(sweep.layouts)
         if tuple(sweep.d_keys) != CapacitySweep.d_keys:
             raise ValueError(f"d_keys: the heads sweep takes its head dims from layouts, got d_keys {list(sweep.d_keys)}")
@@ -462,5 +452,7 @@ def validate(sweep: CapacitySweep) -> None:
 def run_sweep(sweep: CapacitySweep, out: str | Path | None = None, minutes: float | None = None) -> Path:
     """Run (or resume, when `out` already holds part of it) the sweep; write and print the results."""
     validate(sweep)
+    if sweep.layouts:
+        raise ValueError("layouts: a heads sweep runs through evict.lab.capacity_heads.run_sweep (--heads)")
     return run_grid("capacity", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot,
                     minutes=minutes)

@@ -15,7 +15,7 @@ The S predictions Ŷ = Σ_h Q_h S_h W_o^h are a sum of H matrices of rank ≤ D,
 rank floor of capacity.floor becomes ½·max(0, 1 − H·D/S): at fixed H · D², splitting into more, smaller heads raises
 that ceiling (H · D = total / D) — whether a trained memory gets near it, each head holding S pairs in a D × D state
 with D ≪ S, is what the sweep measures. Every layout trains with the same steps, Adam and batches as capacity.py's
-runs (its run_one); the break S* per (rule, layout) is capacity.breaks' over the layouts' head dims.
+runs (capacity.fit_job); the break S* per (rule, layout) is capacity.breaks' over the layouts' head dims.
 """
 
 from __future__ import annotations
@@ -27,27 +27,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from evict.lab.capacity import (CapacitySweep, _cell_text, _columns, break_axes, breaks, fit_job, floor,
+                                 jobs_for, mean_loss, parse_layout, validate, write_then_read)
+from evict.lab.sweep import run_grid, seeds_of, seeds_phrase
 from evict.report import markdown_table
 from evict.tasks.capacity import CapacityBatch
 
-
-def parse_layout(text: str) -> tuple[int, int]:
-    """"16x32" -> (16, 32): H heads of head dim D; else ValueError naming `layouts`."""
-    h, sep, d = text.partition("x")
-    if not (sep and h.isascii() and h.isdigit() and d.isascii() and d.isdigit() and int(h) >= 1 and int(d) >= 2):
-        raise ValueError(f"layouts: expected HxD with H >= 1 heads of head dim D >= 2 (e.g. 4x32), got {text!r}")
-    return int(h), int(d)
-
-
-def check_layouts(layouts: tuple) -> None:
-    """Distinct layouts of one total state H · D² (the question is at fixed state); else ValueError."""
-    parsed = [parse_layout(t) for t in layouts]
-    if not parsed or len({d for _, d in parsed}) != len(parsed):
-        raise ValueError(f"layouts: expected layouts of distinct head dims, got {list(layouts)}")
-    totals = {h * d * d for h, d in parsed}
-    if len(totals) != 1:
-        raise ValueError(f"layouts: expected one total state H*D*D for every layout, got {list(layouts)} "
-                         f"({', '.join(f'{h}x{d}: {h * d * d}' for h, d in parsed)})")
+# `--heads`: one total state of 64² = 4096 numbers as 1, 4 or 16 heads; S = 48, 96, 192 puts one rung between every
+# two layouts' rank bounds H·D (64, 128, 256). Unique keys, both rules; the ladder is ours. 18 runs: 31 min of CPU
+# time (2026-12-06), ~16 min on 2 free cores — over the 5-minute quick target; the S = 192 runs cost most.
+HEADS = CapacitySweep(sizes=(48, 96, 192), overwrite=(False,), layouts=("1x64", "4x32", "16x16"))
+# `--heads-full` (GPU, not run yet): 128² = 16384 numbers as 1, 4, 16 or 64 heads (rank bounds 128 … 1024), with and
+# without overwrites, 5,000 steps, 3 seeds: 240 runs. At the pace of capacity.FULL's runs on an H200 (about 60 s per
+# 10,000-step run, 4 at once; results/full_runs.md), scaled by the longer rows (S up to 1024), about 40 minutes.
+HEADS_FULL = CapacitySweep(sizes=(64, 128, 256, 512, 1024), layouts=("1x128", "4x64", "16x32", "64x16"), steps=5000,
+                           batch_size=64, lr=1e-3, eval_batches=16, seeds=3, workers=4, device="auto")
+QUICK, FULL = HEADS, HEADS_FULL  # `evict lab capacity --heads` runs this module's HEADS (run_lab reads QUICK first)
 
 
 def embed_width(heads: int, d: int) -> int:
@@ -75,8 +70,6 @@ class HeadsCapacityModel(nn.Module):
         return phi / phi.sum(-1, keepdim=True)
 
     def forward(self, batch: CapacityBatch) -> torch.Tensor:
-        from evict.lab.capacity import write_then_read
-
         tokens = torch.cat([batch.write_keys, batch.query_keys], dim=1)  # [B, T]
         e = self.embed(tokens)  # [B, T, m]
         k, q = self.features(self.k_proj(e)), self.features(self.q_proj(e))  # [B, T, H, d]
@@ -93,12 +86,10 @@ class HeadsCapacityModel(nn.Module):
 
 def heads_floor(S: int, heads: int, d: int) -> float:
     """The rank floor with H heads of D: ½·max(0, 1 − H·D/S) (module docstring)."""
-    from evict.lab.capacity import floor
-
     return floor(S, heads * d)
 
 
-def _layouts(sweep) -> list[tuple[int, int]]:
+def _layouts(sweep: CapacitySweep) -> list[tuple[int, int]]:
     return sorted((parse_layout(t) for t in sweep.layouts), key=lambda hd: hd[0])  # one head first
 
 
@@ -106,10 +97,8 @@ def _label(h: int, d: int) -> str:
     return f"{h}×{d}²"
 
 
-def report(sweep, results: list[dict]) -> str:
+def report(sweep: CapacitySweep, results: list[dict]) -> str:
     """Held-out loss per (layout, S) and rule, the rank floor beside it, then the break S* per rule and layout."""
-    from evict.lab.capacity import _cell_text, _columns, breaks, mean_loss, seeds_of, seeds_phrase
-
     cells, cols, layouts = mean_loss(results), _columns(sweep), _layouts(sweep)
     rows = []
     for h, d in layouts:
@@ -131,13 +120,11 @@ def report(sweep, results: list[dict]) -> str:
             f"ladder broke).\n\n{markdown_table(brows, ['rule', *(_label(h, d) for h, d in layouts)])}")
 
 
-def plot(sweep, results: list[dict], path: Path) -> Path:
+def plot(sweep: CapacitySweep, results: list[dict], path: Path) -> Path:
     """Loss against S per layout (solid: delta, dashed: additive; dotted: the layout's rank floor), and the break S*
     against the number of heads."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-
-    from evict.lab.capacity import _columns, break_axes, breaks, mean_loss
 
     cells, cols, layouts = mean_loss(results), _columns(sweep), _layouts(sweep)
     sizes = sorted(sweep.sizes)
@@ -168,3 +155,18 @@ def plot(sweep, results: list[dict], path: Path) -> Path:
     break_axes(bx, sweep, "heads H (head dim D = √(state / H))", "the split")
     fig.savefig(path, dpi=120)
     return path
+
+
+def run_one(job: dict) -> dict | None:
+    """Train one run's HeadsCapacityModel (capacity.fit_job); module-level so worker processes can run it."""
+    return fit_job(job, lambda: HeadsCapacityModel(job["S"], job["rule"], *parse_layout(job["layout"])))
+
+
+def run_sweep(sweep: CapacitySweep, out: str | Path | None = None, minutes: float | None = None) -> Path:
+    """Run (or resume) a heads sweep (one with layouts); write and print the results."""
+    validate(sweep)
+    if not sweep.layouts:
+        raise ValueError("layouts: expected a heads sweep's layouts (HxD ...), got none")
+    return run_grid("capacity", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot,
+                    minutes=minutes)
+

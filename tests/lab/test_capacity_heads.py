@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from evict.cli import main
-from evict.lab.capacity import HEADS, HEADS_FULL, regression_loss, run_sweep, write_then_read
-from evict.lab.capacity_heads import HeadsCapacityModel, check_layouts, embed_width, heads_floor, parse_layout
+from evict.lab import capacity
+from evict.lab.capacity import check_layouts, parse_layout, regression_loss, write_then_read
+from evict.lab.capacity_heads import HEADS, HEADS_FULL, HeadsCapacityModel, embed_width, heads_floor, run_sweep
 from evict.tasks.capacity import make_batch
 
 MICRO = replace(HEADS, sizes=(4, 8), layouts=("1x8", "4x4"), steps=2, batch_size=2, eval_batches=1, workers=1)
@@ -83,15 +84,19 @@ def test_heads_sweep_runs_end_to_end(tmp_path):
     ({"layouts": ("1x8", "2x8")}, r"^layouts: expected layouts of distinct head dims"),
     ({"d_keys": (16,)}, r"^d_keys: the heads sweep takes its head dims from layouts"),
     ({"sizes": (), "per_d": (0.5,)}, r"^per_d: the heads sweep takes sizes"),
+    ({"layouts": ()}, r"^layouts: expected a heads sweep's layouts"),
 ])
 def test_bad_heads_settings_get_one_line(tmp_path, change, message):
     with pytest.raises(ValueError, match=message):
         run_sweep(replace(MICRO, **change), out=tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
+    with pytest.raises(ValueError, match=r"^layouts: a heads sweep runs through"):  # not capacity's one-head model
+        capacity.run_sweep(MICRO, out=tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
 
 
 def test_cli_heads_mode_with_flags(tmp_path, monkeypatch):
-    monkeypatch.setattr("evict.lab.capacity.HEADS", MICRO)
+    monkeypatch.setattr("evict.lab.capacity_heads.HEADS", MICRO)
     assert main(["lab", "capacity", "--heads", "--layouts", "1x4", "4x2", "--sizes", "3", "--rules", "delta",
                  "--steps", "1", "--workers", "1", "--out", str(tmp_path / "h")]) == 0
     rows = [json.loads(line) for line in (tmp_path / "h" / "results.jsonl").read_text().splitlines()]

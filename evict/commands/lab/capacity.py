@@ -8,14 +8,14 @@ OVERWRITE = {"no": (False,), "yes": (True,), "both": (False, True)}
 
 
 def run_capacity(args) -> None:
-    from evict.lab import capacity
+    from evict.lab import capacity, capacity_heads
 
     sizes, per_d = (tuple(args.sizes) if args.sizes else None), (tuple(args.per_d) if args.per_d else None)
     if sizes is not None and per_d is None:
         per_d = ()  # sizes given: they replace a preset's ladder in S/d
     elif per_d is not None and sizes is None:
         sizes = ()
-    run_lab(args, capacity, {"rules": tuple(args.rules) if args.rules else None, "sizes": sizes, "per_d": per_d,
+    run_lab(args, capacity_heads if args.heads or args.heads_full else capacity, {"rules": tuple(args.rules) if args.rules else None, "sizes": sizes, "per_d": per_d,
                              "d_keys": tuple(args.d_keys) if args.d_keys else None, "threshold": args.threshold,
                              "overwrite": OVERWRITE.get(args.overwrite),
                              "layouts": tuple(args.layouts) if args.layouts else None})
