@@ -228,15 +228,16 @@ def add_gate_dt_flag(p: argparse.ArgumentParser, default: str = "1e-3 1e-1") -> 
 def add_lab_parser(lab_sub, name: str, *, help: str, description: str, examples: tuple[str, ...], quick: str, full: str,
                    seeds_help: str, modes: dict[str, str] | None = None) -> argparse.ArgumentParser:
     """`evict lab <name>` with the flags every lab sweep has: --quick (the default) or --full (or one of the lab's
-    own `modes`, flag -> help: the preset of that upper-cased name in the lab's module), --steps, --batch-size, --lr,
-    then add_sweep_flags'; the caller adds its own and sets `fn`. `help`, `description`, `examples`: as described's."""
+    own `modes`, flag -> help: the preset of that upper-cased name, - read as _, in the lab's module: --counters-full
+    -> COUNTERS_FULL), --steps, --batch-size, --lr, then add_sweep_flags'; the caller adds its own and sets `fn`.
+    `help`, `description`, `examples`: as described's."""
     s = lab_sub.add_parser(name, **described(help, description, *examples))
     mode = s.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help=f"the default: {quick}")
     mode.add_argument("--full", action="store_true", help=full)
     for flag, text in (modes or {}).items():
         mode.add_argument(f"--{flag}", action="store_true", help=text)
-    s.set_defaults(lab_modes=tuple(modes or ()))
+    s.set_defaults(lab_modes=tuple(flag.replace("-", "_") for flag in modes or ()))
     s.add_argument("--steps", type=positive_int)
     s.add_argument("--batch-size", type=positive_int, help="sequences per optimizer step (default: the mode's)")
     s.add_argument("--lr", type=positive_float)

@@ -30,7 +30,10 @@ capacity --law`) repeats the unique-key experiment at d_key 16, 32, 64, 128 with
 S* ≈ c·d and the log-log slope p. For orthogonal keys the answer is d exactly; whether training finds them is what
 the run measures.
 
-A sweep is a grid of (rule, overwrite, d_key, S, seed) runs; each trains a fresh model with Adam for a fixed number of
+A sweep with `layouts` (heads against head dim at one total state: `--heads`) is evict/lab/capacity_heads.py's: its
+own model, report and plot over this module's jobs, training (fit_job) and breaks.
+
+A sweep is a grid of (rule, overwrite, d_key, S, seed) runs (or (rule, overwrite, layout, S, seed)); each trains a fresh model with Adam for a fixed number of
 steps and reports the loss on held-out batches. Outputs under runs/capacity/<timestamp>/: config.json,
 results.jsonl, table.md, capacity.png, runs/<name>/result.json (resumable with evict.lab.sweep.run_jobs).
 """
@@ -40,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,16 +69,21 @@ EVAL_SEED_OFFSET = 10_000  # held-out batches come from seed + this: no training
 
 def write_then_read(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *, delta: bool,
                     n_queries: int) -> torch.Tensor:
-    """Run W writes and then n_queries reads through evict.ops.memory; returns the reads [B, n_queries, V].
+    """Run W writes and then n_queries reads through evict.ops.memory; returns the reads [B, n_queries, V] (one head)
+    or [B, n_queries, H, V] (H heads).
 
-    q, k: [B, W + n_queries, K] (q of the writes and k, v of the queries are ignored: the queries carry β = 0);
-    v: [B, W + n_queries, V]; beta: [B, W] (the writes' β). One head, scale 1.
+    q, k: [B, W + n_queries, K] or [B, W + n_queries, H, K] (q of the writes and k, v of the queries are ignored: the
+    queries carry β = 0); v: [B, W + n_queries, V] or [B, W + n_queries, H, V]; beta: [B, W] or [B, W, H] (the writes'
+    β). Scale 1.
     """
-    B, T, _ = k.shape
-    beta = torch.cat([beta, beta.new_zeros(B, n_queries)], dim=1)  # [B, T]: queries write nothing
-    o, _ = memory(q[:, :, None], k[:, :, None], v[:, :, None], beta=beta[:, :, None], delta=delta, scale=1.0,
-                  impl="chunked", check=False)  # [B, T, 1, V]
-    return o[:, T - n_queries:, 0]
+    one = k.dim() == 3
+    if one:
+        q, k, v, beta = q[:, :, None], k[:, :, None], v[:, :, None], beta[:, :, None]
+    B, T, H, _ = k.shape
+    beta = torch.cat([beta, beta.new_zeros(B, n_queries, H)], dim=1)  # [B, T, H]: queries write nothing
+    o, _ = memory(q, k, v, beta=beta, delta=delta, scale=1.0, impl="chunked", check=False)  # [B, T, H, V]
+    o = o[:, T - n_queries:]
+    return o[:, :, 0] if one else o
 
 
 class CapacityModel(nn.Module):
@@ -127,6 +136,7 @@ class CapacitySweep:
     batch_size: int = 32
     lr: float = 3e-3
     eval_batches: int = 4
+    layouts: tuple = ()  # instead of d_keys: "HxD" memories of H heads of d_k = d_v = D at one total state H·D²
     seed: int = 0
     seeds: int = 1
     workers: int = 2
@@ -144,6 +154,30 @@ LAW = CapacitySweep(sizes=(), per_d=(0.5, 0.75, 0.875, 1.0, 1.125, 1.25, 1.5), o
                     d_keys=(16, 32, 64, 128))
 
 
+def parse_layout(text: str) -> tuple[int, int]:
+    """"16x32" -> (16, 32): H heads of head dim D; else ValueError naming `layouts`."""
+    h, sep, d = text.partition("x")
+    if not (sep and h.isascii() and h.isdigit() and d.isascii() and d.isdigit() and int(h) >= 1 and int(d) >= 2):
+        raise ValueError(f"layouts: expected HxD with H >= 1 heads of head dim D >= 2 (e.g. 4x32), got {text!r}")
+    return int(h), int(d)
+
+
+def check_layouts(layouts: tuple) -> None:
+    """Distinct layouts of one total state H · D² (the question is at fixed state); else ValueError."""
+    parsed = [parse_layout(t) for t in layouts]
+    if not parsed or len({d for _, d in parsed}) != len(parsed):
+        raise ValueError(f"layouts: expected layouts of distinct head dims, got {list(layouts)}")
+    totals = {h * d * d for h, d in parsed}
+    if len(totals) != 1:
+        raise ValueError(f"layouts: expected one total state H*D*D for every layout, got {list(layouts)} "
+                         f"({', '.join(f'{h}x{d}: {h * d * d}' for h, d in parsed)})")
+
+
+def key_dims(sweep: CapacitySweep) -> list[int]:
+    """The key dims a sweep climbs its ladder at: its layouts' head dims, or its d_keys."""
+    return [parse_layout(t)[1] for t in sweep.layouts] if sweep.layouts else list(sweep.d_keys)
+
+
 def sizes_at(sweep: CapacitySweep, d: int) -> list[int]:
     """The S of a sweep at key dim d, ascending: its `sizes`, or round(f · d) for each f of `per_d`."""
     return sorted({max(2, round(f * d)) for f in sweep.per_d}) if sweep.per_d else sorted(sweep.sizes)
@@ -154,6 +188,11 @@ def _batch_to(batch: CapacityBatch, device: torch.device) -> CapacityBatch:
 
 
 def run_one(job: dict) -> dict | None:
+    """Train one run's CapacityModel (fit_job); module-level so worker processes can run it."""
+    return fit_job(job, lambda: CapacityModel(job["S"], job["rule"], job["d_key"]))
+
+
+def fit_job(job: dict, make_model: Callable[[], nn.Module]) -> dict | None:
     """Train one (rule, overwrite, S, seed) model with Adam; module-level so worker processes can run it. In a timed
     piece a run starts only while the piece lasts, and one still training at the piece's end saves checkpoint.pt
     (weights, Adam's state, the curve so far, its seconds) in its folder and returns None; the next piece on that
@@ -165,7 +204,7 @@ def run_one(job: dict) -> dict | None:
     S, seed, overwrite, d = job["S"], job["seed"], job["overwrite"], job["d_key"]
     device = resolve_device(sweep.device)
     torch.manual_seed(seed)
-    model = CapacityModel(S, job["rule"], d).to(device)
+    model = make_model().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=sweep.lr)
     ckpt = Path(job["dir"]) / "checkpoint.pt"
     first, earlier, curve = 0, 0.0, []
@@ -206,16 +245,18 @@ def run_one(job: dict) -> dict | None:
     }
 
 
-def _name(rule: str, overwrite: bool, d: int, S: int, seed: int) -> str:
-    return f"{rule}_{'ow' if overwrite else 'unique'}_d{d}_S{S}_s{seed}"
+def _name(rule: str, overwrite: bool, d: int, S: int, seed: int, layout: str | None = None) -> str:
+    return f"{rule}_{'ow' if overwrite else 'unique'}_{f'h{layout}' if layout else f'd{d}'}_S{S}_s{seed}"
 
 
 def jobs_for(sweep: CapacitySweep, root: Path) -> list[dict]:
-    """Every (seed, d_key, S, overwrite, rule) run, the costliest (largest d, then S) first."""
+    """Every (seed, d_key or layout, S, overwrite, rule) run, the costliest (largest d, then S) first."""
     sw = dataclasses.asdict(sweep)
+    layout_of = {parse_layout(t)[1]: t for t in sweep.layouts}  # head dim -> layout (a sweep's head dims are distinct)
     return [{"rule": r, "overwrite": ow, "d_key": d, "S": S, "seed": s, "sweep": sw,
-             "dir": str(root / "runs" / _name(r, ow, d, S, s))}
-            for s in seeds_of(sweep) for d in sorted(sweep.d_keys, reverse=True)
+             **({"layout": layout_of[d]} if d in layout_of else {}),
+             "dir": str(root / "runs" / _name(r, ow, d, S, s, layout_of.get(d)))}
+            for s in seeds_of(sweep) for d in sorted(key_dims(sweep), reverse=True)
             for S in reversed(sizes_at(sweep, d)) for ow in sweep.overwrite for r in sweep.rules]
 
 
@@ -237,7 +278,7 @@ def breaks(sweep: CapacitySweep, results: list[dict]) -> dict:
     cells, out = mean_loss(results), {}
     for r in sweep.rules:
         for ow in sweep.overwrite:
-            for d in sweep.d_keys:
+            for d in key_dims(sweep):
                 best, top = 0, True
                 for S in sizes_at(sweep, d):
                     if cells[(r, ow, d, S)][0] > sweep.threshold:
@@ -370,14 +411,19 @@ def plot(sweep: CapacitySweep, results: list[dict], path: Path) -> Path:
                 ax.plot(dims, [f["c"] * d for d in dims], color=f"C{i}", lw=0.8, ls=":",
                         label=f"  fit: S* ≈ {f['c']:.2f}·d (p = {f['p']:.2f})")
         ax.plot(dims, dims, color="k", lw=0.6, ls="-.", label="S = d_key")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log", base=2)
-        ax.set_xlabel("d_key")
-        ax.set_ylabel(f"S* (largest S at loss ≤ {sweep.threshold:g})")
-        ax.set_title("The break against the key dim (open: ladder's top)", fontsize=10)
-        ax.legend(fontsize=7)
+        break_axes(ax, sweep, "d_key", "the key dim")
     fig.savefig(path, dpi=120)
     return path
+
+
+def break_axes(ax, sweep: CapacitySweep, xlabel: str, against: str) -> None:
+    """Finish a plot of the break S* (log-log, base 2) against `xlabel`."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(f"S* (largest S at loss ≤ {sweep.threshold:g})")
+    ax.set_title(f"The break against {against} (open: ladder's top)", fontsize=10)
+    ax.legend(fontsize=7)
 
 
 def validate(sweep: CapacitySweep) -> None:
@@ -390,6 +436,12 @@ def validate(sweep: CapacitySweep) -> None:
     if sweep.per_d and (any(not f > 0 for f in sweep.per_d) or len(set(sweep.per_d)) != len(sweep.per_d)):
         raise ValueError(f"per_d: expected distinct fractions of d_key > 0, got {list(sweep.per_d)}")
     check_distinct("d_keys", sweep.d_keys, 1, "key dims")
+    if sweep.layouts:
+        check_layouts(sweep.layouts)
+        if tuple(sweep.d_keys) != CapacitySweep.d_keys:
+            raise ValueError(f"d_keys: the heads sweep takes its head dims from layouts, got d_keys {list(sweep.d_keys)}")
+        if sweep.per_d:
+            raise ValueError(f"per_d: the heads sweep takes sizes, got per_d {list(sweep.per_d)}")
     merged = [d for d in sorted(sweep.d_keys) if sweep.per_d and len(sizes_at(sweep, d)) != len(sweep.per_d)]
     if merged:
         raise ValueError(f"per_d: {list(sweep.per_d)} rounds two fractions to one S at d_key {merged[0]}; use fewer "
@@ -404,5 +456,7 @@ def validate(sweep: CapacitySweep) -> None:
 def run_sweep(sweep: CapacitySweep, out: str | Path | None = None, minutes: float | None = None) -> Path:
     """Run (or resume, when `out` already holds part of it) the sweep; write and print the results."""
     validate(sweep)
+    if sweep.layouts:
+        raise ValueError("layouts: a heads sweep runs through evict.lab.capacity_heads.run_sweep (--heads)")
     return run_grid("capacity", sweep, out, jobs_for=jobs_for, run_one=run_one, report=report, plot=plot,
                     minutes=minutes)

@@ -2,6 +2,10 @@
 sequences longer than it was trained on? Grazzi et al. (ICLR 2025): the delta rule with β ∈ [0, 2] (negative
 eigenvalues of the state transition I − β kᵀk) solves parity; with β ∈ [0, 1] it cannot.
 
+`--counters` (quick, CPU) and `--counters-full` (GPU) run the bounded counters of evict/tasks/state.py — a counter
+mod 3 and mod 5 and the depth of a Dyck-1 prefix of depth ≤ 4 — with β ∈ [0, 1] and β ∈ [0, 2] beside linear
+attention and attention: does the sign flip that parity needs help a rotation (Z_m, m ≥ 3) or a bounded count?
+
 A sweep is a grid of (task, model, seed) runs of `evict.train.train` on `evict.tasks.state.StateTask`: train at
 lengths 3–40, evaluate at 40–256. A run's score is its best validation accuracy over evaluations, rescaled
 (scaled accuracy: chance 0, perfect 1); a cell is the best of its seeds, as in the paper. Each run also scores its
@@ -16,15 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from evict.lab.sweep import diverged, from_json, lab_train_config, out_of_time, run_grid, seeds_of
+from evict.lab.sweep import check_names, diverged, from_json, lab_train_config, out_of_time, run_grid, seeds_of
 from evict.models import LM, presets
 from evict.report import markdown_table
-from evict.tasks.state import TASKS, StateConfig, StateTask, scaled_accuracy
+from evict.tasks.state import TASKS, StateConfig, StateTask, check_task, scaled_accuracy
 from evict.train import train
 
 MODELS = {  # name -> (preset family, neg_eigval, label)
@@ -73,6 +77,15 @@ QUICK = StateSweep(  # 6 runs of 500 steps, two at a time: ~4 min on 2 cores (de
 FULL = StateSweep(  # Grazzi et al.'s protocol (LAB.md); the step count is ours, LAB.md does not give one
     tasks=TASKS, models=tuple(MODELS), d_model=128, n_heads=4, steps=20_000, batch_size=256, eval_every=1000,
     eval_batches=8, chunk_size=None, seeds=3, workers=4, device="auto",
+)
+
+COUNTER_TASKS = ("count_mod3", "count_mod5", "dyck4")
+COUNTERS = replace(  # QUICK's settings, 6 runs: a counter mod 3 and Dyck-1 depth <= 4 (count_mod5 with --tasks)
+    QUICK, tasks=("count_mod3", "dyck4"), models=("deltanet", "deltanet_neg", "linear"),
+)
+COUNTERS_FULL = replace(  # FULL's protocol at half its steps: 72 runs; at the pace of FULL on an H200 (120 runs of
+    # 20,000 steps in ~2.5 h, 14-16 at once; results/full_runs.md) about 45 min, not run yet
+    FULL, tasks=COUNTER_TASKS, steps=10_000,
 )
 
 
@@ -246,10 +259,11 @@ def plot(sweep: StateSweep, results: list[dict], path: Path) -> Path:
 
 
 def validate(sweep: StateSweep) -> None:
-    for name, allowed, got in (("tasks", TASKS, sweep.tasks), ("models", tuple(MODELS), sweep.models)):
-        bad = [x for x in got if x not in allowed]
-        if bad or not got:
-            raise ValueError(f"{name}: expected names from {list(allowed)}, got {list(got)}")
+    if not sweep.tasks or len(set(sweep.tasks)) != len(sweep.tasks):
+        raise ValueError(f"tasks: expected distinct task names, got {list(sweep.tasks)}")
+    for task in sweep.tasks:
+        check_task(task)
+    check_names("models", sweep.models, MODELS)
     if sweep.seeds < 1:
         raise ValueError(f"seeds: expected >= 1, got {sweep.seeds}")
     if sweep.d_model % sweep.n_heads:

@@ -1,5 +1,6 @@
 """State-tracking tasks (Grazzi et al., ICLR 2025, "negative eigenvalues"; protocol in LAB.md): parity, modular
-arithmetic without brackets, S3 and S5 permutation composition. Train on short sequences, test on longer ones.
+arithmetic without brackets, S3 and S5 permutation composition, and two bounded counters (a counter mod m, the depth
+of a Dyck-1 prefix of depth ≤ k). Train on short sequences, test on longer ones.
 
 Every batch is [B, T] with T the split's longest length (40 to train, 256 to test by default). Each row draws its
 own length uniformly from the split's range; positions past it hold the task's PAD token with target −100.
@@ -11,6 +12,11 @@ own length uniformly from the split's range; positions past it hold the task's P
     mod_arith_prec   the same rows, × before + and −                the same, with precedence     5
     s3, s5     one permutation per token (index into the           running product, every token  6, 120
                lexicographic list of S3 / S5)
+    count_mod<m>   0 stay, 1 step up, 2 step down                   the count mod m after the      m
+                                                                    token, every token (from 0)
+    dyck<k>    0 "(", 1 ")": a walk on depths 0…k from 0            the depth after the token,     k + 1
+               (at 0 the token is "(", at k ")", else either          every token
+               with probability ½)
 
 `mod_arith` is evaluated left to right with no operator precedence, mod 5: 3 + 4 × 2 = (3 + 4) × 2 = 4 — each
 operator-and-operand pair is a map of the value so far (x ↦ x + n, x − n, x·n), so the state is one of 5 values.
@@ -20,6 +26,13 @@ product term being built. Only the final answer is labelled, as in Deletang et a
 "="), so every row carries exactly one label (`labels_per_row = 1`). A row's length is its token count including
 "=", always even (m operands → 2m tokens): train rows have 2…20 operands (lengths 4…40), test rows 20…128
 (lengths 40…256).
+
+The counters are named with their setting: `count_mod3` counts mod 3, `dyck4` keeps the depth within 0…4
+(2 <= m <= 100, 1 <= k <= 100: each class is a token of the vocabulary). `count_mod<m>` is Deletang et al.'s "cycle
+navigation" on a cycle of m: the group Z_m, abelian like parity (m = 2 is parity with a "stay" token) but, for m >= 3,
+a rotation rather than a sign flip. `dyck<k>` is a bounded counter, not a group: every row is a valid bounded Dyck-1
+prefix (never below 0, never above k), and the label is its depth, which an additive (β = 1) memory can hold as a sum
+of ±1 — the question is whether a decaying or erasing one keeps it past the training lengths.
 
 Permutations compose as functions applied in reading order: the running product after tokens x1 … xt is the
 permutation i ↦ xt(…x2(x1(i))), so P_t = x_t ∘ P_{t−1}; the label at t is P_t's index.
@@ -42,7 +55,9 @@ import torch
 
 from .mqar import batch_seed, check_split_seeds
 
-TASKS = ("parity", "mod_arith", "mod_arith_prec", "s3", "s5")
+TASKS = ("parity", "mod_arith", "mod_arith_prec", "s3", "s5")  # the fixed tasks; the counters name a setting:
+COUNTERS = {"count_mod": 2, "dyck": 1}  # family -> its setting's least value: count_mod3, dyck4 (COUNTER_MAX at most)
+COUNTER_MAX = 100
 ARITH = ("mod_arith", "mod_arith_prec")  # the tasks of expressions answered at "="
 MOD = 5
 PLUS, MINUS, TIMES, EQUALS = 5, 6, 7, 8  # the arithmetic tasks' operator and "=" tokens
@@ -59,8 +74,7 @@ class StateConfig:
     test_seed: int = 1_000_003
 
     def __post_init__(self) -> None:
-        if self.task not in TASKS:
-            raise ValueError(f"task: expected one of {TASKS}, got {self.task!r}")
+        check_task(self.task)
         for name in ("train_lengths", "test_lengths"):
             lo, hi = getattr(self, name)
             if not (type(lo) is int and type(hi) is int and 1 <= lo <= hi):
@@ -74,16 +88,43 @@ class StateConfig:
     @property
     def classes(self) -> int:
         """Number of possible answers: chance accuracy is 1 / classes."""
+        counter = counter_of(self.task)
+        if counter is not None:
+            return counter[1] + (counter[0] == "dyck")  # m counts, or depths 0…k
         return {"parity": 2, "mod_arith": MOD, "mod_arith_prec": MOD, "s3": 6, "s5": 120}[self.task]
 
     @property
     def pad(self) -> int:
-        """The PAD token, the last id of the vocabulary."""
+        """The PAD token, the last id of the vocabulary (past every input token and every label)."""
+        counter = counter_of(self.task)
+        if counter is not None:
+            return max(3 if counter[0] == "count_mod" else 2, self.classes)
         return {"parity": 2, "mod_arith": 9, "mod_arith_prec": 9, "s3": 6, "s5": 120}[self.task]
 
     @property
     def vocab_size(self) -> int:
         return self.pad + 1
+
+
+def counter_of(task: str) -> tuple[str, int] | None:
+    """The family and setting a counter task names (count_mod3 -> ("count_mod", 3), dyck4 -> ("dyck", 4)); None for
+    any other name (dyck04 included: one spelling per task)."""
+    for family in COUNTERS:
+        rest = task[len(family):]
+        if task.startswith(family) and rest.isascii() and rest.isdigit() and str(int(rest)) == rest:
+            return family, int(rest)
+    return None
+
+
+def check_task(task: str) -> str:
+    """`task` if it names a task (one of TASKS, or a counter with its setting in range); else ValueError."""
+    if not isinstance(task, str):
+        raise ValueError(f"task: expected a task name, got {task!r}")
+    counter = counter_of(task)
+    if task in TASKS or (counter is not None and COUNTERS[counter[0]] <= counter[1] <= COUNTER_MAX):
+        return task
+    raise ValueError(f"task: expected one of {TASKS} or count_mod<m> (m in 2..{COUNTER_MAX}) or dyck<k> (k in "
+                     f"1..{COUNTER_MAX}), got {task!r}")
 
 
 def permutations(n: int) -> torch.Tensor:
@@ -119,9 +160,15 @@ def make_state(cfg: StateConfig, n: int, seed: int, lengths: tuple[int, int]) ->
     T = hi
     length = _lengths(n, lo, hi, g)  # [n]
     valid = torch.arange(T)[None, :] < length[:, None]  # [n, T]
+    counter = counter_of(cfg.task)
     if cfg.task == "parity":
         x = torch.randint(0, 2, (n, T), generator=g)  # [n, T]
         y = x.cumsum(1) % 2
+    elif counter is not None and counter[0] == "count_mod":
+        x = torch.randint(0, 3, (n, T), generator=g)  # [n, T]: stay, up, down
+        y = torch.tensor([0, 1, -1])[x].cumsum(1) % counter[1]  # Python's % is never negative, nor is torch's
+    elif counter is not None:
+        x, y = _dyck(counter[1], n, T, g)
     else:
         table = compose_table(3 if cfg.task == "s3" else 5)  # [N, N]
         x = torch.randint(0, table.shape[0], (n, T), generator=g)  # [n, T]
@@ -132,6 +179,18 @@ def make_state(cfg: StateConfig, n: int, seed: int, lengths: tuple[int, int]) ->
     inputs = torch.where(valid, x, torch.full_like(x, cfg.pad))
     targets = torch.where(valid, y, torch.full_like(y, -100))
     return inputs, targets
+
+
+def _dyck(k: int, n: int, T: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """n walks of T steps on depths 0…k from 0: tokens [n, T] (0 "(", 1 ")") and the depth after each [n, T]."""
+    coin = torch.randint(0, 2, (n, T), generator=g)  # [n, T]: the token where both are allowed
+    x, y = torch.empty_like(coin), torch.empty_like(coin)
+    depth = torch.zeros(n, dtype=torch.int64)
+    for t in range(T):
+        tok = torch.where(depth == 0, 0, torch.where(depth == k, 1, coin[:, t]))
+        depth = depth + 1 - 2 * tok
+        x[:, t], y[:, t] = tok, depth
+    return x, y
 
 
 def _mod_arith(cfg: StateConfig, n: int, lo: int, hi: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

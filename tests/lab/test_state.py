@@ -110,3 +110,20 @@ def test_position_accuracy_scores_each_span_past_training():
     pos = torch.arange(labelled[0].shape[1])
     right = sum((m & (pos >= 8) & (pos < 16)).sum().item() for m in labelled)
     assert beyond == right / sum((m & (pos >= 8)).sum().item() for m in labelled)  # label-weighted, not span-averaged
+
+
+def test_counters_mode_runs_the_counter_tasks(tmp_path, monkeypatch):
+    from evict.lab.state import COUNTERS, COUNTERS_FULL
+
+    assert COUNTERS.tasks == ("count_mod3", "dyck4") and {"deltanet", "deltanet_neg"} <= set(COUNTERS.models)
+    assert set(COUNTERS_FULL.tasks) == {"count_mod3", "count_mod5", "dyck4"} and COUNTERS_FULL.device == "auto"
+    micro = replace(MICRO, tasks=("count_mod3", "dyck2"), models=("deltanet_neg",), steps=1)
+    monkeypatch.setattr("evict.lab.state.COUNTERS", micro)
+    assert main(["lab", "state", "--counters", "--workers", "1", "--out", str(tmp_path / "c")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "c" / "results.jsonl").read_text().splitlines()]
+    assert sorted((r["task"], r["classes"]) for r in rows) == [("count_mod3", 3), ("dyck2", 3)]
+    assert "| count_mod3 | count_mod3 (published) |" in (tmp_path / "c" / "table.md").read_text()
+    for bad in (["--tasks", "dyck0"], ["--tasks", "count_mod3", "count_mod3"]):
+        with pytest.raises(SystemExit) as e:
+            main(["lab", "state", *bad, "--out", str(tmp_path / "bad")])
+        assert e.value.code == 2 and not (tmp_path / "bad").exists()

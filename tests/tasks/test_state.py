@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from evict.tasks.mqar import batch_seed
-from evict.tasks.state import ARITH, EQUALS, MINUS, PLUS, TASKS, TIMES, StateConfig, StateTask, compose_table, make_state, scaled_accuracy
+from evict.tasks.state import (ARITH, EQUALS, MINUS, PLUS, TASKS, TIMES, StateConfig, StateTask, check_task, compose_table,
+                               counter_of, make_state, scaled_accuracy)
+
+COUNTER_TASKS = ("count_mod2", "count_mod3", "count_mod5", "dyck1", "dyck4")
 
 
 def _rows(x, y, pad):
@@ -42,6 +45,50 @@ def _precedence_reference(tokens):
     assert tokens[-1] == EQUALS and len(tokens) % 2 == 0
     return eval("".join({PLUS: "+", MINUS: "-", TIMES: "*"}.get(t, str(t)) if i % 2 else str(t)
                         for i, t in enumerate(tokens[:-1]))) % 5
+
+
+def _count_mod_reference(m, tokens):
+    """One state, one Python int: 0 stays, 1 adds one, 2 takes one away, mod m."""
+    count, out = 0, []
+    for t in tokens:
+        count = (count + {0: 0, 1: 1, 2: m - 1}[t]) % m
+        out.append(count)
+    return out
+
+
+def _dyck_reference(k, tokens):
+    """The depth after each bracket of a string of "(" (0) and ")" (1); None once the string leaves 0…k."""
+    text = "".join("()"[t] for t in tokens)
+    depths = [text[: i + 1].count("(") - text[: i + 1].count(")") for i in range(len(text))]
+    return None if any(d < 0 or d > k for d in depths) else depths
+
+
+@pytest.mark.parametrize("task", COUNTER_TASKS)
+def test_counter_labels_match_slow_reference(task):
+    family, n = counter_of(task)
+    cfg = StateConfig(task=task)
+    x, y = make_state(cfg, 16, seed=77, lengths=(3, 64))
+    seen = set()
+    for xs, ys, _ in _rows(x, y, cfg.pad):
+        if family == "count_mod":
+            assert set(xs) <= {0, 1, 2} and ys == _count_mod_reference(n, xs)
+        else:
+            assert set(xs) <= {0, 1} and ys == _dyck_reference(n, xs)  # a valid bounded prefix, its depths
+        seen |= set(ys)
+    assert seen == set(range(cfg.classes)), "every count / depth occurs in 16 rows of up to 64 tokens"
+    assert cfg.classes == (n if family == "count_mod" else n + 1) and cfg.pad >= cfg.classes and cfg.pad > x[x != cfg.pad].max()
+
+
+def test_counter_names_and_settings():
+    assert counter_of("count_mod3") == ("count_mod", 3) and counter_of("dyck12") == ("dyck", 12)
+    assert counter_of("parity") is None and counter_of("dyck04") is None and counter_of("dyck") is None
+    assert check_task("dyck100") == "dyck100" and check_task("count_mod2") == "count_mod2"
+    for bad in ("count_mod1", "count_mod101", "dyck0", "dyck04", "dyck-1", "dyck١", "count_mod", "s4", 3):
+        with pytest.raises(ValueError, match=r"^task: expected .* got"):
+            check_task(bad)  # type: ignore[arg-type]
+    # count_mod2 is parity with a "stay" token (up and down are both a flip): the parity of the moves so far
+    x, y = make_state(StateConfig(task="count_mod2"), 4, seed=3, lengths=(40, 40))
+    assert torch.equal((x != 0).long().cumsum(1) % 2, y)
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -81,7 +128,7 @@ def test_arith_is_left_to_right_and_prec_multiplies_first():
         assert torch.equal(x, x2) and agree((a == b)[a != -100].float().mean().item())
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", TASKS + COUNTER_TASKS)
 def test_deterministic_split_lengths_and_shapes(task):
     t = StateTask(StateConfig(task=task))
     a, b = t.get_batch("train", 7, 32), t.get_batch("train", 7, 32)
