@@ -68,20 +68,21 @@ EVAL_SEED_OFFSET = 10_000  # held-out batches come from seed + this: no training
 
 
 def write_then_read(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *, delta: bool,
-                    n_queries: int) -> torch.Tensor:
+                    n_queries: int, chunk_size: int | None = None) -> torch.Tensor:
     """Run W writes and then n_queries reads through evict.ops.memory; returns the reads [B, n_queries, V] (one head)
     or [B, n_queries, H, V] (H heads).
 
     q, k: [B, W + n_queries, K] or [B, W + n_queries, H, K] (q of the writes and k, v of the queries are ignored: the
     queries carry β = 0); v: [B, W + n_queries, V] or [B, W + n_queries, H, V]; beta: [B, W] or [B, W, H] (the writes'
-    β). Scale 1.
+    β). Scale 1. chunk_size: the chunked form's (None: its own, 64).
     """
     one = k.dim() == 3
     if one:
         q, k, v, beta = q[:, :, None], k[:, :, None], v[:, :, None], beta[:, :, None]
     B, T, H, _ = k.shape
     beta = torch.cat([beta, beta.new_zeros(B, n_queries, H)], dim=1)  # [B, T, H]: queries write nothing
-    o, _ = memory(q, k, v, beta=beta, delta=delta, scale=1.0, impl="chunked", check=False)  # [B, T, H, V]
+    o, _ = memory(q, k, v, beta=beta, delta=delta, scale=1.0, impl="chunked", check=False,
+                  chunk_size=chunk_size)  # [B, T, H, V]
     o = o[:, T - n_queries:]
     return o[:, :, 0] if one else o
 

@@ -33,10 +33,12 @@ from evict.lab.sweep import run_grid, seeds_of, seeds_phrase
 from evict.report import markdown_table
 from evict.tasks.capacity import CapacityBatch
 
-# `--heads`: one total state of 64² = 4096 numbers as 1, 4 or 16 heads; S = 48, 96, 192 puts one rung between every
-# two layouts' rank bounds H·D (64, 128, 256). Unique keys, both rules; the ladder is ours. 18 runs: 31 min of CPU
-# time (2026-12-06), ~16 min on 2 free cores — over the 5-minute quick target; the S = 192 runs cost most.
-HEADS = CapacitySweep(sizes=(48, 96, 192), overwrite=(False,), layouts=("1x64", "4x32", "16x16"))
+# `--heads`: one total state of 16² = 256 numbers as 1, 4 or 16 heads; S = 16, 32, 64 are the layouts' rank bounds
+# H·D, so every S sits at one layout's bound and above or below the others'. Unique keys, both rules, 800 steps at
+# lr 0.03 (the training losses flatten by ~500 steps: results/capacity/heads_quick/results.jsonl); the ladder is ours.
+# 18 runs, CPU-seconds measured in docs/labs/capacity.md. (The first quick sweep, 64² at S = 48 … 192 and 400 steps,
+# cost 31 CPU-minutes and left every layout near outputs-zero at S = 192: it measured speed of learning.)
+HEADS = CapacitySweep(sizes=(16, 32, 64), overwrite=(False,), layouts=("1x16", "4x8", "16x4"), steps=800, lr=3e-2)
 # `--heads-full` (GPU, not run yet): 128² = 16384 numbers as 1, 4, 16 or 64 heads (rank bounds 128 … 1024), with and
 # without overwrites, 5,000 steps, 3 seeds: 240 runs. At the pace of capacity.FULL's runs on an H200 (about 60 s per
 # 10,000-step run, 4 at once; results/full_runs.md), scaled by the longer rows (S up to 1024), about 40 minutes.
@@ -80,7 +82,8 @@ class HeadsCapacityModel(nn.Module):
             beta = torch.ones(e.shape[0], W, self.heads, device=e.device)
         else:
             beta = torch.sigmoid(self.beta_proj(e[:, :W]))  # [B, W, H]
-        o = write_then_read(q, k, v, beta, delta=self.rule == "delta", n_queries=batch.query_keys.shape[1])
+        o = write_then_read(q, k, v, beta, delta=self.rule == "delta", n_queries=batch.query_keys.shape[1],
+                            chunk_size=16 if self.d <= 32 else None)  # small heads: 16 (each head's [C, C] work)
         return self.out(o.flatten(-2))  # [B, S, H, d] -> [B, S, S]
 
 

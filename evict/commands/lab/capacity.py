@@ -40,8 +40,8 @@ def add_parser(lab_sub) -> None:
                        seeds_help="seeds per cell; the table shows mean and range",
                        modes={"law": "the break S* against d_key 16-128 (S from d/2 to 3d/2), unique keys, both rules, "
                                      "fit S* = c*d; ~10 min on a 2-core CPU",
-                              "heads": "one state of 64x64 numbers as 1x64^2, 4x32^2, 16x16^2 heads, S 48, 96, 192, "
-                                       "unique keys, both rules; ~16 min on a 2-core CPU (31 min of CPU time)",
+                              "heads": "one state of 16x16 numbers as 1x16^2, 4x8^2, 16x4^2 heads, S 16, 32, 64, "
+                                       "unique keys, both rules, 800 steps; ~3 min on a 2-core CPU (332 s of CPU)",
                               "heads-full": "one state of 128x128 as 1, 4, 16, 64 heads, S 64-1024, with and without "
                                             "overwrites, 5,000 steps, 3 seeds; GPU"})
     s.add_argument("--rules", nargs="+", choices=list(RULES))
