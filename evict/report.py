@@ -47,6 +47,16 @@ def wall_time(fn, *, repeats: int = 3, warmup: int = 1) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def median_ms(device: str, *, warmup_ms: int = 25, rep_ms: int = 100, repeats: int = 3, warmup: int = 1):
+    """A timer fn -> median milliseconds of fn(): triton's do_bench (warm-up and repetition in ms) on CUDA, wall_time
+    (`repeats` timed calls after `warmup` calls) elsewhere."""
+    if device.startswith("cuda"):
+        from triton.testing import do_bench
+
+        return lambda fn: float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    return lambda fn: wall_time(fn, repeats=repeats, warmup=warmup) * 1e3
+
+
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:

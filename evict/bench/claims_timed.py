@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from evict.cli_args import first_line
+from evict.report import median_ms
 
 SIZES: dict[str, dict[str, Any]] = {  # device -> shapes (CUDA: the measured sizes; CPU: a smoke test's)
     "cuda": dict(lm="kkkm_226m", batch=4, seq_len=4096, attn_res_block=3, steps=10, warmup=3,
@@ -26,13 +27,7 @@ SIZES: dict[str, dict[str, Any]] = {  # device -> shapes (CUDA: the measured siz
 
 
 def _timer(device: str):
-    if device == "cuda":
-        from triton.testing import do_bench
-
-        return lambda fn: float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    from evict.report import wall_time
-
-    return lambda fn: wall_time(fn, repeats=3, warmup=1) * 1e3
+    return median_ms(device, warmup_ms=25, rep_ms=100, repeats=3)
 
 
 # -- AttnRes ------------------------------------------------------------------------------------------------------------

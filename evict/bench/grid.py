@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from evict.cli_args import UserError, first_line, out_of_memory
 from evict.jsonfile import jsonl_records
-from evict.report import card
+from evict.report import card, median_ms
 
 LENGTHS = (1024, 4096, 16384, 65536)
 HEAD_DIMS = (64, 128, 256)
@@ -124,13 +124,7 @@ def estimate_bytes(cell: dict) -> int:
 # -- one cell ------------------------------------------------------------------------------------------------------
 
 def _timer(device: str):
-    if device.startswith("cuda"):
-        from triton.testing import do_bench
-
-        return lambda fn: do_bench(fn, warmup=10, rep=50, return_mode="median")
-    from evict.report import wall_time
-
-    return lambda fn: wall_time(fn, repeats=5, warmup=1) * 1e3
+    return median_ms(device, warmup_ms=10, rep_ms=50, repeats=5)
 
 
 def _sdpa_ran(fn) -> str:
