@@ -175,6 +175,7 @@ def test_prompt_logprobs_equal_the_full_forward_float64(family, one_thread):
         reqs.append((p, n, eng.submit(p, SamplingParams(max_tokens=n, temperature=0, prompt_logprobs=top))))
     eng.run_until_idle()
     assert eng.stats["preemptions"] > 0 and eng.stats["finished"] == 12 and len(eng.free_slots) == 5
+    assert any(r.preemptions and r.params.prompt_logprobs is not None for _, _, r in reqs)  # its prompt recomputed
     for p, n, r in reqs:
         assert r.finish_reason == "length" and r.out == (alone(model, p, n, 16) if n else [])
         if r.params.prompt_logprobs is None:
