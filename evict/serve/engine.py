@@ -42,7 +42,9 @@ log = logging.getLogger(__name__)
 class SamplingParams:
     """Per-request sampling (evict.models.generate.sample_next): temperature 0 = greedy; min_p / top_k / top_p filter; seed
     fixes the request's own generator; penalties and logit_bias adjust the logits first (evict.models.generate.Penalties);
-    logprobs N: each token's log-probability and the N most likely (of the model's distribution, before sampling)."""
+    logprobs N: each token's log-probability and the N most likely (of the model's distribution, before sampling);
+    prompt_logprobs N: the same for each prompt token after the first (from the prefill's logits; then max_tokens may
+    be 0: the prompt's log-probabilities alone)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -56,6 +58,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def penalized(self) -> bool:
@@ -82,6 +85,8 @@ class Request:
     penalties: Penalties | None = None
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # per token: (its, top N)
     error: str | None = None  # why finish_reason is "error"
+    # with params.prompt_logprobs: entry j for prompt token j + 1, (its, top N), from the logits at position j
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
     @property
     def n_tokens(self) -> int:
@@ -197,8 +202,8 @@ class Engine:
         if not isinstance(prompt, list) or not prompt or not all(type(t) is int and 0 <= t < self.vocab for t in prompt):
             raise ValueError(f"prompt: expected a non-empty list of token ids in [0, {self.vocab})")
         p = params
-        if type(p.max_tokens) is not int or p.max_tokens < 1:
-            raise ValueError(f"max_tokens: expected a positive integer, got {p.max_tokens!r}")
+        if type(p.max_tokens) is not int or p.max_tokens < (0 if p.prompt_logprobs is not None else 1):
+            raise ValueError(f"max_tokens: expected a positive integer (0 only with prompt_logprobs), got {p.max_tokens!r}")
         from evict.models.generate import _check_stop_tokens, _is_int, _is_real
 
         if not _is_real(p.temperature) or p.temperature < 0:
@@ -319,21 +324,56 @@ class Engine:
         return logits
 
     def _packed(self, decode: list[Request], chunks: list[tuple[Request, int]]) -> torch.Tensor:
-        """One forward over the decode rows and the prompt chunks packed along T; logits [N, V] at each one's last token."""
+        """One forward over the decode rows and the prompt chunks packed along T; logits [N, V] at each one's last
+        token. The head runs only there, and at the prompt positions whose log-probabilities a chunk's request
+        asked for (prompt_logprobs), which are recorded here."""
         self.pool.select_packed([(r.slot, r.cached) for r in decode], [(r.slot, r.cached, T) for r, T in chunks])
         toks = [r.pending(1)[0] for r in decode] + [t for r, T in chunks for t in r.pending(T)]
-        last = list(range(len(decode)))
-        for _, T in chunks:
-            last.append((last[-1] if last else -1) + T)
+        at = list(range(len(decode)))  # packed indices where the head runs
+        last = list(at)  # rows of `at` at each part's last token
+        wanted: list[tuple[Request, int, int, int]] = []  # (request, first position wanted, how many, row of the first)
+        end = len(decode)
+        for r, T in chunks:
+            first, n = self._wanted(r, T)
+            if n:
+                wanted.append((r, first, n, len(at)))
+                at += range(end + first - r.cached, end + T - 1)  # the chunk's last position comes next
+            end += T
+            at.append(end - 1)
+            last.append(len(at) - 1)
         with torch.no_grad():
             logits = self.model(torch.tensor([toks], dtype=torch.int64, device=self.device), cache=self.pool,
-                                positions=torch.tensor([last], dtype=torch.int64, device=self.device))[0]  # [N, V]
+                                positions=torch.tensor([at], dtype=torch.int64, device=self.device))[0]  # [len(at), V]
+        if wanted:
+            for r, first, n, row in wanted:
+                self._record_prompt(r, first, logits[row : row + n])
+            logits = logits[torch.tensor(last, device=self.device)]
         for r in decode:
             r.cached += 1
         for r, T in chunks:
             r.cached += T
         self.stats["packed_steps"] += 1
         return logits
+
+    @staticmethod
+    def _wanted(r: Request, T: int) -> tuple[int, int]:
+        """(first, n): the positions first .. first + n - 1 of r's next chunk of T tokens are those whose logits give
+        a prompt log-probability not yet recorded (position j: prompt token j + 1); n = 0 without prompt_logprobs.
+        After a preemption the recomputed positions already recorded are skipped."""
+        if r.params.prompt_logprobs is None:
+            return 0, 0
+        first = max(r.cached, len(r.prompt_logprobs))
+        return first, max(min(r.cached + T, len(r.prompt) - 1) - first, 0)
+
+    def _record_prompt(self, r: Request, first: int, logits: torch.Tensor) -> None:
+        """r's prompt log-probabilities from the logits [K, V] at positions first .. first + K - 1 (of prompt tokens
+        first + 1 .. first + K); a host sync for this request only."""
+        lp = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)  # [K, V], float32 at least
+        nxt = torch.tensor(r.prompt[first + 1 : first + 1 + len(lp)], device=lp.device)  # [K]
+        its = lp.gather(1, nxt[:, None])[:, 0].tolist()
+        top = lp.topk(min(r.params.prompt_logprobs or 0, lp.shape[-1]), dim=-1)
+        for v, i, tv in zip(its, top.indices.tolist(), top.values.tolist()):
+            r.prompt_logprobs.append((v, list(zip(i, tv))))
 
     def _plan(self) -> tuple[list[Request], list[tuple[Request, int]]]:
         """This step's decode rows and prompt chunks (request, tokens) within the token budget, by `priority`."""
@@ -360,7 +400,7 @@ class Engine:
         nxt = logits.argmax(-1)  # [B]; rows that sample replace theirs
         failed: dict[int, Exception] = {}
         for i, r in enumerate(reqs):
-            if r.params.temperature > 0 or r.penalties is not None:
+            if (r.params.temperature > 0 or r.penalties is not None) and r.params.max_tokens:
                 try:
                     nxt[i] = self._sample_one(r, logits[i : i + 1])
                 except Exception as e:  # this request fails, the others go on
@@ -370,6 +410,9 @@ class Engine:
             try:
                 if i in failed:
                     raise failed[i]
+                if not r.params.max_tokens:  # the prompt's log-probabilities alone: read, and done
+                    self._finish(r, "length")
+                    continue
                 self._emit(r, t, nxt[i : i + 1], logits[i], now)
             except Exception as e:
                 self._fail(r, e)
@@ -521,8 +564,10 @@ def check_penalties(p: SamplingParams, vocab: int) -> None:
     for t, b in p.logit_bias:
         if not _is_int(t) or not 0 <= t < vocab or not _is_real(b) or not -100 <= b <= 100:
             raise ValueError(f"logit_bias: expected token ids in [0, {vocab}) with biases in [-100, 100], got {t!r}: {b!r}")
-    if p.logprobs is not None and (not _is_int(p.logprobs) or not 0 <= p.logprobs <= 20):
-        raise ValueError(f"logprobs: expected an integer in [0, 20], got {p.logprobs!r}")
+    for name in ("logprobs", "prompt_logprobs"):
+        n = getattr(p, name)
+        if n is not None and (not _is_int(n) or not 0 <= n <= 20):
+            raise ValueError(f"{name}: expected an integer in [0, 20], got {n!r}")
 
 
 def _max_rss() -> int:

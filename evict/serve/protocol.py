@@ -44,7 +44,8 @@ class Sampling(Strict):
 
 class CompletionRequest(Sampling):
     prompt: str | list[int] = Field(description="text, or token ids (one prompt per request)")
-    echo: bool = Field(False, description="the prompt's text before the completion")
+    echo: bool = Field(False, description="the prompt's text before the completion (with logprobs: the prompt tokens' "
+                                          "log-probabilities too, the first null; then max_tokens may be 0)")
     logprobs: int | None = Field(None, description="each token's log-probability and the N most likely, N in [0, 20]")
     best_of: int | None = Field(None, description="accepted only equal to n (no ranking of choices)")
 
@@ -79,7 +80,7 @@ class BadRequest(ValueError):
 
 
 def sampling_params(r: Sampling, *, max_tokens: int, stop_tokens: tuple[int, ...], logprobs: int | None,
-                    index: int = 0) -> SamplingParams:
+                    prompt_logprobs: int | None = None, index: int = 0) -> SamplingParams:
     """The engine's parameters for choice `index` of request r (logit_bias keys must be integers)."""
     bias = []
     for key, value in (r.logit_bias or {}).items():
@@ -96,7 +97,8 @@ def sampling_params(r: Sampling, *, max_tokens: int, stop_tokens: tuple[int, ...
                           seed=None if r.seed is None else r.seed + index,
                           stop_tokens=tuple(dict.fromkeys((*(r.stop_token_ids or ()), *stop_tokens))),
                           presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
-                          repetition_penalty=r.repetition_penalty, logit_bias=tuple(bias), logprobs=logprobs)
+                          repetition_penalty=r.repetition_penalty, logit_bias=tuple(bias), logprobs=logprobs,
+                          prompt_logprobs=prompt_logprobs)
 
 
 def stop_strings(r: Sampling) -> list[str]:

@@ -1,9 +1,11 @@
 """OpenAI-compatible HTTP front of the engine (FastAPI + uvicorn; requests are the pydantic models of
 evict.serve.protocol, so GET /openapi.json and /docs describe them).
 
-    POST /v1/completions        prompt (text or token ids), echo, logprobs (top N), n, stream (server-sent `data:`
-                                events ending with `data: [DONE]`, stream_options.include_usage), and the sampling
-                                fields of protocol.Sampling; extension: return_token_ids
+    POST /v1/completions        prompt (text or token ids), echo, logprobs (top N; with echo the prompt's too, from
+                                the prefill's logits, and max_tokens may be 0), n, stream (server-sent `data:`
+                                events ending with `data: [DONE]`, stream_options.include_usage; the echo comes in
+                                a choice's first chunk), and the sampling fields of protocol.Sampling; extension:
+                                return_token_ids
     POST /v1/chat/completions   messages through the model's chat template (evict.serve.chat), the same sampling
                                 fields, logprobs / top_logprobs, n, stream
     GET  /v1/models             the one model served
@@ -35,7 +37,7 @@ from evict.serve.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, eos_token_id
 from evict.serve.engine import Engine, EngineDown, SamplingParams
 from evict.serve.engine import Request as EngineRequest
 from evict.serve.protocol import BadRequest, ChatRequest, CompletionRequest, Sampling, sampling_params, stop_strings
-from evict.serve.text import TextStream
+from evict.serve.text import IncrementalDecoder, TextStream
 
 KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
          413: "invalid_request_error", 422: "invalid_request_error"}
@@ -57,22 +59,36 @@ class Delta:
     index: int
     text: str = ""
     ids: list[int] = field(default_factory=list)
-    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)  # (token, its, top N)
+    # (token, its, top N); a choice's first delta with echo and logprobs starts with the prompt's (the first: None, None)
+    logprobs: list[tuple[int, float | None, list[tuple[int, float]] | None]] = field(default_factory=list)
     finish: str | None = None
     error: str | None = None
 
 
 class Choice:
-    """One choice = one engine request: its events -> Deltas (text through a TextStream, stop ids' text dropped)."""
+    """One choice = one engine request: its events -> Deltas (text through a TextStream, stop ids' text dropped). With
+    `echo` (text), the first Delta starts with it and, if the request asked for prompt_logprobs, with the prompt's
+    log-probabilities (complete once the request has an event: it has read its prompt)."""
 
-    def __init__(self, index: int, tokenizer, stop: list[str], stop_ids: tuple[int, ...]):
+    def __init__(self, index: int, tokenizer, stop: list[str], stop_ids: tuple[int, ...], echo: str | None = None):
         self.index, self.text, self.stop_ids = index, TextStream(tokenizer, stop), set(stop_ids)
-        self.done, self.tokens = False, 0
+        self.done, self.tokens, self.echo = False, 0, echo
         self.req: EngineRequest | None = None
 
     def handle(self, kind: str, value, extra, cancel) -> Delta | None:
         if self.done:  # a step the engine ran past a stop text
             return None
+        d = self._handle(kind, value, extra, cancel)
+        if self.echo is not None and d.error is None and self.req is not None:
+            d.text = self.echo + d.text
+            if self.req.params.prompt_logprobs is not None:
+                p = self.req.prompt
+                d.logprobs = [(p[0], None, None), *((t, v, top) for t, (v, top) in zip(p[1:], self.req.prompt_logprobs)),
+                              *d.logprobs]
+            self.echo = None
+        return d
+
+    def _handle(self, kind: str, value, extra, cancel) -> Delta:
         d = Delta(self.index)
         if kind == "token":
             self.tokens += 1
@@ -136,11 +152,12 @@ def mailbox() -> Mailbox:
 class Generation:
     """The n choices of one HTTP request, submitted together; `deltas()` yields their Deltas as they come."""
 
-    def __init__(self, engine: Engine, tokenizer, ids: list[int], params: list[SamplingParams], stop: list[str]):
+    def __init__(self, engine: Engine, tokenizer, ids: list[int], params: list[SamplingParams], stop: list[str],
+                 echo: str | None = None):
         self.engine, self.ids = engine, ids
         self.mailbox = mailbox()
         self.events: asyncio.Queue[tuple] = asyncio.Queue()
-        self.choices = [Choice(i, tokenizer, stop, p.stop_tokens) for i, p in enumerate(params)]
+        self.choices = [Choice(i, tokenizer, stop, p.stop_tokens, echo) for i, p in enumerate(params)]
         try:
             for c, p in zip(self.choices, params):
                 c.req = engine.submit(ids, p, on_token=self._on_token(c.index), on_finish=self._on_finish(c.index))
@@ -198,16 +215,17 @@ class Served:
         return {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{next(self.counter)}", "object": kind,
                 "created": int(time.time()), "model": self.model_name}
 
-    def start(self, body: Sampling, ids: list[int], *, max_tokens: int, logprobs: int | None) -> Generation:
+    def start(self, body: Sampling, ids: list[int], *, max_tokens: int, logprobs: int | None, echo: str | None = None,
+              prompt_logprobs: int | None = None) -> Generation:
         if body.model is not None and body.model != self.model_name:
             raise BadRequest("model", f"this server serves {self.model_name!r}, got {body.model[:80]!r}", status=404)
         if body.max_tokens is not None:
             max_tokens = body.max_tokens
         stops = (self.eos,) if self.eos is not None else ()
-        params = [sampling_params(body, max_tokens=max_tokens, stop_tokens=stops, logprobs=logprobs, index=i)
-                  for i in range(body.n)]
+        params = [sampling_params(body, max_tokens=max_tokens, stop_tokens=stops, logprobs=logprobs,
+                                  prompt_logprobs=prompt_logprobs, index=i) for i in range(body.n)]
         try:
-            return Generation(self.engine, self.tokenizer, ids, params, stop_strings(body))
+            return Generation(self.engine, self.tokenizer, ids, params, stop_strings(body), echo)
         except EngineDown as e:
             raise BadRequest(None, str(e), status=503) from None
         except ValueError as e:  # the engine's door: one line naming the field
@@ -341,8 +359,9 @@ async def sse(gen: Generation, include_usage: bool, chunk):
 
 def completion_ids(body: CompletionRequest, tokenizer) -> list[int]:
     """The prompt's token ids, after the checks /v1/completions makes of its fields (BadRequest)."""
-    if body.echo and body.logprobs is not None:
-        raise BadRequest("echo", "with logprobs: the prompt's log-probabilities are not computed by this server")
+    if body.max_tokens == 0 and not (body.echo and body.logprobs is not None):
+        raise BadRequest("max_tokens", "expected a positive integer (0 only with echo and logprobs: the prompt's "
+                                       "log-probabilities alone)")
     if body.best_of is not None and body.best_of != body.n:
         raise BadRequest("best_of", "expected n (this server does not rank choices)")
     if not isinstance(body.prompt, str):
@@ -356,39 +375,39 @@ def completion_ids(body: CompletionRequest, tokenizer) -> list[int]:
 
 
 class CompletionAnswer:
-    """The /v1/completions answer of one request: its stream chunks and its final body."""
+    """The /v1/completions answer of one request: its stream chunks and its final body. A token's text_offset is
+    where its text begins in the choice's text (echo included): each choice's tokens are decoded incrementally."""
 
-    def __init__(self, served: Served, body: CompletionRequest, gen: Generation, echo: str):
-        self.served, self.body, self.gen, self.echo = served, body, gen, echo
+    def __init__(self, served: Served, body: CompletionRequest, gen: Generation):
+        self.served, self.body, self.gen = served, body, gen
         self.h = served.head("text_completion")
-        self.offsets = [len(echo)] * body.n
+        self.offsets = [0] * body.n
+        self.decoders = [IncrementalDecoder(served.tokenizer) for _ in range(body.n)]
 
-    def logprobs(self, entries, offset: int) -> dict:
+    def logprobs(self, i: int, entries) -> dict:
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for t, lp, top in entries:
-            s = self.served.token_text(t)
-            out["tokens"].append(s)
+            out["tokens"].append(self.served.token_text(t))
             out["token_logprobs"].append(lp)
-            out["top_logprobs"].append({self.served.token_text(i): v for i, v in top})
-            out["text_offset"].append(offset)
-            offset += len(s)
+            out["top_logprobs"].append(None if top is None else {self.served.token_text(j): v for j, v in top})
+            out["text_offset"].append(self.offsets[i])
+            self.offsets[i] += len(self.decoders[i].step(t))
         return out
 
     def piece(self, d: Delta) -> dict:
         c: dict = {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": d.finish}
         if self.body.logprobs is not None:
-            c["logprobs"] = self.logprobs(d.logprobs, self.offsets[d.index])
-            self.offsets[d.index] += sum(len(x) for x in c["logprobs"]["tokens"])
+            c["logprobs"] = self.logprobs(d.index, d.logprobs)
         if self.body.return_token_ids:
             c["token_ids"] = d.ids
         return c
 
     def chunk(self, d: Delta | None, *, opening: bool) -> dict | None:
-        h, echo = self.h, self.echo
+        h = self.h
         if d is None:
             return {**h, "choices": []}
-        if opening:
-            return {**h, "choices": [{"index": d.index, "text": echo, "logprobs": None, "finish_reason": None}]} if echo else None
+        if opening:  # the echo, if any, comes with the first token (or the finish): its log-probabilities need the prefill
+            return None
         if not (d.text or d.finish or d.logprobs or (self.body.return_token_ids and d.ids)):
             return None
         return {**h, "choices": [self.piece(d)]}
@@ -396,7 +415,7 @@ class CompletionAnswer:
     def final(self, per: list[list[Delta]]) -> dict:
         choices = []
         for i, ds in enumerate(per):
-            joined = Delta(i, self.echo + "".join(d.text for d in ds), [t for d in ds for t in d.ids],
+            joined = Delta(i, "".join(d.text for d in ds), [t for d in ds for t in d.ids],
                            [e for d in ds for e in d.logprobs], ds[-1].finish)
             choices.append(self.piece(joined))
         return {**self.h, "choices": choices, "usage": self.gen.usage()}
@@ -409,11 +428,12 @@ def add_completions(app: FastAPI, served: Served) -> None:
     async def completions(body: CompletionRequest, request: Request):
         try:
             ids = completion_ids(body, served.tokenizer)
-            gen = served.start(body, ids, max_tokens=16, logprobs=body.logprobs)
+            echo = (body.prompt if isinstance(body.prompt, str) else served.tokenizer.decode(ids)) if body.echo else None
+            gen = served.start(body, ids, max_tokens=16, logprobs=body.logprobs, echo=echo,
+                               prompt_logprobs=body.logprobs if body.echo else None)
         except BadRequest as e:
             return error(e.status, str(e), e.param)
-        echo = (body.prompt if isinstance(body.prompt, str) else served.tokenizer.decode(ids)) if body.echo else ""
-        answer = CompletionAnswer(served, body, gen, echo)
+        answer = CompletionAnswer(served, body, gen)
         include = bool(body.stream_options and body.stream_options.include_usage)
         return await respond(request, gen, body.stream, include, answer.chunk, answer.final)
 

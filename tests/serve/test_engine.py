@@ -94,6 +94,9 @@ def test_cancel_frees_slot_and_blocks(one_thread):
     (([1], SamplingParams(top_p=0)), "top_p"), (([1], SamplingParams(top_k=0)), "top_k"),
     (([1], SamplingParams(seed=-1)), "seed"), (([1], SamplingParams(stop_tokens=(999,))), "stop_tokens"),
     (([1] * 100, SamplingParams(max_tokens=100)), "max_tokens"),
+    (([1], SamplingParams(max_tokens=-1, prompt_logprobs=0)), "max_tokens"),
+    (([1], SamplingParams(max_tokens=0, prompt_logprobs=21)), "prompt_logprobs"),
+    (([1], SamplingParams(prompt_logprobs=True)), "prompt_logprobs"),
 ])
 def test_bad_requests_name_the_field(bad, field):
     model = tiny("attention", n_layers=1)

@@ -158,3 +158,34 @@ def test_graph_buckets():
     assert buckets(1) == [1]
     assert buckets(128) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128]
     assert buckets(20)[-1] == 20 and buckets(20) == sorted(set(buckets(20)))
+
+
+@pytest.mark.parametrize("family", ["KKKA", "mla_rope_conv"])
+def test_prompt_logprobs_equal_the_full_forward_float64(family, one_thread):
+    """Requests with prompt_logprobs (3 or 0 alternatives; max_tokens 0 or not) among requests without, in a float64
+    engine whose budget cuts chunks and whose pool runs out (preemption: recomputed positions are not recorded twice):
+    each prompt token after the first gets log_softmax(LM(prompt)) at the position before it and the top N of that row
+    (float64 full forward of the prompt alone, 1e-10); outputs equal `generate` alone."""
+    model = build(family, torch.float64)
+    eng = Engine(model, max_batch=5, cache_budget=budget(model, 5, 8, 9), block_size=8, prefill_chunk=16,
+                 max_num_batched_tokens=37)
+    reqs = []
+    for i, (p, n) in enumerate(jobs(12, seed=9, lengths=(1, 45), outputs=(1, 20))):
+        top, n = ((3, n), (0, 0), (None, n))[i % 3]
+        reqs.append((p, n, eng.submit(p, SamplingParams(max_tokens=n, temperature=0, prompt_logprobs=top))))
+    eng.run_until_idle()
+    assert eng.stats["preemptions"] > 0 and eng.stats["finished"] == 12 and len(eng.free_slots) == 5
+    assert any(r.preemptions and r.params.prompt_logprobs is not None for _, _, r in reqs)  # its prompt recomputed
+    for p, n, r in reqs:
+        assert r.finish_reason == "length" and r.out == (alone(model, p, n, 16) if n else [])
+        if r.params.prompt_logprobs is None:
+            assert r.prompt_logprobs == []
+            continue
+        with torch.no_grad():
+            lp = model(torch.tensor([p]))[0].log_softmax(-1)  # [P, V]
+        assert len(r.prompt_logprobs) == len(p) - 1
+        for j, (its, top) in enumerate(r.prompt_logprobs):
+            assert its == pytest.approx(lp[j, p[j + 1]].item(), abs=1e-10)
+            want = lp[j].topk(r.params.prompt_logprobs)
+            assert [i for i, _ in top] == want.indices.tolist()
+            assert [v for _, v in top] == pytest.approx(want.values.tolist(), abs=1e-10)

@@ -1,8 +1,10 @@
 """The server as a user of the official `openai` client sees it, over a real socket: completions and chat, streaming
-and not, n, logprobs (against the model's own log-softmax), echo, penalties and logit_bias, EOS ending a choice with
+and not, n, logprobs (against the model's own log-softmax), echo (with the prompt's logprobs against a float64
+log-softmax, max_tokens 0), penalties and logit_bias, EOS ending a choice with
 "stop", the api key, OpenAI-shaped 404 / 405, a failing sampler failing only its request, a dead engine thread
 reported by /health and answered with errors (never a hang), and a stop failing what is in flight."""
 
+import copy
 import threading
 
 import httpx
@@ -91,6 +93,93 @@ def test_n_choices_seeds_and_logprobs(setup):
             best = [v for i in range(len(out)) for v in lp[i].topk(3).values.tolist()]
             got = [v for top in ch.logprobs.top_logprobs for v in sorted(top.values(), reverse=True)]
             assert got == pytest.approx(best, abs=1e-4)
+
+
+def reference_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """log_softmax(LM(ids)) [T, V], the model in float64 (a copy): the obviously-correct form."""
+    ref = copy.deepcopy(model).double()
+    with torch.no_grad():
+        return ref(torch.tensor([ids]))[0].log_softmax(-1)
+
+
+def check_logprobs(lp, ids: list[int], got, n: int) -> None:
+    """OpenAI's completion logprobs `got` of tokens `ids` (the first a prompt's first: null) against lp [T, V]. The
+    served model is float32 (differences ~3e-5 from float64 here; an off-by-one position differs by ~1): 1e-4, as
+    for the completion's logprobs; the float64 engine gives them to 1e-10 (test_engine_packed)."""
+    assert got.token_logprobs[0] is None and got.top_logprobs[0] is None
+    assert got.token_logprobs[1:] == pytest.approx([lp[j, ids[j + 1]].item() for j in range(len(ids) - 1)], abs=1e-4)
+    for j, top in enumerate(got.top_logprobs[1:]):
+        values = list(top.values())
+        assert values == sorted(values, reverse=True)  # the N most likely, best first
+        assert values == pytest.approx(lp[j].topk(n).values.tolist(), abs=1e-4)
+        if ids[j + 1] in lp[j].topk(n).indices.tolist():  # the chosen token among them: its own value
+            assert top[got.tokens[j + 1]] == got.token_logprobs[j + 1]
+
+
+def check_offsets(ids: list[int], got, text: str) -> None:
+    """Byte tokens: an ASCII token's text is text[offset : next offset]; a multi-byte character's text begins at the
+    offset of its first byte (the others add nothing); each token's string is its character or token_id:N."""
+    offsets = got.text_offset + [len(text)]
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    assert "".join(text[offsets[k] : offsets[k + 1]] for k in range(len(ids))) == text
+    for k, t in enumerate(ids):
+        piece = text[offsets[k] : offsets[k + 1]]
+        assert (got.tokens[k], piece) == (chr(t), chr(t)) if t < 128 else got.tokens[k] == f"token_id:{t}"
+
+
+def test_echo_with_logprobs_gives_the_prompts_log_softmax(setup):
+    """echo + logprobs: the prompt's tokens (3 prefill chunks of 16) with the model's log-softmax at the position
+    before each (the first null) and the top N, then the completion's; text_offset indexes the echoed text."""
+    model, engine = setup
+    prompt = "To be, or not to be, that is the question: whether"
+    with serve(engine) as url:
+        c = client(url)
+        r = c.completions.create(model=NAME, prompt=prompt, max_tokens=5, temperature=0, echo=True, logprobs=3)
+        ch = r.choices[0]
+        out = alone(model, list(prompt.encode()), 5)
+        ids = list(prompt.encode()) + out
+        assert ch.text == prompt + ByteTokenizer().decode(out) and ch.finish_reason == "length"
+        assert len(ch.logprobs.tokens) == len(ids) and r.usage.completion_tokens == 5
+        check_logprobs(reference_logprobs(model, ids), ids, ch.logprobs, 3)
+        check_offsets(ids, ch.logprobs, ch.text)
+        assert ch.logprobs.text_offset[: len(prompt)] == list(range(len(prompt)))
+        # streamed: the echo and the prompt's logprobs come in a choice's first chunk
+        chunks = [x.choices[0] for x in c.completions.create(model=NAME, prompt=prompt, max_tokens=5, temperature=0,
+                                                              echo=True, logprobs=3, stream=True)]
+        assert chunks[0].text.startswith(prompt) and len(chunks[0].logprobs.tokens) == len(prompt) + 1
+        assert "".join(x.text for x in chunks) == ch.text
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [v for x in chunks for v in getattr(x.logprobs, key)] == getattr(ch.logprobs, key)
+
+
+def test_echo_max_tokens_0_scores_the_prompt(setup):
+    """max_tokens 0 with echo + logprobs: the prompt's log-probabilities alone (token ids in, a multi-byte character
+    split over tokens: text_offset is where each token's text begins in the decoded text); n choices agree."""
+    model, engine = setup
+    ids = list("naïve café: ok".encode())
+    with serve(engine) as url:
+        r = client(url).completions.create(model=NAME, prompt=ids, max_tokens=0, echo=True, logprobs=2, n=2)
+        lp = reference_logprobs(model, ids)
+        text = bytes(ids).decode()
+        for ch in r.choices:
+            assert ch.text == text and ch.finish_reason == "length" and len(ch.logprobs.tokens) == len(ids)
+            check_logprobs(lp, ids, ch.logprobs, 2)
+            check_offsets(ids, ch.logprobs, text)
+            assert [o for t, o in zip(ids, ch.logprobs.text_offset) if t >= 128] == [2, 2, 9, 9]  # "naïve café": ï at 2, é at 9
+        assert r.choices[0].logprobs == r.choices[1].logprobs and r.usage.completion_tokens == 0
+
+
+@pytest.mark.parametrize("fields, param", [({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 0, "echo": True}, "max_tokens"),
+                                           ({"max_tokens": 0, "logprobs": 2}, "max_tokens"),
+                                           ({"echo": True, "logprobs": 21}, "logprobs"),
+                                           ({"echo": True, "logprobs": -1, "max_tokens": 0}, "logprobs")])
+def test_echo_bad_combinations_are_400s_naming_the_field(setup, fields, param):
+    _, engine = setup
+    with serve(engine) as url:
+        with pytest.raises(openai.BadRequestError) as e:
+            client(url).completions.create(model=NAME, prompt="hi", **fields)
+        body = e.value.body
+        assert body["param"] == param and body["message"].startswith(f"{param}:") and body["code"] == 400
 
 
 def test_logit_bias_and_penalties_reach_the_sampler(setup):

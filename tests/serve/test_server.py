@@ -123,7 +123,7 @@ def test_text_prompt_stop_and_sampling(served):
     ({"prompt": "hi", "stop": [1]}, 400, "stop"), ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "suffix": "x"}, 400, "suffix"), ({"prompt": "hi", "logit_bias": {"a": 1}}, 400, "logit_bias"),
     ({"prompt": "hi", "logit_bias": {"3": 200}}, 400, "logit_bias"), ({"prompt": "hi", "min_p": 2}, 400, "min_p"),
-    ({"prompt": "hi", "echo": True, "logprobs": 2}, 400, "echo"), ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "hi", "echo": True, "max_tokens": 0}, 400, "max_tokens"), ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ({"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"), ({"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"), (b'{"prompt": "hi", "temperature": 1e400}', 400, "temperature"),
     ({"prompt": "hi", "stop_token_ids": [999]}, 400, "stop_token_ids"), (b"[" * 100_000 + b"]" * 100_000, 400, "body"),
