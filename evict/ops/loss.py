@@ -29,6 +29,9 @@ import torch
 from .memory import triton as _tri
 
 IMPLS = ("auto", "torch", "triton")
+# The Triton form pads the vocabulary to a multiple of this with zero weight rows: cuBLAS's bf16 products with an
+# unaligned leading dimension (GPT-2's V 50257) ran the GPT-2 head ~5x below the aligned KDA head's rate (2026-12-06).
+ALIGN = 64
 CHUNK_ELEMENTS = 1 << 26  # logits per chunk by default (rows = this // V): 256 MiB of float32 at most
 
 
@@ -59,6 +62,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         correct = torch.zeros((), dtype=torch.int64, device=h.device)
         dh = torch.empty_like(h) if grad_h else None  # [N, D]
         dw = torch.zeros(weight.shape, dtype=acc, device=h.device) if grad_w else None  # [V, D]
+        V = weight.shape[0]
+        if fused and V % ALIGN:  # zero rows up to a multiple of ALIGN: their logits are 0 and never read, their
+            w = torch.cat([w, w.new_zeros(-V % ALIGN, D)])  # gradient columns stay 0; the products' rows align
         for a in range(0, N, rows):
             hc = h[a:a + rows].to(dtype)  # [c, D]
             tc, vc = targets[a:a + rows], valid[a:a + rows]
@@ -66,8 +72,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if fused:  # one kernel: the chunk's losses, argmax hits and (in place) its gradient in the compute dtype
                 from .loss_triton import ce_rows_triton
 
-                g16 = hc @ w.t()  # [c, V]
-                row_loss, row_ok = ce_rows_triton(g16, tc, inv, ignore_index=ignore_index, grad=want)
+                g16 = hc @ w.t()  # [c, V (padded)]
+                row_loss, row_ok = ce_rows_triton(g16[:, :V], tc, inv, ignore_index=ignore_index, grad=want)
                 loss += row_loss.sum()
                 correct += row_ok.sum()
             else:
@@ -77,7 +83,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if dh is not None:
                 dh[a:a + rows] = g16 @ w
             if dw is not None:
-                dw.add_(g16.t() @ hc)
+                dw.add_((g16.t() @ hc)[:V])
         ctx.save_for_backward(dh, dw)
         ctx.h_dtype, ctx.w_dtype = h.dtype, weight.dtype
         ctx.mark_non_differentiable(correct, labelled)
