@@ -29,8 +29,9 @@ import torch
 from .memory import triton as _tri
 
 IMPLS = ("auto", "torch", "triton")
-# The Triton form pads the vocabulary to a multiple of this with zero weight rows: cuBLAS's bf16 products with an
-# unaligned leading dimension (GPT-2's V 50257) ran the GPT-2 head ~5x below the aligned KDA head's rate (2026-12-06).
+# The Triton form pads the vocabulary to a multiple of this with zero weight rows, so the head's bf16 products have an
+# aligned leading dimension: at GPT-2's V 50257 the whole chunked loss ran at about a quarter of the aligned KDA head's
+# FLOP rate (dev/train_ops_bench.py, H100, 2026-12-06); the padded form's speed is not yet measured.
 ALIGN = 64
 CHUNK_ELEMENTS = 1 << 26  # logits per chunk by default (rows = this // V): 256 MiB of float32 at most
 
