@@ -1,30 +1,75 @@
 #!/usr/bin/env bash
-# One device call for issue 74's model-level training numbers (session 58's owed rows): the GPU tests of the loss and
-# norm changes, the changed pieces beside the old forms (dev/train_ops_bench.py: the Triton loss, its vocabulary
-# padding at GPT-2's V 50257, the fused RMSNorm), then `evict.bench.model` one process per row so a cut call keeps the
-# rows before it: GPT-2 124M eager + compiled beside transformers, the KDA LM 226M eager + compiled, its hybrids, and
-# last fla's KDAForCausalLM (its autotuning takes minutes on a fresh machine: give the call >= 8 min, T_FLA).
-# Carry the folder holding .whl/fla (`bash dev/wheels.sh` or its fla line). JSON lands in $OUT (or runs/bench).
+# One device call for issue 74's model-level training table: `evict.bench.model` one process per row group, each
+# writing its JSON as every row finishes (a cut keeps what finished), all inside one wall budget (BUDGET seconds,
+# default 300: pass the run tool a timeout_s a little above it). Row groups, in order (ROWS to choose / reorder):
+#   hyb    evict's KDA LM 226M and its 3:1 hybrids KKKA, KKKM at B4 T4096, eager (the hybrids' ratio to KDA-only)
+#   kdac   evict's KDA LM 226M compiled per block
+#   gpt2c  GPT-2 124M B16 T1024 compiled: evict (per block) beside transformers (whole model)
+#   gpt2   GPT-2 124M eager, both
+#   fla    fla 0.6.0's KDAForCausalLM (eager, its own kernels; its autotuned kernels compile their configs in parallel
+#          first, evict/bench/autotune.py), with a profile of one step; last: it takes whatever time is left
+#   tests  the loss / norm GPU tests;  ops  dev/train_ops_bench.py (the loss and norm pieces beside their old forms)
+# Each group's timeout is min(its cap, what is left of BUDGET less the later groups' floors). Then every JSON is
+# merged into one table (train_all.json, ratios across groups), and fla's Triton autotune results are copied to
+# $OUT/fla_autotune (a later call can put them in TRITON_CACHE_DIR to skip fla's tuning). Carry .whl (fla's wheels:
+# `bash dev/wheels.sh`); from a .dev_<branch> copy, main's ../.whl is used. Output in $OUT (or runs/bench).
+# SMOKE=1: the same groups on the CPU at T 32 (fla's row stops at its first Triton kernel there), to catch a broken
+# path before spending device time.
 case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-runs/bench}
+BUDGET=${BUDGET:-300}
+ROWS=${ROWS:-hyb kdac gpt2c fla}
 mkdir -p "$OUT"
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/evict_train_speed_triton}
 wheels=$(ls .whl/fla/*.whl ../.whl/fla/*.whl 2>/dev/null)  # the tree's own, or main's beside a .dev_<branch> copy
 python3 -c "import fla" 2>/dev/null || { [ -n "$wheels" ] && python3 -m pip install -q --no-index --no-deps $wheels 2>&1 | tail -2; }
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-python3 -c "import fla; print('fla', fla.__version__)" 2>&1 | tail -1
-t() { local s=$1; shift; timeout "$s" "$@" 2>&1 | grep -v "Warning\|warn(" | tail -${TAIL:-6}; }
-t ${T_TESTS:-60} python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/ops/test_loss.py tests/layers/test_norms.py
-t ${T_OPS:-30} python3 dev/train_ops_bench.py --out "$OUT/train_ops.json"
-bench() { local s=$1 out=$2; shift 2
-  TAIL=4 t "$s" python3 -c "from evict.bench.model import bench_model; bench_model($*, out='$OUT/$out')"; }
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  python3 -c "import fla; print('fla', fla.__version__)" 2>&1 | tail -1; date -u; } | tee "$OUT/versions.txt"
+
+# floor: seconds a group keeps for itself when the groups before it take their turn; cap: its own limit
+floor() { case $1 in hyb) echo 40 ;; kdac) echo 45 ;; gpt2c) echo 70 ;; gpt2) echo 40 ;; fla) echo 60 ;; *) echo 20 ;; esac; }
+cap() { [ -n "${SMOKE:-}" ] && { echo 100000; return; }; case $1 in hyb) echo 80 ;; kdac) echo 90 ;; gpt2c) echo 120 ;; gpt2) echo 80 ;; tests) echo 60 ;; ops) echo 40 ;; *) echo 100000 ;; esac; }
 KDA="batch=4, seq_len=4096, warmup=2, steps=5"
-bench ${T_GPT2:-100} gpt2_eager.json "models=('gpt2_124m',), batch=16, seq_len=1024, modes=('eager',)"
-bench ${T_GPT2C:-150} gpt2_compiled.json "models=('gpt2_124m',), batch=16, seq_len=1024, modes=('compiled',)"
-bench ${T_KDA:-40} kda_eager.json "models=('kda_226m',), $KDA, references=False, profile=30"
-bench ${T_KDAC:-120} kda_compiled.json "models=('kda_226m',), $KDA, references=False, modes=('compiled',)"
-bench ${T_HYB:-90} hybrids.json "models=('kda_226m', 'kkka_226m', 'kkkm_226m'), $KDA, references=False"
-bench ${T_FLA:-480} kda_fla.json "models=('kda_226m',), $KDA, profile=30"
+GPT2="models=('gpt2_124m',), batch=16, seq_len=1024, warmup=3, steps=10"
+if [ -n "${SMOKE:-}" ]; then  # every group's code path on the CPU at T 32 (the same models), before a device call
+  KDA="batch=1, seq_len=32, warmup=1, steps=1, device='cpu'"
+  GPT2="models=('gpt2_124m',), batch=1, seq_len=32, warmup=1, steps=1, device='cpu'"
+fi
+bench() { python3 -c "from evict.bench.model import bench_model; bench_model($1, out='$OUT/$2.json')"; }
+run_group() {
+  case $1 in
+    hyb) bench "models=('kda_226m', 'kkka_226m', 'kkkm_226m'), $KDA, impls=('evict',)" hyb ;;
+    kdac) bench "models=('kda_226m',), $KDA, impls=('evict',), modes=('compiled',)" kdac ;;
+    gpt2c) bench "$GPT2, modes=('compiled',)" gpt2c ;;
+    gpt2) bench "$GPT2, modes=('eager',)" gpt2 ;;
+    fla) bench "models=('kda_226m',), $KDA, impls=('reference',), profile=30" fla ;;
+    tests) python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/ops/test_loss.py tests/layers/test_norms.py ;;
+    ops) python3 dev/train_ops_bench.py --out "$OUT/train_ops.json" ;;
+    *) echo "ROWS: unknown group $1 (expected hyb kdac gpt2c gpt2 fla tests ops)"; return 2 ;;
+  esac
+}
+export -f bench run_group; export OUT KDA GPT2
+set -- $ROWS
+while [ $# -gt 0 ]; do
+  g=$1; shift
+  later=0; for h in "$@"; do later=$((later + $(floor $h))); done
+  left=$((BUDGET - SECONDS - 8 - later))  # 8 s for the merge at the end
+  c=$(cap $g); s=$(( left < c ? left : c ))
+  if [ $s -lt 10 ]; then echo "== $g: skipped, ${left} s left of BUDGET $BUDGET"; continue; fi
+  echo "== $g (limit ${s} s, at ${SECONDS} s)"
+  timeout -k 5 $s bash -c "run_group $g" > "$OUT/$g.log" 2>&1  # timeout signals its whole process group
+  rc=$?
+  grep -v "Warning\|warn(" "$OUT/$g.log" | grep -v "^autotune " | tail -${TAIL:-8}
+  n=$(grep -c "^autotune " "$OUT/$g.log"); [ "$n" -gt 0 ] && echo "($n autotuned kernels compiled in parallel: $g.log)"
+  echo "== $g: exit $rc after ${SECONDS} s$([ $rc = 124 ] && echo ' (cut by its limit)')"
+done
+( cd "$TRITON_CACHE_DIR" 2>/dev/null && find . -name '*.autotune.json' | tar -cf - -T - ) 2>/dev/null \
+  | { mkdir -p "$OUT/fla_autotune" && tar -C "$OUT/fla_autotune" -xf - 2>/dev/null; }
+echo "autotune results kept: $(find "$OUT/fla_autotune" -name '*.json' 2>/dev/null | wc -l)"
+files=$(for g in hyb kdac gpt2c gpt2 fla; do [ -s "$OUT/$g.json" ] && printf "'%s', " "$OUT/$g.json"; done)
+[ -n "$files" ] && python3 -c "from evict.bench.model import merge; merge([$files], out='$OUT/train_all.json')"
+echo "== done at ${SECONDS} s"

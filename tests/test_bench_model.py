@@ -51,6 +51,7 @@ def test_profile_writes_each_rows_kernel_table(tmp_path):
 
 
 @pytest.mark.parametrize("kw,name", [(dict(models=("nope",)), "model"), (dict(modes=("fast",)), "modes"),
+                                     (dict(impls=("fla",)), "impls"), (dict(impls=()), "impls"),
                                      (dict(batch=0), "batch"), (dict(profile=-1), "profile"), (dict(models=("gpt2",), seq_len=4096), "seq_len")])
 def test_bad_input_one_line(kw, name, tmp_path):
     with pytest.raises(ValueError, match=f"^{name}: expected|^{name}: gpt2 has"):
@@ -70,3 +71,60 @@ def test_cli_bad_flags_one_line_exit_2(argv, tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) <= 2 and "Traceback" not in "\n".join(err), err
     assert not (tmp_path / "b.json").exists()
+
+
+def test_each_row_is_written_as_it_finishes(tmp_path, monkeypatch):
+    """A run cut after its first row (here: the second row raises) leaves that row in the JSON."""
+    import json
+
+    import evict.bench.model as bm
+
+    real, calls = bm._measure, []
+
+    def measure(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("cut")
+        return real(*a, **k)
+
+    monkeypatch.setattr(bm, "_measure", measure)
+    with pytest.raises(RuntimeError, match="cut"):
+        bench_model(models=("gpt2", "kda"), size="tiny", batch=1, seq_len=8, warmup=1, steps=1, device="cpu",
+                    references=False, out=tmp_path / "b.json")
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert [(r["model"], r["impl"]) for r in rows] == [("gpt2", "evict")] and rows[0]["tok/s"] > 0
+
+
+def test_impls_and_merge_across_runs(tmp_path):
+    """impls=("evict",) runs evict's rows only; merge puts runs side by side and computes the ratios across them
+    (a hybrid against the KDA-only model of another file; evict against a reference row of another file)."""
+    import json
+
+    from evict.bench.model import merge
+
+    rows = bench_model(models=("gpt2",), size="tiny", batch=1, seq_len=8, warmup=1, steps=1, device="cpu",
+                       impls=("evict",), out=tmp_path / "a.json")
+    assert [(r["model"], r["impl"]) for r in rows] == [("gpt2", "evict")] and "vs" not in rows[0]
+
+    def run(name, model, impl, tps, gib):
+        row = {"model": model, "impl": impl, "mode": "eager", "shape": "B4 T4096", "tok/s": tps, "peak GiB": gib}
+        (tmp_path / name).write_text(json.dumps({"card": {"device": "x"}, "batch": 4, "rows": [row]}))
+        return tmp_path / name
+
+    paths = [run("k.json", "kda_226m", "evict", 100, 20.0), run("h.json", "kkka_226m", "evict", 95, 21.0),
+             run("f.json", "kda_226m", "fla", 125, 19.0)]
+    merged = merge(paths, out=tmp_path / "m.json")
+    by = {(r["model"], r["impl"]): r for r in merged}
+    assert by[("kda_226m", "evict")]["vs"] == "fla" and by[("kda_226m", "evict")]["tok/s ratio"] == 0.8
+    assert by[("kda_226m", "evict")]["memory ratio"] == round(20 / 19, 2)
+    assert by[("kkka_226m", "evict")]["vs"] == "evict kda_226m" and by[("kkka_226m", "evict")]["tok/s ratio"] == 0.95
+    data = json.loads((tmp_path / "m.json").read_text())
+    assert [r["file"] for r in data["runs"]] == ["k.json", "h.json", "f.json"] and len(data["rows"]) == 3
+    with pytest.raises(ValueError, match="^paths: expected"):
+        merge([tmp_path / "a.json", _not_bench(tmp_path)])
+
+
+def _not_bench(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text("[1, 2]")
+    return p

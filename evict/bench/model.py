@@ -6,8 +6,9 @@
 Every row trains the same way: float32 parameters, bf16 autocast, fused AdamW, gradient clipping at 1, a loss on every
 position of one fixed random batch (evict: `LM(tokens, targets=)`, the chunked linear cross-entropy; transformers /
 fla: the model's own `labels=` loss, which shifts the tokens itself: T - 1 positions). `warmup` steps (compilation,
-allocator, autotuning) run first, then `steps` timed steps between two synchronizations. Reported: tokens/s, peak memory (torch.cuda.max_memory_allocated over the
-timed steps: weights, gradients, AdamW state and activations), and MFU.
+allocator, autotuning) run first, then `steps` timed steps between two synchronizations. Reported: tokens/s, peak
+memory (torch.cuda.max_memory_allocated over the timed steps: weights, gradients, AdamW state and activations), MFU,
+and the warm-up's seconds (what a fresh process pays before its first fast step).
 
 MFU = FLOPs per token × tokens/s / the card's bf16 dense peak (H100 / H200 SXM: 989.4 TFLOPS). FLOPs per token =
 6 N + the attention products: N the parameters that multiply (every parameter but the embedding tables; a tied head
@@ -25,18 +26,21 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from evict.bench.autotune import parallel_autotune_compile
 from evict.report import card, markdown_table, write_json
 from evict.models import LM, presets
 from evict.models.config import ModelConfig
 
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12}  # dense bf16 tensor-core FLOP/s of the SXM cards
 MODES = ("eager", "compiled")
+IMPLS = ("evict", "reference")
 
 _KDA_226M: dict[str, Any] = dict(vocab_size=32768, d_model=1024, n_layers=12, n_heads=8, head_dim=128, d_ff=2816,
                                   tie_embeddings=False)
@@ -159,10 +163,12 @@ def _measure(subject: _Subject, x: torch.Tensor, y: torch.Tensor, *, warmup: int
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    w0 = time.perf_counter()
     for _ in range(warmup):
         step()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
+    warm_s = time.perf_counter() - w0  # compilation, autotuning, allocator growth: the cost of a fresh process
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
@@ -178,7 +184,7 @@ def _measure(subject: _Subject, x: torch.Tensor, y: torch.Tensor, *, warmup: int
     mem = round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
     out: dict[str, Any] = {"tok/s": round(tps), "peak GiB": mem,
                            "MFU %": None if peak is None else round(100 * subject.flops_per_token * tps / peak, 1),
-                           "ms/step": round(1000 * dt / steps, 1), "loss": round(loss, 3)}
+                           "ms/step": round(1000 * dt / steps, 1), "loss": round(loss, 3), "warmup s": round(warm_s, 1)}
     if profile:
         out["kernels"] = _kernel_table(step, sync, device, profile)
     return out
@@ -198,16 +204,24 @@ def _kernel_table(step: Callable[[], torch.Tensor], sync: Callable[[], None], de
 
 def bench_model(*, models=("kda_226m",), size: str = "tiny", batch: int = 4, seq_len: int = 4096,
                 modes=("eager",), references: bool = True, warmup: int = 3, steps: int = 10,
-                checkpoint_blocks: bool = False, device: str = "cuda", out=None, profile: int = 0) -> list[dict]:
+                checkpoint_blocks: bool = False, device: str = "cuda", out=None, profile: int = 0,
+                impls=None) -> list[dict]:
     """Train each of `models` (NAMED shapes or presets at `size`) at batch × seq_len in each of `modes`, beside its
-    reference when `references`; print one table, write JSON to `out`. Returns the rows.
+    reference when `references`; print one table, write JSON to `out` (rewritten after every row, so a run cut short
+    keeps the rows it finished). Returns the rows.
 
     profile: > 0 profiles one more step of every row (torch.profiler) and prints its top `profile` kernels by device
-    time; the tables go into the JSON (each row's "kernels") and beside it as text (`out` with .kernels.txt)."""
+    time; the tables go into the JSON (each row's "kernels") and beside it as text (`out` with .kernels.txt).
+    impls: None for all, or the implementations to run of ("evict", "reference"): ("reference",) runs only
+    transformers' / fla's rows (rows of separate runs are put side by side by `merge`). fla's rows compile their
+    autotuned kernels' configs in parallel before timing them (`evict.bench.autotune`; the choice is unchanged)."""
     for name, value, low in (("batch", batch, 1), ("seq_len", seq_len, 1), ("warmup", warmup, 1), ("steps", steps, 1),
                              ("profile", profile, 0)):
         if type(value) is not int or value < low:
             raise ValueError(f"{name}: expected {'a positive' if low else 'a non-negative'} integer, got {value!r}")
+    impls = IMPLS if impls is None else tuple(impls)
+    if not impls or any(i not in IMPLS for i in impls):
+        raise ValueError(f"impls: expected names from {IMPLS}, got {list(impls)}")
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise ValueError(f"modes: expected names from {MODES}, got {list(modes)}")
@@ -219,15 +233,23 @@ def bench_model(*, models=("kda_226m",), size: str = "tiny", batch: int = 4, seq
         if cfg.pos == "learned" and seq_len > cfg.max_seq_len:
             raise ValueError(f"seq_len: {name} has learned positions for {cfg.max_seq_len} tokens, got {seq_len}")
     rows: list[dict] = []
+    meta = {"card": card(), "batch": batch, "seq_len": seq_len, "modes": list(modes), "warmup": warmup, "steps": steps,
+            "checkpoint_blocks": checkpoint_blocks}
+
+    def save() -> None:
+        if out:
+            _write(out, meta, rows)
+
     for name, cfg in configs.items():
         g = torch.Generator().manual_seed(0)
         data = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=g).to(dev)
         x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
         ref = _reference(cfg) if references else None
         for mode in modes:
-            builders: list[tuple[str, Callable[[], _Subject]]] = [
-                ("evict", lambda: _evict(cfg, seq_len, dev, checkpoint_blocks))]
-            if ref is not None and not (ref[0] == "fla" and mode == "compiled"):
+            builders: list[tuple[str, Callable[[], _Subject]]] = []
+            if "evict" in impls:
+                builders.append(("evict", lambda: _evict(cfg, seq_len, dev, checkpoint_blocks)))
+            if ref is not None and "reference" in impls and not (ref[0] == "fla" and mode == "compiled"):
                 builders.append((ref[0], lambda: ref[1](cfg, seq_len, dev)))
             for impl, build in builders:
                 row: dict[str, Any] = {"model": name, "impl": impl, "mode": mode, "shape": f"B{batch} T{seq_len}"}
@@ -238,12 +260,18 @@ def bench_model(*, models=("kda_226m",), size: str = "tiny", batch: int = 4, seq
                     row["note"] = f"skipped: {e}"
                     rows.append(row)
                     print(row, flush=True)
+                    save()
                     continue
                 row["params M"] = round(sum(p.numel() for p in subject.model.parameters()) / 1e6, 1)
                 row["GFLOP/token"] = round(subject.flops_per_token / 1e9, 3)
-                row.update(_measure(subject, x, y, warmup=warmup, steps=steps, compiled=mode == "compiled",
-                                    profile=profile))
+                with parallel_autotune_compile() if impl == "fla" else nullcontext({}) as tuned:
+                    row.update(_measure(subject, x, y, warmup=warmup, steps=steps, compiled=mode == "compiled",
+                                        profile=profile))
+                if tuned.get("kernels"):
+                    row["note"] = (f"{tuned['kernels']} autotuned kernels, {tuned['configs']} configs compiled in "
+                                   f"parallel first ({tuned['compile s']} s)")
                 rows.append(row)
+                save()
                 print({k: v for k, v in row.items() if k != "kernels"}, flush=True)
                 if "kernels" in row:
                     print(f"{name} {impl} {mode}: top {profile} kernels of one step\n{row['kernels']}", flush=True)
@@ -251,20 +279,48 @@ def bench_model(*, models=("kda_226m",), size: str = "tiny", batch: int = 4, seq
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
     _ratios(rows)
-    cols = ["model", "impl", "mode", "shape", "params M", "tok/s", "peak GiB", "MFU %", "ms/step", "vs", "tok/s ratio",
-            "memory ratio", "loss", "note"]
     print(f"\nmodel-level training, bf16 autocast, fused AdamW, {steps} timed steps after {warmup}"
           f"{', activation checkpointing per block' if checkpoint_blocks else ''}\n")
-    print(markdown_table(rows, cols))
-    if out:
-        write_json(out, {"card": card(), "batch": batch, "seq_len": seq_len, "modes": list(modes), "warmup": warmup,
-                         "steps": steps, "checkpoint_blocks": checkpoint_blocks, "rows": rows})
-        if profile:
-            from pathlib import Path
+    print(markdown_table(rows, COLUMNS))
+    return rows
 
-            Path(out).with_suffix(".kernels.txt").write_text("".join(
-                f"## {r['model']} {r['impl']} {r['mode']} {r['shape']}: {r['tok/s']} tok/s, peak {r['peak GiB']} GiB\n"
-                f"{r['kernels']}\n" for r in rows if "kernels" in r))
+
+COLUMNS = ["model", "impl", "mode", "shape", "params M", "tok/s", "peak GiB", "MFU %", "ms/step", "vs", "tok/s ratio",
+           "memory ratio", "loss", "warmup s", "note"]
+
+
+def _write(out, meta: dict, rows: list[dict]) -> None:
+    """The run's JSON (ratios recomputed over its rows) and, where rows were profiled, their kernel tables as text."""
+    from pathlib import Path
+
+    _ratios(rows)
+    write_json(out, {**meta, "rows": rows})
+    tables = [r for r in rows if "kernels" in r]
+    if tables:
+        Path(out).with_suffix(".kernels.txt").write_text("".join(
+            f"## {r['model']} {r['impl']} {r['mode']} {r['shape']}: {r['tok/s']} tok/s, peak {r['peak GiB']} GiB\n"
+            f"{r['kernels']}\n" for r in tables))
+
+
+def merge(paths, out=None) -> list[dict]:
+    """Rows of several `bench_model` JSONs of one run (one process per row, say) in one table, the ratios computed
+    across them (evict against transformers / fla in the same mode, hybrids against evict's KDA-only model); the
+    merged JSON keeps each file's settings beside its rows (`runs`)."""
+    import json
+    from pathlib import Path
+
+    runs, rows = [], []
+    for p in paths:
+        data = json.loads(Path(p).read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+            raise ValueError(f"paths: expected bench_model JSON files with a 'rows' list, got {str(p)!r}")
+        runs.append({"file": Path(p).name, **{k: v for k, v in data.items() if k != "rows"}})
+        rows += [{k: v for k, v in r.items() if k not in ("vs", "tok/s ratio", "memory ratio")} for r in data["rows"]]
+    if out:
+        _write(out, {"card": runs[0].get("card") if runs else None, "runs": runs}, rows)
+    else:
+        _ratios(rows)
+    print(markdown_table(rows, COLUMNS))
     return rows
 
 
