@@ -13,8 +13,8 @@
 # merged into one table (train_all.json, ratios across groups), and fla's Triton autotune results are copied to
 # $OUT/fla_autotune (a later call can put them in TRITON_CACHE_DIR to skip fla's tuning). Carry .whl (fla's wheels:
 # `bash dev/wheels.sh`); from a .dev_<branch> copy, main's ../.whl is used. Output in $OUT (or runs/bench).
-# SMOKE=1: the same groups on the CPU at T 32 (fla's row stops at its first Triton kernel there), to catch a broken
-# path before spending device time.
+# SMOKE=1: the same groups on the CPU with the tiny presets of the same families at T 32 (fla's row stops at its
+# first Triton kernel there), to catch a broken path before spending device time.
 case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,26 +33,28 @@ python3 -c "import fla" 2>/dev/null || { [ -n "$wheels" ] && python3 -m pip inst
 # floor: seconds a group keeps for itself when the groups before it take their turn; cap: its own limit
 floor() { case $1 in hyb) echo 40 ;; kdac) echo 45 ;; gpt2c) echo 70 ;; gpt2) echo 40 ;; fla) echo 60 ;; *) echo 20 ;; esac; }
 cap() { [ -n "${SMOKE:-}" ] && { echo 100000; return; }; case $1 in hyb) echo 80 ;; kdac) echo 90 ;; gpt2c) echo 120 ;; gpt2) echo 80 ;; tests) echo 60 ;; ops) echo 40 ;; *) echo 100000 ;; esac; }
+K="'kda_226m'"; HYB="'kda_226m', 'kkka_226m', 'kkkm_226m'"
 KDA="batch=4, seq_len=4096, warmup=2, steps=5"
 GPT2="models=('gpt2_124m',), batch=16, seq_len=1024, warmup=3, steps=10"
-if [ -n "${SMOKE:-}" ]; then  # every group's code path on the CPU at T 32 (the same models), before a device call
+if [ -n "${SMOKE:-}" ]; then  # every group's code path on the CPU: the tiny presets of the same families at T 32
+  K="'kda'"; HYB="'kda', 'kimi_linear'"
   KDA="batch=1, seq_len=32, warmup=1, steps=1, device='cpu'"
-  GPT2="models=('gpt2_124m',), batch=1, seq_len=32, warmup=1, steps=1, device='cpu'"
+  GPT2="models=('gpt2',), batch=1, seq_len=32, warmup=1, steps=1, device='cpu'"
 fi
 bench() { python3 -c "from evict.bench.model import bench_model; bench_model($1, out='$OUT/$2.json')"; }
 run_group() {
   case $1 in
-    hyb) bench "models=('kda_226m', 'kkka_226m', 'kkkm_226m'), $KDA, impls=('evict',)" hyb ;;
-    kdac) bench "models=('kda_226m',), $KDA, impls=('evict',), modes=('compiled',)" kdac ;;
+    hyb) bench "models=($HYB), $KDA, impls=('evict',)" hyb ;;
+    kdac) bench "models=($K,), $KDA, impls=('evict',), modes=('compiled',)" kdac ;;
     gpt2c) bench "$GPT2, modes=('compiled',)" gpt2c ;;
     gpt2) bench "$GPT2, modes=('eager',)" gpt2 ;;
-    fla) bench "models=('kda_226m',), $KDA, impls=('reference',), profile=30" fla ;;
+    fla) bench "models=($K,), $KDA, impls=('reference',), profile=30" fla ;;
     tests) python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/ops/test_loss.py tests/layers/test_norms.py ;;
     ops) python3 dev/train_ops_bench.py --out "$OUT/train_ops.json" ;;
     *) echo "ROWS: unknown group $1 (expected hyb kdac gpt2c gpt2 fla tests ops)"; return 2 ;;
   esac
 }
-export -f bench run_group; export OUT KDA GPT2
+export -f bench run_group; export OUT K HYB KDA GPT2
 set -- $ROWS
 while [ $# -gt 0 ]; do
   g=$1; shift

@@ -71,6 +71,16 @@ def test_a_failing_config_is_left_to_the_timing_and_the_patch_is_undone():
     assert sorted(fn.finalized) == [("binary", 16, 2), ("binary", 16, 4)]  # the two BLOCK 32 compiles raised
 
 
+def test_a_launch_by_keywords_as_fla_does():
+    fn = StandIn()
+    t = tuner(fn)
+    t.nargs = {}  # Autotuner.run: dict(zip(arg_names, args)) of no positional arguments
+    with parallel_autotune_compile(workers=2, log=False) as stats:
+        t.prune_configs({"grid": (4,), "warmup": False, "x": "tensor", "n": 100})
+    assert [c[3]["x"] for c in fn.calls] == ["tensor"] * 4 and all(c[0] == () for c in fn.calls)
+    assert len(fn.finalized) == 4 and stats["kernels"] == 1
+
+
 def test_a_single_config_compiles_nothing_early():
     fn = StandIn()
     t = Autotuner(fn, ["x", "n"], [triton.Config({"BLOCK": 16}, num_warps=2)], ["n"], None, None)

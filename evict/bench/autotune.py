@@ -21,7 +21,8 @@ from typing import Any, Iterator
 
 def precompile(tuner: Any, configs: list, kwargs: dict, pool: ThreadPoolExecutor, async_mode: type) -> None:
     """Compile (not launch) `tuner`'s kernel for each of `configs` with the arguments of its current run
-    (`tuner.nargs`: the positional arguments by name; `kwargs`: grid, warmup and the rest, as the timing passes them)."""
+    (`tuner.nargs`: the positional arguments by name, empty for a launch by keywords as fla's; `kwargs`: grid, warmup
+    and the rest, exactly as the timing passes them to the kernel)."""
     args = list(tuner.nargs.values())
     with async_mode(pool, ignore_errors=True):
         for cfg in configs:
@@ -47,7 +48,7 @@ def parallel_autotune_compile(workers: int | None = None, log: bool = True) -> I
 
     def prune_configs(self, kwargs):  # called once per new key, right before the configs are timed
         configs = original(self, kwargs)
-        if len(configs) > 1 and getattr(self, "nargs", None):
+        if len(configs) > 1 and getattr(self, "nargs", None) is not None:  # nargs: set by run (empty: keywords)
             t0 = time.perf_counter()
             try:
                 precompile(self, configs, kwargs, pool, AsyncCompileMode)
