@@ -10,8 +10,9 @@
 #          first, evict/bench/autotune.py), with a profile of one step; last: it takes whatever time is left
 #   tests  the loss / norm GPU tests;  ops  dev/train_ops_bench.py (the loss and norm pieces beside their old forms)
 # Each group's timeout is min(its cap, what is left of BUDGET less the later groups' floors). Then every JSON is
-# merged into one table (train_all.json, ratios across groups), and fla's Triton autotune results are copied to
-# $OUT/fla_autotune (a later call can put them in TRITON_CACHE_DIR to skip fla's tuning). Carry .whl (fla's wheels:
+# merged into one table (train_all.json, ratios across groups); the logs and the Triton autotune results (fla's
+# kernels' choices) come back in one tar, train_speed_logs.tar (the call returns at most 8 files); FLA_AUTOTUNE=path
+# of its autotune.tar, carried, restores them so fla skips its tuning on the same card type. Carry .whl (fla's wheels:
 # `bash dev/wheels.sh`); from a .dev_<branch> copy, main's ../.whl is used. Output in $OUT (or runs/bench).
 # SMOKE=1: the same groups on the CPU with the tiny presets of the same families at T 32 (fla's row stops at its
 # first Triton kernel there), to catch a broken path before spending device time.
@@ -23,12 +24,17 @@ OUT=${OUT:-runs/bench}
 BUDGET=${BUDGET:-300}
 ROWS=${ROWS:-hyb kdac gpt2c fla}
 mkdir -p "$OUT"
+LOGS=$(mktemp -d)  # each group's full log, versions.txt, autotune.tar: packed into $OUT/train_speed_logs.tar at the end
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/evict_train_speed_triton}
+if [ -n "${FLA_AUTOTUNE:-}" ]; then  # a tar of Triton autotune results from an earlier call on the same card type
+  mkdir -p "$TRITON_CACHE_DIR" && tar -C "$TRITON_CACHE_DIR" -xf "$FLA_AUTOTUNE" && echo "autotune results restored: $FLA_AUTOTUNE"
+  PARALLEL=False  # the tuned kernels compile their chosen config only; compiling every config first would waste it
+fi
 wheels=$(ls .whl/fla/*.whl ../.whl/fla/*.whl 2>/dev/null)  # the tree's own, or main's beside a .dev_<branch> copy
 python3 -c "import fla" 2>/dev/null || { [ -n "$wheels" ] && python3 -m pip install -q --no-index --no-deps $wheels 2>&1 | tail -2; }
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-  python3 -c "import fla; print('fla', fla.__version__)" 2>&1 | tail -1; date -u; } | tee "$OUT/versions.txt"
+  python3 -c "import fla; print('fla', fla.__version__)" 2>&1 | tail -1; date -u; } | tee "$LOGS/versions.txt"
 
 # floor: seconds a group keeps for itself when the groups before it take their turn; cap: its own limit
 floor() { case $1 in hyb) echo 40 ;; kdac) echo 45 ;; gpt2c) echo 70 ;; gpt2) echo 40 ;; fla) echo 60 ;; *) echo 20 ;; esac; }
@@ -48,13 +54,13 @@ run_group() {
     kdac) bench "models=($K,), $KDA, impls=('evict',), modes=('compiled',)" kdac ;;
     gpt2c) bench "$GPT2, modes=('compiled',)" gpt2c ;;
     gpt2) bench "$GPT2, modes=('eager',)" gpt2 ;;
-    fla) bench "models=($K,), $KDA, impls=('reference',), profile=30" fla ;;
+    fla) bench "models=($K,), $KDA, impls=('reference',), profile=30, parallel_compile=${PARALLEL:-True}" fla ;;
     tests) python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/ops/test_loss.py tests/layers/test_norms.py ;;
     ops) python3 dev/train_ops_bench.py --out "$OUT/train_ops.json" ;;
     *) echo "ROWS: unknown group $1 (expected hyb kdac gpt2c gpt2 fla tests ops)"; return 2 ;;
   esac
 }
-export -f bench run_group; export OUT K HYB KDA GPT2
+export -f bench run_group; export OUT K HYB KDA GPT2 PARALLEL
 set -- $ROWS
 while [ $# -gt 0 ]; do
   g=$1; shift
@@ -63,15 +69,16 @@ while [ $# -gt 0 ]; do
   c=$(cap $g); s=$(( left < c ? left : c ))
   if [ $s -lt 10 ]; then echo "== $g: skipped, ${left} s left of BUDGET $BUDGET"; continue; fi
   echo "== $g (limit ${s} s, at ${SECONDS} s)"
-  timeout -k 5 $s bash -c "run_group $g" > "$OUT/$g.log" 2>&1  # timeout signals its whole process group
+  timeout -k 5 $s bash -c "run_group $g" > "$LOGS/$g.log" 2>&1  # timeout signals its whole process group
   rc=$?
-  grep -v "Warning\|warn(" "$OUT/$g.log" | grep -v "^autotune " | tail -${TAIL:-8}
-  n=$(grep -c "^autotune " "$OUT/$g.log"); [ "$n" -gt 0 ] && echo "($n autotuned kernels compiled in parallel: $g.log)"
+  grep -v "Warning\|warn(" "$LOGS/$g.log" | grep -v "^autotune " | tail -${TAIL:-8}
+  n=$(grep -c "^autotune " "$LOGS/$g.log"); [ "$n" -gt 0 ] && echo "($n autotuned kernels compiled in parallel: $g.log)"
   echo "== $g: exit $rc after ${SECONDS} s$([ $rc = 124 ] && echo ' (cut by its limit)')"
 done
-( cd "$TRITON_CACHE_DIR" 2>/dev/null && find . -name '*.autotune.json' | tar -cf - -T - ) 2>/dev/null \
-  | { mkdir -p "$OUT/fla_autotune" && tar -C "$OUT/fla_autotune" -xf - 2>/dev/null; }
-echo "autotune results kept: $(find "$OUT/fla_autotune" -name '*.json' 2>/dev/null | wc -l)"
 files=$(for g in hyb kdac gpt2c gpt2 fla; do [ -s "$OUT/$g.json" ] && printf "'%s', " "$OUT/$g.json"; done)
 [ -n "$files" ] && python3 -c "from evict.bench.model import merge; merge([$files], out='$OUT/train_all.json')"
+# the device call brings back at most 8 files: the logs, the versions and the autotune results travel as one tar
+( cd "$TRITON_CACHE_DIR" 2>/dev/null && find . -name '*.autotune.json' | tar -cf "$LOGS/autotune.tar" -T - ) 2>/dev/null
+echo "autotune results kept: $(tar -tf "$LOGS/autotune.tar" 2>/dev/null | grep -c 'json$') (train_speed_logs.tar: autotune.tar)"
+tar -C "$LOGS" -cf "$OUT/train_speed_logs.tar" .
 echo "== done at ${SECONDS} s"

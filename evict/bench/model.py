@@ -205,7 +205,7 @@ def _kernel_table(step: Callable[[], torch.Tensor], sync: Callable[[], None], de
 def bench_model(*, models=("kda_226m",), size: str = "tiny", batch: int = 4, seq_len: int = 4096,
                 modes=("eager",), references: bool = True, warmup: int = 3, steps: int = 10,
                 checkpoint_blocks: bool = False, device: str = "cuda", out=None, profile: int = 0,
-                impls=None) -> list[dict]:
+                impls=None, parallel_compile: bool = True) -> list[dict]:
     """Train each of `models` (NAMED shapes or presets at `size`) at batch × seq_len in each of `modes`, beside its
     reference when `references`; print one table, write JSON to `out` (rewritten after every row, so a run cut short
     keeps the rows it finished). Returns the rows.
@@ -213,8 +213,10 @@ def bench_model(*, models=("kda_226m",), size: str = "tiny", batch: int = 4, seq
     profile: > 0 profiles one more step of every row (torch.profiler) and prints its top `profile` kernels by device
     time; the tables go into the JSON (each row's "kernels") and beside it as text (`out` with .kernels.txt).
     impls: None for all, or the implementations to run of ("evict", "reference"): ("reference",) runs only
-    transformers' / fla's rows (rows of separate runs are put side by side by `merge`). fla's rows compile their
-    autotuned kernels' configs in parallel before timing them (`evict.bench.autotune`; the choice is unchanged)."""
+    transformers' / fla's rows (rows of separate runs are put side by side by `merge`).
+    parallel_compile: fla's rows compile their autotuned kernels' configs in parallel before timing them
+    (`evict.bench.autotune`; the choice is unchanged). False where Triton's autotune results are already on disk
+    (TRITON_CACHE_DIR restored from an earlier run): then only the chosen configs compile."""
     for name, value, low in (("batch", batch, 1), ("seq_len", seq_len, 1), ("warmup", warmup, 1), ("steps", steps, 1),
                              ("profile", profile, 0)):
         if type(value) is not int or value < low:
@@ -264,7 +266,7 @@ def bench_model(*, models=("kda_226m",), size: str = "tiny", batch: int = 4, seq
                     continue
                 row["params M"] = round(sum(p.numel() for p in subject.model.parameters()) / 1e6, 1)
                 row["GFLOP/token"] = round(subject.flops_per_token / 1e9, 3)
-                with parallel_autotune_compile() if impl == "fla" else nullcontext({}) as tuned:
+                with parallel_autotune_compile() if impl == "fla" and parallel_compile else nullcontext({}) as tuned:
                     row.update(_measure(subject, x, y, warmup=warmup, steps=steps, compiled=mode == "compiled",
                                         profile=profile))
                 if tuned.get("kernels"):
