@@ -65,11 +65,11 @@ def parallel_autotune_compile(workers: int | None = None, log: bool = True) -> I
                       file=sys.stderr, flush=True)
         return configs
 
-    Autotuner.prune_configs = prune_configs  # type: ignore[method-assign]
+    Autotuner.prune_configs = prune_configs
     stats["active"] = True
     try:
         yield stats
     finally:
-        Autotuner.prune_configs = original  # type: ignore[method-assign]
+        Autotuner.prune_configs = original
         pool.shutdown(wait=True)
         stats["compile s"] = round(stats["compile s"], 1)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -266,7 +266,9 @@ def bench_model(*, models=("kda_226m",), size: str = "tiny", batch: int = 4, seq
                     continue
                 row["params M"] = round(sum(p.numel() for p in subject.model.parameters()) / 1e6, 1)
                 row["GFLOP/token"] = round(subject.flops_per_token / 1e9, 3)
-                with parallel_autotune_compile() if impl == "fla" and parallel_compile else nullcontext({}) as tuned:
+                tuning: AbstractContextManager[dict] = (parallel_autotune_compile() if impl == "fla" and parallel_compile
+                                                         else nullcontext({}))
+                with tuning as tuned:
                     row.update(_measure(subject, x, y, warmup=warmup, steps=steps, compiled=mode == "compiled",
                                         profile=profile))
                 if tuned.get("kernels"):
