@@ -128,3 +128,31 @@ def _not_bench(tmp_path):
     p = tmp_path / "x.json"
     p.write_text("[1, 2]")
     return p
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_fla_rows_run_inside_the_parallel_compile_unless_told_not(parallel, tmp_path, monkeypatch):
+    """The reference row named fla measures inside parallel_autotune_compile (its counts in the row's note);
+    parallel_compile=False (autotune results restored from disk) measures it plainly. A stand-in plays fla's model."""
+    from contextlib import contextmanager
+
+    import evict.bench.model as bm
+
+    entered = []
+
+    @contextmanager
+    def fake_parallel():
+        entered.append(1)
+        yield {"kernels": 2, "configs": 7, "compile s": 1.5}
+
+    def fake_fla(cfg, seq_len, device):
+        s = bm._evict(cfg, seq_len, device, False)
+        return bm._Subject("fla", s.model, s.loss, s.flops_per_token)
+
+    monkeypatch.setattr(bm, "parallel_autotune_compile", fake_parallel)
+    monkeypatch.setattr(bm, "_reference", lambda cfg: ("fla", fake_fla))
+    rows = bench_model(models=("gpt2",), size="tiny", batch=1, seq_len=8, warmup=1, steps=1, device="cpu",
+                       impls=("reference",), parallel_compile=parallel, out=tmp_path / "b.json")
+    assert [r["impl"] for r in rows] == ["fla"] and rows[0]["tok/s"] > 0
+    assert len(entered) == int(parallel)
+    assert (rows[0].get("note") == "2 autotuned kernels, 7 configs compiled in parallel first (1.5 s)") == parallel

@@ -45,6 +45,7 @@ def parallel_autotune_compile(workers: int | None = None, log: bool = True) -> I
         return
     original = Autotuner.prune_configs
     pool = ThreadPoolExecutor(workers or os.cpu_count() or 1)
+    start = time.perf_counter()
 
     def prune_configs(self, kwargs):  # called once per new key, right before the configs are timed
         configs = original(self, kwargs)
@@ -61,8 +62,8 @@ def parallel_autotune_compile(workers: int | None = None, log: bool = True) -> I
             stats["configs"] += len(configs)
             stats["compile s"] += dt
             if log:
-                print(f"autotune {self.base_fn.__name__}: {len(configs)} configs compiled in {dt:.1f} s",
-                      file=sys.stderr, flush=True)
+                print(f"autotune {self.base_fn.__name__}: {len(configs)} configs compiled in {dt:.1f} s "
+                      f"(at {t0 - start:.0f} s; the gaps between these lines are the timing)", file=sys.stderr, flush=True)
         return configs
 
     Autotuner.prune_configs = prune_configs
