@@ -63,7 +63,7 @@ def parallel_autotune_compile(workers: int | None = None, log: bool = True) -> I
             stats["compile s"] += dt
             if log:
                 print(f"autotune {self.base_fn.__name__}: {len(configs)} configs compiled in {dt:.1f} s "
-                      f"(at {t0 - start:.0f} s; the gaps between these lines are the timing)", file=sys.stderr, flush=True)
+                      f"(at {t0 - start:.0f} s)", file=sys.stderr, flush=True)  # a gap to the next line: timing
         return configs
 
     Autotuner.prune_configs = prune_configs

@@ -266,8 +266,8 @@ def bench_model(*, models=("kda_226m",), size: str = "tiny", batch: int = 4, seq
                     continue
                 row["params M"] = round(sum(p.numel() for p in subject.model.parameters()) / 1e6, 1)
                 row["GFLOP/token"] = round(subject.flops_per_token / 1e9, 3)
-                tuning: AbstractContextManager[dict] = (parallel_autotune_compile() if impl == "fla" and parallel_compile
-                                                         else nullcontext({}))
+                fla = impl == "fla" and parallel_compile
+                tuning: AbstractContextManager[dict] = parallel_autotune_compile() if fla else nullcontext({})
                 with tuning as tuned:
                     row.update(_measure(subject, x, y, warmup=warmup, steps=steps, compiled=mode == "compiled",
                                         profile=profile))
