@@ -3,7 +3,7 @@ serving N x (P prompt + O new) tokens: each step is timed (CUDA synchronized) an
 or a packed step (decode rows + prompt tokens). `--conv torch` forces the short conv's cuDNN form (the form before
 this branch for a conv with a tail). `--warmup N` first captures the decode graphs (`Engine.warm_up`) and runs N
 requests of the same shape, untimed; `--steps 0` runs the whole load and reports the engine's own req/s and output
-tokens/s (no HTTP: the server and its clients excluded). Prints one JSON line. Run on CUDA:
+tokens/s, TTFT p50 and TPOT p50 (no HTTP: the server and its clients excluded). Prints one JSON line. Run on CUDA:
 python dev/serve_step_profile.py [--model hybrid|attention] [--conv auto|torch] [--steps 80] [--warmup 8]
 `--decode-only C` instead times decode-only steps of 1 and of N rows, every row at context C (no prefill: the rows'
 blocks are taken and their states left zero, which changes no kernel's work): the engine's step (host + graph + sampling),
@@ -59,8 +59,10 @@ def main():
         for _ in range(a.warmup):
             eng.submit([rng.randrange(256) for _ in range(4096)], SamplingParams(max_tokens=a.out, temperature=0))
         eng.run_until_idle()
+    ends = {}  # request -> perf_counter at its finish, for TPOT = (end - first token) / (tokens - 1)
     for _ in range(a.n):
-        eng.submit([rng.randrange(256) for _ in range(4096)], SamplingParams(max_tokens=a.out, temperature=0))
+        eng.submit([rng.randrange(256) for _ in range(4096)], SamplingParams(max_tokens=a.out, temperature=0),
+                   on_finish=lambda r: ends.__setitem__(r, time.perf_counter()))
     steps = []
     start, done0, gen0 = time.perf_counter(), eng.stats["finished"], eng.stats["generated_tokens"]
     with torch.inference_mode():
@@ -95,6 +97,8 @@ def main():
         "model": a.model, "conv": a.conv, "steps": len(steps), "packed_steps": len(packed), "wall_s": wall,
         "requests_per_s": (eng.stats["finished"] - done0) / wall, "output_tokens_per_s": (eng.stats["generated_tokens"] - gen0) / wall,
         "decode_prefill_tokens": eng.decode_prefill,
+        "tpot_p50_ms": statistics.median((t - r.t_first) / (len(r.out) - 1) for r, t in ends.items()) * 1e3 if ends else None,
+        "ttft_p50_s": statistics.median(r.t_first - r.t_submit for r in ends) if ends else None,
         "packed_ms_median": statistics.median(packed) * 1e3 if packed else None,
         "packed_prompt_tokens_per_s": sum(tokens) / sum(packed) if packed else None,
         "decode_steps": len(decode), "decode_ms_median": statistics.median(decode) * 1e3 if decode else None,
