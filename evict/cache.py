@@ -280,7 +280,7 @@ class HybridCache:
         for st, new in zip(self.states, states):
             for name in ("S", "conv"):
                 old, now = getattr(st, name, None), getattr(new, name, None)
-                if old is not None and now is not old:
+                if old is not None and now is not None and now is not old:
                     old[rows] = now.to(old.dtype)
         self.batch = None
 
