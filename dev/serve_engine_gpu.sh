@@ -33,7 +33,7 @@ mode_tests() {
         -p no:cacheprovider ${TEST_N:+-n $TEST_N}
 }
 mode_4k() { for m in hybrid attention; do bench 4k "$m" 120 $B4K; done; }
-mode_batch1() { for m in hybrid attention; do bench batch1 "$m" 60 $BATCH1; done; }
+mode_batch1() { for m in ${BATCH1_MODELS:-hybrid attention}; do bench batch1 "$m" 60 $BATCH1; done; }  # BATCH1_MODELS=hybrid: one
 mode_32k() { for m in hybrid attention; do bench 32k "$m" 120 $B32K; done; }
 mode_main() { mode_4k; mode_batch1; mode_32k; }
 mode_engine() {  # the same 4K load in process: the engine's own rate, no HTTP server or clients; 3 packed steps profiled

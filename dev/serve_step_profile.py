@@ -3,8 +3,11 @@ serving N x (P prompt + O new) tokens: each step is timed (CUDA synchronized) an
 or a packed step (decode rows + prompt tokens). `--conv torch` forces the short conv's cuDNN form (the form before
 this branch for a conv with a tail). `--warmup N` first captures the decode graphs (`Engine.warm_up`) and runs N
 requests of the same shape, untimed; `--steps 0` runs the whole load and reports the engine's own req/s and output
-tokens/s (no HTTP: the server and its clients excluded). Prints one JSON line. Run on CUDA:
-python dev/serve_step_profile.py [--model hybrid|attention] [--conv auto|torch] [--steps 80] [--warmup 8]"""
+tokens/s, TTFT p50 and TPOT p50 (no HTTP: the server and its clients excluded). Prints one JSON line. Run on CUDA:
+python dev/serve_step_profile.py [--model hybrid|attention] [--conv auto|torch] [--steps 80] [--warmup 8]
+`--decode-only C` instead times decode-only steps of 1 and of N rows, every row at context C (no prefill: the rows'
+blocks are taken and their states left zero, which changes no kernel's work): the engine's step (host + graph + sampling),
+the graph's replay alone (CUDA events), and with `--kernels K` torch.profiler tables of K eager steps and K graph steps."""
 
 import argparse
 import itertools
@@ -37,6 +40,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=0, help="untimed requests of the same shape first (and every graph)")
     ap.add_argument("--decode-prefill-tokens", type=int, help="the engine's cap on prompt tokens in a step that decodes")
     ap.add_argument("--out", type=int, default=512, help="new tokens per request")
+    ap.add_argument("--decode-only", type=int, default=0, metavar="C", help="decode steps only, rows at context C")
     a = ap.parse_args()
     if a.conv == "torch":
         conv_op.kernel_runs_on = lambda x: False
@@ -45,16 +49,20 @@ def main():
         model = LM(model_configs((a.model,), size="tiny", width=WIDTH if a.width == "bench" else {})[a.model])
     model = model.to(torch.bfloat16 if a.device == "cuda" else torch.float32).eval()
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
-    eng = Engine(model, max_batch=128, cache_budget=4 << 30, block_size=256, prefill_chunk=4096, max_len=4608,
+    eng = Engine(model, max_batch=128, cache_budget=(4 << 30) if a.device == "cuda" else (64 << 20), block_size=256, prefill_chunk=4096, max_len=4608,
                  decode_prefill_tokens=a.decode_prefill_tokens)
     rng = random.Random(0)
+    if a.decode_only:
+        return decode_only(a, eng, sync)
     if a.warmup:
         eng.warm_up()
         for _ in range(a.warmup):
             eng.submit([rng.randrange(256) for _ in range(4096)], SamplingParams(max_tokens=a.out, temperature=0))
         eng.run_until_idle()
+    ends = {}  # request -> perf_counter at its finish, for TPOT = (end - first token) / (tokens - 1)
     for _ in range(a.n):
-        eng.submit([rng.randrange(256) for _ in range(4096)], SamplingParams(max_tokens=a.out, temperature=0))
+        eng.submit([rng.randrange(256) for _ in range(4096)], SamplingParams(max_tokens=a.out, temperature=0),
+                   on_finish=lambda r: ends.__setitem__(r, time.perf_counter()))
     steps = []
     start, done0, gen0 = time.perf_counter(), eng.stats["finished"], eng.stats["generated_tokens"]
     with torch.inference_mode():
@@ -89,11 +97,72 @@ def main():
         "model": a.model, "conv": a.conv, "steps": len(steps), "packed_steps": len(packed), "wall_s": wall,
         "requests_per_s": (eng.stats["finished"] - done0) / wall, "output_tokens_per_s": (eng.stats["generated_tokens"] - gen0) / wall,
         "decode_prefill_tokens": eng.decode_prefill,
+        "tpot_p50_ms": statistics.median((t - r.t_first) / (len(r.out) - 1) for r, t in ends.items()) * 1e3 if ends else None,
+        "ttft_p50_s": statistics.median(r.t_first - r.t_submit for r in ends) if ends else None,
         "packed_ms_median": statistics.median(packed) * 1e3 if packed else None,
         "packed_prompt_tokens_per_s": sum(tokens) / sum(packed) if packed else None,
         "decode_steps": len(decode), "decode_ms_median": statistics.median(decode) * 1e3 if decode else None,
         "first_5_ms": [round(dt * 1e3, 1) for dt, _ in steps[:5]],
         "last_5": [(round(dt * 1e3, 2), d["generated_tokens"]) for dt, d in steps[-5:]]}))
+
+
+def decode_only(a, eng, sync):
+    """Decode-only steps at 1 and a.n rows, each row at context a.decode_only (see the module doc); one JSON line."""
+    eng.warm_up()
+    res = {"model": a.model, "context": a.decode_only}
+    for rows in (1, a.n):
+        reqs = [eng.submit([t % 256 for t in range(a.decode_only)], SamplingParams(max_tokens=eng.max_len - a.decode_only,
+                                                                       temperature=0)) for _ in range(rows)]
+        with torch.inference_mode():
+            eng._drain(block=False)
+            eng._admit()
+            assert len(eng.running) == rows, "the pool does not hold the rows"
+            for r in reqs:
+                r.cached = len(r.prompt) - 1  # the prompt is "read": its last token is the next decode row
+            timed = []
+            for i in range(40):
+                sync()
+                t0 = time.perf_counter()
+                eng.step()
+                sync()
+                timed.append(time.perf_counter() - t0)
+            out = {"step_ms_median": statistics.median(timed[10:]) * 1e3}
+            if eng.graphs is not None:
+                graph = eng.graphs.graphs[next(x for x in eng.graphs.buckets if x >= rows)][0]
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                ev[0].record()
+                for _ in range(50):
+                    graph.replay()
+                ev[1].record()
+                sync()
+                out["replay_ms"] = ev[0].elapsed_time(ev[1]) / 50
+            graphs, eng.graphs = eng.graphs, None
+            for _ in range(3):  # eager warm-up (Triton's per-shape compiles)
+                eng.step()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(5):
+                eng.step()
+            sync()
+            out["eager_step_ms"] = (time.perf_counter() - t0) / 5 * 1e3
+            if a.kernels and rows == a.n:
+                for name in ("eager", "graph"):
+                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                            [torch.profiler.ProfilerActivity.CUDA] if a.device == "cuda" else [])) as prof:
+                        for _ in range(a.kernels):
+                            eng.step()
+                        sync()
+                    print(f"== {name} decode steps x {a.kernels} at {rows} rows, by self CUDA time")
+                    key = "self_cuda_time_total" if a.device == "cuda" else "self_cpu_time_total"
+                    print(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
+                    print(f"== {name} decode steps x {a.kernels} at {rows} rows, by self CPU time")
+                    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
+                    eng.graphs = graphs
+            eng.graphs = graphs
+            for r in reqs:
+                eng._finish(r, "cancelled")
+        res[f"rows_{rows}"] = out
+    print("DECODE_PROFILE", json.dumps(res))
 
 
 if __name__ == "__main__":

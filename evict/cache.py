@@ -42,6 +42,9 @@ class LatentState:
 class RecurrentState:
     S: torch.Tensor | None = None  # [B, H, K, V] float32, None until the first write
     conv: torch.Tensor | None = None  # [B, k-1, C] last inputs of the short conv
+    # [B] slot ids, set only on a slot pool's one-token step (`HybridCache.slot_states`): S is then the pool's whole
+    # [n_slots, H, K, V] and the layer's rows are S[rows], updated in place by the step op (no gather, no scatter)
+    rows: torch.Tensor | None = None
 
 
 def write_rows(arena: torch.Tensor, where: torch.Tensor, new: torch.Tensor) -> None:
@@ -256,18 +259,29 @@ class HybridCache:
         return self.batch
 
     def slot_states(self) -> list:
-        """Per-layer states of the selected rows: recurrent states and conv tails gathered, KV / latent arenas shared."""
-        rows = self._selected().rows
-        return [replace(st, **{f.name: getattr(st, f.name)[rows] for f in fields(st) if f.name in ("S", "conv")
-                               and getattr(st, f.name) is not None}) for st in self.states]
+        """Per-layer states of the selected rows: recurrent states and conv tails gathered, KV / latent arenas shared.
+        A one-token step (a SlotBatch of T = 1) leaves each RecurrentState's S whole, with `rows` set: the step op
+        updates the rows in place (no copy of the states out and back)."""
+        batch = self._selected()
+        rows = batch.rows
+        step = isinstance(batch, SlotBatch) and batch.positions.shape[1] == 1
+        out = []
+        for st in self.states:
+            whole = ("S",) if step and isinstance(st, RecurrentState) and st.S is not None else ()
+            new = replace(st, **{f.name: getattr(st, f.name)[rows] for f in fields(st) if f.name in ("S", "conv")
+                                 and f.name not in whole and getattr(st, f.name) is not None})
+            out.append(replace(new, rows=rows) if whole else new)
+        return out
 
     def write_back(self, states: list) -> None:
-        """Copy the selected rows' new recurrent states and conv tails into the pool; the selection is used up."""
+        """Copy the selected rows' new recurrent states and conv tails into the pool (a state updated in place, the
+        pool's own tensor, is left as it is); the selection is used up."""
         rows = self._selected().rows
         for st, new in zip(self.states, states):
             for name in ("S", "conv"):
-                if getattr(st, name, None) is not None:
-                    getattr(st, name)[rows] = getattr(new, name).to(getattr(st, name).dtype)
+                old, now = getattr(st, name, None), getattr(new, name, None)
+                if old is not None and now is not None and now is not old:
+                    old[rows] = now.to(old.dtype)
         self.batch = None
 
     def reset_slot(self, slot: int) -> None:

@@ -141,9 +141,10 @@ class MemoryMixer(nn.Module):
             if state is None or state.S is None:
                 raise ValueError("state: packed sequences need this layer's RecurrentState rows, got None")
             o, S = self._packed(q, k, v, la, beta, state.S, pos)
-        elif state is not None and T == 1:
+        elif state is not None and T == 1:  # a slot pool's step (state.rows set): its rows of S updated in place
             o, S = memory_step(q[:, 0], k[:, 0], v[:, 0], state.S, log_alpha=None if la is None else la[:, 0],
-                               beta=None if beta is None else beta[:, 0], delta=self.delta)
+                               beta=None if beta is None else beta[:, 0], delta=self.delta, rows=state.rows,
+                               out=None if state.rows is None else state.S)
             o = o[:, None]
         else:
             o, S = memory(q, k, v, log_alpha=la, beta=beta, delta=self.delta, initial_state=None if state is None else state.S,

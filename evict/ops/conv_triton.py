@@ -73,8 +73,9 @@ def conv_forward_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [B, T, C] (channel stride 1), w [C, k] float32 -> y [B, T, C] in x's dtype (float32 sums)."""
     B, T, C = x.shape
     y = torch.empty(B, T, C, device=x.device, dtype=x.dtype)
-    _conv_fwd_kernel[_grid(B, T, C)](x, w, y, T, C, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
-                                     K=w.shape[1], BT=BT, BC=BC, num_warps=4)
+    bt = min(BT, triton.next_power_of_2(T))  # a decode step's few rows (tail + 1): no 64-row tiles of masked loads
+    _conv_fwd_kernel[(triton.cdiv(T, bt), triton.cdiv(C, BC), B)](x, w, y, T, C, x.stride(0), x.stride(1), y.stride(0),
+                                                                y.stride(1), K=w.shape[1], BT=bt, BC=BC, num_warps=4)
     return y
 
 

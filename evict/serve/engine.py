@@ -413,7 +413,7 @@ class Engine:
                 if not r.params.max_tokens:  # the prompt's log-probabilities alone: read, and done
                     self._finish(r, "length")
                     continue
-                self._emit(r, t, nxt[i : i + 1], logits[i], now)
+                self._emit(r, t, nxt, logits, i, now)
             except Exception as e:
                 self._fail(r, e)
         self.recent.append((now, len(reqs)))
@@ -456,15 +456,17 @@ class Engine:
         return sample_next(logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, generator=r.generator,
                            min_p=p.min_p, penalties=r.penalties)[0]
 
-    def _emit(self, r: Request, t: int, t_dev: torch.Tensor, logits: torch.Tensor, now: float) -> None:
-        """Append token t (t_dev [1] on device; logits [V] it was drawn from) to r, tell its client, finish r if done."""
+    def _emit(self, r: Request, t: int, nxt: torch.Tensor, logits: torch.Tensor, i: int, now: float) -> None:
+        """Append token t (= nxt[i] of the step's tokens nxt [N] on device, drawn from logits[i] of [N, V]) to r, tell
+        its client, finish r if done. Row i's views are taken only for penalties and logprobs (two views a row were
+        ~260 host tensor ops a step at 128 rows: dev/LOG.md session 59)."""
         r.out.append(t)
         r.t_first = r.t_first or now
         self.stats["generated_tokens"] += 1
         if r.penalties is not None:
-            r.penalties.record(t_dev)
+            r.penalties.record(nxt[i : i + 1])
         if r.params.logprobs is not None:  # a host sync for this request only
-            lp = logits.float().log_softmax(-1)  # [V]
+            lp = logits[i].float().log_softmax(-1)  # [V]
             top = lp.topk(min(r.params.logprobs, lp.shape[0]))
             r.logprobs.append((float(lp[t]), list(zip(top.indices.tolist(), top.values.tolist()))))
         if r.on_token is not None:

@@ -89,3 +89,18 @@ def test_cuda_triton_matches_token_formula(dtype, autocast):
     assert rel(y, want) <= (4e-3 if low else 2e-6)
     assert rel(dx, dx64) <= (4e-3 if low else 2e-6)
     assert rel(dw, dw64) <= 2e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_decode_rows_with_tail_match_token_formula(T, dtype):
+    """A serving step's shape: many rows of one (or a few) tokens continuing their tails (the kernel's short tiles)."""
+    g = torch.Generator(device="cuda").manual_seed(8)
+    B, C, k = 130, 3 * 384, 4
+    x, tail = (torch.randn(B, n, C, device="cuda", generator=g).to(dtype) for n in (T, k - 1))
+    w = torch.randn(C, k, device="cuda", generator=g)
+    y, new_tail = short_conv(x, w, tail)
+    want = explicit(x.double(), w.double(), tail.double())
+    assert y.dtype == dtype and rel(y, want) <= (4e-3 if dtype != torch.float32 else 2e-6)
+    assert torch.equal(new_tail, torch.cat([tail, x], 1)[:, T:])

@@ -175,6 +175,47 @@ def test_step_iterated_equals_sequence(gate, delta):
     assert rel(S, s_seq) <= 1e-12
 
 
+def step_rows_case(gate, delta, dtype=torch.float64, device="cpu", seed=None):
+    """A pool of 7 states and a step of 3 of its rows [5, 0, 3]: (inputs of the step in dtype, pool, rows, and the
+    float64 o and pool after the step by the reference on the gathered rows, from the same rounded inputs; all on
+    device)."""
+    x = make_inputs(7, 1, 2, 12, 5, gate=gate, beta_max=2.0, init=True, seed=seed)
+    rows = torch.tensor([5, 0, 3])
+    sq = {n: None if t is None or n == "initial_state" else t[rows, 0].to(dtype) for n, t in x.items()}  # [3, H, ...]
+    pool = x["initial_state"].to(torch.float64 if dtype == torch.float64 else torch.float32)
+    d = {n: None if t is None else t.double() for n, t in sq.items()}
+    o_ref, S_rows = memory_step(d["q"], d["k"], d["v"], pool.double()[rows], log_alpha=d["log_alpha"], beta=d["beta"],
+                                delta=delta, scale=0.3)
+    pool_ref = pool.to(torch.float64, copy=True)
+    pool_ref[rows] = S_rows
+    on = lambda t: None if t is None else t.to(device)
+    return {n: on(t) for n, t in sq.items()}, on(pool), on(rows), on(o_ref), on(pool_ref)
+
+
+@pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
+def test_step_rows_updates_the_pool_rows_in_place(gate, delta):
+    """rows: the step reads and writes rows of a larger pool of states, as the step on the gathered rows does; the
+    other rows stay exactly; out=None leaves the pool alone (a copy), out=pool writes in place."""
+    x, pool, rows, o_ref, pool_ref = step_rows_case(gate, delta)
+    kw = dict(log_alpha=x["log_alpha"], beta=x["beta"], delta=delta, scale=0.3, rows=rows)
+    before = pool.clone()
+    o, S = memory_step(x["q"], x["k"], x["v"], pool, **kw)
+    assert torch.equal(pool, before) and S is not pool
+    assert rel(o, o_ref) <= 1e-12 and rel(S, pool_ref) <= 1e-12
+    o, S = memory_step(x["q"], x["k"], x["v"], pool, out=pool, **kw)
+    assert S is pool and rel(o, o_ref) <= 1e-12 and rel(pool, pool_ref) <= 1e-12
+    assert torch.equal(pool[[1, 2, 4, 6]], before[[1, 2, 4, 6]])
+
+
+def test_step_rows_bad_input():
+    x, pool, rows, _, _ = step_rows_case("scalar", True)
+    for bad in (rows[:2], rows.float(), [5, 0, 3], rows[:, None]):
+        with pytest.raises(ValueError, match="^rows: expected an int64/int32 tensor"):
+            memory_step(x["q"], x["k"], x["v"], pool, log_alpha=x["log_alpha"], beta=x["beta"], delta=True, rows=bad)
+    with pytest.raises(ValueError, match="^state: expected shape"):
+        memory_step(x["q"], x["k"], x["v"], pool[:, :1], log_alpha=x["log_alpha"], beta=x["beta"], delta=True, rows=rows)
+
+
 def test_step_dtypes():
     q = torch.randn(2, 3, 8, dtype=torch.bfloat16)
     S = torch.zeros(2, 3, 8, 4)

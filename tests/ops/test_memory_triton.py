@@ -50,7 +50,7 @@ from evict.ops.memory.triton.forward import forward_triton
 from evict.ops.memory.triton.step import step_triton
 from evict.ops.memory.reference import rule
 from tests.conftest import rel, run_interpreted
-from tests.ops.test_memory import make_inputs, run
+from tests.ops.test_memory import make_inputs, run, step_rows_case
 
 out = {}
 for name, gate, delta, bmax, T, cs, strong in json.loads(sys.argv[1]):
@@ -70,6 +70,13 @@ for gate in ("none", "scalar", "channel"):
         S = x64["initial_state"].float().clone()
         o, s = step_triton(f("q"), f("k"), f("v"), S, log_alpha=f("log_alpha"), beta=f("beta"), delta=delta, scale=0.3, out=S)
         out[f"step_{gate}_{delta}"] = [rel(o, o_ref), rel(S, s_ref), s is S]
+        xr, pool, rows, o_ref, pool_ref = step_rows_case(gate, delta, torch.float32)
+        kw = dict(log_alpha=xr["log_alpha"], beta=xr["beta"], delta=delta, scale=0.3, rows=rows)
+        o_copy, s_copy = step_triton(xr["q"], xr["k"], xr["v"], pool, **kw)
+        before = pool.clone()
+        o, s = step_triton(xr["q"], xr["k"], xr["v"], pool, out=pool, **kw)
+        out[f"step_rows_{gate}_{delta}"] = [rel(o, o_ref), rel(pool, pool_ref), rel(o_copy, o_ref), rel(s_copy, pool_ref),
+                                            s is pool and bool(torch.equal(before[[1, 2, 4, 6]], pool[[1, 2, 4, 6]]))]
 def grads(x, delta, on="oS", **kw):
     leaves = {n: t.clone().requires_grad_(True) for n, t in x.items() if t is not None}
     o, s = run(leaves, delta, **kw)
@@ -127,6 +134,14 @@ def test_interpreter_forward_matches_reference(interpreted, case):
 def test_interpreter_step_matches_reference(interpreted, gate, delta):
     err_o, err_s, in_place = interpreted[f"step_{gate}_{delta}"]
     assert in_place and err_o <= 1e-5 and err_s <= 1e-5, (err_o, err_s)
+
+
+@pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
+def test_interpreter_step_rows_match_reference(interpreted, gate, delta):
+    """The step kernel reading and writing rows [5, 0, 3] of a pool of 7 states in place (and into a copy), against
+    the float64 step on the gathered rows; the pool's other rows untouched."""
+    *errs, untouched = interpreted[f"step_rows_{gate}_{delta}"]
+    assert untouched and max(errs) <= 1e-5, errs
 
 
 @pytest.mark.parametrize("case", [c[0] for c in GRAD_CASES])
@@ -754,6 +769,28 @@ def test_gpu_step_matches_reference_in_place_and_graphed(dtype, gate, delta):
     S.copy_(xd["initial_state"])
     graph.replay()
     assert rel(o_g, o_ref[:, 0]) <= TOL[dtype] and rel(S, s_ref) <= TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
+def test_gpu_step_rows_match_reference_in_place_and_graphed(dtype, gate, delta):
+    """rows of a slot pool updated in place (the serving engine's decode step), eager and replayed from a graph."""
+    from tests.ops.test_memory import step_rows_case
+
+    x, pool, rows, o_ref, pool_ref = step_rows_case(gate, delta, dtype, "cuda")
+    kw = dict(log_alpha=x["log_alpha"], beta=x["beta"], delta=delta, scale=0.3, rows=rows)
+    start = pool.clone()
+    o, s = memory_step(x["q"], x["k"], x["v"], pool, out=pool, **kw)
+    assert s is pool and rel(o, o_ref) <= TOL[dtype] and rel(pool, pool_ref) <= TOL[dtype]
+    assert torch.equal(pool[[1, 2, 4, 6]], start[[1, 2, 4, 6]])
+    pool.copy_(start)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g, _ = memory_step(x["q"], x["k"], x["v"], pool, out=pool, **kw)
+    pool.copy_(start)
+    graph.replay()
+    assert rel(o_g, o_ref) <= TOL[dtype] and rel(pool, pool_ref) <= TOL[dtype]
 
 
 def test_auto_chunk_rule():

@@ -26,10 +26,12 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 LOG_ALPHA_FLOOR = {torch.float32: -110.0, torch.float64: -750.0}
 
 
-def check_inputs(q, k, v, log_alpha, beta, initial_state, *, step: bool, check_values: bool, cu_seqlens=None) -> None:
+def check_inputs(q, k, v, log_alpha, beta, initial_state, *, step: bool, check_values: bool, cu_seqlens=None,
+                 state_rows: int | None = None) -> None:
     """Validate the op's tensors. `step` selects the decode layout ([B, H, D]) over the sequence one ([B, T, H, D]).
     With `cu_seqlens` (packed sequences) its type, shape and device, and one initial state per sequence; its values
-    are checked by `seq_offsets`."""
+    are checked by `seq_offsets`. `state_rows`: the state's expected leading size when it is not B (a slot pool's
+    states, read at given rows)."""
     lead = "[B, H, D]" if step else "[B, T, H, D]"
     rank = 3 if step else 4
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -71,6 +73,7 @@ def check_inputs(q, k, v, log_alpha, beta, initial_state, *, step: bool, check_v
         _check_cu_seqlens(cu_seqlens, q)
     if initial_state is not None:
         rows = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        rows = rows if state_rows is None else state_rows
         want = [rows, q.shape[-2], dk, dv]
         if not isinstance(initial_state, torch.Tensor) or list(initial_state.shape) != want:
             got = _shape(initial_state) if isinstance(initial_state, torch.Tensor) else type(initial_state).__name__

@@ -9,16 +9,26 @@ from .reference import rule
 from .triton import runs_on as triton_runs_on
 
 
-def memory_step(q, k, v, state, *, log_alpha=None, beta=None, delta=False, scale=None, check=False, out=None):
+def memory_step(q, k, v, state, *, log_alpha=None, beta=None, delta=False, scale=None, check=False, out=None, rows=None):
     """(o_t, S_t) = step(q_t, k_t, v_t, S_{t-1}): the T = 1 case of `memory`.
 
     q, k [B, H, K]; v [B, H, V]; state [B, H, K, V] float32 (float64 for float64 inputs);
     log_alpha [B, H] or [B, H, K]; beta [B, H]. Returns o [B, H, V] in q's dtype and the new state.
     `out` (contiguous, shape and dtype of state; may be `state` itself, for in-place) receives the new state.
+    `rows` [B] (int64 / int32, on the state's device): the state is a slot pool's [N, H, K, V] and row b of this step
+    is state[rows[b]]; its new state goes to out[rows[b]] (out: `state` itself for in-place, else a copy of state) and
+    the other rows of out keep state's. No gather or scatter copy: the kernel reads and writes the rows in place.
+    Repeated ids (a CUDA graph's padding rows) leave those rows' new state undefined.
     On CUDA this is one fused Triton launch with no host sync (graph-capturable when check=False).
     `check=True` also rejects NaN/Inf, positive log_alpha and beta outside [0, 2] (costs a host sync).
     """
-    check_inputs(q, k, v, log_alpha, beta, state, step=True, check_values=check)
+    if rows is not None and not (isinstance(rows, torch.Tensor) and rows.dim() == 1 and rows.shape[0] == q.shape[0]
+                                 and rows.dtype in (torch.int64, torch.int32) and isinstance(state, torch.Tensor)
+                                 and rows.device == state.device):
+        got = list(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
+        raise ValueError(f"rows: expected an int64/int32 tensor [B={q.shape[0]}] on the state's device, got {got}")
+    check_inputs(q, k, v, log_alpha, beta, state, step=True, check_values=check,
+                 state_rows=None if rows is None else state.shape[0])
     check_flag("delta", delta)
     if state is None:
         raise ValueError("state: expected a tensor of shape [B, H, Dk, Dv], got None")
@@ -30,15 +40,19 @@ def memory_step(q, k, v, state, *, log_alpha=None, beta=None, delta=False, scale
     if q.is_cuda and state.dtype == torch.float32 and triton_runs_on(q):
         from .triton.step import step_triton
 
-        return step_triton(q, k, v, state, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale, out=out)
+        return step_triton(q, k, v, state, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale, out=out, rows=rows)
     with torch.autocast(q.device.type, enabled=False):  # the step runs at the state's precision, as `memory` does
         o, S = rule(
-            q.to(sd), k.to(sd), v.to(sd), state.to(sd),
+            q.to(sd), k.to(sd), v.to(sd), (state if rows is None else state[rows]).to(sd),
             None if log_alpha is None else log_alpha.to(sd),
             None if beta is None else beta.to(sd),
             delta, scale,
         )
-    if out is not None:
+    if rows is not None:
+        out = state.clone() if out is None else out.copy_(state) if out is not state else out
+        out.index_copy_(0, rows.long(), S.to(out.dtype))
+        S = out
+    elif out is not None:
         out.copy_(S)
         S = out
     return o.to(q.dtype), S
