@@ -28,7 +28,7 @@ import torch
 FACTOR = 1.25  # the report's compute advantage: the plain model's second budget
 QUICK: dict[str, Any] = dict(preset="attention", d_model=64, n_heads=2, head_dim=32, d_ff=128, n_layers=6,
                              attn_res_block=2, seq_len=64, batch=16, steps=150, lr=3e-3, warmup=15, eval_every=25,
-                             eval_batches=8, seeds=(0, 1), device="cpu", threads=2)
+                             eval_batches=8, seeds=(0, 1), device="cpu", threads=1)  # 2 threads on shared cores: 15x slower
 FULL: dict[str, Any] = dict(preset="attention", d_model=384, n_heads=6, head_dim=64, d_ff=1024, n_layers=12,
                             attn_res_block=3, seq_len=256, batch=64, steps=3000, lr=1e-3, warmup=150, eval_every=250,
                             eval_batches=32, seeds=(0, 1, 2), device="cuda", threads=None)
