@@ -92,10 +92,10 @@ def multiplier(plain_1x: float, plain_more: float, attn_res: float, flops_ratio:
     `flops_ratio` (its counted FLOPs over the plain 1x run's), so m = factor ** ((plain_1x - attn_res) /
     (plain_1x - plain_more)) / flops_ratio. None when the plain longer run is not below its 1x run (no slope)."""
     if not plain_more < plain_1x:
-        return None, f"the plain {factor:g}x run is not below its 1x run: no slope"
+        return None, f"the plain {factor:.3g}x run is not below its 1x run: no slope"
     steps = factor ** ((plain_1x - attn_res) / (plain_1x - plain_more))
     note = "" if 1 <= steps <= factor else ("extrapolated: AttnRes is behind the plain 1x run" if steps < 1
-                                            else f"extrapolated: AttnRes is ahead of the plain {factor:g}x run")
+                                            else f"extrapolated: AttnRes is ahead of the plain {factor:.3g}x run")
     return round(steps / flops_ratio, 3), note
 
 
@@ -105,33 +105,41 @@ def compare_attn_res(s: dict | None = None, *, progress: bool = True) -> dict:
 
     s = dict(QUICK if s is None else s)
     runs: list[dict] = []
-    table: list[dict] = []
     for seed in s["seeds"]:
         task = TextTask(seq_len=s["seq_len"], seed=seed)
-        arms = (("plain", False, s["steps"]), (f"plain x{FACTOR:g}", False, round(FACTOR * s["steps"])),
-                ("AttnRes", True, s["steps"]))
-        got = {}
-        for name, on, steps in arms:
+        for name, on, steps in (("plain", False, s["steps"]), (MORE, False, round(FACTOR * s["steps"])),
+                                ("AttnRes", True, s["steps"])):
             cfg = model_config(s, task.vocab_size, on)
             r = {"seed": seed, "arm": name, "attn_res": on, **_run(s, task, cfg, steps, seed)}
             r["train FLOPs"] = flops_per_token(cfg, s["seq_len"]) * steps * s["batch"] * s["seq_len"]
             runs.append(r)
-            got[name] = r
             if progress:
                 print(f"seed {seed} {name}: {steps} steps, val loss {r['final val loss']}, {r['seconds']} s", flush=True)
-        plain, more, ar = got["plain"], got[f"plain x{FACTOR:g}"], got["AttnRes"]
+    setting = {k: (list(v) if isinstance(v, tuple) else v) for k, v in s.items()}
+    return {"setting": setting, "factor": FACTOR, "runs": runs, **summarize(runs)}
+
+
+MORE = f"plain x{FACTOR:g}"
+
+
+def summarize(runs: list[dict]) -> dict:
+    """{"table": one row per seed, "summary": over seeds} from the runs (each seed's plain, plain x1.25 and AttnRes).
+    Compute ratios are the runs' counted FLOPs (the longer plain run is round(1.25 x steps) steps)."""
+    table = []
+    for seed in dict.fromkeys(r["seed"] for r in runs):
+        got = {r["arm"]: r for r in runs if r["seed"] == seed}
+        plain, more, ar = got["plain"], got[MORE], got["AttnRes"]
         ratio = ar["train FLOPs"] / plain["train FLOPs"]
-        m, note = multiplier(plain["final val loss"], more["final val loss"], ar["final val loss"], ratio)
-        table.append({"seed": seed, "plain": plain["final val loss"], f"plain x{FACTOR:g}": more["final val loss"],
+        m, note = multiplier(plain["final val loss"], more["final val loss"], ar["final val loss"], ratio,
+                             factor=more["train FLOPs"] / plain["train FLOPs"])
+        table.append({"seed": seed, "plain": plain["final val loss"], MORE: more["final val loss"],
                       "AttnRes": ar["final val loss"], "AttnRes - plain": round(ar["final val loss"] - plain["final val loss"], 4),
-                      "AttnRes FLOPs / plain FLOPs": round(ratio, 4),
-                      "compute multiplier": m, "note": note})
+                      "AttnRes FLOPs / plain FLOPs": round(ratio, 4), "compute multiplier": m, "note": note})
     ms = [r["compute multiplier"] for r in table if r["compute multiplier"] is not None]
     summary = {"seeds": len(table), "AttnRes below plain 1x": sum(r["AttnRes - plain"] < 0 for r in table),
                "mean AttnRes - plain": round(sum(r["AttnRes - plain"] for r in table) / len(table), 4),
                "geometric mean multiplier": round(math.exp(sum(map(math.log, ms)) / len(ms)), 3) if ms else None}
-    setting = {k: (list(v) if isinstance(v, tuple) else v) for k, v in s.items()}
-    return {"setting": setting, "factor": FACTOR, "runs": runs, "table": table, "summary": summary}
+    return {"table": table, "summary": summary}
 
 
 def plot(result: dict, png) -> Any:
@@ -145,7 +153,7 @@ def plot(result: dict, png) -> Any:
     fig = Figure(figsize=(6.5, 4), constrained_layout=True)
     FigureCanvasAgg(fig)
     ax = fig.subplots()
-    style = {"plain": "-", f"plain x{result['factor']:g}": ":", "AttnRes": "--"}
+    style = {"plain": "-", MORE: ":", "AttnRes": "--"}
     for r in result["runs"]:
         per_step = r["train FLOPs"] / r["steps"]
         ax.plot([st * per_step for st, _ in r["curve"]], [loss for _, loss in r["curve"]], style[r["arm"]],
