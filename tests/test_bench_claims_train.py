@@ -11,6 +11,7 @@ from evict.bench import claims as c
 from evict.bench import claims_train as ct
 from evict.layers.attn_res import AttnResRead
 from evict.models import LM
+from tests.conftest import cli_error
 
 TINY = dict(d_model=16, n_heads=1, head_dim=16, d_ff=32, n_layers=2, seq_len=16, batch=4, steps=4, warmup=1,
             eval_every=2, eval_batches=1, seeds=(0,))
@@ -75,3 +76,10 @@ def test_a_tiny_comparison_through_the_command(tmp_path, monkeypatch):
 def test_unknown_settings_are_refused():
     with pytest.raises(ValueError, match="unknown settings"):
         ct.with_overrides(ct.QUICK, depth=3)
+
+
+@pytest.mark.parametrize("argv", [["--claims", "attn_res_train", "--full"], ["--claims", "params", "--full", "--device", "cpu"]])
+def test_full_needs_a_gpu_and_the_trained_claim(argv, capsys, tmp_path):
+    says = cli_error(["bench", "claims", "--out", str(tmp_path / "x.json"), *argv], capsys)
+    assert "--full: expected --device cuda and --claims attn_res_train" in says
+    assert not (tmp_path / "x.json").exists()

@@ -59,6 +59,9 @@ def run_claims(args) -> None:
     _resolve_device(args)
     if args.device not in ("cpu", "cuda"):
         raise UserError(f"--device: expected 'cpu' or 'cuda', got {args.device!r}")
+    if args.full and (args.device != "cuda" or "attn_res_train" not in args.claims):
+        raise UserError("--full: expected --device cuda and --claims attn_res_train (the GPU scale of that claim; "
+                        f"got --device {args.device}, --claims {' '.join(args.claims)})")
     from pathlib import Path
 
     if args.out:
