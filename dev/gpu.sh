@@ -13,8 +13,8 @@
 #            at chunks 64 and 32: their GPU tests and forward timings / forward + backward; VARS), chunks (GPU tests of
 #            `chunk` 32 / 16), tunelab (the kernels at the lab's full-grid shape, D 32),
 #            precision (dev/check_precision.py), kgrid (`evict bench grid`: the kernel table over N x head dim x chunk,
-#            GRIDFLAGS, default the full grid; rows resume from a carried results/bench/grid/grid_cuda.jsonl), claims
-#            (`evict bench claims --device cuda`: AttnRes, SiTU, DPLR timed; the exact ones beside them)
+#            GRIDFLAGS, default the full grid; rows resume from the committed results/bench/grid/grid_h100.jsonl), claims
+#            (`evict bench claims --device cuda`: CLAIMS, default situ attn_res dplr, each its own process under TO, MODES)
 #   decode:  decode, decode1m, decodebench, decodecompile, decodeprofile, dial (the chunk dial's GPU numbers)
 #   train:   bench (cells per second, issue 10), mpsbench (the same, compiled, PROCS each with and without MPS), learns (dev/learns_gpu.py: session 12's two MQAR-learns failures over
 #            seeds and op forms), grid (a piece of `evict recall --full`: MIN, GRIDARGS, GRID; the runs
@@ -121,11 +121,12 @@ for what in "$@"; do
              timeout ${TO:-120} python3 dev/triton_tune.py --shapes 4x8192,1x32768 --variants ${VARS:-fkt,fktw4,fktw444,ks,fkrc,c32fktw444,c32ks,c32fkrc} \
                2>&1 | quiet | tee $OUT/close12_time.log
              timeout 40 python3 dev/triton_tune.py --shapes 256x512 --heads 4 --dim 32 --variants c16fktds2,c16ks 2>&1 | quiet | tee $OUT/close12_lab.log ;;
-    kgrid) mkdir -p results/bench/grid; cp results/bench/grid/grid_cuda.jsonl $OUT/ 2>/dev/null
+    kgrid) cp results/bench/grid/grid_h100.jsonl $OUT/grid_cuda.jsonl 2>/dev/null  # the committed rows: resume past them
            timeout ${TO:-540} python3 -m evict.cli bench grid --device cuda ${GRIDFLAGS:-} --out $OUT/grid_cuda.jsonl 2>&1 \
              | grep -v "^cells" | tee $OUT/grid.log | tail -60 ;;
-    claims) timeout ${TO:-400} python3 -m evict.cli bench claims --device cuda --modes eager compiled \
-              --out $OUT/claims_cuda.json 2>&1 | quiet | tee $OUT/claims.log ;;
+    claims) for c in ${CLAIMS:-situ attn_res dplr}; do  # one process (and timeout) per claim: a slow one costs only itself
+              timeout ${TO:-150} python3 -m evict.cli bench claims --device cuda --claims $c --modes ${MODES:-eager compiled} \
+                --out $OUT/claims_$c.json 2>&1 | quiet | tee $OUT/claims_$c.log; done ;;
     precision) timeout ${TO:-200} python3 dev/check_precision.py ${GATES:-channel} 2>&1 | tee $OUT/precision.log
                timeout ${TO:-150} python3 dev/triton_tune.py --variants v0,pr3,rc3,rc3t 2>&1 | quiet | tee $OUT/precision_time.log ;;
     decode) timeout ${TO:-240} python3 -m evict.cli bench decode --device cuda --paths before graph compiled --batch1-only \

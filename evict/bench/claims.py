@@ -12,6 +12,9 @@ evict/bench/claims_timed.py:
                     (≈ 3× claimed), with SwiGLU beside it
     dplr            KDA's chunked kernel against the general DPLR form of the same recurrence (fla's
                     chunk_dplr_delta_rule, optional oracle) (≈ 2× claimed)
+Trained (named explicitly: minutes), in evict/bench/claims_train.py:
+    attn_res_train  the same small LM with and without AttnRes at counted compute, seeds (Kimi: a 1.25× compute
+                    advantage); --full is the GPU scale
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import torch
 
 from evict.models import presets
 
-CLAIMS = ("params", "decode", "attn_res", "situ", "dplr")
+CLAIMS = ("params", "decode", "attn_res", "situ", "dplr", "attn_res_train")
+DEFAULT = CLAIMS[:5]  # attn_res_train trains for minutes: only when named
 EXACT = ("params", "decode")
 RELEASED_KDA = ("kimi_linear_48b", "kimi_k3")
 DECODE_RUNS = ("results/bench/decode/decode_cuda_fast.json", "results/bench/decode/decode_cuda_fast_1m.json",
@@ -189,8 +193,31 @@ def preset_overheads() -> list[dict]:
     return rows
 
 
-def run_claims(claims=CLAIMS, *, device: str = "cpu", compile: bool = True, modes=("eager",), out=None) -> dict:
-    """Compute / time each of `claims`, print one section per claim, write JSON (and .md beside it) to `out`."""
+def _attn_res_train(result: dict, device: str, full: bool, out) -> str:
+    """Train the comparison (claims_train), put it in result, plot it beside `out`; the report's section."""
+    from evict.report import markdown_table
+
+    from . import claims_train as ct
+
+    s = dict(ct.FULL if full else ct.QUICK, device=device)
+    r = ct.compare_attn_res(s)
+    result["attn_res_train"] = r
+    if out:
+        from pathlib import Path
+
+        r["plot"] = str(ct.plot(r, Path(out).with_name(Path(out).stem + "_attn_res_train.png")))
+    st = r["setting"]
+    head = (f"## AttnRes training efficiency ({'full' if full else 'quick'}, {device}): {st['preset']} d {st['d_model']}, "
+            f"{st['n_layers']} layers, AttnRes block {st['attn_res_block']}, T {st['seq_len']} × B {st['batch']}, "
+            f"{st['steps']} steps (plain also {ct.FACTOR:g}×), lr {st['lr']}, seeds {st['seeds']}; val loss in nats / char\n\n")
+    return head + markdown_table(r["table"], list(r["table"][0])) + "\n\nSummary: " + \
+        ", ".join(f"{k} {v}" for k, v in r["summary"].items())
+
+
+def run_claims(claims=DEFAULT, *, device: str = "cpu", compile: bool = True, modes=("eager",), out=None,
+               full: bool = False) -> dict:
+    """Compute / time / train each of `claims`, print one section per claim, write JSON (and .md beside it, and
+    attn_res_train's plot as STEM_attn_res_train.png) to `out`. full: attn_res_train at its GPU scale."""
     from evict.cli_args import first_line, out_of_memory
     from evict.report import card, markdown_table, write_json
 
@@ -205,6 +232,8 @@ def run_claims(claims=CLAIMS, *, device: str = "cpu", compile: bool = True, mode
             rows, widths = [param_overhead(n) for n in RELEASED_KDA], one_percent_widths()
             result["params"], result["params_widths"], result["params_presets"] = rows, widths, preset_overheads()
             text.append("## KDA's parameters over Gated DeltaNet's (exact, from the modules)\n\n" + params_markdown(rows, widths))
+        elif claim == "attn_res_train":
+            text.append(_attn_res_train(result, device, full, out))
         elif claim == "decode":
             rows = decode_ratios()
             if not rows:

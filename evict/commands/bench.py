@@ -59,6 +59,9 @@ def run_claims(args) -> None:
     _resolve_device(args)
     if args.device not in ("cpu", "cuda"):
         raise UserError(f"--device: expected 'cpu' or 'cuda', got {args.device!r}")
+    if args.full and (args.device != "cuda" or "attn_res_train" not in args.claims):
+        raise UserError("--full: expected --device cuda and --claims attn_res_train (the GPU scale of that claim; "
+                        f"got --device {args.device}, --claims {' '.join(args.claims)})")
     from pathlib import Path
 
     if args.out:
@@ -67,14 +70,18 @@ def run_claims(args) -> None:
     from evict.bench.claims import run_claims as run
 
     run(tuple(dict.fromkeys(args.claims)), device=args.device, compile=not args.no_compile, modes=tuple(args.modes),
-        out=args.out)
+        out=args.out, full=args.full)
 
 
 def _claims_arguments(o) -> None:
-    from evict.bench.claims import CLAIMS
+    from evict.bench.claims import CLAIMS, DEFAULT
 
-    o.add_argument("--claims", nargs="+", choices=CLAIMS, default=list(CLAIMS), metavar="CLAIM",
-                   help=f"of {', '.join(CLAIMS)} (params and decode are exact on any machine; the others are timed)")
+    o.add_argument("--claims", nargs="+", choices=CLAIMS, default=list(DEFAULT), metavar="CLAIM",
+                   help=f"of {', '.join(CLAIMS)} (default {' '.join(DEFAULT)}; params and decode are exact on any "
+                        "machine, attn_res / situ / dplr timed, attn_res_train trains: minutes)")
+    o.add_argument("--full", action="store_true",
+                   help="attn_res_train at its GPU scale (12 layers of d 384, 3,000 steps, 3 seeds) instead of the "
+                        "quick CPU one")
     o.add_argument("--no-compile", action="store_true", help="situ: time the eager (unfused) form only")
     o.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager"],
                    help="attn_res: the training step eager and / or with each block compiled")
@@ -214,10 +221,13 @@ def _benches() -> dict:
             "attn_res: a training step with and without AttnRes. situ: SiTU's activation eager (unfused) against "
             "torch.compile (fused), SwiGLU beside it. dplr: KDA's chunked kernel against fla's general DPLR op fed "
             "the same recurrence. The timed claims count on CUDA only; on a CPU they run at tiny sizes as a smoke "
-            "test. Writes JSON to --out and the tables as .md beside it.",
+            "test. attn_res_train (only when named): the same small LM with and without AttnRes at counted compute "
+            "over seeds, against Kimi's 1.25x compute advantage (quick: CPU minutes; --full: one GPU). Writes JSON to "
+            "--out and the tables as .md beside it.",
             "evict bench claims --claims params decode --out results/bench/claims/exact.json",
             "evict bench claims --device cuda --claims attn_res situ dplr --modes eager compiled "
-            "--out results/bench/claims/timed_h100.json")),
+            "--out results/bench/claims/timed_h100.json",
+            "evict bench claims --claims attn_res_train --out results/bench/claims/attn_res_train_quick.json")),
         "decode": (run_decode, decode_arguments, "cpu, cuda, cuda:N or auto", (
             "time per output token vs context, each memory kind at equal width and depth",
             "Time one decode step of attention, MLA, KDA, the 3:1 hybrid and k3_mini models of equal width and depth "
