@@ -64,8 +64,8 @@ def main():
             tag = f"gate{gate} delta{int(delta)}"
             jobs = {
                 "intra": (fw._intra_kernel, dict(q=p, k=p, v=p, la=p, beta=p, G=f, Ub=m, W=m, Tm=f, Am=f, Pm=m, Kd=m, Dec=f, Qg=f, T="i32", N="i32"),
-                          dict(common, SC=16, BK=BK, BV=BV, SPREAD=40.0, GATE=gate, DELTA=delta, HAS_BETA=True, PREC=os.environ.get("PREC", "tf32"), QG=not a.lowp,
-                               KD=gate == 2 or not a.lowp, ABLATE=int(os.environ.get("ABLATE", 0)),
+                          dict(common, SC=16, BK=BK, BV=BV, SPREAD=40.0, GATE=gate, DELTA=delta, HAS_BETA=True, PREC=os.environ.get("PREC", "tf32"),
+                               QG=not a.lowp or bool(int(os.environ.get("QG", 0))), KD=gate == 2 or not a.lowp, ABLATE=int(os.environ.get("ABLATE", 0)),
                                REUSE=bool(int(os.environ.get("REUSE", 0)))), int(over.get("intra", 4)), 1),
                 "intrakb": (fw._intra_kb_kernel, dict(q=p, k=p, v=p, la=p, beta=p, G=f, Ub=m, W=m, Tm=f, Am=f, Pm=m, Kd=m, Dec=f, Qg=f,
                                                       T="i32", N="i32"),

@@ -630,7 +630,7 @@ def carry(k, x, initial_state, delta: bool, *, V: int, chunks=None, block_v=None
 def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunks=None,
                    block_v=None, warps=(4, 4, 4), stages=2, out_block_v=64, precision=None, lowp=True,
                    out_dot16=None, intra_kb=None, carry_halves=None, chunk=None, keep_factors=None, keep_states=None,
-                   fuse_out=True, out_qg=True):
+                   fuse_out=None, out_qg=True):
     """Chunked forward on [B, T, H, D] tensors. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32),
     plus what the backward may take from it (`keep_factors` / `keep_states`, below). `chunks`: packed sequences laid out chunk-aligned in a batch of one (see
     autograd.py), the int32 table of each sequence's chunks [N_seq + 1]; states are then [N_seq, H, K, V]. Tuning
@@ -650,12 +650,14 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     in float32 (its first stage also forms Q e^g) and returns them with U, the chunk start states Hs and the final
     state, for `backward_triton(states=...)`, which then skips its recompute altogether (memory: at D 128 and chunks
     of 32 about 5 KB per token and head, against 768 B of bf16 q, k, v — a trade for small models).
-    `fuse_out` (default): the carry kernel also writes the output, from each chunk's start state while it is in
-    registers (float32) and U before it leaves them, so neither the start states Hs (K V per chunk: at chunks of 32
-    and D 128, 4x the bytes of q, k, v) nor U go through memory and the output kernel does not run (False: the
-    output kernel, `out_dot16` / `out_block_v` / warps[2] apply). `out_qg` (per-channel gates, with `fuse_out`): the
-    first stage stores Q e^g (in the store dtype) for the carry to read, else the carry forms it from Q and the stored
-    prefix sums."""
+    `fuse_out`: the carry kernel also writes the output, from each chunk's start state while it is in registers
+    (float32) and U before it leaves them, so neither the start states Hs (K V per chunk: at chunks of 32 and D 128,
+    4x the bytes of q, k, v) nor U go through memory and the output kernel does not run (False: the output kernel;
+    `out_dot16` / `out_block_v` / warps[2] apply to it). Default (None): on for 16-bit inputs with `lowp` at padded
+    key dims <= 128, the forms whose sm_90 compile neither spills nor outgrows shared memory (float32 operands at
+    tf32x3 spill 232 B at chunks of 64, K 256 808 B; float32 at tf32 needs 240 KB); off otherwise. `out_qg` (per-channel
+    gates, with `fuse_out`): the first stage stores Q e^g (in the store dtype) for the carry to read, else the carry
+    forms it from Q and the stored prefix sums."""
     if chunks is not None and chunk_length(chunk) != C:
         raise ValueError(f"chunk: packed sequences (chunks) are laid out in chunks of {C}; got chunk={chunk}")
     B, T, H, K = q.shape
@@ -667,6 +669,8 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     if keep_states and not keep_factors:
         raise ValueError("keep_states: needs keep_factors (the backward then takes every intermediate from the forward)")
     low = lowp and q.dtype in (torch.bfloat16, torch.float16) and not keep_states
+    if fuse_out is None:
+        fuse_out = low and K <= 128
     qg = bool(keep_states) or bool(fuse_out and out_qg and log_alpha is not None and log_alpha.dim() == 4)
     x = intra(q, k, v, log_alpha, beta, bool(delta), warps=warps[0], precision=keep_factors or prec,
               store=q.dtype if low else None, kd=not low, key_block=None if keep_factors else intra_kb, chunk=chunk,
