@@ -1,8 +1,8 @@
 """The memory op's forward stage by stage beside fla's, old form against new, in one run (issue 74, GPU).
 
 For each shape and rule (KDA, Gated DeltaNet; bf16, H16 D128): the forward through `memory(impl="triton")` with the
-output fused into the carry (`forward_triton(fuse_out=...)`, the default for 16-bit inputs) and without it (the output
-kernel, the form before), fla's chunked forward when installed, and the same three as CUDA time per kernel (the stage
+output fused into the carry (`forward_triton(fuse_out=True)`, opt-in) and without it (the output kernel, the
+default), fla's chunked forward when installed, and the same three as CUDA time per kernel (the stage
 table); forward + backward through autograd for evict's two forms; the first stage's parts by ablation (timing only);
 SDPA's causal forward at the first shape (default dispatch and FlashAttention-2 forced). Each section stops when
 `--budget` seconds have passed since the start, so one device call ends on time.
@@ -24,7 +24,7 @@ from evict.ops.memory.triton.autograd import auto_chunk
 from evict.ops.memory.triton.forward import forward_triton, intra
 from evict.report import markdown_table
 
-FORMS = {"new (fused)": dict(), "old (output kernel)": dict(fuse_out=False)}
+FORMS = {"new (fused)": dict(fuse_out=True), "old (output kernel)": dict(fuse_out=False)}
 
 
 def _form(kw):

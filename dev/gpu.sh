@@ -14,7 +14,9 @@
 #            `chunk` 32 / 16), tunelab (the kernels at the lab's full-grid shape, D 32),
 #            precision (dev/check_precision.py), kgrid (`evict bench grid`: the kernel table over N x head dim x chunk,
 #            GRIDFLAGS, default the full grid; rows resume from a carried results/bench/grid/grid_cuda.jsonl), claims
-#            (`evict bench claims --device cuda`: AttnRes, SiTU, DPLR timed; the exact ones beside them)
+#            (`evict bench claims --device cuda`: AttnRes, SiTU, DPLR timed; the exact ones beside them), fuse (session 59's
+#            output-in-the-carry form, forward_triton(fuse_out=True): its GPU tests, then dev/fwd_stages.py: old vs new vs
+#            fla per stage, both shapes)
 #   decode:  decode, decode1m, decodebench, decodecompile, decodeprofile, dial (the chunk dial's GPU numbers)
 #   train:   bench (cells per second, issue 10), mpsbench (the same, compiled, PROCS each with and without MPS), learns (dev/learns_gpu.py: session 12's two MQAR-learns failures over
 #            seeds and op forms), grid (a piece of `evict recall --full`: MIN, GRIDARGS, GRID; the runs
@@ -105,6 +107,8 @@ for what in "$@"; do
     split) timeout ${TO:-200} python3 dev/triton_tune.py --variants dk1,dk2 2>&1 | quiet | tee $OUT/split.log ;;
     tunelab) timeout ${TO:-200} python3 dev/triton_tune.py --shapes 256x512 --heads 4 --dim 32 --variants v0,c32,c16,c32iw8,iw8,iw8bw4,dk2 2>&1 \
                | quiet | tee $OUT/tunelab.log ;;
+    fuse) pyt fuse.log ${T:-150} tests/ops/test_memory_triton.py -n 12 -k out_forms
+          timeout ${TO:-200} python3 dev/fwd_stages.py --budget $(( ${TO:-200} - 40 )) 2>&1 | quiet | tee $OUT/fwd_stages.log ;;  # session 59's fuse_out
     chunks) pyt chunks.log ${T:-300} tests/ops/test_memory_triton.py -k "shorter_chunks" -n 8 ;;
     prep) pyt prep.log ${T:-240} tests/ops/test_memory_triton.py -k "out_forms or intra_key_blocks or one_tile_states or dkey_block or chunk_size or auto or packed" -n 8
           timeout ${TO:-200} python3 dev/triton_tune.py --fwd-only --shapes 4x8192,1x32768 --variants ${VARS:-v0,c32,o16,c32o16,ikb32,c32ikb32,c32ikb64,hv,c32hv,all,c32all} \

@@ -1,4 +1,5 @@
-"""Chunked forward: three kernels: per-chunk WY factors (parallel), state carry (sequential), output (parallel).
+"""Chunked forward: per-chunk WY factors (parallel), then the state carry (sequential) writing the output too, or
+the carry and a separate output kernel (parallel).
 
 Legend: B batch, T time, H heads, K key dim, V value dim; chunks of C = 64 tokens, N of them, Tp = N C;
 sub-chunks of SC = 16 rows (I, J index them); BK / BV = K / V padded to powers of two (BV may be a block of V).
@@ -16,7 +17,9 @@ Derivation: README.md beside this folder. Per chunk, with g the prefix sums of l
 2. `_state_kernel`, grid (V / BV, B H): S [BK, BV] float32 carried across chunks; stores S at each chunk's start (Hs)
    and U = U_bar - W S;  S <- e^{g_C} * S + (K * e^{g_C - g})^T U  (no gate loads or exps in the loop).
    Packed sequences (B = 1, a chunk table): grid (V / BV, N_seq H), each program carrying one sequence's chunks.
-3. `_out_kernel`, grid (V / BV, N, B H): O = scale ((Q * e^g) S + P U).
+3. The output O = scale ((Q * e^g) S + P U): by default (16-bit inputs, K <= 128: `forward_triton(fuse_out=...)`) in
+   the carry itself, from S in registers (float32) and U before its store, so Hs and U need not be stored at all
+   (Q * e^g stored by step 1 for per-channel gates); otherwise `_out_kernel`, grid (V / BV, N, B H), from Hs and U.
 Forms by chunk (H200, session 10, BENCHMARKS.md): at C = 64 the carry holds S as two tiles of key rows (HALVES) and
 the output kernel takes 16-bit dots on the 16-bit intermediates (DOT16); at C = 32 / 16 both measured slower and stay
 off. Opt-in: `_intra_kb_kernel` (step 1 for per-channel gates, KB key columns at a time; slower on the H200).
@@ -404,8 +407,9 @@ def _chunk_decay(S, Dec, i_bh, N, n, ck, K: tl.constexpr, GATE: tl.constexpr):
 
 @triton.jit
 def _state_kernel(
-    k, G, Kd, Dec, Ub, W, U, Hs, s0, sT, cu, q, Qg, Pm, o, scale,
+    k, G, Kd, Dec, Ub, W, U, Hs, s0, sT, cu,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
+    q, Qg, Pm, o, scale,  # OUT only (after the others: without OUT the kernel compiles as it did before they came)
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, DELTA: tl.constexpr, HAS_S0: tl.constexpr, PREC: tl.constexpr, KD: tl.constexpr = True,
     VARLEN: tl.constexpr = False, HALVES: tl.constexpr = False, OUT: tl.constexpr = False, STORE: tl.constexpr = True,
@@ -618,8 +622,7 @@ def carry(k, x, initial_state, delta: bool, *, V: int, chunks=None, block_v=None
     s0 = initial_state.contiguous().to(f32) if initial_state is not None else sT
     _state_kernel[(triton.cdiv(V, BV), seqs * H)](
         k, x["G"], x["Kd"], x["Dec"], x["Ub"], x["W"], U, Hs, s0, sT, chunks if chunks is not None else sT,
-        q, x["Qg"], x["Pm"], o, float(scale),
-        T, H=H, K=K, V=V, N=N, C=C, BK=BK, BV=BV,
+        T, H=H, K=K, V=V, N=N, q=q, Qg=x["Qg"], Pm=x["Pm"], o=o, scale=float(scale), C=C, BK=BK, BV=BV,
         GATE=gate, DELTA=delta, HAS_S0=initial_state is not None, PREC=precision or precision_for(k.dtype), KD=x["kd"],
         VARLEN=chunks is not None, HALVES=bool(halves and BK >= 64), OUT=out is not None, STORE=bool(store),
         QG=x["Qg"].numel() > 1, num_warps=warps, num_stages=stages,
@@ -630,7 +633,7 @@ def carry(k, x, initial_state, delta: bool, *, V: int, chunks=None, block_v=None
 def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunks=None,
                    block_v=None, warps=(4, 4, 4), stages=2, out_block_v=64, precision=None, lowp=True,
                    out_dot16=None, intra_kb=None, carry_halves=None, chunk=None, keep_factors=None, keep_states=None,
-                   fuse_out=None, out_qg=True):
+                   fuse_out=False, out_qg=True):
     """Chunked forward on [B, T, H, D] tensors. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32),
     plus what the backward may take from it (`keep_factors` / `keep_states`, below). `chunks`: packed sequences laid out chunk-aligned in a batch of one (see
     autograd.py), the int32 table of each sequence's chunks [N_seq + 1]; states are then [N_seq, H, K, V]. Tuning
@@ -650,14 +653,15 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     in float32 (its first stage also forms Q e^g) and returns them with U, the chunk start states Hs and the final
     state, for `backward_triton(states=...)`, which then skips its recompute altogether (memory: at D 128 and chunks
     of 32 about 5 KB per token and head, against 768 B of bf16 q, k, v — a trade for small models).
-    `fuse_out`: the carry kernel also writes the output, from each chunk's start state while it is in registers
-    (float32) and U before it leaves them, so neither the start states Hs (K V per chunk: at chunks of 32 and D 128,
-    4x the bytes of q, k, v) nor U go through memory and the output kernel does not run (False: the output kernel;
-    `out_dot16` / `out_block_v` / warps[2] apply to it). Default (None): on for 16-bit inputs with `lowp` at padded
-    key dims <= 128, the forms whose sm_90 compile neither spills nor outgrows shared memory (float32 operands at
-    tf32x3 spill 232 B at chunks of 64, K 256 808 B; float32 at tf32 needs 240 KB); off otherwise. `out_qg` (per-channel
-    gates, with `fuse_out`): the first stage stores Q e^g (in the store dtype) for the carry to read, else the carry
-    forms it from Q and the stored prefix sums."""
+    `fuse_out` (opt-in, NOT YET RUN THROUGH ITS GPU TESTS to the end nor timed: session 59's one device call was cut
+    after 15 of its 24 tests passed, none failed): the carry kernel also writes the output, from each chunk's start
+    state while it is in registers (float32) and U before it leaves them, so neither the start states Hs (K V per
+    chunk: at chunks of 32 and D 128, 4x the bytes of q, k, v) nor U go through memory and the output kernel does not
+    run (False, the default: the output kernel; `out_dot16` / `out_block_v` / warps[2] apply to it). None: on for
+    16-bit inputs with `lowp` at padded key dims <= 128, the forms whose sm_90 compile neither spills nor outgrows
+    shared memory (float32 operands at tf32x3 spill 232 B at chunks of 64, K 256 808 B; float32 at tf32 needs 240 KB),
+    off otherwise — the intended default once measured. `out_qg` (per-channel gates, with `fuse_out`): the first stage
+    stores Q e^g (in the store dtype) for the carry to read, else the carry forms it from Q and the stored prefix sums."""
     if chunks is not None and chunk_length(chunk) != C:
         raise ValueError(f"chunk: packed sequences (chunks) are laid out in chunks of {C}; got chunk={chunk}")
     B, T, H, K = q.shape
