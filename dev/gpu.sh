@@ -108,7 +108,8 @@ for what in "$@"; do
     tunelab) timeout ${TO:-200} python3 dev/triton_tune.py --shapes 256x512 --heads 4 --dim 32 --variants v0,c32,c16,c32iw8,iw8,iw8bw4,dk2 2>&1 \
                | quiet | tee $OUT/tunelab.log ;;
     fuse) pyt fuse.log ${T:-150} tests/ops/test_memory_triton.py -n 12 -k out_forms
-          timeout ${TO:-200} python3 dev/fwd_stages.py --budget $(( ${TO:-200} - 40 )) 2>&1 | quiet | tee $OUT/fwd_stages.log ;;  # session 59's fuse_out
+          timeout ${TO:-200} python3 -u dev/fwd_stages.py --budget $(( ${TO:-200} - 40 )) > $OUT/fwd_stages.log 2>&1  # session 59's fuse_out
+          quiet < $OUT/fwd_stages.log | tail -120 ;;  # (to $OUT first: rows piped through grep die in its buffer at a timeout)
     chunks) pyt chunks.log ${T:-300} tests/ops/test_memory_triton.py -k "shorter_chunks" -n 8 ;;
     prep) pyt prep.log ${T:-240} tests/ops/test_memory_triton.py -k "out_forms or intra_key_blocks or one_tile_states or dkey_block or chunk_size or auto or packed" -n 8
           timeout ${TO:-200} python3 dev/triton_tune.py --fwd-only --shapes 4x8192,1x32768 --variants ${VARS:-v0,c32,o16,c32o16,ikb32,c32ikb32,c32ikb64,hv,c32hv,all,c32all} \
