@@ -14,7 +14,9 @@
 #            `chunk` 32 / 16), tunelab (the kernels at the lab's full-grid shape, D 32),
 #            precision (dev/check_precision.py), kgrid (`evict bench grid`: the kernel table over N x head dim x chunk,
 #            GRIDFLAGS, default the full grid; rows resume from the committed results/bench/grid/grid_h100.jsonl), claims
-#            (`evict bench claims --device cuda`: CLAIMS, default situ attn_res dplr, each its own process under TO, MODES)
+#            (`evict bench claims --device cuda`: CLAIMS, default situ attn_res dplr, each its own process under TO, MODES),
+#            fuse (session 59's output-in-the-carry form, forward_triton(fuse_out=True): its GPU tests, then
+#            dev/fwd_stages.py: old vs new vs fla per stage, both shapes)
 #   decode:  decode, decode1m, decodebench, decodecompile, decodeprofile, dial (the chunk dial's GPU numbers)
 #   train:   bench (cells per second, issue 10), mpsbench (the same, compiled, PROCS each with and without MPS), learns (dev/learns_gpu.py: session 12's two MQAR-learns failures over
 #            seeds and op forms), grid (a piece of `evict recall --full`: MIN, GRIDARGS, GRID; the runs
@@ -31,7 +33,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import fastapi, uvicorn, httpx" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl/serve fastapi uvicorn httpx
 python3 -c "import fla" 2>/dev/null || python3 -m pip install -q --no-index --no-deps .whl/fla/*.whl
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-FORMS="kept_factors or kept_states or dstate_stages or intra_key_blocks or dkey_block or one_tile or float32_operands"  # opt-in knobs' tests
+FORMS="kept_factors or kept_states or dstate_stages or intra_key_blocks or dkey_block or one_tile or out_forms"  # opt-in knobs' tests
 # a sweep folder's finished runs as one JSONL (each result.json plus its run folder's name as "dir"): what a piece
 # brings back, to commit (dev/grid_piece.py FILES_AT) and restore (dev/grid_restore.py) on the next bare machine
 finished() { python3 dev/grid_restore.py --finished "$1"; }  # finished runs (and pairs ladders' finished rungs) as JSONL
@@ -105,8 +107,11 @@ for what in "$@"; do
     split) timeout ${TO:-200} python3 dev/triton_tune.py --variants dk1,dk2 2>&1 | quiet | tee $OUT/split.log ;;
     tunelab) timeout ${TO:-200} python3 dev/triton_tune.py --shapes 256x512 --heads 4 --dim 32 --variants v0,c32,c16,c32iw8,iw8,iw8bw4,dk2 2>&1 \
                | quiet | tee $OUT/tunelab.log ;;
+    fuse) pyt fuse.log ${T:-150} tests/ops/test_memory_triton.py -n 12 -k out_forms
+          timeout ${TO:-200} python3 -u dev/fwd_stages.py --budget $(( ${TO:-200} - 40 )) > $OUT/fwd_stages.log 2>&1  # session 59's fuse_out
+          quiet < $OUT/fwd_stages.log | tail -120 ;;  # (to $OUT first: rows piped through grep die in its buffer at a timeout)
     chunks) pyt chunks.log ${T:-300} tests/ops/test_memory_triton.py -k "shorter_chunks" -n 8 ;;
-    prep) pyt prep.log ${T:-240} tests/ops/test_memory_triton.py -k "float32_operands or intra_key_blocks or one_tile_states or dkey_block or chunk_size or auto or packed" -n 8
+    prep) pyt prep.log ${T:-240} tests/ops/test_memory_triton.py -k "out_forms or intra_key_blocks or one_tile_states or dkey_block or chunk_size or auto or packed" -n 8
           timeout ${TO:-200} python3 dev/triton_tune.py --fwd-only --shapes 4x8192,1x32768 --variants ${VARS:-v0,c32,o16,c32o16,ikb32,c32ikb32,c32ikb64,hv,c32hv,all,c32all} \
             2>&1 | quiet | tee $OUT/prep_fwd.log ;;
     prepbwd) timeout ${TO:-240} python3 dev/triton_tune.py --shapes 4x8192,1x32768 --variants ${VARS:-v0,c32,c32ikb32,c32hv,c32dkb32,dkb32,c32all,all} \

@@ -42,12 +42,14 @@ def _ptx(fn, sig, consts, warps, stages):
 
 
 def _compile(fn, sig, consts, warps, stages):
+    sig = {n: t for n, t in sig.items() if n in fn.arg_names}  # an argument the old kernel lacks: not passed
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*") or t == "i32"}
     consts = {n: v for n, v in consts.items() if n in fn.arg_names}  # a constexpr the old kernel lacks: its default
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps, "num_stages": stages})
     code = k.asm["ptx"].split(".section\t.debug")[0]  # the DWARF sections name inlined helpers: not code
-    keep = [ln for ln in code.splitlines() if not re.match(r"\s*(\.loc|\.file|//|\$L__)", ln)]
+    # parameter declarations dropped: arguments added after the old ones (unused without their branch) declare more
+    keep = [ln for ln in code.splitlines() if not re.match(r"\s*(\.loc|\.file|//|\$L__|\.param)", ln)]
     return re.sub(r"\$L__\w+", "L", "\n".join(keep))
 
 
@@ -65,9 +67,9 @@ def kernels(fw, bw) -> dict:
                 for varlen in (False, True):
                     out["state", prec, gate, delta, varlen] = _ptx(
                         fw._state_kernel, dict(k=p, G=f, Kd=m, Dec=f, Ub=m, W=m, U=m, Hs=m, s0=f, sT=f, cu="*i32",
-                                               T="i32", N="i32"),
+                                               T="i32", N="i32", q=p, Qg=f, Pm=m, o=p, scale="fp32"),
                         dict(H=16, K=128, V=128, C=64, BK=128, BV=32, GATE=gate, DELTA=delta, HAS_S0=True, PREC=prec,
-                             KD=True, VARLEN=varlen, HALVES=True), 4, 2)
+                             KD=True, VARLEN=varlen, HALVES=True, OUT=False, STORE=True, QG=True), 4, 2)
                     out["dstate", prec, gate, delta, varlen] = _ptx(
                         bw._dstate_kernel, dict(q=p, k=p, do=p, Kd=f, Dec=f, Qg=f, W=f, Pm=f, dU=f, dHs=f, dsT=f, ds0=f,
                                                 cu="*i32", scale="fp32", T="i32", N="i32"),

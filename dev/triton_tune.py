@@ -108,6 +108,14 @@ VARIANTS = {  # name -> (forward knobs, backward knobs); a* = ablations (timing 
     "c16ks": (dict(chunk=16, keep_factors="tf32", keep_states="tf32x3"), dict(chunk=16)),
     "c32all": (dict(chunk=32, intra_kb=32, out_dot16=True, carry_halves=True),
                dict(chunk=32, intra_kb=32, halves=True, dkey_block=32)),
+    # session 59, prepared (not yet timed): the output fused into the carry (no output kernel, no Hs / U stores), Q e^g
+    # stored by the first stage or formed in the carry (noqg), and the carry's V columns / warps with the extra work
+    "fo": (dict(fuse_out=True), dict()),
+    "fonoqg": (dict(fuse_out=True, out_qg=False), dict()),
+    "c32fo": (dict(chunk=32, fuse_out=True), dict(chunk=32)),
+    "c32fonoqg": (dict(chunk=32, fuse_out=True, out_qg=False), dict(chunk=32)),
+    "c32fobv64": (dict(chunk=32, fuse_out=True, block_v=64), dict(chunk=32)),
+    "c32fosw8": (dict(chunk=32, fuse_out=True, warps=(4, 8, 4)), dict(chunk=32)),
 }
 
 

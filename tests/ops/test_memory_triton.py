@@ -106,10 +106,13 @@ for gate16 in ("channel", "scalar"):  # per-channel keys stored decayed; a scala
                 initial_state=x16["initial_state"])
     o_one = forward_triton(x16["q"], x16["k"], x16["v"], **kw16, out_dot16=False)[0]
     o_dot16 = forward_triton(x16["q"], x16["k"], x16["v"], **kw16)[0]  # the default at chunks of 64
+    o_fused = forward_triton(x16["q"], x16["k"], x16["v"], **kw16, fuse_out=True)[0]  # opt-in: the output in the carry
+    o_noqg = forward_triton(x16["q"], x16["k"], x16["v"], **kw16, fuse_out=True, out_qg=False)[0]
     out["fp16_" + gate16] = {"o": rel(o16, o_ref), "S": rel(s16, s_ref), "o_dtype": str(o16.dtype),
                              **{f"d{n}": rel(g16[n], g_ref[n]) for n in g_ref},
                              "grad_dtypes": [str(g16[n].dtype) for n in g16],
-                             "out_dot16": [rel(o_dot16, o_ref), rel(o_dot16, o_one)]}
+                             "out_dot16": [rel(o_dot16, o_ref), rel(o_dot16, o_one)],
+                             "fuse_out": [rel(o_fused, o_ref), rel(o_fused, o_one), rel(o_noqg, o_ref), rel(o_noqg, o_one)]}
 print("RESULT" + json.dumps(out))
 """
 
@@ -167,6 +170,11 @@ def test_interpreter_float16_inputs(interpreted, gate):
     # 1.8e-4, about a float16 ulp)
     vs_ref, vs_f32_operands = r["out_dot16"]
     assert vs_ref <= TOL[torch.float16] and vs_f32_operands <= 2e-3, r["out_dot16"]
+    # `fuse_out` (opt-in): the output from the carry kernel's float32 state, Q e^g stored by the first stage (or formed
+    # in the carry: out_qg=False), against the reference and the output kernel's float32-operand form (its start
+    # states and U were rounded to float16: observed 3.5e-4 ... 4e-4)
+    fused, fused_vs_one, noqg, noqg_vs_one = r["fuse_out"]
+    assert max(fused, noqg) <= TOL[torch.float16] and max(fused_vs_one, noqg_vs_one) <= 2e-3, r["fuse_out"]
 
 
 SPLIT_SCRIPT = r"""
@@ -509,19 +517,27 @@ def test_gpu_forward_matches_reference(dtype, gate, delta, beta_max):
         assert rel(o, o_ref) <= TOL[dtype] and rel(s, s_ref) <= TOL[dtype], (T, cs, rel(o, o_ref), rel(s, s_ref))
 
 
+OUT_FORMS = {  # the output's opt-in forms: the output kernel's float32 operands; the output fused into the carry
+    "out_f32": dict(out_dot16=False), "fused": dict(fuse_out=True), "fused_no_qg": dict(fuse_out=True, out_qg=False)}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
-def test_gpu_out_float32_operands_match_reference(gate, delta):
-    """forward_triton(out_dot16=False): the output kernel's float32-operand form on bf16 inputs (the 16-bit dots are
-    the default at chunks of 64, covered by the default tests), within bf16 rounding of the reference, odd T, strong
-    decay, K 128 (two key blocks) and K 96 (a masked one)."""
+@pytest.mark.parametrize("form", list(OUT_FORMS))
+@pytest.mark.parametrize("chunk", [None, 32])
+def test_gpu_out_forms_match_reference(gate, delta, form, chunk):
+    """The output's opt-in forms on bf16 inputs (the default, the output kernel with 16-bit dots at chunks of 64, is
+    covered by the default tests): the output kernel with float32 operands (out_dot16=False), and the output fused
+    into the carry (fuse_out=True) with Q e^g stored by the first stage or formed in the carry (out_qg=False); within
+    bf16 rounding of the reference, odd T, strong decay, K 128 (two key blocks) and K 96 (a masked one), chunks of 64
+    and 32."""
     from evict.ops.memory.triton.forward import forward_triton
 
     for T, K, strong in ((63, 128, False), (130, 128, True), (333, 96, False)):
         xd, x64 = _cuda(make_inputs(2, T, 3, K, 64, gate=gate, beta_max=1.5, init=True, strong=strong), torch.bfloat16)
         o_ref, s_ref = run(x64, delta, impl="reference")
         o, s = forward_triton(xd["q"], xd["k"], xd["v"], log_alpha=xd["log_alpha"], beta=xd["beta"], delta=delta,
-                              scale=K ** -0.5, initial_state=xd["initial_state"], out_dot16=False)
+                              scale=K ** -0.5, initial_state=xd["initial_state"], chunk=chunk, **OUT_FORMS[form])
         assert rel(o, o_ref) <= TOL[torch.bfloat16] and rel(s, s_ref) <= TOL[torch.bfloat16], (T, K, rel(o, o_ref))
 
 

@@ -26,18 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import (SC, SPREAD, _block, chunk_length, _chunk_decay, _chunk_keys, _hrows, _hstore, _lower, _rows, _segment, _spread,
+from .forward import (SC, SPREAD, _block, chunk_length, _chunk_decay, _chunk_keys, _chunk_queries, _hrows, _hstore,
+                      _lower, _rows, _segment, _spread,
                       _state_tile, _strip_decay, carry, intra, precision_for, state_block_v)
-
-
-@triton.jit
-def _chunk_queries(q_bh, Qg, hm, t0, rc, ck, T, H: tl.constexpr, K: tl.constexpr, GATE: tl.constexpr):
-    """Columns ck of the chunk's queries as the state gradient uses them: Q, or Q e^g from the first stage."""
-    if GATE == 0:
-        qn = _rows(q_bh, t0, rc, T, H * K, ck, K)
-    else:
-        qn = _hrows(Qg + hm * K, t0 + rc, ck, K)
-    return qn
 
 
 @triton.jit
@@ -84,14 +75,14 @@ def _dstate_kernel(
         don = _rows(do_bh, t0, rc, T, H * V, cv, V)
         du = (scale * tl.dot(tl.trans(_lower(Pm + hm * C, t0, C, False)), don, input_precision=PREC)).to(tl.float32)
         kn = _chunk_keys(k_bh, Kd, Kd, hm, t0, rc, ck, T, H, K, C, GATE, True)  # K, or K e^{g_C - g} (first stage)
-        qn = _chunk_queries(q_bh, Qg, hm, t0, rc, ck, T, H, K, GATE)
+        qn = _chunk_queries(q_bh, Qg, Qg, hm, t0, rc, ck, T, H, K, GATE, True)
         du += tl.dot(kn, dS, input_precision=PREC)
         if HALVES:
             du += tl.dot(_chunk_keys(k_bh, Kd, Kd, hm, t0, rc, ck2, T, H, K, C, GATE, True), dS2, input_precision=PREC)
         tl.store(dU + (hm + t0 + rc)[:, None] * V + cv[None, :], du, mask=mv[None, :])
         dS = _dstate_back(dS, qn, don, du, W, Dec, hm, i_bh, N, n, t0, rc, ck, scale, K, GATE, DELTA, PREC)
         if HALVES:
-            dS2 = _dstate_back(dS2, _chunk_queries(q_bh, Qg, hm, t0, rc, ck2, T, H, K, GATE), don, du, W, Dec, hm,
+            dS2 = _dstate_back(dS2, _chunk_queries(q_bh, Qg, Qg, hm, t0, rc, ck2, T, H, K, GATE, True), don, du, W, Dec, hm,
                                i_bh, N, n, t0, rc, ck2, scale, K, GATE, DELTA, PREC)
     tl.store(ds0 + i_sh.to(tl.int64) * K * V + s_off, dS, mask=m_s)
     if HALVES:

@@ -1,4 +1,5 @@
-"""Chunked forward: three kernels: per-chunk WY factors (parallel), state carry (sequential), output (parallel).
+"""Chunked forward: per-chunk WY factors (parallel), then the state carry (sequential) writing the output too, or
+the carry and a separate output kernel (parallel).
 
 Legend: B batch, T time, H heads, K key dim, V value dim; chunks of C = 64 tokens, N of them, Tp = N C;
 sub-chunks of SC = 16 rows (I, J index them); BK / BV = K / V padded to powers of two (BV may be a block of V).
@@ -16,7 +17,9 @@ Derivation: README.md beside this folder. Per chunk, with g the prefix sums of l
 2. `_state_kernel`, grid (V / BV, B H): S [BK, BV] float32 carried across chunks; stores S at each chunk's start (Hs)
    and U = U_bar - W S;  S <- e^{g_C} * S + (K * e^{g_C - g})^T U  (no gate loads or exps in the loop).
    Packed sequences (B = 1, a chunk table): grid (V / BV, N_seq H), each program carrying one sequence's chunks.
-3. `_out_kernel`, grid (V / BV, N, B H): O = scale ((Q * e^g) S + P U).
+3. The output O = scale ((Q * e^g) S + P U): by default (16-bit inputs, K <= 128: `forward_triton(fuse_out=...)`) in
+   the carry itself, from S in registers (float32) and U before its store, so Hs and U need not be stored at all
+   (Q * e^g stored by step 1 for per-channel gates); otherwise `_out_kernel`, grid (V / BV, N, B H), from Hs and U.
 Forms by chunk (H200, session 10, BENCHMARKS.md): at C = 64 the carry holds S as two tiles of key rows (HALVES) and
 the output kernel takes 16-bit dots on the 16-bit intermediates (DOT16); at C = 32 / 16 both measured slower and stay
 off. Opt-in: `_intra_kb_kernel` (step 1 for per-channel gates, KB key columns at a time; slower on the H200).
@@ -377,6 +380,22 @@ def _chunk_keys(k_bh, Kd, G, hm, t0, rc, ck, T, H: tl.constexpr, K: tl.constexpr
 
 
 @triton.jit
+def _chunk_queries(q_bh, Qg, G, hm, t0, rc, ck, T, H: tl.constexpr, K: tl.constexpr, GATE: tl.constexpr,
+                   QG: tl.constexpr):
+    """Columns ck of the chunk's queries as the state (gradient) kernels read them: Q, or Q e^g — stored by the first
+    stage (QG), else formed here from the chunk's prefix sums G."""
+    if GATE == 0:
+        qn = _rows(q_bh, t0, rc, T, H * K, ck, K)
+    elif QG:
+        qn = _hrows(Qg + hm * K, t0 + rc, ck, K)
+    elif GATE == 1:
+        qn = _rows(q_bh, t0, rc, T, H * K, ck, K) * tl.exp(tl.load(G + hm + t0 + rc))[:, None]
+    else:
+        qn = _rows(q_bh, t0, rc, T, H * K, ck, K) * tl.exp(_hrows(G + hm * K, t0 + rc, ck, K))
+    return qn
+
+
+@triton.jit
 def _chunk_decay(S, Dec, i_bh, N, n, ck, K: tl.constexpr, GATE: tl.constexpr):
     """Rows ck of a state (or state gradient) times the chunk's decay e^{g_C}."""
     if GATE == 2:
@@ -390,12 +409,17 @@ def _chunk_decay(S, Dec, i_bh, N, n, ck, K: tl.constexpr, GATE: tl.constexpr):
 def _state_kernel(
     k, G, Kd, Dec, Ub, W, U, Hs, s0, sT, cu,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
+    q, Qg, Pm, o, scale,  # OUT only (after the others: without OUT the kernel compiles as it did before they came)
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, DELTA: tl.constexpr, HAS_S0: tl.constexpr, PREC: tl.constexpr, KD: tl.constexpr = True,
-    VARLEN: tl.constexpr = False, HALVES: tl.constexpr = False,
+    VARLEN: tl.constexpr = False, HALVES: tl.constexpr = False, OUT: tl.constexpr = False, STORE: tl.constexpr = True,
+    QG: tl.constexpr = True,
 ):
     """HALVES: the state as two [BK / 2, BV] tiles of key rows, each with its own [C, BK / 2] columns of keys and W
-    (fewer live registers; the one-tile form spills at K = 128 under tf32x3, as the backward's recompute runs it)."""
+    (fewer live registers; the one-tile form spills at K = 128 under tf32x3, as the backward's recompute runs it).
+    OUT: the output too, O = scale ((Q e^g) S + P U), from the state while it is in registers (float32) and U before
+    it is stored — no chunk start states or U go through memory for an output kernel (STORE off: neither is stored).
+    QG: Q e^g as the first stage stored it (else formed here: Q, or Q e^g of a scalar gate)."""
     i_v, i_sh = tl.program_id(0), tl.program_id(1)  # i_sh: (sequence, head); states are [sequences H, K, V]
     i_s, i_h = i_sh // H, i_sh % H
     n0, n1, i_b = _segment(cu, i_s, N, VARLEN)
@@ -403,7 +427,8 @@ def _state_kernel(
     ck, rc = tl.arange(0, BK // 2 if HALVES else BK), tl.arange(0, C)
     cv = i_v * BV + tl.arange(0, BV)
     mv = cv < V
-    k_bh = k + (i_b.to(tl.int64) * T * H + i_h) * K
+    tok = i_b.to(tl.int64) * T * H + i_h  # token-major row of (b, t = 0, h)
+    k_bh = k + tok * K
     hm = i_bh.to(tl.int64) * N * C
     W_bh, Ub_bh, U_bh = W + hm * K, Ub + hm * V, U + hm * V
     s_off, m_s, S = _state_tile(s0, i_sh, ck, cv, K, V, HAS_S0)
@@ -412,15 +437,26 @@ def _state_kernel(
         s_off2, m_s2, S2 = _state_tile(s0, i_sh, ck2, cv, K, V, HAS_S0)
     for n in range(n0, n1):
         t0 = n * C
-        tl.store(Hs + (i_bh.to(tl.int64) * N + n) * K * V + s_off, S, mask=m_s)
-        if HALVES:
-            tl.store(Hs + (i_bh.to(tl.int64) * N + n) * K * V + s_off2, S2, mask=m_s2)
+        if STORE:
+            tl.store(Hs + (i_bh.to(tl.int64) * N + n) * K * V + s_off, S, mask=m_s)
+            if HALVES:
+                tl.store(Hs + (i_bh.to(tl.int64) * N + n) * K * V + s_off2, S2, mask=m_s2)
+        if OUT:  # the inter-chunk read (Q e^g) S, off the carry's critical path
+            on = tl.dot(_chunk_queries(q + tok * K, Qg, G, hm, t0, rc, ck, T, H, K, GATE, QG), S, input_precision=PREC)
+            if HALVES:
+                on += tl.dot(_chunk_queries(q + tok * K, Qg, G, hm, t0, rc, ck2, T, H, K, GATE, QG), S2,
+                             input_precision=PREC)
         u = tl.load(Ub_bh + (t0 + rc)[:, None] * V + cv[None, :], mask=mv[None, :], other=0.0).to(tl.float32)
         if DELTA:
             u -= tl.dot(_hrows(W_bh, t0 + rc, ck, K), S, input_precision=PREC)
             if HALVES:
                 u -= tl.dot(_hrows(W_bh, t0 + rc, ck2, K), S2, input_precision=PREC)
-        tl.store(U_bh + (t0 + rc)[:, None] * V + cv[None, :], u, mask=mv[None, :])
+        if STORE:
+            tl.store(U_bh + (t0 + rc)[:, None] * V + cv[None, :], u, mask=mv[None, :])
+        if OUT:  # the intra-chunk read P U; products with `scale` cast to float32 (Inductor passes it as fp64)
+            on += tl.dot(_lower(Pm + hm * C, t0, C, False), u, input_precision=PREC)
+            tl.store(o + (tok + (t0 + rc).to(tl.int64) * H)[:, None] * V + cv[None, :],
+                     (scale * on).to(tl.float32).to(o.dtype.element_ty), mask=(t0 + rc < T)[:, None] & mv[None, :])
         kn = _chunk_keys(k_bh, Kd, G, hm, t0, rc, ck, T, H, K, C, GATE, KD)
         S = _chunk_decay(S, Dec, i_bh, N, n, ck, K, GATE)
         S += tl.dot(tl.trans(kn), u, input_precision=PREC)
@@ -542,7 +578,7 @@ def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, qg=
         Pm = torch.empty(B * H * N * C * C, dtype=st, device=dev)
     Kd = torch.empty(B * H * N * C * K if gate and kd else 1, dtype=st, device=dev)
     Dec = torch.empty(B * H * N * (K if gate == 2 else 1) if gate else 1, dtype=f32, device=dev)
-    Qg = torch.empty(B * H * N * C * K if gate and qg else 1, dtype=f32, device=dev)
+    Qg = torch.empty(B * H * N * C * K if gate and qg else 1, dtype=st, device=dev)
     BK, BV = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
     prec = precision or precision_for(q.dtype)
     out = dict(G=G, Ub=Ub, W=W, Tm=Tm, Am=Am, Pm=Pm, Kd=Kd, Dec=Dec, Qg=Qg, N=N, C=C, gate=gate, kd=kd, store=st)
@@ -564,17 +600,20 @@ def intra(q, k, v, log_alpha, beta, delta: bool, *, warps=4, precision=None, qg=
 
 
 def carry(k, x, initial_state, delta: bool, *, V: int, chunks=None, block_v=None, warps=4, stages=2, precision=None,
-          halves=False):
+          halves=False, out=None):
     """Kernel 2: per-chunk start states Hs [B H N K V], U (head-major), both in intra's store dtype, and the final
     state [B, H, K, V] float32 (carried in float32 whatever is stored; with `chunks`, the int32 chunk table
     [N_seq + 1] of packed sequences in a batch of one: [N_seq, H, K, V]). `halves` (padded K >= 64; opt-in, not yet
-    measured on a GPU): the state as two tiles of key rows."""
+    measured on a GPU): the state as two tiles of key rows. `out` = (q, o, scale, store): the kernel also writes the
+    output o (the output kernel's work, from the state in registers); Hs and U are then stored only with `store`
+    (else returned empty)."""
     B, T, H, K = k.shape
     N, C, gate, dev = x["N"], x["C"], x["gate"], k.device
     seqs = B if chunks is None else chunks.numel() - 1
     f32 = torch.float32
-    U = torch.empty(B * H * N * C * V, dtype=x["store"], device=dev)
-    Hs = torch.empty(B * H * N * K * V, dtype=x["store"], device=dev)
+    q, o, scale, store = out if out is not None else (k, k, 1.0, True)
+    U = torch.empty(B * H * N * C * V if store else 1, dtype=x["store"], device=dev)
+    Hs = torch.empty(B * H * N * K * V if store else 1, dtype=x["store"], device=dev)
     sT = torch.empty(seqs, H, K, V, dtype=f32, device=dev)
     BK = max(16, triton.next_power_of_2(K))
     BV = min(max(16, triton.next_power_of_2(V)), block_v or state_block_v(seqs, H, V, dev))
@@ -583,16 +622,18 @@ def carry(k, x, initial_state, delta: bool, *, V: int, chunks=None, block_v=None
     s0 = initial_state.contiguous().to(f32) if initial_state is not None else sT
     _state_kernel[(triton.cdiv(V, BV), seqs * H)](
         k, x["G"], x["Kd"], x["Dec"], x["Ub"], x["W"], U, Hs, s0, sT, chunks if chunks is not None else sT,
-        T, H=H, K=K, V=V, N=N, C=C, BK=BK, BV=BV,
+        T, H=H, K=K, V=V, N=N, q=q, Qg=x["Qg"], Pm=x["Pm"], o=o, scale=float(scale), C=C, BK=BK, BV=BV,
         GATE=gate, DELTA=delta, HAS_S0=initial_state is not None, PREC=precision or precision_for(k.dtype), KD=x["kd"],
-        VARLEN=chunks is not None, HALVES=bool(halves and BK >= 64), num_warps=warps, num_stages=stages,
+        VARLEN=chunks is not None, HALVES=bool(halves and BK >= 64), OUT=out is not None, STORE=bool(store),
+        QG=x["Qg"].numel() > 1, num_warps=warps, num_stages=stages,
     )
     return U, Hs, sT
 
 
 def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunks=None,
                    block_v=None, warps=(4, 4, 4), stages=2, out_block_v=64, precision=None, lowp=True,
-                   out_dot16=None, intra_kb=None, carry_halves=None, chunk=None, keep_factors=None, keep_states=None):
+                   out_dot16=None, intra_kb=None, carry_halves=None, chunk=None, keep_factors=None, keep_states=None,
+                   fuse_out=False, out_qg=True):
     """Chunked forward on [B, T, H, D] tensors. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32),
     plus what the backward may take from it (`keep_factors` / `keep_states`, below). `chunks`: packed sequences laid out chunk-aligned in a batch of one (see
     autograd.py), the int32 table of each sequence's chunks [N_seq + 1]; states are then [N_seq, H, K, V]. Tuning
@@ -611,7 +652,16 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     tl.dot precision for the carry ("tf32x3" as the backward's recompute); the forward then stores every intermediate
     in float32 (its first stage also forms Q e^g) and returns them with U, the chunk start states Hs and the final
     state, for `backward_triton(states=...)`, which then skips its recompute altogether (memory: at D 128 and chunks
-    of 32 about 5 KB per token and head, against 768 B of bf16 q, k, v — a trade for small models)."""
+    of 32 about 5 KB per token and head, against 768 B of bf16 q, k, v — a trade for small models).
+    `fuse_out` (opt-in, NOT YET RUN THROUGH ITS GPU TESTS to the end nor timed: session 59's one device call was cut
+    after 15 of its 24 tests passed, none failed): the carry kernel also writes the output, from each chunk's start
+    state while it is in registers (float32) and U before it leaves them, so neither the start states Hs (K V per
+    chunk: at chunks of 32 and D 128, 4x the bytes of q, k, v) nor U go through memory and the output kernel does not
+    run (False, the default: the output kernel; `out_dot16` / `out_block_v` / warps[2] apply to it). None: on for
+    16-bit inputs with `lowp` at padded key dims <= 128, the forms whose sm_90 compile neither spills nor outgrows
+    shared memory (float32 operands at tf32x3 spill 232 B at chunks of 64, K 256 808 B; float32 at tf32 needs 240 KB),
+    off otherwise — the intended default once measured. `out_qg` (per-channel gates, with `fuse_out`): the first stage
+    stores Q e^g (in the store dtype) for the carry to read, else the carry forms it from Q and the stored prefix sums."""
     if chunks is not None and chunk_length(chunk) != C:
         raise ValueError(f"chunk: packed sequences (chunks) are laid out in chunks of {C}; got chunk={chunk}")
     B, T, H, K = q.shape
@@ -623,21 +673,26 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     if keep_states and not keep_factors:
         raise ValueError("keep_states: needs keep_factors (the backward then takes every intermediate from the forward)")
     low = lowp and q.dtype in (torch.bfloat16, torch.float16) and not keep_states
+    if fuse_out is None:
+        fuse_out = low and K <= 128
+    qg = bool(keep_states) or bool(fuse_out and out_qg and log_alpha is not None and log_alpha.dim() == 4)
     x = intra(q, k, v, log_alpha, beta, bool(delta), warps=warps[0], precision=keep_factors or prec,
               store=q.dtype if low else None, kd=not low, key_block=None if keep_factors else intra_kb, chunk=chunk,
-              qg=bool(keep_states))
+              qg=qg)
     long_chunks = x["C"] == C
     carry_halves = long_chunks if carry_halves is None else carry_halves
     out_dot16 = long_chunks if out_dot16 is None else out_dot16
-    U, Hs, sT = carry(k, x, initial_state, bool(delta), V=V, chunks=chunks, block_v=block_v, warps=warps[1], stages=stages,
-                      precision=keep_states or prec, halves=carry_halves)
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
-    BK = max(16, triton.next_power_of_2(K))
-    BV = min(max(16, triton.next_power_of_2(V)), out_block_v)
-    _out_kernel[(triton.cdiv(V, BV), x["N"], B * H)](
-        q, x["G"], U, x["Pm"], Hs, o, float(scale), T, H=H, K=K, V=V, N=x["N"], C=x["C"], BK=BK, BV=BV,
-        GATE=x["gate"], PREC=prec, DOT16=bool(out_dot16 and low), KB=min(64, BK), num_warps=warps[2], num_stages=2,
-    )
+    U, Hs, sT = carry(k, x, initial_state, bool(delta), V=V, chunks=chunks, block_v=block_v, warps=warps[1], stages=stages,
+                      precision=keep_states or prec, halves=carry_halves,
+                      out=(q, o, scale, bool(keep_states)) if fuse_out else None)
+    if not fuse_out:
+        BK = max(16, triton.next_power_of_2(K))
+        BV = min(max(16, triton.next_power_of_2(V)), out_block_v)
+        _out_kernel[(triton.cdiv(V, BV), x["N"], B * H)](
+            q, x["G"], U, x["Pm"], Hs, o, float(scale), T, H=H, K=K, V=V, N=x["N"], C=x["C"], BK=BK, BV=BV,
+            GATE=x["gate"], PREC=prec, DOT16=bool(out_dot16 and low), KB=min(64, BK), num_warps=warps[2], num_stages=2,
+        )
     if keep_states:
         return o, sT, {**x, "U": U, "Hs": Hs, "sT": sT}
     if keep_factors:
