@@ -39,7 +39,7 @@ python3 -c "import fla" 2>/dev/null || { [ -n "$wheels" ] && python3 -m pip inst
 # floor: seconds a group keeps for itself when the groups before it take their turn; cap: its own limit
 floor() { case $1 in hyb) echo 40 ;; kdac) echo 45 ;; gpt2c) echo 70 ;; gpt2) echo 40 ;; fla) echo 60 ;; *) echo 20 ;; esac; }
 cap() { [ -n "${SMOKE:-}" ] && { echo 100000; return; }; case $1 in hyb) echo 80 ;; kdac) echo 90 ;; gpt2c) echo 120 ;; gpt2) echo 80 ;; tests) echo 60 ;; ops) echo 40 ;; *) echo 100000 ;; esac; }
-K="'kda_226m'"; HYB="'kda_226m', 'kkka_226m', 'kkkm_226m'"
+K="'kda_226m'"; HYB=${HYB:-"'kda_226m', 'kkka_226m', 'kkkm_226m'"}  # HYB="'kda_226m'": the KDA-only row alone
 KDA="batch=4, seq_len=4096, warmup=2, steps=5"
 GPT2="models=('gpt2_124m',), batch=16, seq_len=1024, warmup=3, steps=10"
 if [ -n "${SMOKE:-}" ]; then  # every group's code path on the CPU: the tiny presets of the same families at T 32
