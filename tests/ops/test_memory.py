@@ -214,6 +214,14 @@ def test_step_rows_bad_input():
             memory_step(x["q"], x["k"], x["v"], pool, log_alpha=x["log_alpha"], beta=x["beta"], delta=True, rows=bad)
     with pytest.raises(ValueError, match="^state: expected shape"):
         memory_step(x["q"], x["k"], x["v"], pool[:, :1], log_alpha=x["log_alpha"], beta=x["beta"], delta=True, rows=rows)
+    for bad in ([7, 0, 3], [5, -1, 3]):  # ids outside the pool of 7: refused (on a CPU always; on CUDA with check)
+        with pytest.raises(ValueError, match=r"^rows: expected slot ids in \[0, 7\)"):
+            memory_step(x["q"], x["k"], x["v"], pool, log_alpha=x["log_alpha"], beta=x["beta"], delta=True,
+                        rows=torch.tensor(bad), out=pool)
+    with pytest.raises(ValueError, match="^state: expected a tensor"):  # the state named, not rows
+        memory_step(x["q"], x["k"], x["v"], None, log_alpha=x["log_alpha"], beta=x["beta"], delta=True, rows=rows)
+    with pytest.raises(ValueError, match="^q: expected a tensor"):  # a bad q with rows: its own line, no traceback
+        memory_step([1.0], x["k"], x["v"], pool, log_alpha=x["log_alpha"], beta=x["beta"], delta=True, rows=rows)
 
 
 def test_step_dtypes():

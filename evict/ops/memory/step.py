@@ -18,20 +18,27 @@ def memory_step(q, k, v, state, *, log_alpha=None, beta=None, delta=False, scale
     `rows` [B] (int64 / int32, on the state's device): the state is a slot pool's [N, H, K, V] and row b of this step
     is state[rows[b]]; its new state goes to out[rows[b]] (out: `state` itself for in-place, else a copy of state) and
     the other rows of out keep state's. No gather or scatter copy: the kernel reads and writes the rows in place.
-    Repeated ids (a CUDA graph's padding rows) leave those rows' new state undefined.
+    Repeated ids (a CUDA graph's padding rows) leave those rows' new state undefined. Ids outside [0, N) are refused
+    on the CPU and with `check=True` (a host sync); on CUDA without `check` they are the caller's to keep in range.
     On CUDA this is one fused Triton launch with no host sync (graph-capturable when check=False).
     `check=True` also rejects NaN/Inf, positive log_alpha and beta outside [0, 2] (costs a host sync).
     """
-    if rows is not None and not (isinstance(rows, torch.Tensor) and rows.dim() == 1 and rows.shape[0] == q.shape[0]
-                                 and rows.dtype in (torch.int64, torch.int32) and isinstance(state, torch.Tensor)
-                                 and rows.device == state.device):
-        got = list(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
-        raise ValueError(f"rows: expected an int64/int32 tensor [B={q.shape[0]}] on the state's device, got {got}")
+    pool = isinstance(state, torch.Tensor) and state.dim() > 0  # rows: state's leading size is the pool's, not B
     check_inputs(q, k, v, log_alpha, beta, state, step=True, check_values=check,
-                 state_rows=None if rows is None else state.shape[0])
+                 state_rows=state.shape[0] if rows is not None and pool else None)
     check_flag("delta", delta)
     if state is None:
         raise ValueError("state: expected a tensor of shape [B, H, Dk, Dv], got None")
+    if rows is not None:
+        if not (isinstance(rows, torch.Tensor) and rows.dim() == 1 and rows.shape[0] == q.shape[0]
+                and rows.dtype in (torch.int64, torch.int32) and rows.device == state.device):
+            got = list(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
+            raise ValueError(f"rows: expected an int64/int32 tensor [B={q.shape[0]}] on the state's device, got {got}")
+        if (check or not rows.is_cuda) and rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < state.shape[0]:
+            # a host sync: with check=True, or where there is none to cost (a CPU tensor); else the kernel would
+            # read and write outside the pool
+            raise ValueError(f"rows: expected slot ids in [0, {state.shape[0]}) (the state's rows), "
+                             f"got {int(rows.min())} .. {int(rows.max())}")
     if out is not None and not (isinstance(out, torch.Tensor) and out.shape == state.shape and out.dtype == state.dtype
                                 and out.device == state.device and out.is_contiguous()):
         raise ValueError(f"out: expected a contiguous {state.dtype} tensor of shape {list(state.shape)} on {state.device}")
