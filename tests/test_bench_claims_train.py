@@ -83,3 +83,29 @@ def test_full_needs_a_gpu_and_the_trained_claim(argv, capsys, tmp_path):
     says = cli_error(["bench", "claims", "--out", str(tmp_path / "x.json"), *argv], capsys)
     assert "--full: expected --device cuda and --claims attn_res_train" in says
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_run_cut_short_counts_its_own_steps_and_gives_no_multiplier(monkeypatch):
+    """A run that stops before its steps (the training loop stops a diverged loss) is counted at the steps it ran, and
+    its seed gives no multiplier and stays out of the summary: no ratio from work that did not run."""
+    import dataclasses
+
+    import evict.train
+
+    real = evict.train.train
+
+    def train(model, task, cfg, *a, **k):  # the AttnRes arm of seed 0 "diverges" after 2 of its 4 steps
+        if model.cfg.attn_res and cfg.seed == 0:
+            return dataclasses.replace(real(model, task, dataclasses.replace(cfg, steps=2), *a, **k), diverged_at=2)
+        return real(model, task, cfg, *a, **k)
+
+    monkeypatch.setattr(evict.train, "train", train)
+    r = ct.compare_attn_res(ct.with_overrides(ct.QUICK, **dict(TINY, seeds=(0, 1))), progress=False)
+    by = {(x["seed"], x["arm"]): x for x in r["runs"]}
+    cut, whole = by[(0, "AttnRes")], by[(1, "AttnRes")]
+    assert cut["steps"] == 2 and cut["stopped"] == "at step 2 of 4 (training loss not finite)" and "stopped" not in whole
+    assert cut["train FLOPs"] * 2 == whole["train FLOPs"]  # counted as run
+    rows = {x["seed"]: x for x in r["table"]}
+    assert rows[0]["compute multiplier"] is None and "the AttnRes run stopped at step 2 of 4" in rows[0]["note"]
+    assert r["summary"]["seeds"] == 1 and r["summary"]["seeds cut short"] == 1
+    assert r["summary"]["mean AttnRes - plain"] == rows[1]["AttnRes - plain"]

@@ -81,8 +81,11 @@ def _run(s: dict, task, cfg, steps: int, seed: int) -> dict:
     t0 = time.time()
     r = train(model, task, tc)
     curve = [(h["step"], round(float(h["loss"]), 4)) for h in r.history if h.get("split") == "val"]
-    return {"steps": r.steps_done, "final val loss": round(float(r.final_val_loss), 4), "curve": curve,
-            "params": sum(p.numel() for p in model.parameters()), "seconds": round(time.time() - t0, 1)}
+    out = {"steps": r.steps_done, "final val loss": round(float(r.final_val_loss), 4), "curve": curve,
+           "params": sum(p.numel() for p in model.parameters()), "seconds": round(time.time() - t0, 1)}
+    if r.steps_done != steps:  # diverged (a training loss not finite): its loss is not that of `steps` steps
+        out["stopped"] = f"at step {r.steps_done} of {steps}" + (" (training loss not finite)" if r.diverged_at else "")
+    return out
 
 
 def multiplier(plain_1x: float, plain_more: float, attn_res: float, flops_ratio: float = 1.0,
@@ -111,10 +114,10 @@ def compare_attn_res(s: dict | None = None, *, progress: bool = True) -> dict:
                                 ("AttnRes", True, s["steps"])):
             cfg = model_config(s, task.vocab_size, on)
             r = {"seed": seed, "arm": name, "attn_res": on, **_run(s, task, cfg, steps, seed)}
-            r["train FLOPs"] = flops_per_token(cfg, s["seq_len"]) * steps * s["batch"] * s["seq_len"]
+            r["train FLOPs"] = flops_per_token(cfg, s["seq_len"]) * r["steps"] * s["batch"] * s["seq_len"]  # as run
             runs.append(r)
             if progress:
-                print(f"seed {seed} {name}: {steps} steps, val loss {r['final val loss']}, {r['seconds']} s", flush=True)
+                print(f"seed {seed} {name}: {r['steps']} steps, val loss {r['final val loss']}, {r['seconds']} s", flush=True)
     setting = {k: (list(v) if isinstance(v, tuple) else v) for k, v in s.items()}
     return {"setting": setting, "factor": FACTOR, "runs": runs, **summarize(runs)}
 
@@ -124,20 +127,28 @@ MORE = f"plain x{FACTOR:g}"
 
 def summarize(runs: list[dict]) -> dict:
     """{"table": one row per seed, "summary": over seeds} from the runs (each seed's plain, plain x1.25 and AttnRes).
-    Compute ratios are the runs' counted FLOPs (the longer plain run is round(1.25 x steps) steps)."""
-    table = []
+    Compute ratios are the runs' counted FLOPs (the longer plain run is round(1.25 x steps) steps). A seed with a run
+    stopped before its steps (a diverged loss) has no multiplier and stays out of the summary."""
+    table, whole = [], []  # whole: the rows of seeds whose three runs all ran their steps (the summary's)
     for seed in dict.fromkeys(r["seed"] for r in runs):
         got = {r["arm"]: r for r in runs if r["seed"] == seed}
         plain, more, ar = got["plain"], got[MORE], got["AttnRes"]
         ratio = ar["train FLOPs"] / plain["train FLOPs"]
-        m, note = multiplier(plain["final val loss"], more["final val loss"], ar["final val loss"], ratio,
-                             factor=more["train FLOPs"] / plain["train FLOPs"])
+        stopped = [f"the {n} run stopped {g['stopped']}" for n, g in got.items() if g.get("stopped")]
+        if stopped:  # a run cut short has no loss at its budget: no multiplier from it
+            m, note = None, "; ".join(stopped)
+        else:
+            m, note = multiplier(plain["final val loss"], more["final val loss"], ar["final val loss"], ratio,
+                                 factor=more["train FLOPs"] / plain["train FLOPs"])
         table.append({"seed": seed, "plain": plain["final val loss"], MORE: more["final val loss"],
                       "AttnRes": ar["final val loss"], "AttnRes - plain": round(ar["final val loss"] - plain["final val loss"], 4),
                       "AttnRes FLOPs / plain FLOPs": round(ratio, 4), "compute multiplier": m, "note": note})
-    ms = [r["compute multiplier"] for r in table if r["compute multiplier"] is not None]
-    summary = {"seeds": len(table), "AttnRes below plain 1x": sum(r["AttnRes - plain"] < 0 for r in table),
-               "mean AttnRes - plain": round(sum(r["AttnRes - plain"] for r in table) / len(table), 4),
+        if not stopped:
+            whole.append(table[-1])
+    ms = [r["compute multiplier"] for r in whole if r["compute multiplier"] is not None]
+    summary = {"seeds": len(whole), **({"seeds cut short": len(table) - len(whole)} if len(whole) < len(table) else {}),
+               "AttnRes below plain 1x": sum(r["AttnRes - plain"] < 0 for r in whole),
+               "mean AttnRes - plain": round(sum(r["AttnRes - plain"] for r in whole) / len(whole), 4) if whole else None,
                "geometric mean multiplier": round(math.exp(sum(map(math.log, ms)) / len(ms)), 3) if ms else None}
     return {"table": table, "summary": summary}
 
