@@ -17,9 +17,10 @@ Derivation: README.md beside this folder. Per chunk, with g the prefix sums of l
 2. `_state_kernel`, grid (V / BV, B H): S [BK, BV] float32 carried across chunks; stores S at each chunk's start (Hs)
    and U = U_bar - W S;  S <- e^{g_C} * S + (K * e^{g_C - g})^T U  (no gate loads or exps in the loop).
    Packed sequences (B = 1, a chunk table): grid (V / BV, N_seq H), each program carrying one sequence's chunks.
-3. The output O = scale ((Q * e^g) S + P U): by default (16-bit inputs, K <= 128: `forward_triton(fuse_out=...)`) in
-   the carry itself, from S in registers (float32) and U before its store, so Hs and U need not be stored at all
-   (Q * e^g stored by step 1 for per-channel gates); otherwise `_out_kernel`, grid (V / BV, N, B H), from Hs and U.
+3. The output O = scale ((Q * e^g) S + P U): by default `_out_kernel`, grid (V / BV, N, B H), from Hs and U; opt-in
+   (`forward_triton(fuse_out=True)`, not yet through its GPU tests) in the carry itself, from S in registers
+   (float32) and U before its store, so Hs and U need not be stored at all (Q * e^g stored by step 1 for per-channel
+   gates).
 Forms by chunk (H200, session 10, BENCHMARKS.md): at C = 64 the carry holds S as two tiles of key rows (HALVES) and
 the output kernel takes 16-bit dots on the 16-bit intermediates (DOT16); at C = 32 / 16 both measured slower and stay
 off. Opt-in: `_intra_kb_kernel` (step 1 for per-channel gates, KB key columns at a time; slower on the H200).
