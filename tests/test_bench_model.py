@@ -124,6 +124,23 @@ def test_impls_and_merge_across_runs(tmp_path):
         merge([tmp_path / "a.json", _not_bench(tmp_path)])
 
 
+
+def test_merge_compares_rows_of_the_same_shape_only(tmp_path):
+    """Runs of other shapes side by side: no ratio across them (a B4 T2048 fla row is no base for a B4 T4096 row)."""
+    import json
+
+    from evict.bench.model import merge
+
+    paths = []
+    for name, model, impl, shape in (("k.json", "kda_226m", "evict", "B4 T4096"), ("h.json", "kkka_226m", "evict", "B4 T2048"),
+                                     ("f.json", "kda_226m", "fla", "B4 T2048")):
+        row = {"model": model, "impl": impl, "mode": "eager", "shape": shape, "tok/s": 100, "peak GiB": 20.0}
+        (tmp_path / name).write_text(json.dumps({"card": {"device": "x"}, "rows": [row]}))
+        paths.append(tmp_path / name)
+    by = {(r["model"], r["impl"]): r for r in merge(paths)}
+    assert "vs" not in by[("kda_226m", "evict")] and "vs" not in by[("kkka_226m", "evict")]
+
+
 def _not_bench(tmp_path):
     p = tmp_path / "x.json"
     p.write_text("[1, 2]")

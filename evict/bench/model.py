@@ -330,16 +330,19 @@ def merge(paths, out=None) -> list[dict]:
 
 def _ratios(rows: list[dict]) -> None:
     """evict's rows against their reference in the same mode (transformers / fla), hybrids against evict's KDA-only
-    model of the same width in the same mode: tokens/s ratio (> 1: evict faster) and peak-memory ratio (< 1: less)."""
-    def find(model, impl, mode):
-        return next((r for r in rows if (r["model"], r["impl"], r["mode"]) == (model, impl, mode) and "tok/s" in r), None)
+    model of the same width in the same mode: tokens/s ratio (> 1: evict faster) and peak-memory ratio (< 1: less).
+    Only rows of the same shape are compared (`merge` may bring rows of several runs together)."""
+    def find(model, impl, mode, shape):
+        return next((r for r in rows if (r["model"], r["impl"], r["mode"], r.get("shape")) == (model, impl, mode, shape)
+                     and "tok/s" in r), None)
 
     for r in rows:
         if r["impl"] != "evict" or "tok/s" not in r:
             continue
-        base = next((b for b in (find(r["model"], i, r["mode"]) for i in ("transformers", "fla")) if b), None)
+        at = r.get("shape")
+        base = next((b for b in (find(r["model"], i, r["mode"], at) for i in ("transformers", "fla")) if b), None)
         if base is None and r["model"] in ("kkka_226m", "kkkm_226m"):
-            base = find("kda_226m", "evict", r["mode"])
+            base = find("kda_226m", "evict", r["mode"], at)
         if base is None:
             continue
         r["vs"] = f"{base['impl']} {base['model']}" if base["model"] != r["model"] else base["impl"]
