@@ -109,3 +109,13 @@ def test_a_run_cut_short_counts_its_own_steps_and_gives_no_multiplier(monkeypatc
     assert rows[0]["compute multiplier"] is None and "the AttnRes run stopped at step 2 of 4" in rows[0]["note"]
     assert r["summary"]["seeds"] == 1 and r["summary"]["seeds cut short"] == 1
     assert r["summary"]["mean AttnRes - plain"] == rows[1]["AttnRes - plain"]
+
+
+def test_a_later_claim_failing_leaves_no_plot(tmp_path, monkeypatch):
+    """attn_res_train's plot is written with the JSON, after every claim has run: a claim failing after it leaves
+    nothing behind (no plot without its JSON)."""
+    monkeypatch.setattr(ct, "QUICK", ct.with_overrides(ct.QUICK, **TINY))
+    monkeypatch.setattr(c, "decode_ratios", lambda: [])  # no committed decode runs: the decode claim raises
+    with pytest.raises(FileNotFoundError, match="^decode: none of"):
+        c.run_claims(("attn_res_train", "decode"), device="cpu", out=tmp_path / "art.json")
+    assert list(tmp_path.iterdir()) == []

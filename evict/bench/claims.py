@@ -202,10 +202,10 @@ def _attn_res_train(result: dict, device: str, full: bool, out) -> str:
     s = dict(ct.FULL if full else ct.QUICK, device=device)
     r = ct.compare_attn_res(s)
     result["attn_res_train"] = r
-    if out:
+    if out:  # drawn by run_claims with the JSON, once every claim has run (nothing written before a failure)
         from pathlib import Path
 
-        r["plot"] = str(ct.plot(r, Path(out).with_name(Path(out).stem + "_attn_res_train.png")))
+        r["plot"] = str(Path(out).with_name(Path(out).stem + "_attn_res_train.png"))
     st = r["setting"]
     head = (f"## AttnRes training efficiency ({'full' if full else 'quick'}, {device}): {st['preset']} d {st['d_model']}, "
             f"{st['n_layers']} layers, AttnRes block {st['attn_res_block']}, T {st['seq_len']} × B {st['batch']}, "
@@ -255,6 +255,10 @@ def run_claims(claims=DEFAULT, *, device: str = "cpu", compile: bool = True, mod
             text.append(f"## {claim} (timed, {device})\n\n" + markdown_table(rows, cols))
         print(text[-1] + "\n", flush=True)
     if out:
+        if "plot" in result.get("attn_res_train", {}):
+            from . import claims_train as ct
+
+            ct.plot(result["attn_res_train"], result["attn_res_train"]["plot"])
         path = write_json(out, result)
         md = path.with_suffix(".md")
         md.write_text("\n\n".join(text) + "\n")
