@@ -112,18 +112,18 @@ class Choice:
 
 
 class Mailbox:
-    """Events from the engine thread to one event loop's queues, delivered in batches: the loop is woken once for all
-    the events posted since its last delivery (one engine step's tokens of every stream), not once per token: at 128
-    streams that takes the engine thread's share from ~0.5–0.9 ms per step to ~0.08 ms on a CPU
-    (`python dev/serve_mailbox_bench.py`)."""
+    """Events from the engine thread to one event loop's inboxes (anything with put_nowait: an Inbox, an asyncio.Queue),
+    delivered in batches: the loop is woken once for all the events posted since its last delivery (one engine step's
+    tokens of every stream), not once per token: at 128 streams that takes the engine thread's share from ~0.5–0.9 ms
+    per step to ~0.08 ms on a CPU (`python dev/serve_mailbox_bench.py`)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.lock = loop, threading.Lock()
-        self.items: list[tuple[asyncio.Queue, tuple]] = []  # (queue, event) posted, not yet delivered
+        self.items: list[tuple] = []  # (inbox, event) posted, not yet delivered
 
-    def put(self, queue: asyncio.Queue, event: tuple) -> None:  # from the engine thread
+    def put(self, inbox, event: tuple) -> None:  # from the engine thread
         with self.lock:
-            self.items.append((queue, event))
+            self.items.append((inbox, event))
             if len(self.items) > 1:  # a delivery is already scheduled and will take this one too
                 return
         try:
@@ -134,8 +134,32 @@ class Mailbox:
     def _deliver(self) -> None:  # on the loop
         with self.lock:
             items, self.items = self.items, []
-        for queue, event in items:
-            queue.put_nowait(event)
+        for inbox, event in items:
+            inbox.put_nowait(event)
+
+
+class Inbox:
+    """One Generation's events on the loop: a list, and its reader woken once per delivery (not per event)."""
+
+    def __init__(self):
+        self.items: list[tuple] = []
+        self.waiter: asyncio.Future | None = None
+
+    def put_nowait(self, event: tuple) -> None:
+        self.items.append(event)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self) -> list[tuple]:
+        """Every event delivered so far (waits for one)."""
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items, self.items = self.items, []
+        return items
 
 
 _MAILBOXES: dict[asyncio.AbstractEventLoop, Mailbox] = {}
@@ -158,7 +182,7 @@ class Generation:
                  echo: str | None = None):
         self.engine, self.ids = engine, ids
         self.mailbox = mailbox()
-        self.events: asyncio.Queue[tuple] = asyncio.Queue()
+        self.events = Inbox()
         self.choices = [Choice(i, tokenizer, stop, p.stop_tokens, echo) for i, p in enumerate(params)]
         try:
             for c, p in zip(self.choices, params):
@@ -182,11 +206,8 @@ class Generation:
         left = sum(not c.done for c in self.choices)
         events, choices, cancel = self.events, self.choices, self.engine.cancel
         while left:
-            batch = [await events.get()]
-            while not events.empty():
-                batch.append(events.get_nowait())
             out = []
-            for i, kind, value, extra in batch:
+            for i, kind, value, extra in await events.take():
                 d = choices[i].handle(kind, value, extra, cancel)
                 if d is not None:
                     left -= d.finish is not None or d.error is not None
@@ -400,7 +421,7 @@ def head_prefix(h: dict) -> str:
 
 
 def id_list(ids: list[int]) -> str:
-    return "[" + ", ".join(map(str, ids)) + "]"
+    return str(ids)  # a list of ints: json.dumps's text
 
 
 def completion_ids(body: CompletionRequest, tokenizer) -> list[int]:
