@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 73's HTTP side on a CPU, before/after in one run: dev/serve_http_profile.py's CPU per output token of the
-# event loop and the engine thread, (1) with a stand-in engine (dev/serve_stub_engine.py: 128 streams, 20 ms steps,
+# event loop and the engine thread, (1) with a stand-in engine (dev/serve_http_profile.py --stub-step-ms: 128 streams, 20 ms steps,
 # no model: the loop's own cost), (2) the tiny hybrid (128 x (16 + 64), one torch thread) through HTTP and in
 # process. Rows: OLD (a source tree, default: main checked out to a temporary folder) on h11 + asyncio, this tree on
 # h11 + asyncio, this tree on httptools + uvloop (when installed). Usage: bash dev/serve_http_cpu.sh [OLD_TREE]

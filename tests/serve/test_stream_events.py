@@ -7,19 +7,17 @@ import json
 
 import httpx
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from evict.models import LM, presets  # noqa: E402
 from evict.serve import server as srv  # noqa: E402
-from evict.serve.engine import Engine  # noqa: E402
 from evict.serve.protocol import ChatRequest, CompletionRequest  # noqa: E402
 from evict.serve.server import ChatAnswer, CompletionAnswer, Delta, Served, ServerThread, build_app, dict_event  # noqa: E402
 from evict.tasks.tokenizers import ByteTokenizer  # noqa: E402
+from tests.serve.test_openai import setup  # noqa: E402, F401  (the fixture: a tiny model's engine, started)
 
 TEXT = st.text(alphabet=st.characters(codec=None), max_size=12) | st.sampled_from(['"', "\\", "\n\t\x00\x1f", "é€😀", ""])
 FINISH = st.sampled_from([None, "stop", "length", "cancelled"])
@@ -46,19 +44,6 @@ def test_template_events_are_the_bytes_of_the_chunk_dicts(text, finish, index, i
         assert fast == ref
         if fast is not None:
             assert fast.startswith("data: ") and fast.endswith("\n\n") and json.loads(fast[6:])["choices"][0]["index"] == index
-
-
-@pytest.fixture(scope="module")
-def engine():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = LM(presets.get("kimi_linear", n_layers=2, init_std=0.2)).eval()
-    eng = Engine(model, max_batch=8, cache_budget=8 << 20, block_size=8, prefill_chunk=16, max_len=256)
-    eng.start()
-    yield eng
-    eng.stop()
-    torch.set_num_threads(n)
 
 
 def events(url: str, path: str, body: dict) -> list:
@@ -89,7 +74,8 @@ BODIES = [
 ]
 
 
-def test_streams_with_and_without_templates_are_the_same_events(engine, monkeypatch):
+def test_streams_with_and_without_templates_are_the_same_events(setup, monkeypatch):
+    engine = setup[1]
     with ServerThread(build_app(engine, ByteTokenizer(), "tiny")) as url:
         for path, body in BODIES:
             monkeypatch.setattr(srv, "FAST_EVENTS", True)
