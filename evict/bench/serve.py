@@ -132,7 +132,6 @@ async def one_request(client, url: str, model: str, prompt: list[int], max_token
 async def load(url: str, args) -> tuple[list[dict], float, dict]:
     import httpx
 
-    rng = random.Random(args.bench_seed)
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=args.clients + 4)) as client:
         info = (await client.get(f"{url}/v1/models")).json()["data"][0]
         vocab = 256 if args.vocab is None else args.vocab
@@ -154,9 +153,13 @@ async def load(url: str, args) -> tuple[list[dict], float, dict]:
         for _, _, gap in jobs:
             t += gap
             delays.append(t)
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(client_task(p, n, d) for (p, n, _), d in zip(jobs, delays)))
-        wall = time.perf_counter() - t0
+        if args.client_procs > 1:
+            results, wall = await asyncio.to_thread(in_client_procs, url, info["id"], args,
+                                                    [(p, n, d) for (p, n, _), d in zip(jobs, delays)])
+        else:
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(client_task(p, n, d) for (p, n, _), d in zip(jobs, delays)))
+            wall = time.perf_counter() - t0
         metrics = parse_metrics((await client.get(f"{url}/metrics")).text)
         metrics["preemptions_total"] = metrics.get("preemptions_total", 0) - before.get("preemptions_total", 0)
         metrics.update(warmup_requests=args.warmup, warmup_s=warmup_s)
@@ -164,6 +167,60 @@ async def load(url: str, args) -> tuple[list[dict], float, dict]:
             if "error" not in r:
                 r["alone"] = (await one_request(client, url, info["id"], r["prompt"], r["max_tokens"], 0.0, None))["ids"]
     return list(results), wall, {**metrics, "model": info["id"]}
+
+
+def in_client_procs(url: str, model: str, args, jobs: list[tuple[list[int], int, float]]) -> tuple[list[dict], float]:
+    """The timed requests (prompt, max_tokens, arrival time in s) sent from --client-procs processes (job i from
+    process i mod P, each with its share of --clients), all started at one instant (perf_counter is the system's
+    monotonic clock on Linux: one clock for every process); (results in job order, wall seconds)."""
+    import multiprocessing
+
+    P = args.client_procs
+    ctx = multiprocessing.get_context("spawn")  # no CUDA or threads inherited
+    pipes, procs = [], []
+    for i in range(P):
+        parent, child = ctx.Pipe()
+        clients = args.clients // P + (i < args.clients % P)
+        procs.append(ctx.Process(target=client_proc, args=(child, url, model, jobs[i::P], max(clients, 1),
+                                                           args.temperature), daemon=True))
+        procs[-1].start()
+        pipes.append(parent)
+    try:
+        for c in pipes:
+            if c.recv() != "ready":
+                raise SystemExit("bench serve: a client process did not start")
+        t0 = time.perf_counter() + 0.01
+        for c in pipes:
+            c.send(t0)
+        parts = [c.recv() for c in pipes]
+        wall = time.perf_counter() - t0
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+    results: list[dict] = [{}] * len(jobs)
+    for i, part in enumerate(parts):
+        results[i::P] = part
+    return results, wall
+
+
+def client_proc(conn, url: str, model: str, jobs, clients: int, temperature: float) -> None:
+    """One client process of in_client_procs: says ready, waits for the start instant, sends its results back."""
+    import httpx
+
+    async def main() -> list[dict]:
+        async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=clients + 4)) as client:
+            gate = asyncio.Semaphore(clients)
+            conn.send("ready")
+            t0 = conn.recv()
+
+            async def task(prompt, N, at):
+                await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+                async with gate:
+                    return await one_request(client, url, model, prompt, N, temperature, None)
+
+            return list(await asyncio.gather(*(task(*j) for j in jobs)))
+
+    conn.send(asyncio.run(main()))
 
 
 def jobs_of(args, seed: int, n: int, vocab: int) -> list[tuple[list[int], int, float]]:
@@ -306,6 +363,9 @@ def add_arguments(g) -> None:
     g.add_argument("--spawn", choices=["process", "thread", "engine"], default="process",
                    help="how to start the server (default process); engine: no server, the engine in this process")
     g.add_argument("--clients", type=positive_int, default=16, help="requests in flight at most (default 16)")
+    g.add_argument("--client-procs", type=positive_int, default=1, help="processes sending the timed requests (default "
+                   "1; more when one client process cannot keep up with the server: each sends every P-th request "
+                   "with its share of --clients)")
     g.add_argument("--requests", type=positive_int, default=64, help="requests in all (default 64)")
     g.add_argument("--rate", type=positive_float, default=math.inf, help="Poisson arrivals per second (default: all at once)")
     g.add_argument("--prompt-len", type=positive_int, nargs=2, default=[16, 256], metavar=("LO", "HI"))
