@@ -2,7 +2,7 @@
 `evict bench serve` (same flags) once through the HTTP server (a child process: the engine thread + uvicorn's event
 loop) and once straight into an engine in a child process (--spawn engine's load), and prints, per output token, the
 CPU time of the engine thread and of the event-loop thread (Linux per-thread counters), of the bench's client (this
-process, which parses every streamed event), the wall time, and (--top N)
+process, which parses every streamed event; with --client-procs only the parent's share), the wall time, and (--top N)
 the event loop's cProfile table (the engine thread is not profiled: cProfile follows the thread that enables it).
 CPU: python dev/serve_http_profile.py --preset hybrid --threads 1 --clients 64 --requests 64 --prompt-len 16 16
 --output-len 128 128 --max-batch 64 --cache-budget 64M [--modes http engine] [--top 25]"""
@@ -194,13 +194,13 @@ def parent(args, argv: list[str]) -> None:
             args.check = 0
             proc.send_signal(signal.SIGUSR1)
             c0 = time.process_time()
-            asyncio.run(bench.load(url, args))
+            bench_wall = asyncio.run(bench.load(url, args))[1]  # the timed requests' wall (not the clients' start)
             client_s = time.process_time() - c0  # the bench's client (this process), parsing every event
             proc.send_signal(signal.SIGUSR1)
             args.warmup = warm
             proc.send_signal(signal.SIGUSR2)
         proc.wait()
-        r = {**json.load(open(out)), **({"client_s": client_s} if mode == "http" else {})}
+        r = {**json.load(open(out)), **({"client_s": client_s, "wall_s": bench_wall} if mode == "http" else {})}
         os.unlink(out)
         tok = r["tokens"]
         row = {"mode": mode, "tree": os.path.basename(tree.rstrip("/")), "tokens": tok, "wall_s": round(r["wall_s"], 2), "out_tok_s": round(tok / r["wall_s"]),
