@@ -7,8 +7,9 @@
 # decode and packed memory ops' GPU tests), main (= 4k batch1 32k: the pairs), engine (the 4K load in process, no HTTP,
 # both models, packed steps profiled; engine_hybrid / engine_attention one each), cap (the 4K hybrid with
 # --decode-prefill-tokens 2048), attn (dev/packed_attention_gpu.py), profile (dev/serve_step_profile.py), knobs,
-# http (the 4K hybrid through HTTP, then the same load with `--spawn engine`: no server, the engine in the bench's
-# process; the two rows side by side are what the HTTP side costs; http_attention: the same pair for attention).
+# http (the 4K hybrid through HTTP from one client process, from 4 (--client-procs 4), then the same load with
+# `--spawn engine`: no server, the engine in the bench's process; side by side they are what the HTTP side and the
+# bench's client cost; http_attention: HTTP and in process for attention).
 case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
 MODES=${*:-tests main engine cap attn profile knobs}
 set -uo pipefail
@@ -47,7 +48,10 @@ mode_engine() {  # the same 4K load in process: the engine's own rate, no HTTP s
 }
 mode_engine_hybrid() { timeout 90 $PY dev/serve_step_profile.py --steps 0 --warmup 8 --kernels 3; }
 mode_engine_attention() { timeout 90 $PY dev/serve_step_profile.py --steps 0 --warmup 8 --model attention; }
-mode_http() { bench 4k hybrid 120 $B4K; bench 4k_inprocess hybrid 120 $B4K --spawn engine; }
+mode_http() {  # HTTP with one client process (as before), with 4, and the engine in process
+    bench 4k hybrid 120 $B4K; bench 4k_clients4 hybrid 120 $B4K --client-procs 4
+    bench 4k_inprocess hybrid 120 $B4K --spawn engine
+}
 mode_http_attention() { bench 4k attention 120 $B4K; bench 4k_inprocess attention 120 $B4K --spawn engine; }
 mode_cap() { bench 4k_cap2k hybrid 100 $B4K --decode-prefill-tokens 2048; }
 mode_attn() { timeout 60 $PY dev/packed_attention_gpu.py; }

@@ -12,7 +12,9 @@ first --check greedy requests, replayed one at a time on the idle server, return
 The server is --url, or started by the benchmark from --model / --preset and the engine flags: as a subprocess
 (--spawn process, the default: its memory is its own) or in this process (--spawn thread). --spawn engine runs the
 same load with no HTTP at all: the requests go straight to an engine in this process (its thread stepping, callbacks
-timing the tokens), so its row beside an HTTP row is what the server and its clients cost.
+timing the tokens), so its row beside an HTTP row is what the server and its clients cost. The client (httpx, one
+event loop) parses every streamed event and can be the limit of an HTTP row: --client-procs P sends the timed requests
+from P processes.
 """
 
 from __future__ import annotations
