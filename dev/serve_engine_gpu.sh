@@ -6,7 +6,10 @@
 # carried .whl/serve, installed here when missing). Modes, run in the order given (default all): tests (+ the attention,
 # decode and packed memory ops' GPU tests), main (= 4k batch1 32k: the pairs), engine (the 4K load in process, no HTTP,
 # both models, packed steps profiled; engine_hybrid / engine_attention one each), cap (the 4K hybrid with
-# --decode-prefill-tokens 2048), attn (dev/packed_attention_gpu.py), profile (dev/serve_step_profile.py), knobs.
+# --decode-prefill-tokens 2048), attn (dev/packed_attention_gpu.py), profile (dev/serve_step_profile.py), knobs,
+# http (the 4K hybrid through HTTP from one client process, from 4 (--client-procs 4), then the same load with
+# `--spawn engine`: no server, the engine in the bench's process; side by side they are what the HTTP side and the
+# bench's client cost; http_attention: HTTP and in process for attention).
 case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
 MODES=${*:-tests main engine cap attn profile knobs}
 set -uo pipefail
@@ -15,6 +18,9 @@ PY=${PY:-python3}
 RES=${RES:-runs/bench/serve73}
 mkdir -p "$RES"
 $PY -c "import fastapi, uvicorn, httpx" 2>/dev/null || $PY -m pip install -q --no-index --find-links .whl/serve fastapi uvicorn httpx
+$PY -c "import httptools, uvloop" 2>/dev/null || $PY -m pip install -q --no-index --find-links .whl/serve httptools uvloop \
+    || echo "no httptools / uvloop wheels in .whl/serve (bash dev/wheels.sh): uvicorn runs h11 + asyncio"
+$PY -c "import importlib.util as u; print('uvicorn http:', 'httptools' if u.find_spec('httptools') else 'h11', 'loop:', 'uvloop' if u.find_spec('uvloop') else 'asyncio')"
 $PY -c "import torch, triton; print('card', torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
 date -u
 WIDTH="d_model=1024 n_layers=8 n_heads=8 head_dim=128 d_ff=2816 kv_lora_rank=512 qk_nope_dim=128 qk_rope_dim=64 v_head_dim=128"
@@ -42,6 +48,11 @@ mode_engine() {  # the same 4K load in process: the engine's own rate, no HTTP s
 }
 mode_engine_hybrid() { timeout 90 $PY dev/serve_step_profile.py --steps 0 --warmup 8 --kernels 3; }
 mode_engine_attention() { timeout 90 $PY dev/serve_step_profile.py --steps 0 --warmup 8 --model attention; }
+mode_http() {  # HTTP with one client process (as before), with 4, and the engine in process
+    bench 4k hybrid 120 $B4K; bench 4k_clients4 hybrid 120 $B4K --client-procs 4
+    bench 4k_inprocess hybrid 120 $B4K --spawn engine
+}
+mode_http_attention() { bench 4k attention 120 $B4K; bench 4k_inprocess attention 120 $B4K --spawn engine; }
 mode_cap() { bench 4k_cap2k hybrid 100 $B4K --decode-prefill-tokens 2048; }
 mode_attn() { timeout 60 $PY dev/packed_attention_gpu.py; }
 mode_profile() {  # steps of the 4K load in process: the prefill phase, then the decode phase

@@ -10,7 +10,11 @@ checks: completeness (every request returned exactly max_tokens tokens, finish_r
 first --check greedy requests, replayed one at a time on the idle server, return the same tokens).
 
 The server is --url, or started by the benchmark from --model / --preset and the engine flags: as a subprocess
-(--spawn process, the default: its memory is its own) or in this process (--spawn thread).
+(--spawn process, the default: its memory is its own) or in this process (--spawn thread). --spawn engine runs the
+same load with no HTTP at all: the requests go straight to an engine in this process (its thread stepping, callbacks
+timing the tokens), so its row beside an HTTP row is what the server and its clients cost. The client (httpx, one
+event loop) parses every streamed event and can be the limit of an HTTP row: --client-procs P sends the timed requests
+from P processes.
 """
 
 from __future__ import annotations
@@ -130,14 +134,10 @@ async def one_request(client, url: str, model: str, prompt: list[int], max_token
 async def load(url: str, args) -> tuple[list[dict], float, dict]:
     import httpx
 
-    rng = random.Random(args.bench_seed)
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=args.clients + 4)) as client:
         info = (await client.get(f"{url}/v1/models")).json()["data"][0]
         vocab = 256 if args.vocab is None else args.vocab
-        jobs = []
-        for _ in range(args.requests):
-            P, N = rng.randint(*args.prompt_len), rng.randint(*args.output_len)
-            jobs.append(([rng.randrange(vocab) for _ in range(P)], N, rng.expovariate(args.rate) if args.rate != math.inf else 0.0))
+        jobs = jobs_of(args, args.bench_seed, args.requests, vocab)
         gate = asyncio.Semaphore(args.clients)
 
         async def client_task(prompt, N, delay):
@@ -146,10 +146,8 @@ async def load(url: str, args) -> tuple[list[dict], float, dict]:
                 return await one_request(client, url, info["id"], prompt, N, args.temperature, None)
 
         # warm-up, not timed: requests of the same lengths at once (first-use kernel compiles and plans happen here)
-        warm = random.Random(args.bench_seed + 1)
         t0 = time.perf_counter()
-        await asyncio.gather(*(client_task([warm.randrange(vocab) for _ in range(warm.randint(*args.prompt_len))],
-                                           warm.randint(*args.output_len), 0.0) for _ in range(args.warmup)))
+        await asyncio.gather(*(client_task(p, n, 0.0) for p, n, _ in jobs_of(args, args.bench_seed + 1, args.warmup, vocab)))
         warmup_s = time.perf_counter() - t0
         before = parse_metrics((await client.get(f"{url}/metrics")).text)
 
@@ -157,9 +155,13 @@ async def load(url: str, args) -> tuple[list[dict], float, dict]:
         for _, _, gap in jobs:
             t += gap
             delays.append(t)
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(client_task(p, n, d) for (p, n, _), d in zip(jobs, delays)))
-        wall = time.perf_counter() - t0
+        if args.client_procs > 1:
+            results, wall = await asyncio.to_thread(in_client_procs, url, info["id"], args,
+                                                    [(p, n, d) for (p, n, _), d in zip(jobs, delays)])
+        else:
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(client_task(p, n, d) for (p, n, _), d in zip(jobs, delays)))
+            wall = time.perf_counter() - t0
         metrics = parse_metrics((await client.get(f"{url}/metrics")).text)
         metrics["preemptions_total"] = metrics.get("preemptions_total", 0) - before.get("preemptions_total", 0)
         metrics.update(warmup_requests=args.warmup, warmup_s=warmup_s)
@@ -167,6 +169,134 @@ async def load(url: str, args) -> tuple[list[dict], float, dict]:
             if "error" not in r:
                 r["alone"] = (await one_request(client, url, info["id"], r["prompt"], r["max_tokens"], 0.0, None))["ids"]
     return list(results), wall, {**metrics, "model": info["id"]}
+
+
+def in_client_procs(url: str, model: str, args, jobs: list[tuple[list[int], int, float]]) -> tuple[list[dict], float]:
+    """The timed requests (prompt, max_tokens, arrival time in s) sent from --client-procs processes (job i from
+    process i mod P, each with its share of --clients), all started at one instant (perf_counter is the system's
+    monotonic clock on Linux: one clock for every process); (results in job order, wall seconds)."""
+    import multiprocessing
+
+    P = args.client_procs
+    ctx = multiprocessing.get_context("spawn")  # no CUDA or threads inherited
+    pipes, procs = [], []
+    for i in range(P):
+        parent, child = ctx.Pipe()
+        clients = args.clients // P + (i < args.clients % P)
+        procs.append(ctx.Process(target=client_proc, args=(child, url, model, jobs[i::P], max(clients, 1),
+                                                           args.temperature), daemon=True))
+        procs[-1].start()
+        pipes.append(parent)
+    try:
+        for c in pipes:
+            if c.recv() != "ready":
+                raise SystemExit("bench serve: a client process did not start")
+        t0 = time.perf_counter() + 0.01
+        for c in pipes:
+            c.send(t0)
+        parts = [c.recv() for c in pipes]
+        wall = time.perf_counter() - t0
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+    results: list[dict] = [{}] * len(jobs)
+    for i, part in enumerate(parts):
+        results[i::P] = part
+    return results, wall
+
+
+def client_proc(conn, url: str, model: str, jobs, clients: int, temperature: float) -> None:
+    """One client process of in_client_procs: says ready, waits for the start instant, sends its results back."""
+    import httpx
+
+    async def main() -> list[dict]:
+        async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=clients + 4)) as client:
+            gate = asyncio.Semaphore(clients)
+            conn.send("ready")
+            t0 = conn.recv()
+
+            async def task(prompt, N, at):
+                await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+                async with gate:
+                    return await one_request(client, url, model, prompt, N, temperature, None)
+
+            return list(await asyncio.gather(*(task(*j) for j in jobs)))
+
+    conn.send(asyncio.run(main()))
+
+
+def jobs_of(args, seed: int, n: int, vocab: int) -> list[tuple[list[int], int, float]]:
+    """n requests (prompt ids, max_tokens, arrival gap in s) drawn from the load's ranges."""
+    rng, jobs = random.Random(seed), []
+    for _ in range(n):
+        P, N = rng.randint(*args.prompt_len), rng.randint(*args.output_len)
+        jobs.append(([rng.randrange(vocab) for _ in range(P)], N, rng.expovariate(args.rate) if args.rate != math.inf else 0.0))
+    return jobs
+
+
+def engine_load(args, mark=None) -> tuple[list[dict], float, dict]:
+    """The load of `load` with no HTTP: each request submitted to an engine stepping in its thread here, at most
+    --clients in flight, arrivals as drawn; a token's time is when the engine hands it over (on_token). `mark(engine)`,
+    if given, is called as the timed load starts and as it ends (dev/serve_http_profile.py reads counters there)."""
+    import threading
+
+    from evict.serve.engine import SamplingParams
+    from evict.serve.load import build_engine
+
+    engine, _, name = build_engine(args)
+    engine.start()
+    gate, vocab = threading.Semaphore(args.clients), 256 if args.vocab is None else args.vocab
+
+    def run_jobs(jobs, timed: bool) -> list[dict]:
+        out: list[dict] = []
+        done = threading.Semaphore(0)
+        t_next = time.perf_counter()
+        for prompt, N, gap in jobs:
+            t_next += gap if timed else 0.0
+            time.sleep(max(0.0, t_next - time.perf_counter()))
+            gate.acquire()
+            r = {"prompt": prompt, "max_tokens": N, "ids": [], "times": [], "t0": time.perf_counter()}
+            out.append(r)
+
+            def finish(req, r=r):
+                r.update(finish_reason=req.finish_reason, usage={"completion_tokens": len(r["ids"])})
+                gate.release()
+                done.release()
+
+            params = SamplingParams(max_tokens=N, temperature=args.temperature)
+            engine.submit(prompt, params, on_token=lambda req, t, r=r: (r["ids"].append(t), r["times"].append(time.perf_counter())),
+                          on_finish=finish)
+        for _ in out:
+            done.acquire()
+        for r in out:
+            ts = r.pop("times")
+            t0 = r.pop("t0")
+            r["ttft"] = ts[0] - t0 if ts else float("nan")
+            r["tpot"] = (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) > 1 else float("nan")
+        return out
+
+    try:
+        t0 = time.perf_counter()
+        run_jobs(jobs_of(args, args.bench_seed + 1, args.warmup, vocab), timed=False)
+        warmup_s = time.perf_counter() - t0
+        before = engine.metrics()
+        t0 = time.perf_counter()
+        if mark:
+            mark(engine)
+        results = run_jobs(jobs_of(args, args.bench_seed, args.requests, vocab), timed=True)
+        wall = time.perf_counter() - t0
+        if mark:
+            mark(engine)
+        m = engine.metrics()
+        for r in results[: args.check] if args.temperature == 0 else []:
+            r["alone"] = run_jobs([(r["prompt"], r["max_tokens"], 0.0)], timed=False)[0]["ids"]
+    finally:
+        engine.stop()
+    metrics = {"peak_memory_bytes": m["peak_memory_bytes"], "cache_pool_bytes": m["pool_bytes"],
+               "cache_pool_peak_used_bytes": m["pool_peak_used_bytes"],
+               "preemptions_total": m["preemptions"] - before["preemptions"], "warmup_requests": args.warmup,
+               "warmup_s": warmup_s, "model": f"{name} (in process, no HTTP)"}
+    return results, wall, metrics
 
 
 def parse_metrics(text: str) -> dict:
@@ -210,8 +340,11 @@ def run(args) -> dict:
         raise SystemExit("--url: expected a running server's URL, or --model DIR / --preset NAME to start one")
     if args.spawn == "process" and args.url is None and args.model is not None and not os.path.isdir(args.model):
         raise SystemExit(f"--model: no such folder: {args.model}")
-    with started_server(args) as url:
-        results, wall, metrics = asyncio.run(load(url, args))
+    if args.spawn == "engine":
+        results, wall, metrics = engine_load(args)
+    else:
+        with started_server(args) as url:
+            results, wall, metrics = asyncio.run(load(url, args))
     s = summarize(results, wall, metrics, args)
     row = {"model": metrics["model"], **{k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in s.items() if k != "first_error"}}
     print(markdown_table([row], list(row)))
@@ -229,8 +362,12 @@ def add_arguments(g) -> None:
     from evict.cli_args import nonneg_int, positive_float, positive_int
 
     g.add_argument("--url", help="a running server (default: start one from --model / --preset)")
-    g.add_argument("--spawn", choices=["process", "thread"], default="process", help="how to start the server (default process)")
+    g.add_argument("--spawn", choices=["process", "thread", "engine"], default="process",
+                   help="how to start the server (default process); engine: no server, the engine in this process")
     g.add_argument("--clients", type=positive_int, default=16, help="requests in flight at most (default 16)")
+    g.add_argument("--client-procs", type=positive_int, default=1, help="processes sending the timed requests (default "
+                   "1; more when one client process cannot keep up with the server: each sends every P-th request "
+                   "with its share of --clients)")
     g.add_argument("--requests", type=positive_int, default=64, help="requests in all (default 64)")
     g.add_argument("--rate", type=positive_float, default=math.inf, help="Poisson arrivals per second (default: all at once)")
     g.add_argument("--prompt-len", type=positive_int, nargs=2, default=[16, 256], metavar=("LO", "HI"))

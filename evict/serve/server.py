@@ -27,6 +27,8 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
+from json.encoder import encode_basestring_ascii as json_str  # what json.dumps writes for a str
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -110,18 +112,18 @@ class Choice:
 
 
 class Mailbox:
-    """Events from the engine thread to one event loop's queues, delivered in batches: the loop is woken once for all
-    the events posted since its last delivery (one engine step's tokens of every stream), not once per token: at 128
-    streams that takes the engine thread's share from ~0.5–0.9 ms per step to ~0.08 ms on a CPU
-    (`python dev/serve_mailbox_bench.py`)."""
+    """Events from the engine thread to one event loop's inboxes (anything with put_nowait: an Inbox, an asyncio.Queue),
+    delivered in batches: the loop is woken once for all the events posted since its last delivery (one engine step's
+    tokens of every stream), not once per token: at 128 streams that takes the engine thread's share from ~0.5–0.9 ms
+    per step to ~0.08 ms on a CPU (`python dev/serve_mailbox_bench.py`)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.lock = loop, threading.Lock()
-        self.items: list[tuple[asyncio.Queue, tuple]] = []  # (queue, event) posted, not yet delivered
+        self.items: list[tuple] = []  # (inbox, event) posted, not yet delivered
 
-    def put(self, queue: asyncio.Queue, event: tuple) -> None:  # from the engine thread
+    def put(self, inbox, event: tuple) -> None:  # from the engine thread
         with self.lock:
-            self.items.append((queue, event))
+            self.items.append((inbox, event))
             if len(self.items) > 1:  # a delivery is already scheduled and will take this one too
                 return
         try:
@@ -132,8 +134,32 @@ class Mailbox:
     def _deliver(self) -> None:  # on the loop
         with self.lock:
             items, self.items = self.items, []
-        for queue, event in items:
-            queue.put_nowait(event)
+        for inbox, event in items:
+            inbox.put_nowait(event)
+
+
+class Inbox:
+    """One Generation's events on the loop: a list, and its reader woken once per delivery (not per event)."""
+
+    def __init__(self):
+        self.items: list[tuple] = []
+        self.waiter: asyncio.Future | None = None
+
+    def put_nowait(self, event: tuple) -> None:
+        self.items.append(event)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self) -> list[tuple]:
+        """Every event delivered so far (waits for one)."""
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items, self.items = self.items, []
+        return items
 
 
 _MAILBOXES: dict[asyncio.AbstractEventLoop, Mailbox] = {}
@@ -156,7 +182,7 @@ class Generation:
                  echo: str | None = None):
         self.engine, self.ids = engine, ids
         self.mailbox = mailbox()
-        self.events: asyncio.Queue[tuple] = asyncio.Queue()
+        self.events = Inbox()
         self.choices = [Choice(i, tokenizer, stop, p.stop_tokens, echo) for i, p in enumerate(params)]
         try:
             for c, p in zip(self.choices, params):
@@ -174,13 +200,24 @@ class Generation:
     def _on_finish(self, i: int):
         return lambda r: self._put(i, "finish", r.finish_reason, r.error)
 
-    async def deltas(self):
+    async def batches(self):
+        """Lists of Deltas: each wake-up takes every event delivered by then (one engine step's, or several steps'
+        when the loop fell behind), so a stream is written once per wake-up, not once per token."""
         left = sum(not c.done for c in self.choices)
+        events, choices, cancel = self.events, self.choices, self.engine.cancel
         while left:
-            i, kind, value, extra = await self.events.get()
-            d = self.choices[i].handle(kind, value, extra, self.engine.cancel)
-            if d is not None:
-                left -= d.finish is not None or d.error is not None
+            out = []
+            for i, kind, value, extra in await events.take():
+                d = choices[i].handle(kind, value, extra, cancel)
+                if d is not None:
+                    left -= d.finish is not None or d.error is not None
+                    out.append(d)
+            if out:
+                yield out
+
+    async def deltas(self):
+        async for ds in self.batches():
+            for d in ds:
                 yield d
 
     def cancel(self) -> None:
@@ -309,10 +346,10 @@ def add_info_routes(app: FastAPI, served: Served) -> None:
         return PlainTextResponse(prometheus(engine.metrics()), media_type="text/plain; version=0.0.4")
 
 
-async def respond(request: Request, gen: Generation, stream: bool, include_usage: bool, chunk, final):
-    """Stream `chunk(delta)` events, or gather the deltas and answer `final(per-choice deltas)`."""
+async def respond(request: Request, gen: Generation, stream: bool, include_usage: bool, chunk, final, event=None):
+    """Stream `chunk(delta)` events (rendered by `event`), or gather the deltas and answer `final(per-choice deltas)`."""
     if stream:
-        return StreamingResponse(sse(gen, include_usage, chunk), media_type="text/event-stream")
+        return StreamingResponse(sse(gen, include_usage, chunk, event), media_type="text/event-stream")
 
     async def watch() -> None:  # the body is read: the next ASGI message is the client hanging up
         while (await request.receive())["type"] != "http.disconnect":
@@ -334,27 +371,57 @@ async def respond(request: Request, gen: Generation, stream: bool, include_usage
     return final(per)
 
 
-async def sse(gen: Generation, include_usage: bool, chunk):
-    """The server-sent events of a streamed answer: opening chunks, one per delta, usage, `[DONE]` (or an error)."""
+async def sse(gen: Generation, include_usage: bool, chunk, event=None):
+    """The server-sent events of a streamed answer: opening chunks, one per delta, usage, `[DONE]` (or an error).
+    `event(delta)` is the `data:` line of `chunk(delta)` (rendered without building the dict, see dict_event); the
+    events of one wake-up go out as one write."""
+    if event is None or not FAST_EVENTS:
+        event = partial(dict_event, chunk)
     try:
-        for c in gen.choices:
-            first = chunk(Delta(c.index), opening=True)
-            if first is not None:
-                yield f"data: {json.dumps(first)}\n\n"
-        async for d in gen.deltas():
-            if d.error is not None:
-                gen.cancel()
-                yield f"data: {json.dumps(error_body(failure_status(d.error), d.error))}\n\n"
-                break
-            event = chunk(d, opening=False)
-            if event is not None:
-                yield f"data: {json.dumps(event)}\n\n"
+        head = [f"data: {json.dumps(first)}\n\n" for c in gen.choices
+                if (first := chunk(Delta(c.index), opening=True)) is not None]
+        if head:
+            yield "".join(head).encode()
+        async for ds in gen.batches():
+            out = []
+            for d in ds:
+                if d.error is not None:
+                    gen.cancel()
+                    out.append(f"data: {json.dumps(error_body(failure_status(d.error), d.error))}\n\n")
+                    break
+                e = event(d)
+                if e is not None:
+                    out.append(e)
+            else:
+                if out:
+                    yield "".join(out).encode()
+                continue
+            yield "".join(out).encode()  # an error: nothing after it
+            break
         else:
             if include_usage:
-                yield f"data: {json.dumps({**chunk(None, opening=False), 'usage': gen.usage()})}\n\n"
-        yield "data: [DONE]\n\n"
+                yield f"data: {json.dumps({**chunk(None, opening=False), 'usage': gen.usage()})}\n\n".encode()
+        yield b"data: [DONE]\n\n"
     finally:  # also when the client went away (the generator is closed or cancelled)
         gen.cancel()
+
+
+FAST_EVENTS = True  # stream events from string templates (tests turn it off to compare with the dicts' json.dumps)
+
+
+def dict_event(chunk, d: Delta) -> str | None:
+    """The `data:` line of chunk(d): the reference form of the answers' `event` (their templates must equal it)."""
+    c = chunk(d, opening=False)
+    return None if c is None else f"data: {json.dumps(c)}\n\n"
+
+
+def head_prefix(h: dict) -> str:
+    """json.dumps({**h, "choices": [...]}) up to the first choice."""
+    return json.dumps(h)[:-1] + ', "choices": ['
+
+
+def id_list(ids: list[int]) -> str:
+    return str(ids)  # a list of ints: json.dumps's text
 
 
 def completion_ids(body: CompletionRequest, tokenizer) -> list[int]:
@@ -381,6 +448,7 @@ class CompletionAnswer:
     def __init__(self, served: Served, body: CompletionRequest, gen: Generation):
         self.served, self.body, self.gen = served, body, gen
         self.h = served.head("text_completion")
+        self.prefix = head_prefix(self.h)
         self.offsets = [0] * body.n
         self.decoders = [IncrementalDecoder(served.tokenizer) for _ in range(body.n)]
 
@@ -412,6 +480,17 @@ class CompletionAnswer:
             return None
         return {**h, "choices": [self.piece(d)]}
 
+    def event(self, d: Delta) -> str | None:
+        """`data: json.dumps(self.chunk(d))`, from a template when the choice has no logprobs."""
+        if self.body.logprobs is not None:
+            return dict_event(self.chunk, d)
+        if not (d.text or d.finish or (self.body.return_token_ids and d.ids)):
+            return None
+        ids = f', "token_ids": {id_list(d.ids)}' if self.body.return_token_ids else ""
+        finish = "null" if d.finish is None else json_str(d.finish)
+        return (f'data: {self.prefix}{{"index": {d.index}, "text": {json_str(d.text)}, "logprobs": null, '
+                f'"finish_reason": {finish}{ids}}}]}}\n\n')
+
     def final(self, per: list[list[Delta]]) -> dict:
         choices = []
         for i, ds in enumerate(per):
@@ -435,7 +514,7 @@ def add_completions(app: FastAPI, served: Served) -> None:
             return error(e.status, str(e), e.param)
         answer = CompletionAnswer(served, body, gen)
         include = bool(body.stream_options and body.stream_options.include_usage)
-        return await respond(request, gen, body.stream, include, answer.chunk, answer.final)
+        return await respond(request, gen, body.stream, include, answer.chunk, answer.final, answer.event)
 
 
 def chat_ids(body: ChatRequest, served: Served) -> list[int]:
@@ -464,6 +543,7 @@ class ChatAnswer:
     def __init__(self, served: Served, body: ChatRequest, gen: Generation):
         self.served, self.body, self.gen = served, body, gen
         self.h = served.head("chat.completion.chunk" if body.stream else "chat.completion")
+        self.prefix = head_prefix(self.h)
 
     def logprobs(self, entries) -> dict:
         def one(t: int, lp: float) -> dict:
@@ -486,6 +566,19 @@ class ChatAnswer:
         if body.return_token_ids:
             c["token_ids"] = d.ids
         return {**h, "choices": [c]}
+
+    def event(self, d: Delta) -> str | None:
+        """`data: json.dumps(self.chunk(d))`, from a template when the request asked for no logprobs."""
+        body = self.body
+        if body.logprobs:
+            return dict_event(self.chunk, d)
+        if not (d.text or d.finish or (body.return_token_ids and d.ids)):
+            return None
+        delta = f'{{"content": {json_str(d.text)}}}' if d.text else "{}"
+        ids = f', "token_ids": {id_list(d.ids)}' if body.return_token_ids else ""
+        finish = "null" if d.finish is None else json_str(d.finish)
+        return (f'data: {self.prefix}{{"index": {d.index}, "delta": {delta}, "logprobs": null, '
+                f'"finish_reason": {finish}{ids}}}]}}\n\n')
 
     def final(self, per: list[list[Delta]]) -> dict:
         choices = []
@@ -512,7 +605,7 @@ def add_chat(app: FastAPI, served: Served) -> None:
             return error(e.status, str(e), e.param)
         answer = ChatAnswer(served, body, gen)
         include = bool(body.stream_options and body.stream_options.include_usage)
-        return await respond(request, gen, body.stream, include, answer.chunk, answer.final)
+        return await respond(request, gen, body.stream, include, answer.chunk, answer.final, answer.event)
 
 
 def prometheus(m: dict) -> str:

@@ -92,6 +92,8 @@ class TextStream:
         return self._out(self.decoder.flush(), final=True)[0]
 
     def _out(self, piece: str, *, final: bool) -> tuple[str, bool]:
+        if not self.stop:  # nothing to hold back or cut
+            return piece, False
         text = self.held + piece  # the held text is shorter than any stop string: the search is O(piece)
         hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
         if hits:

@@ -33,6 +33,28 @@ def test_bench_serve_starts_its_server_and_checks(model_dir, tmp_path, capsys):
     assert "| model |" in capsys.readouterr().out
 
 
+def test_bench_serve_from_two_client_processes(model_dir, tmp_path):
+    """--client-procs 2: the timed requests from two processes, every one answered and counted, in job order."""
+    out = tmp_path / "procs.json"
+    main(["bench", "serve", "--spawn", "thread", "--client-procs", "2", "--model", str(model_dir), "--requests", "9",
+          "--clients", "4", "--prompt-len", "2", "30", "--output-len", "2", "8", "--check", "3", "--max-batch", "4",
+          "--block-size", "8", "--cache-budget", "2M", "--threads", "1", "--warmup", "1", "--out", str(out)])
+    s = json.loads(out.read_text())["summary"]
+    assert s["requests"] == 9 and s["errors"] == 0 and s["complete"] == "9/9" and s["equal_alone"] == "3/3"
+
+
+def test_bench_serve_in_process_runs_the_same_load_with_no_http(model_dir, tmp_path, capsys):
+    """--spawn engine: the load straight into an engine here, completeness and equality checked as through HTTP."""
+    out = tmp_path / "engine.json"
+    main(["bench", "serve", "--spawn", "engine", "--model", str(model_dir), "--requests", "12", "--clients", "6",
+          "--rate", "200", "--prompt-len", "2", "30", "--output-len", "2", "8", "--check", "3", "--max-batch", "4",
+          "--block-size", "8", "--cache-budget", "2M", "--threads", "1", "--warmup", "2", "--out", str(out)])
+    s = json.loads(out.read_text())["summary"]
+    assert s["errors"] == 0 and s["complete"] == "12/12" and s["equal_alone"] == "3/3"
+    assert 0 < s["ttft_p50_s"] < s["wall_s"] and s["tpot_p50_s"] > 0 and s["output_tokens_per_s"] > 0
+    assert "(in process, no HTTP)" in capsys.readouterr().out
+
+
 def test_served_text_equals_evict_generate(model_dir, capsys):
     """`evict serve --model DIR`'s engine and app answer a text prompt with `evict generate --temperature 0`'s text."""
     import httpx
