@@ -164,6 +164,12 @@ class PaddedBatch:
                                                                                                    device=x.device))
 
 
+
+def _distinct(rows: list[int]) -> None:
+    """One slot once per step: a recurrent state stepped in place (`memory_step(rows=)`) would be written twice."""
+    if len(set(rows)) != len(rows):
+        raise ValueError(f"cache: a step's slots must be distinct, got {rows}")
+
 class HybridCache:
     """Per-layer states for a batch of sequences, all at the same position — or a slot pool (see the module doc)."""
 
@@ -206,6 +212,7 @@ class HybridCache:
         Every slot must own blocks up to position start + T - 1 (`set_blocks`); its earlier positions hold its past."""
         if self.block_size is None or self.table is None:
             raise ValueError("cache: select needs a slot pool (LM.new_pool), not a batch cache")
+        _distinct(rows)
         self.batch = self._batch(rows, starts, T)
 
     def _batch(self, rows: list[int], starts: list[int], T: int, exact: bool = False) -> SlotBatch:
@@ -230,6 +237,7 @@ class HybridCache:
             raise ValueError("cache: select_packed needs a slot pool (LM.new_pool), not a batch cache")
         if not decode and not chunks:
             raise ValueError("cache: select_packed needs at least one decode row or prompt chunk")
+        _distinct([r for r, _ in decode] + [r for r, _, _ in chunks])
         dec = self._batch([r for r, _ in decode], [s for _, s in decode], 1) if decode else None
         parts = [self._batch([r], [s], n, exact=True) for r, s, n in chunks]
         offsets = [len(decode)]

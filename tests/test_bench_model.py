@@ -50,6 +50,16 @@ def test_profile_writes_each_rows_kernel_table(tmp_path):
     assert text.startswith("## gpt2 evict eager B1 T8:") and table in text
 
 
+def test_reference_only_that_runs_nothing_is_refused(tmp_path):
+    """impls=("reference",) for a model no reference maps to (a hybrid), or with references=False, would write a JSON
+    of no rows: refused in one line before anything runs or is written."""
+    for kw, why in ((dict(models=("kimi_linear",)), "no reference model"), (dict(models=("gpt2",), references=False),
+                                                                            "references=False")):
+        with pytest.raises(ValueError, match=rf"^impls: \('reference',\) runs nothing for .*{why}"):
+            bench_model(**{"device": "cpu", "size": "tiny", "seq_len": 8, "impls": ("reference",), "out": tmp_path / "x.json", **kw})
+    assert not (tmp_path / "x.json").exists()
+
+
 @pytest.mark.parametrize("kw,name", [(dict(models=("nope",)), "model"), (dict(modes=("fast",)), "modes"),
                                      (dict(impls=("fla",)), "impls"), (dict(impls=()), "impls"),
                                      (dict(batch=0), "batch"), (dict(profile=-1), "profile"), (dict(models=("gpt2",), seq_len=4096), "seq_len")])

@@ -234,6 +234,11 @@ def bench_model(*, models=("kda_226m",), size: str = "tiny", batch: int = 4, seq
     for name, cfg in configs.items():
         if cfg.pos == "learned" and seq_len > cfg.max_seq_len:
             raise ValueError(f"seq_len: {name} has learned positions for {cfg.max_seq_len} tokens, got {seq_len}")
+    if "evict" not in impls:  # only references asked for: each model must have one, or the run would do nothing
+        lacking = [name for name, cfg in configs.items() if not references or _reference(cfg) is None]
+        if lacking:
+            why = "references=False" if not references else "no reference model maps to them (GPT-2 or KDA-only)"
+            raise ValueError(f"impls: ('reference',) runs nothing for {lacking}: {why}")
     rows: list[dict] = []
     meta = {"card": card(), "batch": batch, "seq_len": seq_len, "modes": list(modes), "warmup": warmup, "steps": steps,
             "checkpoint_blocks": checkpoint_blocks}

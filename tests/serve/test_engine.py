@@ -149,6 +149,10 @@ def test_pool_needs_a_selection():
         model(torch.zeros(1, 3, dtype=torch.int64), cache=pool)  # selected for 2 tokens, given 3
     with pytest.raises(ValueError, match="^cache: select needs a slot pool"):
         model.new_cache(1, 8).select([0], [0], 1)
+    with pytest.raises(ValueError, match=r"^cache: a step's slots must be distinct, got \[1, 1\]"):
+        pool.select([1, 1], [0, 0], 1)  # the in-place recurrent step would write slot 1 twice
+    with pytest.raises(ValueError, match=r"^cache: a step's slots must be distinct, got \[0, 1, 0\]"):
+        pool.select_packed([(0, 0), (1, 0)], [(0, 0, 2)])
     with pytest.raises(ValueError, match="^n_blocks:"):
         model.new_pool(2, 0, 8, 32)
 
