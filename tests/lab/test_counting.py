@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evict.ops import memory, memory_step
+from evict.tasks.state import StateConfig, make_state
 
 K = 4
 F64 = dict(dtype=torch.float64)
@@ -105,3 +106,37 @@ def test_two_alternating_keys_count_from_zero(m):
     S = _states(torch.stack([ka, kb] * (3 * m)), torch.stack([va, vb] * (3 * m)), 2.0, torch.zeros(K, 3, **F64))
     assert _distinct(S[: 2 * m]) == 2 * m
     assert torch.allclose(S[2 * m:], S[: -2 * m], rtol=0, atol=1e-12)
+
+
+def test_two_layers_count_mod3_on_the_lab_rows():
+    """Two delta-rule layers (β in {0, 2}) count mod 3 exactly on the lab's own count_mod3 rows (stay / up / down, 256
+    tokens), built by hand on the op. Layer 1: every move (up or down) the same key, β = 2: a reflection, so its read
+    is the parity p of the moves so far. Layer 2: keys at ±60° (two mirror lines through one point), picked by the
+    move's direction and layer 1's p; a stay is β = 0 in both. The layer-2 state is then a function of (p, count mod 3)
+    alone, with six different values: a readout recovers the count. (A key's sign is the same reflection, so layer 2's
+    key and value are linear in the token and layer 1's read, up to the key's norm.)"""
+    x, y = make_state(StateConfig(task="count_mod3"), 16, 7, (256, 256))  # [B, T]: 0 stay, 1 up, 2 down; the count
+    B, T = x.shape
+    move = (x != 0).double()  # [B, T]
+    ones = torch.ones(B, T, 1, 1, **F64)  # [B, T, H=1, 1]: layer 1's key, query and value are all 1
+    o1, _ = memory(ones, ones, ones, beta=2 * move[..., None], delta=True, scale=1.0, impl="reference")
+    p = (o1[..., 0, 0] / 2).round()  # [B, T]: layer 1's read after each token, 0 or 1
+    assert torch.allclose(o1[..., 0, 0], 2 * (move.cumsum(1) % 2), rtol=0, atol=1e-12)  # it is the moves' parity
+    up = (x == 1).double()
+    flip = (up + p) % 2  # up with an even count of moves after it, or down with an odd one: the +60° line, else -60°
+    angle = torch.deg2rad(90 + 60 * (2 * flip - 1))  # [B, T]: the mirror line's normal
+    k2 = torch.stack([angle.cos(), angle.sin()], -1)[:, :, None]  # [B, T, 1, 2]
+    P = torch.tensor([0.3, -1.1], **F64)  # the point both mirror lines pass through (any point but the start, 0)
+    v2 = (k2 @ P)[..., None]  # [B, T, 1, 1]: the mirror line {s : k2 s = k2 P}
+    _, S = memory(k2[:, :1], k2[:, :1], v2[:, :1], beta=2 * move[:, :1, None], delta=True, impl="reference",
+                  output_final_state=True)
+    states = [S[:, 0, :, 0]]  # [B, 2] after each token
+    for t in range(1, T):
+        _, S = memory_step(k2[:, t], k2[:, t], v2[:, t], S, beta=2 * move[:, t, None], delta=True)
+        states.append(S[:, 0, :, 0])
+    S2 = torch.stack(states, 1)  # [B, T, 2]
+    cls = (p * 3 + y).long()  # [B, T]: (parity, count mod 3), six classes
+    points = torch.stack([S2[cls == c][0] for c in range(6)])  # [6, 2]: each class's first state
+    assert torch.allclose(S2, points[cls], rtol=0, atol=1e-9)  # every state is its class's point
+    gaps = torch.cdist(points, points) + torch.eye(6, **F64)
+    assert gaps.min() > 0.25 * P.norm()  # and apart (the orbit's radius is |P|): the count is readable at every token
