@@ -3,7 +3,7 @@
 token: a token that ends a run of r equal tokens (r >= 5: the kernel-4 short conv's window is all one token, so a
 layer's key, value and β are the same every step) against the rest, inside and past the training lengths.
 
-    PYTHONPATH=$PWD python dev/counters_runs.py [deltanet_neg deltanet linear]   # ~1 CPU-min a model on 2 cores
+    PYTHONPATH=$PWD python dev/counters_runs.py [deltanet_neg deltanet linear]   # ~20 min a model, loaded 2 cores
 """
 
 from __future__ import annotations
