@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from evict.lab.state import COUNTERS, _task, model_config
+from evict.lab.state import COUNTERS, MODELS, _task, model_config
 from evict.lab.sweep import lab_train_config
 from evict.models import LM
 from evict.train import train
@@ -65,4 +65,11 @@ def main(models: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        sys.exit(0)
+    bad = [m for m in sys.argv[1:] if m not in MODELS]
+    if bad:
+        print(f"models: expected names from {sorted(MODELS)}, got {bad}", file=sys.stderr)
+        sys.exit(2)
     main(sys.argv[1:] or ["deltanet_neg", "deltanet", "linear"])
