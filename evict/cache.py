@@ -164,11 +164,11 @@ class PaddedBatch:
                                                                                                    device=x.device))
 
 
-
 def _distinct(rows: list[int]) -> None:
     """One slot once per step: a recurrent state stepped in place (`memory_step(rows=)`) would be written twice."""
     if len(set(rows)) != len(rows):
         raise ValueError(f"cache: a step's slots must be distinct, got {rows}")
+
 
 class HybridCache:
     """Per-layer states for a batch of sequences, all at the same position — or a slot pool (see the module doc)."""

@@ -368,12 +368,8 @@ class Engine:
     def _record_prompt(self, r: Request, first: int, logits: torch.Tensor) -> None:
         """r's prompt log-probabilities from the logits [K, V] at positions first .. first + K - 1 (of prompt tokens
         first + 1 .. first + K); a host sync for this request only."""
-        lp = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)  # [K, V], float32 at least
-        nxt = torch.tensor(r.prompt[first + 1 : first + 1 + len(lp)], device=lp.device)  # [K]
-        its = lp.gather(1, nxt[:, None])[:, 0].tolist()
-        top = lp.topk(min(r.params.prompt_logprobs or 0, lp.shape[-1]), dim=-1)
-        for v, i, tv in zip(its, top.indices.tolist(), top.values.tolist()):
-            r.prompt_logprobs.append((v, list(zip(i, tv))))
+        r.prompt_logprobs += _logprob_entries(logits, r.prompt[first + 1 : first + 1 + len(logits)],
+                                              r.params.prompt_logprobs or 0)
 
     def _plan(self) -> tuple[list[Request], list[tuple[Request, int]]]:
         """This step's decode rows and prompt chunks (request, tokens) within the token budget, by `priority`."""
@@ -466,9 +462,7 @@ class Engine:
         if r.penalties is not None:
             r.penalties.record(nxt[i : i + 1])
         if r.params.logprobs is not None:  # a host sync for this request only
-            lp = logits[i].float().log_softmax(-1)  # [V]
-            top = lp.topk(min(r.params.logprobs, lp.shape[0]))
-            r.logprobs.append((float(lp[t]), list(zip(top.indices.tolist(), top.values.tolist()))))
+            r.logprobs += _logprob_entries(logits[i : i + 1], [t], r.params.logprobs)
         if r.on_token is not None:
             r.on_token(r, t)
         if t in r.params.stop_tokens:
@@ -550,6 +544,15 @@ class Engine:
 
 class EngineDown(RuntimeError):
     """The engine thread is not running: a request cannot be served."""
+
+
+def _logprob_entries(logits: torch.Tensor, tokens: list[int], n: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row of logits [K, V]: (log-probability of tokens[k], the n most likely (id, log-probability)), computed
+    in float32 at least (float64 logits stay float64). One host sync."""
+    lp = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)  # [K, V]
+    its = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()  # [K]
+    top = lp.topk(min(n, lp.shape[-1]), dim=-1)
+    return [(v, list(zip(i, tv))) for v, i, tv in zip(its, top.indices.tolist(), top.values.tolist())]
 
 
 def check_penalties(p: SamplingParams, vocab: int) -> None:
