@@ -50,7 +50,7 @@ fi
 bench() { python3 -c "from evict.bench.model import bench_model; bench_model($1, out='$OUT/$2.json')"; }
 run_group() {
   case $1 in
-    hyb) bench "models=($HYB), $KDA, impls=('evict',)" hyb ;;
+    hyb) bench "models=($HYB,), $KDA, impls=('evict',)" hyb ;;
     kdac) bench "models=($K,), $KDA, impls=('evict',), modes=('compiled',)" kdac ;;
     gpt2c) bench "$GPT2, modes=('compiled',)" gpt2c ;;
     gpt2) bench "$GPT2, modes=('eager',)" gpt2 ;;
