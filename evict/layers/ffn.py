@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .recompute import compute_inputs, recompute
+
 
 def _positive(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -57,8 +59,10 @@ class _GatedFFN(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, D] (any leading dims) -> [B, T, D]."""
-        return self.w2(self.act(self.w1(x), self.w3(x)))
+        """x [B, T, D] (any leading dims) -> [B, T, D]. Under autocast one bf16 copy of x is kept (not one per
+        projection), and the activation keeps only its two inputs (recomputed in the backward)."""
+        x1, x3 = compute_inputs(x, 2)
+        return self.w2(recompute(self.act, self.w1(x1), self.w3(x3)))
 
 
 class SwiGLU(_GatedFFN):

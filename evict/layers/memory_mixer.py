@@ -24,6 +24,7 @@ from evict.ops import memory, memory_step
 from .conv import ShortConv
 from .init import reset_children
 from .norms import RMSNorm
+from .recompute import compute_inputs, recompute
 
 KINDS = {  # kind -> (gate, delta, conv, features, normalizer, gated output)
     "linear": (None, False, False, "elu1", True, False),
@@ -96,10 +97,15 @@ class MemoryMixer(nn.Module):
                 self.dt_bias.copy_(torch.log(r / (1 - r)) / A)
 
     def log_alpha(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-step log decay, <= 0: [B, T, H] (scalar) or [B, T, H, D] (per channel), float32 (float64 in float64)."""
-        B, T, _ = x.shape
-        ft = _gate_dtype(x)
-        g = self.f_gate(x).to(ft) + self.dt_bias.to(ft)  # [B, T, H] or [B, T, H*D]
+        """Per-step log decay, <= 0: [B, T, H] (scalar) or [B, T, H, D] (per channel), float32 (float64 in float64).
+        Under autograd only the gate projection's output is kept; the float32 gate is recomputed in the backward."""
+        return recompute(self._decay, self.f_gate(x))
+
+    def _decay(self, g: torch.Tensor) -> torch.Tensor:
+        """The gate projection's output g [B, T, H] or [B, T, H*D] -> log decay in float32 (float64 in float64)."""
+        B, T, _ = g.shape
+        ft = _gate_dtype(g)
+        g = g.to(ft) + self.dt_bias.to(ft)
         A = self.A_log.to(ft).exp()
         if self.gate == "channel":
             g, A = g.view(B, T, self.H, self.D), A[:, None]
@@ -113,22 +119,13 @@ class MemoryMixer(nn.Module):
         PaddedBatch: left-padded rows, whose pads leave the state and the conv tail as a row alone has them."""
         B, T, _ = x.shape
         H, D = self.H, self.D
+        x, xg, xb, xo = compute_inputs(x, 4)  # under autocast one bf16 copy of x kept for the four projections, not 4
         qkv = self.wqkv(x)  # [B, T, 3 H D]
-        if self.conv is not None:
-            qkv, tail = self.conv.run(qkv, None if state is None else state.conv, pos)
-            qkv = F.silu(qkv)
-        q, k, v = qkv.view(B, T, 3, H, D).unbind(2)  # [B, T, H, D] each
-        if self.features == "l2":
-            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-        elif self.features == "elu1":
-            q, k = F.elu(q) + 1, F.elu(k) + 1
-        # One compute dtype at the op's boundary: the projection's (bf16 under autocast or in a bf16 model, else the
-        # parameters'). Feature maps may come back in float32 (CUDA autocast runs F.normalize in float32); gates and
-        # beta stay float32 and the op keeps its state in float32 whatever the inputs.
-        q, k, v = q.to(qkv.dtype), k.to(qkv.dtype), v.to(qkv.dtype)
+        # the conv, SiLU and feature maps recomputed in the backward: only qkv (and the op's own q, k, v) are kept
+        q, k, v, tail = recompute(self._features, qkv, None if state is None else state.conv, pos)
         if self.normalizer:  # the normalizer z = sum phi(k) is the same op run on v = ones
             v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-        la = None if self.gate is None else self.log_alpha(x)
+        la = None if self.gate is None else self.log_alpha(xg)
         if isinstance(pos, PaddedBatch) and pos.padded:
             # S_t = exp(la_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T (delta), exp(la_t) S_{t-1} + k_t v_t^T
             # (not): with k_t = 0 and la_t = 0 both are S_t = S_{t-1}, for every kind (beta alone is not in all of them)
@@ -136,7 +133,8 @@ class MemoryMixer(nn.Module):
             la = None if la is None else pos.zero_pads(la)
         beta = None
         if self.wb is not None:
-            beta = torch.sigmoid(self.wb(x).to(_gate_dtype(x))) * (2.0 if self.neg_eigval else 1.0)  # [B, T, H]
+            beta = torch.sigmoid(self.wb(xb).to(_gate_dtype(xb)))  # [B, T, H]: the op keeps sigmoid's own output
+            beta = beta * 2.0 if self.neg_eigval else beta
         if isinstance(pos, PackedBatch):
             if state is None or state.S is None:
                 raise ValueError("state: packed sequences need this layer's RecurrentState rows, got None")
@@ -156,8 +154,33 @@ class MemoryMixer(nn.Module):
         if self.normalizer:
             o = o[..., :D] / (o[..., D:] + 1e-6)
         if self.o_norm is not None and self.f_out is not None:
-            o = self.o_norm(o) * torch.sigmoid(self.f_out(x)).view(B, T, H, D)
+            o = recompute(self._gated_norm, o, self.f_out(xo).view(B, T, H, D))  # keeps o and the gate only
         return self.wo(o.reshape(B, T, H * D))
+
+    def _features(self, qkv: torch.Tensor, tail: torch.Tensor | None, pos):
+        """qkv [B, T, 3 H D] -> q, k, v [B, T, H, D] in qkv's dtype: the short conv (+ SiLU) from `tail` (a cache's,
+        or None), the q / k feature maps; and the conv's new tail (None without a conv). One compute dtype at the op's
+        boundary: the projection's (bf16 under autocast or in a bf16 model, else the parameters'); feature maps may come
+        back in float32 (CUDA autocast runs F.normalize in float32). Gates and beta stay float32; the op keeps its state
+        in float32."""
+        B, T, _ = qkv.shape
+        y, new_tail = qkv, None
+        if self.conv is not None:
+            y, new_tail = self.conv.run(qkv, tail, pos)
+            y = F.silu(y)
+        q, k, v = y.view(B, T, 3, self.H, self.D).unbind(2)  # [B, T, H, D] each
+        if self.features == "l2":
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        elif self.features == "elu1":
+            q, k = F.elu(q) + 1, F.elu(k) + 1
+        # v contiguous: as a view it would keep the whole [B, T, 3 H D] SiLU output alive for the op's backward
+        q, k, v = q.to(qkv.dtype), k.to(qkv.dtype), v.to(qkv.dtype).contiguous()
+        return q, k, v, new_tail
+
+    def _gated_norm(self, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """RMSNorm(o) ⊙ σ(g), o and g [B, T, H, D]."""
+        assert self.o_norm is not None
+        return self.o_norm(o) * torch.sigmoid(g)
 
     def _packed(self, q, k, v, la, beta, S0: torch.Tensor, pos: PackedBatch):
         """The packed sequences [1, T, H, D]: the D decode rows in one step op, the prompt chunks through the op's

@@ -74,7 +74,10 @@ def memory(
     scale = check_scale(scale, q.shape[-1])
     offsets = None if cu_seqlens is None else seq_offsets(cu_seqlens, q.shape[1])
     if log_alpha is not None:
-        log_alpha = log_alpha.clamp(min=LOG_ALPHA_FLOOR[state_dtype(q.dtype)])
+        # clamp(min=floor) as a where: the same values and gradient (NaN passes through), but its backward keeps a
+        # bool mask where clamp keeps the float32 input (4 B a channel per token beside the op's own clamped copy)
+        floor = LOG_ALPHA_FLOOR[state_dtype(q.dtype)]
+        log_alpha = torch.where(log_alpha < floor, floor, log_alpha)
     with torch.autocast(q.device.type, enabled=False):
         return _dispatch(q, k, v, log_alpha, beta, delta, scale, initial_state, output_final_state, impl, chunk_size, offsets,
                          keep_factors)

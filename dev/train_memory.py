@@ -1,0 +1,96 @@
+"""Issue 74: where a KDA LM's training memory goes. Every tensor one block (and the LM's final norm + chunked loss)
+saves for the backward, by module and op, with the bytes per block scaled to the training shape; then parameters,
+gradients and AdamW's state.
+
+    python3 dev/train_memory.py [--model kda_226m] [--batch 4] [--seq-len 4096] [--run-len 64] [--device auto]
+                                [--json FILE]
+
+Runs the LM cut to one block (the same config, n_layers=1) under bf16 autocast, one forward with gradients, inside
+`evict.bench.saved.saved_tensors` (a saved_tensors_hooks pack hook). On CUDA it runs at --batch x --seq-len itself (the
+real kernels: the memory op's Triton custom op, the Triton conv); on the CPU at batch 1 x --run-len, the memory op and
+conv in their PyTorch forms (not what CUDA keeps inside the op: the op's rows are marked), scaled to the shape.
+Rows whose size does not grow with the tokens (autocast's bf16 copies of weights) are listed apart, unscaled.
+"""
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections import defaultdict
+
+import torch
+
+from evict.bench.model import model_config
+from evict.bench.saved import saved_bytes, saved_tensors
+from evict.models import LM
+
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("--model", default="kda_226m")
+p.add_argument("--batch", type=int, default=4)
+p.add_argument("--seq-len", type=int, default=4096)
+p.add_argument("--run-len", type=int, default=64, help="tokens run on the CPU (then scaled)")
+p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+p.add_argument("--json", default=None)
+a = p.parse_args()
+if min(a.batch, a.seq_len, a.run_len) < 1:
+    sys.exit("train_memory: --batch, --seq-len and --run-len must be positive")
+dev = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
+if dev == "cuda" and not torch.cuda.is_available():
+    sys.exit("train_memory: --device cuda: CUDA is not available")
+try:
+    full = model_config(a.model)
+except ValueError as e:
+    sys.exit(f"train_memory: --model: {e}")
+cfg = dataclasses.replace(full, n_layers=1, pattern=full.layer_mixers()[0])
+torch.manual_seed(0)
+model = LM(cfg).to(dev)
+B, T = (a.batch, a.seq_len) if dev == "cuda" else (1, a.run_len)
+scale = a.batch * a.seq_len / (B * T)
+x = torch.randint(0, cfg.vocab_size, (B, T), device=dev)
+
+
+def step():
+    with torch.autocast(dev, dtype=torch.bfloat16):
+        return model(x, targets=x).loss
+
+
+rows = saved_tensors(step, model, B * T)
+MiB = 2**20
+groups: dict = defaultdict(lambda: [0, 0, ""])
+for r in rows:
+    if r.param or not r.nbytes:
+        continue
+    key = (r.module or "(loss)", r.op, str(list(r.shape)).replace(" ", ""), str(r.dtype).removeprefix("torch."), r.fixed)
+    g = groups[key]
+    g[0] += 1
+    g[1] += r.nbytes
+print(f"{a.model} cut to one block, device {dev}, run at B{B} T{T}, scaled to B{a.batch} T{a.seq_len} (x{scale:g}); "
+      f"torch {torch.__version__}")
+print(f"{'module':26s} {'op':18s} {'shape (as run)':22s} {'dtype':9s} {'B/token':>8s} {'MiB (scaled)':>12s}")
+table = []
+for (mod, op, shape, dtype, fixed), (n, nb, _) in sorted(groups.items(), key=lambda kv: kv[0][0]):
+    per = 0 if fixed else nb / (B * T)
+    mib = nb / MiB if fixed else nb * scale / MiB
+    table.append(dict(module=mod, op=op, shape=shape, dtype=dtype, count=n, fixed=fixed, bytes_per_token=per, MiB=mib))
+    print(f"{mod:26s} {op:18s} {shape:22s} {dtype:9s} {'fixed' if fixed else f'{per:.0f}':>8s} {mib:12.1f}"
+          + (f"  x{n}" if n > 1 else ""))
+block = saved_bytes(rows, "blocks.0") / (B * T)
+block_fixed = saved_bytes(rows, "blocks.0", fixed=True)
+rest = (saved_bytes(rows) - saved_bytes(rows, "blocks.0")) / (B * T)
+per_block = sum(p.numel() for p in model.blocks[0].parameters())
+n_params = sum(p.numel() for p in model.parameters()) + (full.n_layers - 1) * per_block  # the full model's
+tokens = a.batch * a.seq_len
+summary = {
+    "block B/token": round(block), "block MiB": round(block * tokens / MiB, 1), "block fixed MiB": round(block_fixed / MiB, 1),
+    f"{full.n_layers} blocks GiB": round(full.n_layers * (block * tokens + block_fixed) / 2**30, 2),
+    "embedding + final norm + loss MiB": round(rest * tokens / MiB, 1),
+    "parameters (float32) GiB": round(4 * n_params / 2**30, 2),
+    "+ grads + AdamW (m, v) GiB": round(3 * 4 * n_params / 2**30, 2),
+}
+if dev == "cpu":
+    summary["note"] = "CPU: the memory op and conv in their PyTorch forms; on CUDA the op keeps q, k, v, log alpha, beta, its factors"
+print(json.dumps(summary, indent=1))
+if a.json:
+    with open(a.json, "w") as f:
+        json.dump(dict(model=a.model, device=dev, batch=a.batch, seq_len=a.seq_len, run=[B, T], rows=table,
+                       summary=summary), f, indent=1)

@@ -1,0 +1,101 @@
+"""What a forward keeps for its backward: every tensor saved for autograd, by module and op, counted once per storage.
+
+    rows = saved_tensors(fn, model)      # fn() runs the forward and returns the loss (or any output)
+    saved_bytes(rows)                    # activation bytes: each storage once, parameters left out
+
+A `torch.autograd.graph.saved_tensors_hooks` pack hook sees every tensor as it is saved and the module whose forward
+is running then (a stack kept by global forward pre/post hooks: the innermost module) and the op (the innermost torch
+function running, kept by a TorchFunctionMode: `linear`, `rms_norm`, `mul`; "Function" for an autograd.Function's or
+a custom op's saves, which come after its forward). Inside a recomputed region (torch.utils.checkpoint) the region's
+own saves go to its hooks, not these: what is listed is what is held. A storage saved by several ops
+(a Linear's input that a norm also keeps) is one allocation and is counted once, under its first saver. Tensors that
+share storage with a parameter (the weights a Linear saves) are marked `param` and left out of the activation bytes;
+bf16 copies of weights made by autocast are activations of the step (their numel does not grow with tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+
+@dataclass
+class Saved:
+    module: str  # the innermost module running when it was saved ("" outside every module)
+    op: str  # the torch function that saved it ("Function": an autograd.Function or a custom op)
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int  # bytes of its storage (0 for a repeat of a storage counted before, or a parameter's)
+    param: bool  # shares storage with a parameter
+    fixed: bool  # shaped like a parameter (an autocast copy of a weight) or smaller than one row per token: does not
+    # grow with the tokens
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (t.device, t.untyped_storage().data_ptr())
+
+
+class _OpNames(TorchFunctionMode):
+    """The innermost torch function running (F.linear, torch.sigmoid, Tensor.mul, ...): the op that saves."""
+
+    def __init__(self):
+        super().__init__()
+        self.stack: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.stack.append(getattr(func, "__name__", str(func)))
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.stack.pop()
+
+
+def saved_tensors(fn: Callable[[], object], model: nn.Module, tokens: int) -> list[Saved]:
+    """Run fn() (a forward with gradients) and list every tensor it saves for the backward (see the module doc); the
+    outputs are dropped (with them the graph and what it held)."""
+    names = {m: n for n, m in model.named_modules()}
+    stack: list[str] = []
+    packed: list[tuple[str, str, torch.Tensor]] = []
+
+    def pre(mod, _args):
+        stack.append(names.get(mod, stack[-1] if stack else ""))
+
+    def post(_mod, _args, _out):
+        stack.pop()
+
+    ops = _OpNames()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append((stack[-1] if stack else "", ops.stack[-1] if ops.stack else "Function", t))
+        return t
+
+    h1 = nn.modules.module.register_module_forward_pre_hook(pre)
+    h2 = nn.modules.module.register_module_forward_hook(post, always_call=True)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ops:
+            fn()
+    finally:
+        h1.remove()
+        h2.remove()
+    params = {_storage_key(p) for p in model.parameters()}
+    shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape)[::-1] for p in model.parameters()}
+    rows, counted = [], set()
+    for module, op, t in packed:
+        key = _storage_key(t)
+        param = key in params
+        first = key not in counted and not param and t.numel() > 0
+        counted.add(key)
+        rows.append(Saved(module, op, tuple(t.shape), t.dtype,
+                          t.untyped_storage().nbytes() if first else 0, param,
+                          tuple(t.shape) in shapes or t.numel() < tokens))
+    return rows
+
+
+def saved_bytes(rows: list[Saved], prefix: str = "", *, fixed: bool = False) -> int:
+    """Activation bytes of the rows whose module starts with `prefix` (each storage once, parameters out): those that
+    grow with the tokens, or (fixed=True) those that do not."""
+    return sum(r.nbytes for r in rows if r.module.startswith(prefix) and r.fixed == fixed)
