@@ -9,6 +9,8 @@
 #   fla    fla 0.6.0's KDAForCausalLM (eager, its own kernels; its autotuned kernels compile their configs in parallel
 #          first, evict/bench/autotune.py), with a profile of one step; last: it takes whatever time is left
 #   tests  the loss / norm GPU tests;  ops  dev/train_ops_bench.py (the loss and norm pieces beside their old forms)
+#   mem    the block's memory: GPU tests of the recomputed pieces and compiled blocks, then dev/train_memory.py (every
+#          tensor one KDA block keeps for its backward at B4 T4096 on CUDA, $OUT/train_memory.json)
 # Each group's timeout is min(its cap, what is left of BUDGET less the later groups' floors). Then every JSON is
 # merged into one table (train_all.json, ratios across groups); the logs and the Triton autotune results (fla's
 # kernels' choices) come back in one tar, train_speed_logs.tar (the call returns at most 8 files); FLA_AUTOTUNE=path
@@ -38,7 +40,7 @@ python3 -c "import fla" 2>/dev/null || { [ -n "$wheels" ] && python3 -m pip inst
 
 # floor: seconds a group keeps for itself when the groups before it take their turn; cap: its own limit
 floor() { case $1 in hyb) echo 40 ;; kdac) echo 45 ;; gpt2c) echo 70 ;; gpt2) echo 40 ;; fla) echo 60 ;; *) echo 20 ;; esac; }
-cap() { [ -n "${SMOKE:-}" ] && { echo 100000; return; }; case $1 in hyb) echo 80 ;; kdac) echo 90 ;; gpt2c) echo 120 ;; gpt2) echo 80 ;; tests) echo 60 ;; ops) echo 40 ;; *) echo 100000 ;; esac; }
+cap() { [ -n "${SMOKE:-}" ] && { echo 100000; return; }; case $1 in hyb) echo 80 ;; kdac) echo 90 ;; gpt2c) echo 120 ;; gpt2) echo 80 ;; tests) echo 60 ;; ops) echo 40 ;; mem) echo 60 ;; *) echo 100000 ;; esac; }
 K="'kda_226m'"; HYB=${HYB:-"'kda_226m', 'kkka_226m', 'kkkm_226m'"}  # HYB="'kda_226m'": the KDA-only row alone
 KDA="batch=4, seq_len=4096, warmup=2, steps=5"
 GPT2="models=('gpt2_124m',), batch=16, seq_len=1024, warmup=3, steps=10"
@@ -57,7 +59,10 @@ run_group() {
     fla) bench "models=($K,), $KDA, impls=('reference',), profile=30, parallel_compile=${PARALLEL:-True}" fla ;;
     tests) python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/ops/test_loss.py tests/layers/test_norms.py ;;
     ops) python3 dev/train_ops_bench.py --out "$OUT/train_ops.json" ;;
-    *) echo "ROWS: unknown group $1 (expected hyb kdac gpt2c gpt2 fla tests ops)"; return 2 ;;
+    mem) python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/layers/test_recompute.py tests/ops/test_compile_blocks.py \
+           tests/models/test_mixed_precision.py -k "gpu or cuda"
+         python3 dev/train_memory.py $([ -n "${SMOKE:-}" ] && echo "--device cpu --run-len 32") --json "$OUT/train_memory.json" ;;
+    *) echo "ROWS: unknown group $1 (expected hyb kdac gpt2c gpt2 fla tests ops mem)"; return 2 ;;
   esac
 }
 export -f bench run_group; export OUT K HYB KDA GPT2 PARALLEL

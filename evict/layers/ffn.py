@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .recompute import compute_inputs, recompute
+from .recompute import compute_inputs, linear_of
 
 
 def _positive(name: str, value) -> None:
@@ -60,9 +60,10 @@ class _GatedFFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] (any leading dims) -> [B, T, D]. Under autocast one bf16 copy of x is kept (not one per
-        projection), and the activation keeps only its two inputs (recomputed in the backward)."""
+        projection); the activation and its product with W_2 keep only W_1 x and W_3 x (the activation recomputed in
+        the backward)."""
         x1, x3 = compute_inputs(x, 2)
-        return self.w2(recompute(self.act, self.w1(x1), self.w3(x3)))
+        return linear_of(self.w2, self.act, self.w1(x1), self.w3(x3))
 
 
 class SwiGLU(_GatedFFN):

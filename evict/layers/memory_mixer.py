@@ -24,7 +24,7 @@ from evict.ops import memory, memory_step
 from .conv import ShortConv
 from .init import reset_children
 from .norms import RMSNorm
-from .recompute import compute_inputs, recompute
+from .recompute import compute_inputs, linear_of, recompute
 
 KINDS = {  # kind -> (gate, delta, conv, features, normalizer, gated output)
     "linear": (None, False, False, "elu1", True, False),
@@ -153,8 +153,8 @@ class MemoryMixer(nn.Module):
                 state.conv = tail
         if self.normalizer:
             o = o[..., :D] / (o[..., D:] + 1e-6)
-        if self.o_norm is not None and self.f_out is not None:
-            o = recompute(self._gated_norm, o, self.f_out(xo).view(B, T, H, D))  # keeps o and the gate only
+        if self.o_norm is not None and self.f_out is not None:  # W_o (RMSNorm(o) ⊙ σ(gate)) keeps o and the gate only
+            return linear_of(self.wo, self._gated_norm, o, self.f_out(xo), params=(self.o_norm.weight,))
         return self.wo(o.reshape(B, T, H * D))
 
     def _features(self, qkv: torch.Tensor, tail: torch.Tensor | None, pos):
@@ -178,9 +178,9 @@ class MemoryMixer(nn.Module):
         return q, k, v, new_tail
 
     def _gated_norm(self, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """RMSNorm(o) ⊙ σ(g), o and g [B, T, H, D]."""
+        """RMSNorm(o) ⊙ σ(g): o [B, T, H, D], g [B, T, H D] -> [B, T, H D]."""
         assert self.o_norm is not None
-        return self.o_norm(o) * torch.sigmoid(g)
+        return (self.o_norm(o) * torch.sigmoid(g).view(o.shape)).flatten(2)
 
     def _packed(self, q, k, v, la, beta, S0: torch.Tensor, pos: PackedBatch):
         """The packed sequences [1, T, H, D]: the D decode rows in one step op, the prompt chunks through the op's
