@@ -99,7 +99,7 @@ class MemoryMixer(nn.Module):
     def log_alpha(self, x: torch.Tensor) -> torch.Tensor:
         """Per-step log decay, <= 0: [B, T, H] (scalar) or [B, T, H, D] (per channel), float32 (float64 in float64).
         Under autograd only the gate projection's output is kept; the float32 gate is recomputed in the backward."""
-        return recompute(self._decay, self.f_gate(x))
+        return recompute(self._decay, self.f_gate(x), params=(self.dt_bias, self.A_log))
 
     def _decay(self, g: torch.Tensor) -> torch.Tensor:
         """The gate projection's output g [B, T, H] or [B, T, H*D] -> log decay in float32 (float64 in float64)."""
@@ -122,7 +122,8 @@ class MemoryMixer(nn.Module):
         x, xg, xb, xo = compute_inputs(x, 4)  # under autocast one bf16 copy of x kept for the four projections, not 4
         qkv = self.wqkv(x)  # [B, T, 3 H D]
         # the conv, SiLU and feature maps recomputed in the backward: only qkv (and the op's own q, k, v) are kept
-        q, k, v, tail = recompute(self._features, qkv, None if state is None else state.conv, pos)
+        q, k, v, tail = recompute(self._features, qkv, None if state is None else state.conv, pos,
+                                  params=() if self.conv is None else (self.conv.weight,))
         if self.normalizer:  # the normalizer z = sum phi(k) is the same op run on v = ones
             v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
         la = None if self.gate is None else self.log_alpha(xg)

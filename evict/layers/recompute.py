@@ -1,18 +1,20 @@
 """Activation memory: pieces of a block that keep only their inputs for the backward and recompute the rest there.
 
-    y = recompute(fn, *args)   # fn(*args); under autograd only args are kept, fn's own saved tensors are recomputed
-    y = linear_of(lin, fn, *args)  # lin(fn(*args)) for a bias-free nn.Linear: fn's output is not kept either
-    xs = compute_inputs(x, n)  # n handles on one autocast-dtype copy of x, for n Linears that would each cast it
+    y = recompute(fn, *args, params=())      # fn(*args); under autograd only args are kept, fn is rerun in the backward
+    y = linear_of(lin, fn, *args, params=())  # lin(fn(*args)), a bias-free nn.Linear: fn's output is not kept either
+    xs = compute_inputs(x, n)                 # n handles on one autocast-dtype copy of x, for n Linears
 
-`recompute` is `torch.utils.checkpoint` (non-reentrant, no RNG stash: the pieces draw no random numbers) on a short,
-cheap, elementwise stretch (a gate, a norm, an activation), in eager mode. Under torch.compile fn runs as it is:
-Dynamo's checkpoint region broke the block's graph ("HOP: Non-nullified side effect", session 60), and Inductor's
-partitioner already chooses what to recompute across the whole block. The gradients are autograd's own of fn,
-recomputed: the same arithmetic, not a hand-written backward.
-`linear_of` is a Linear whose input is recomputed: its weight gradient needs that input (the largest thing a SwiGLU
-keeps), so the backward recomputes fn(*args) (elementwise) and forms both of the Linear's products itself, in the
-dtype the forward's product ran in (autocast's), as nn.Linear's backward does.
-Without a gradient (inference, no_grad) fn runs as it is. Measured per token and layer: dev/train_memory.py.
+`recompute` and `linear_of` run a short, cheap, elementwise stretch (a gate, the conv + feature maps, a norm, an
+activation) without a graph in the forward, keep its arguments, and in the backward run it again under the forward's
+autocast with a graph and take autograd's own gradients of it: the same arithmetic as the plain form, not a
+hand-written derivative. `params`: the parameters fn reads itself (a norm's weight, the decay's A and bias), given so
+their gradients reach them (a parameter left out would get none: tests/layers/test_recompute.py compares every
+gradient with the plain form's). `linear_of` also forms the Linear's two products in the backward (its weight gradient
+needs fn's output, the largest thing a SwiGLU keeps), in the dtype the forward's product ran in, as nn.Linear does.
+
+In eager mode only. Under torch.compile, and without a gradient, fn runs as it is: Inductor's partitioner chooses
+what to recompute across the whole block (a torch.utils.checkpoint region broke the block's graph, "HOP: Non-nullified
+side effect", session 60). Measured per token and layer: dev/train_memory.py.
 """
 
 from __future__ import annotations
@@ -22,14 +24,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
-
-
-def recompute(fn: Callable, *args):
-    """fn(*args), keeping only `args` for the backward (see the module doc)."""
-    if _plain(args):
-        return fn(*args)
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
 
 
 def _plain(args) -> bool:
@@ -38,39 +32,79 @@ def _plain(args) -> bool:
             or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args))
 
 
-class _LinearOf(torch.autograd.Function):
-    """y = fn(*args) Wᵀ keeping args and W only; the backward recomputes h = fn(*args) under the forward's autocast.
-    `params`: parameters fn reads itself (a norm's weight), given as inputs so their gradients reach them."""
+def _keep(ctx, fn, args, params, dev: str) -> None:
+    ctx.fn, ctx.dev, ctx.params = fn, dev, params
+    ctx.amp = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    ctx.n_args = len(args)
 
+
+def _rerun(ctx, args) -> tuple[list, object]:
+    """fn again on detached copies of its arguments, with a graph, under the forward's autocast: (the copies, out)."""
+    with torch.enable_grad(), torch.autocast(ctx.dev, dtype=ctx.amp or torch.bfloat16, enabled=ctx.amp is not None):
+        xs = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
+        return xs, ctx.fn(*xs)
+
+
+def _grads(ctx, xs, outs, douts) -> list:
+    """Gradients of outs (given douts, None = unused) for every argument and param (None where none is wanted)."""
+    pairs = [(o, g) for o, g in zip(outs, douts) if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+    inputs = [*xs, *ctx.params]
+    want = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    got = iter(torch.autograd.grad([o for o, _ in pairs], want, [g for _, g in pairs], allow_unused=True)
+               if want and pairs else [None] * len(want))
+    return [next(got) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in inputs]
+
+
+_KEPT = object()  # marks a tensor argument's place among the non-tensor ones
+
+
+class _Recompute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn, n_args, dev, *rest):
+        args = rest[:n_args]
+        _keep(ctx, fn, args, rest[n_args:], dev)
+        ctx.save_for_backward(*(a for a in args if isinstance(a, torch.Tensor)))
+        ctx.others = [_KEPT if isinstance(a, torch.Tensor) else a for a in args]  # non-tensor arguments (None, ints)
+        return fn(*args)
+
+    @staticmethod
+    def backward(ctx, *douts):
+        kept = iter(ctx.saved_tensors)
+        xs, out = _rerun(ctx, [next(kept) if a is _KEPT else a for a in ctx.others])
+        outs = out if isinstance(out, tuple) else (out,)
+        return (None, None, None, *_grads(ctx, xs, outs, douts))
+
+
+class _LinearOf(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, n_args, weight, *rest):
         args = rest[:n_args]
-        dev = weight.device.type
-        ctx.fn, ctx.dev, ctx.params = fn, dev, rest[n_args:]
-        ctx.amp = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        _keep(ctx, fn, args, rest[n_args:], weight.device.type)
         ctx.save_for_backward(weight, *args)
         return F.linear(fn(*args), weight)  # under the ambient autocast, as nn.Linear runs
 
     @staticmethod
     def backward(ctx, dy):
         weight, *args = ctx.saved_tensors
-        with torch.enable_grad(), torch.autocast(ctx.dev, dtype=ctx.amp or torch.bfloat16, enabled=ctx.amp is not None):
-            xs = [a.detach().requires_grad_(a.requires_grad) for a in args]
-            h = ctx.fn(*xs)
+        xs, h = _rerun(ctx, args)
         ct = dy.dtype  # the product's dtype: autocast's, or the operands' own
         hc = h.detach().to(ct)
         dh = dy @ weight.to(ct)  # [..., in]
         dw = (dy.reshape(-1, dy.shape[-1]).t() @ hc.reshape(-1, hc.shape[-1])).to(weight.dtype)  # [out, in]
-        want = [x for x in xs if x.requires_grad] + [p for p in ctx.params if p.requires_grad]
-        got = iter(torch.autograd.grad(h, want, dh.to(h.dtype), allow_unused=True) if want else ())
-        return (None, None, dw if ctx.needs_input_grad[2] else None,
-                *(next(got) if x.requires_grad else None for x in [*xs, *ctx.params]))
+        return (None, None, dw if ctx.needs_input_grad[2] else None, *_grads(ctx, xs, (h,), (dh.to(h.dtype),)))
+
+
+def recompute(fn: Callable, *args, params: tuple = ()):
+    """fn(*args) (a tensor or a tuple of tensors and Nones), keeping only `args` for the backward (module doc)."""
+    if _plain(args) and not any(p.requires_grad for p in params) or torch.compiler.is_compiling():
+        return fn(*args)
+    dev = next(a for a in args if isinstance(a, torch.Tensor)).device.type
+    return _Recompute.apply(fn, len(args), dev, *args, *params)
 
 
 def linear_of(lin: nn.Linear, fn: Callable, *args, params: tuple = ()) -> torch.Tensor:
-    """lin(fn(*args)) for a Linear without bias, keeping only args and the weight for the backward (module doc);
-    `params`: the parameters fn reads itself, whose gradients the backward then gives too."""
-    if lin.bias is not None or _plain(args):
+    """lin(fn(*args)) for a Linear without bias, keeping only args and the weight for the backward (module doc)."""
+    if lin.bias is not None or _plain([*args, lin.weight, *params]):
         return lin(fn(*args))
     return _LinearOf.apply(fn, len(args), lin.weight, *args, *params)
 
@@ -102,8 +136,8 @@ def compute_inputs(x: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
     x keep four bf16 copies of it; here they keep one (the same values: autocast casts the same way). Their input
     gradients are summed in x's dtype, as the n casts' would be."""
     dev = x.device.type
-    if not torch.is_autocast_enabled(dev) or x.dtype != torch.float32:
-        return (x,) * n
+    if not torch.is_autocast_enabled(dev) or x.dtype != torch.float32 or torch.compiler.is_compiling():
+        return (x,) * n  # compiled: the graph's casts of one x are one (common subexpressions)
     dt = torch.get_autocast_dtype(dev)
     if not torch.is_grad_enabled() or not x.requires_grad:
         return (x.to(dt),) * n

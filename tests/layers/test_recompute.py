@@ -33,7 +33,7 @@ def _plain_forms(monkeypatch):
     for m in (mm, ffn):
         monkeypatch.setattr(m, "compute_inputs", lambda t, n: (t,) * n)
         monkeypatch.setattr(m, "linear_of", lambda lin, fn, *args, params=(): lin(fn(*args)))
-    monkeypatch.setattr(mm, "recompute", lambda fn, *args: fn(*args))
+    monkeypatch.setattr(mm, "recompute", lambda fn, *args, params=(): fn(*args))
 
 
 @pytest.mark.parametrize("letter", list("KGDLC"))
