@@ -7,12 +7,14 @@ gradients and AdamW's state.
 
 Runs the LM cut to one block (the same config, n_layers=1) under bf16 autocast, one forward with gradients, inside
 `evict.bench.saved.saved_tensors` (a saved_tensors_hooks pack hook). On CUDA it runs at --batch x --seq-len itself (the
-real kernels: the memory op's Triton custom op, the Triton conv); on the CPU at batch 1 x --run-len, the memory op and
-conv in their PyTorch forms (not what CUDA keeps inside the op: the op's rows are marked), scaled to the shape.
+real kernels: the memory op's Triton custom op, the Triton conv); on the CPU at batch 1 x --run-len, scaled to the
+shape, the conv in its PyTorch form and the memory op keeping what its Triton form keeps on CUDA (its inputs and its
+per-chunk factors: `evict.bench.saved.triton_op_saves`), its output from the chunked form.
 Rows whose size does not grow with the tokens (autocast's bf16 copies of weights) are listed apart, unscaled.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -21,7 +23,7 @@ from collections import defaultdict
 import torch
 
 from evict.bench.model import model_config
-from evict.bench.saved import saved_bytes, saved_tensors
+from evict.bench.saved import saved_bytes, saved_tensors, triton_op_saves
 from evict.models import LM
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -54,7 +56,8 @@ def step():
         return model(x, targets=x).loss
 
 
-rows = saved_tensors(step, model, B * T)
+with triton_op_saves() if dev == "cpu" else contextlib.nullcontext():
+    rows = saved_tensors(step, model, B * T)
 MiB = 2**20
 groups: dict = defaultdict(lambda: [0, 0, ""])
 for r in rows:
@@ -88,7 +91,8 @@ summary = {
     "+ grads + AdamW (m, v) GiB": round(3 * 4 * n_params / 2**30, 2),
 }
 if dev == "cpu":
-    summary["note"] = "CPU: the memory op and conv in their PyTorch forms; on CUDA the op keeps q, k, v, log alpha, beta, its factors"
+    summary["note"] = ("CPU: the op's saves are its Triton form's (inputs + factors, at the run's chunk padding); "
+                       "rms_norm keeps its output too (CUDA's fused norm keeps 1/rms instead)")
 print(json.dumps(summary, indent=1))
 if a.json:
     with open(a.json, "w") as f:

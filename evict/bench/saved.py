@@ -15,8 +15,10 @@ bf16 copies of weights made by autocast are activations of the step (their numel
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -99,3 +101,39 @@ def saved_bytes(rows: list[Saved], prefix: str = "", *, fixed: bool = False) -> 
     """Activation bytes of the rows whose module starts with `prefix` (each storage once, parameters out): those that
     grow with the tokens, or (fixed=True) those that do not."""
     return sum(r.nbytes for r in rows if r.module.startswith(prefix) and r.fixed == fixed)
+
+
+class _Keeps(torch.autograd.Function):
+    """Keeps `kept` for a backward that never runs here: the memory op's saves, for an account of them."""
+
+    @staticmethod
+    def forward(ctx, o, *kept):
+        ctx.save_for_backward(*kept)
+        return o.view_as(o)
+
+
+@contextlib.contextmanager
+def triton_op_saves(factors: bool = True) -> Iterator[None]:
+    """Inside: the memory op (any form) keeps for its backward what its Triton form keeps on CUDA: its inputs q, k, v,
+    log alpha, beta and (`factors`, the default keep_factors=True) its per-chunk factors (empty tensors of the sizes
+    `triton.autograd._kept_layout` gives, at `auto_chunk`'s chunk); its output is the form's own, computed without a
+    graph. For an account on a machine without CUDA (dev/train_memory.py, tests); nothing here can train."""
+    mem = importlib.import_module("evict.ops.memory")
+    real = mem._dispatch
+
+    def dispatch(q, k, v, la, beta, delta, *rest):
+        with torch.no_grad():
+            o, S = real(q, k, v, la, beta, delta, *rest)
+        kept = [t for t in (q, k, v, la, beta) if t is not None]
+        if factors:
+            from evict.ops.memory.triton.autograd import _kept_layout, auto_chunk
+
+            B, _, H, K = q.shape
+            kept += [q.new_empty(n, dtype=dt) for n, dt in _kept_layout(q, v, la, delta, auto_chunk(B, H, K), 1) if n]
+        return _Keeps.apply(o, *kept), S
+
+    mem._dispatch = dispatch
+    try:
+        yield
+    finally:
+        mem._dispatch = real

@@ -7,8 +7,7 @@ import torch
 
 import evict.layers.ffn as ffn
 import evict.layers.memory_mixer as mm
-import importlib
-from evict.bench.saved import saved_bytes, saved_tensors
+from evict.bench.saved import saved_bytes, saved_tensors, triton_op_saves
 from evict.models import LM, presets
 
 
@@ -78,36 +77,19 @@ def test_floor_where_is_clamp():
     assert torch.equal(ga, gb)
 
 
-class _KeepInputs(torch.autograd.Function):
-    """A stand-in for the memory op's autograd: keeps exactly its inputs (what the Triton op keeps besides its
-    per-chunk factors), the output computed by the op without a graph."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, la, beta, run):
-        ctx.save_for_backward(q, k, v, la, beta)
-        return run()
-
-
-def _block_saves(model: LM, B: int, T: int, monkeypatch) -> tuple[int, list]:
-    mem = importlib.import_module("evict.ops.memory")
-    real = mem._dispatch
-
-    def dispatch(q, k, v, la, beta, *rest):
-        o = _KeepInputs.apply(q, k, v, la, beta, lambda: real(q, k, v, la, beta, *rest)[0])
-        return o, None
-
-    monkeypatch.setattr(mem, "_dispatch", dispatch)
+def _block_saves(model: LM, B: int, T: int) -> tuple[int, list]:
     x = torch.randint(0, 61, (B, T))
 
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return model(x, targets=x).loss
 
-    rows = saved_tensors(step, model, B * T)
+    with triton_op_saves(factors=False):  # the op keeps its inputs (its CPU form keeps much more)
+        rows = saved_tensors(step, model, B * T)
     return saved_bytes(rows, "blocks.0"), rows
 
 
-def test_kda_block_saved_bytes_bound(monkeypatch):
+def test_kda_block_saved_bytes_bound():
     """A KDA block under bf16 autocast (float32 residual stream and parameters, CPU) keeps at most, per token:
     the two pre-norms' input and output (float32; CUDA's fused norm keeps the input and 1 / rms) 2 x (8 d + 4); x in
     bf16 once per sublayer 2 x 2 d; qkv 6 HD; the op's q, k, v 6 HD, log alpha 4 HD (+ its floor's bool mask HD),
@@ -120,7 +102,7 @@ def test_kda_block_saved_bytes_bound(monkeypatch):
     HD = H * D
     B, T = 1, 40  # B T differs from every weight dim: the `fixed` rows are the weights' bf16 copies
     model = _lm("K", d=d, H=H, D=D, F=F)
-    got, rows = _block_saves(model, B, T, monkeypatch)
+    got, rows = _block_saves(model, B, T)
     bound = 2 * (8 * d + 4) + 2 * 2 * d + 6 * HD + 6 * HD + 5 * HD + 4 * H + 2 * D + 2 * HD + 2 * r + 2 * 2 * HD + 2 * 2 * F
     listing = "\n".join(f"{r.module} {r.op} {r.shape} {r.dtype} {r.nbytes}" for r in rows if r.nbytes)
     assert got <= bound * B * T, f"{got / (B * T):.0f} B/token > {bound}\n{listing}"
