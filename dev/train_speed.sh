@@ -9,8 +9,9 @@
 #   fla    fla 0.6.0's KDAForCausalLM (eager, its own kernels; its autotuned kernels compile their configs in parallel
 #          first, evict/bench/autotune.py), with a profile of one step; last: it takes whatever time is left
 #   tests  the loss / norm GPU tests;  ops  dev/train_ops_bench.py (the loss and norm pieces beside their old forms)
-#   mem    the block's memory: GPU tests of the recomputed pieces and compiled blocks, then dev/train_memory.py (every
-#          tensor one KDA block keeps for its backward at B4 T4096 on CUDA, $OUT/train_memory.json)
+#   mem    the block's memory: GPU tests of the recomputed pieces, the compiled KDA block, the KDA presets' bf16
+#          training steps; then dev/train_memory.py (every tensor one KDA block keeps for its backward at B4 T4096 on
+#          CUDA, $OUT/train_memory.json)
 # Each group's timeout is min(its cap, what is left of BUDGET less the later groups' floors). Then every JSON is
 # merged into one table (train_all.json, ratios across groups); the logs and the Triton autotune results (fla's
 # kernels' choices) come back in one tar, train_speed_logs.tar (the call returns at most 8 files); FLA_AUTOTUNE=path
@@ -59,8 +60,9 @@ run_group() {
     fla) bench "models=($K,), $KDA, impls=('reference',), profile=30, parallel_compile=${PARALLEL:-True}" fla ;;
     tests) python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/ops/test_loss.py tests/layers/test_norms.py ;;
     ops) python3 dev/train_ops_bench.py --out "$OUT/train_ops.json" ;;
-    mem) python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/layers/test_recompute.py tests/ops/test_compile_blocks.py \
-           tests/models/test_mixed_precision.py -k "gpu or cuda"
+    mem) python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/layers/test_recompute.py \
+           "tests/ops/test_compile_blocks.py::test_gpu_blocks_compile_whole[K]" \
+           tests/models/test_mixed_precision.py -k "recomputed or compile_whole or kda-cuda or kimi_linear-cuda"
          python3 dev/train_memory.py $([ -n "${SMOKE:-}" ] && echo "--device cpu --run-len 32") --json "$OUT/train_memory.json" ;;
     *) echo "ROWS: unknown group $1 (expected hyb kdac gpt2c gpt2 fla tests ops mem)"; return 2 ;;
   esac
