@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -118,7 +118,7 @@ def triton_op_saves(factors: bool = True) -> Iterator[None]:
     log alpha, beta and (`factors`, the default keep_factors=True) its per-chunk factors (empty tensors of the sizes
     `triton.autograd._kept_layout` gives, at `auto_chunk`'s chunk); its output is the form's own, computed without a
     graph. For an account on a machine without CUDA (dev/train_memory.py, tests); nothing here can train."""
-    mem = importlib.import_module("evict.ops.memory")
+    mem: Any = importlib.import_module("evict.ops.memory")  # the module (evict.ops.memory the name is the function)
     real = mem._dispatch
 
     def dispatch(q, k, v, la, beta, delta, *rest):

@@ -19,7 +19,7 @@ side effect", session 60). Measured per token and layer: dev/train_memory.py.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,7 @@ def _keep(ctx, fn, args, params, dev: str) -> None:
     ctx.n_args = len(args)
 
 
-def _rerun(ctx, args) -> tuple[list, object]:
+def _rerun(ctx, args) -> tuple[list, Any]:
     """fn again on detached copies of its arguments, with a graph, under the forward's autocast: (the copies, out)."""
     with torch.enable_grad(), torch.autocast(ctx.dev, dtype=ctx.amp or torch.bfloat16, enabled=ctx.amp is not None):
         xs = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
