@@ -34,15 +34,23 @@ p.add_argument("--run-len", type=int, default=64, help="tokens run on the CPU (t
 p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
 p.add_argument("--json", default=None)
 a = p.parse_args()
+
+
+def fail(message: str):
+    """Bad input: one line on stderr, exit 2."""
+    print(f"train_memory: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 if min(a.batch, a.seq_len, a.run_len) < 1:
-    sys.exit("train_memory: --batch, --seq-len and --run-len must be positive")
+    fail(f"--batch, --seq-len, --run-len: expected positive ints, got {a.batch}, {a.seq_len}, {a.run_len}")
 dev = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
 if dev == "cuda" and not torch.cuda.is_available():
-    sys.exit("train_memory: --device cuda: CUDA is not available")
+    fail("--device cuda: CUDA is not available on this machine")
 try:
     full = model_config(a.model)
 except ValueError as e:
-    sys.exit(f"train_memory: --model: {e}")
+    fail(f"--model: {e}")
 cfg = dataclasses.replace(full, n_layers=1, pattern=full.layer_mixers()[0])
 torch.manual_seed(0)
 model = LM(cfg).to(dev)
