@@ -7,8 +7,8 @@ at each part's last token). Scenarios per model: one chunk alone at each `--offs
 load's two-chunk step at every offset, and one step packing a chunk at each of `--offsets`. Prints, per scenario, the
 step's wall time (synchronized median), each layer type's time (CUDA events around every mixer and FFN, summed over the
 layers of that type; "rest" = embedding, norms, head, host), and the hand-counted FLOPs and bytes of each layer type
-(the cost model below) with the rate they imply; then the load's prefill time predicted from its steps (64 requests);
-then torch.profiler kernel tables of one layer of each type run alone on a load step's inputs (`--kernels` rows).
+(the cost model below) with the rate they imply; then the load's prefill time predicted from its steps (64 requests), and the real engine's step (`Engine.step`, two
+requests prefilled side by side: the same shapes) against the bare forward's; then torch.profiler kernel tables of one layer of each type run alone on a load step's inputs (`--kernels` rows).
 `--models` takes hybrid, attention and hybrid_nopad (the hybrid with MLA's values not padded for flash: the attention
 op's PAD_VALUES_FOR_FLASH off, the kernel before this change) side by side. `--cost-only`: the cost model alone (CPU,
 no step run). `--cpu`: tiny width, float32, 32-token chunks of 128-token prompts on the CPU (checks the script runs).
@@ -28,6 +28,7 @@ from evict.layers.attention import Attention
 from evict.layers.memory_mixer import MemoryMixer
 from evict.layers.mla import MLA
 from evict.models import LM
+from evict.serve.engine import Engine, SamplingParams
 
 attention_op = importlib.import_module("evict.ops.attention")  # the module (evict.ops exports its function)
 WIDTH = dict(d_model=1024, n_layers=8, n_heads=8, head_dim=128, d_ff=2816, kv_lora_rank=512, qk_nope_dim=128,
@@ -236,12 +237,42 @@ def run_model(kind: str, a, results: dict) -> None:
     predicted = statistics.mean(load) * steps / 1e3
     print(f"load: mean step {statistics.mean(load):.2f} ms x {steps} steps = {predicted:.2f} s of prefill for "
           f"{a.requests} x {a.prompt} tokens ({a.requests * a.prompt / predicted:,.0f} prompt tok/s)")
-    results[kind] = {"rows": rows, "load_mean_step_ms": statistics.mean(load), "load_prefill_s": predicted}
+    eng = engine_steps(model, a)
+    print(f"engine: two requests of {a.prompt} prompt tokens + 1 new, {len(eng)} packed steps (2x{a.chunk} at each "
+          f"offset) through Engine.step: mean {statistics.mean(eng):.2f} ms a step against the bare forward's "
+          f"{statistics.mean(load):.2f} ms (the engine's bookkeeping and sampling: the difference)")
+    results[kind] = {"rows": rows, "load_mean_step_ms": statistics.mean(load), "load_prefill_s": predicted,
+                     "engine_step_ms": eng}
     if a.kernels:
         kernel_tables(model, pool, a, kind, vocab)
     del model, pool
     if a.device == "cuda":
         torch.cuda.empty_cache()
+
+
+def engine_steps(model: LM, a) -> list[float]:
+    """Wall ms of each step of the real engine (no CUDA graphs, in process) prefilling two requests of a.prompt tokens
+    side by side, as the load pairs them: the same packed steps as the load's, with the engine's own host work.
+    The second of two rounds (the first warms)."""
+    eng = Engine(model, max_batch=2, cache_budget=(4 << 30) if a.device == "cuda" else (64 << 20), block_size=256 if
+                 a.prompt % 256 == 0 else a.chunk, max_len=a.prompt + 1, prefill_chunk=a.chunk,
+                 max_num_batched_tokens=2 * a.chunk, cuda_graphs=False)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        for _ in range(2):
+            eng.submit(torch.randint(0, model.cfg.vocab_size, (a.prompt,), generator=gen).tolist(),
+                       SamplingParams(max_tokens=1, temperature=0))
+        times = []
+        with torch.inference_mode():
+            while True:
+                sync(a)
+                t0 = time.perf_counter()
+                busy = eng.step()
+                sync(a)
+                if not busy:
+                    break
+                times.append((time.perf_counter() - t0) * 1e3)
+    return times
 
 
 def kernel_tables(model: LM, pool, a, kind: str, vocab: int) -> None:

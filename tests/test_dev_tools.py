@@ -50,5 +50,5 @@ def test_serve_prefill_profile_runs_on_a_cpu(tmp_path):
     for kind, letters in (("hybrid", {"K", "M", "ffn"}), ("attention", {"A", "ffn"})):
         rows = res[kind]["rows"]
         assert len(rows) == 3 + 4 + 1 and all(set(r["by_type_ms"]) == letters for r in rows)
-        assert res[kind]["load_prefill_s"] > 0
+        assert res[kind]["load_prefill_s"] > 0 and len(res[kind]["engine_step_ms"]) == 128 // 32  # the engine's steps
     assert "load prefill time hybrid / attention" in out.stdout
