@@ -58,7 +58,7 @@ mode_http_attention() { bench 4k attention 120 $B4K; bench 4k_inprocess attentio
 mode_prefill() {
     timeout "${TEST_S:-150}" $PY -m pytest -q -rf -m gpu tests/serve/test_engine_gpu.py tests/ops/test_attention.py \
         tests/models/test_mixed_precision.py -p no:cacheprovider ${TEST_N:+-n $TEST_N}
-    timeout "${PROFILE_S:-100}" $PY dev/serve_prefill_profile.py --json "$RES/prefill_profile.json"
+    timeout "${PROFILE_S:-110}" $PY -u dev/serve_prefill_profile.py --json "$RES/prefill_profile.json"
 }
 mode_cap() { bench 4k_cap2k hybrid 100 $B4K --decode-prefill-tokens 2048; }
 mode_attn() { timeout 60 $PY dev/packed_attention_gpu.py; }

@@ -38,7 +38,7 @@ KDA_CHUNK = 64  # the memory op's chunk for packed sequences (triton/autograd.au
 
 def args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["hybrid", "hybrid_nopad", "attention"],
+    ap.add_argument("--models", nargs="+", default=["hybrid", "attention", "hybrid_nopad"],
                     choices=["hybrid", "hybrid_nopad", "attention"])
     ap.add_argument("--chunk", type=int, help="prompt chunk (default 4096; --cpu 64)")
     ap.add_argument("--prompt", type=int, help="prompt length of the load (default 32768; --cpu 256)")
