@@ -40,8 +40,8 @@ def args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["hybrid", "attention", "hybrid_nopad"],
                     choices=["hybrid", "hybrid_nopad", "attention"])
-    ap.add_argument("--chunk", type=int, help="prompt chunk (default 4096; --cpu 64)")
-    ap.add_argument("--prompt", type=int, help="prompt length of the load (default 32768; --cpu 256)")
+    ap.add_argument("--chunk", type=int, help="prompt chunk (default 4096; --cpu 32)")
+    ap.add_argument("--prompt", type=int, help="prompt length of the load (default 32768; --cpu 128)")
     ap.add_argument("--offsets", type=int, nargs="+", help="single-chunk offsets (default 0, prompt/2, prompt-chunk)")
     ap.add_argument("--requests", type=int, default=64, help="requests of the load (its predicted prefill time)")
     ap.add_argument("--decode", type=int, default=0, help="decode rows added to each load step (at the chunk's offset)")
