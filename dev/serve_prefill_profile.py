@@ -7,12 +7,16 @@ at each part's last token). Scenarios per model: one chunk alone at each `--offs
 load's two-chunk step at every offset, and one step packing a chunk at each of `--offsets`. Prints, per scenario, the
 step's wall time (synchronized median), each layer type's time (CUDA events around every mixer and FFN, summed over the
 layers of that type; "rest" = embedding, norms, head, host), and the hand-counted FLOPs and bytes of each layer type
-(the cost model below) with the rate they imply; then the load's prefill time predicted from its steps (64 requests), and the real engine's step (`Engine.step`, two
-requests prefilled side by side: the same shapes) against the bare forward's; then torch.profiler kernel tables of one layer of each type run alone on a load step's inputs (`--kernels` rows).
+(the cost model below) with the rate they imply. Then: the load's prefill time predicted from its steps (64 requests);
+the real engine's step (`Engine.step`, two requests prefilled side by side: the same shapes) against the bare
+forward's; torch.profiler kernel tables of one layer of each type run alone on a load step's inputs (`--kernels`
+rows) and of the whole step; and the load itself in process through the engine (`--load-requests` x (prompt +
+`--load-out`) after `--load-warmup` requests, a 70 GiB pool as the bench's): TTFT, step times early against late, the
+slowest steps with their plan, the allocator's retries (see engine_load).
 `--models` takes hybrid, attention and hybrid_nopad (the hybrid with MLA's values not padded for flash: the attention
 op's PAD_VALUES_FOR_FLASH off, the kernel before this change) side by side. `--cost-only`: the cost model alone (CPU,
 no step run). `--cpu`: tiny width, float32, 32-token chunks of 128-token prompts on the CPU (checks the script runs).
-Run on CUDA: python dev/serve_prefill_profile.py [--models hybrid hybrid_nopad attention] [--kernels 12]"""
+Run on CUDA: python dev/serve_prefill_profile.py [--models hybrid attention hybrid_nopad] [--kernels 12]"""
 
 import argparse
 import importlib
@@ -49,12 +53,21 @@ def args():
     ap.add_argument("--kernels", type=int, default=12, help="rows of each kernel table (0: no profiler)")
     ap.add_argument("--cpu", action="store_true", help="tiny width, float32, small shapes on the CPU")
     ap.add_argument("--cost-only", action="store_true", help="print the cost model at the bench width and exit (CPU)")
+    ap.add_argument("--load-requests", type=int, help="the load in process through the real engine: this many requests "
+                    "(default 32; --cpu 4; 0: not run)")
+    ap.add_argument("--load-models", nargs="+", default=["hybrid", "attention"], help="models that run it")
+    ap.add_argument("--load-warmup", type=int, help="untimed requests first (default 8; --cpu 1)")
+    ap.add_argument("--load-out", type=int, help="new tokens per request (default 64; --cpu 4)")
+    ap.add_argument("--load-budget", type=float, help="its pool in GiB (default 70, the bench's; --cpu 0.0625)")
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args()
     small = a.cpu
     a.chunk = a.chunk or (32 if small else 4096)
     a.prompt = a.prompt or (128 if small else 32768)
     a.offsets = a.offsets or [0, a.prompt // 2, a.prompt - a.chunk]
+    for name, big, tiny in (("load_requests", 32, 4), ("load_warmup", 8, 1), ("load_out", 64, 4), ("load_budget", 70, 0.0625)):
+        if getattr(a, name) is None:
+            setattr(a, name, tiny if small else big)
     if a.chunk < 1 or a.prompt % a.chunk or any(o % a.chunk or not 0 <= o < a.prompt for o in a.offsets):
         ap.error("--prompt must be a multiple of --chunk and --offsets multiples of --chunk below --prompt")
     a.device = "cpu" if small or a.cost_only else "cuda"
@@ -245,7 +258,15 @@ def run_model(kind: str, a, results: dict) -> None:
                      "engine_step_ms": eng}
     if a.kernels:
         kernel_tables(model, pool, a, kind, vocab)
-    del model, pool
+    del pool
+    if a.device == "cuda":
+        torch.cuda.empty_cache()
+    if a.load_requests and kind in a.load_models:
+        try:
+            results[kind]["engine_load"] = engine_load(model, a)
+        except Exception as e:  # e.g. the pool does not fit beside this process's leftovers: the other models go on
+            print(f"engine load ({kind}) failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    del model
     if a.device == "cuda":
         torch.cuda.empty_cache()
 
@@ -273,6 +294,72 @@ def engine_steps(model: LM, a) -> list[float]:
                     break
                 times.append((time.perf_counter() - t0) * 1e3)
     return times
+
+
+def engine_load(model: LM, a) -> dict:
+    """The load itself in process, as the bench's server runs it (no HTTP): the engine's decode graphs captured
+    first (`warm_up`), a.load_warmup requests untimed, then a.load_requests x (a.prompt + a.load_out) submitted at
+    once. Prints wall, req/s, TTFT p50 / p99, the step times (the first half of the timed run, by steps to TTFT p50,
+    against the rest: a one-off cost early shows there), the slowest steps with their plan (decode rows, chunk
+    sizes), and the caching allocator's retries and cudaMallocs during the timed run (memory pressure beside a
+    70 GiB pool)."""
+    N, P, O = a.load_requests, a.prompt, a.load_out
+    eng = Engine(model, max_batch=max(N, a.load_warmup), cache_budget=int(a.load_budget * (1 << 30)),
+                 block_size=256 if P % 256 == 0 else a.chunk, max_len=P + O, prefill_chunk=a.chunk)
+    eng.warm_up()
+    plans: list[tuple[int, list[int]]] = []
+    plan = eng._plan
+
+    def traced():
+        d, c = plan()
+        plans.append((len(d), [T for _, T in c]))
+        return d, c
+
+    eng._plan = traced  # type: ignore[method-assign]
+    gen = torch.Generator().manual_seed(3)
+
+    def run(n: int):
+        reqs = [eng.submit(torch.randint(0, model.cfg.vocab_size, (P,), generator=gen).tolist(),
+                           SamplingParams(max_tokens=O, temperature=0)) for _ in range(n)]
+        plans.clear()
+        times, t0 = [], time.perf_counter()
+        with torch.inference_mode():
+            while True:
+                s = time.perf_counter()
+                if not eng.step():
+                    break
+                sync(a)
+                times.append((time.perf_counter() - s) * 1e3)
+        return reqs, times, time.perf_counter() - t0
+
+    run(a.load_warmup)
+    stats = (lambda: torch.cuda.memory_stats()) if a.device == "cuda" else (lambda: {})
+    m0 = stats()
+    reqs, times, wall = run(N)
+    m1 = stats()
+    ttft = sorted(r.t_first - r.t_submit for r in reqs)
+    p50 = ttft[len(ttft) // 2]
+    clock, half = 0.0, len(times)
+    for i, t in enumerate(times):
+        clock += t / 1e3
+        if clock >= p50:
+            half = i + 1
+            break
+    slow = sorted(range(len(times)), key=lambda i: -times[i])[:8]
+    out = {"requests": N, "wall_s": wall, "requests_per_s": N / wall, "ttft_p50_s": p50, "ttft_p99_s": ttft[-1],
+           "steps": len(times), "step_ms_median": statistics.median(times),
+           "steps_to_ttft_p50": half, "ms_per_step_to_p50": sum(times[:half]) / half,
+           "ms_per_step_after": sum(times[half:]) / max(len(times) - half, 1),
+           "slowest": [(round(times[i], 1), i, plans[i][0], plans[i][1]) for i in slow],
+           "alloc_retries": m1.get("num_alloc_retries", 0) - m0.get("num_alloc_retries", 0),
+           "cuda_mallocs": m1.get("num_device_alloc", 0) - m0.get("num_device_alloc", 0)}
+    print(f"engine load in process: {N} x ({P} + {O}) after {a.load_warmup} warm-up: wall {wall:.2f} s, "
+          f"{N / wall:.2f} req/s, TTFT p50 {p50:.2f} s p99 {ttft[-1]:.2f} s; {len(times)} steps, median "
+          f"{out['step_ms_median']:.1f} ms; {out['ms_per_step_to_p50']:.1f} ms a step to TTFT p50 ({half} steps), "
+          f"{out['ms_per_step_after']:.1f} after; allocator retries {out['alloc_retries']}, cudaMallocs "
+          f"{out['cuda_mallocs']}")
+    print("  slowest steps (ms, index, decode rows, chunks):", out["slowest"])
+    return out
 
 
 def kernel_tables(model: LM, pool, a, kind: str, vocab: int) -> None:

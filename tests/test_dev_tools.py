@@ -51,4 +51,5 @@ def test_serve_prefill_profile_runs_on_a_cpu(tmp_path):
         rows = res[kind]["rows"]
         assert len(rows) == 3 + 4 + 1 and all(set(r["by_type_ms"]) == letters for r in rows)
         assert res[kind]["load_prefill_s"] > 0 and len(res[kind]["engine_step_ms"]) == 128 // 32  # the engine's steps
+        assert res[kind]["engine_load"]["requests"] == 4 and res[kind]["engine_load"]["steps"] >= 4  # the load in process
     assert "load prefill time hybrid / attention" in out.stdout
