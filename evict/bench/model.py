@@ -334,8 +334,8 @@ def merge(paths, out=None) -> list[dict]:
 
 
 def _ratios(rows: list[dict]) -> None:
-    """evict's rows against their reference in the same mode (transformers / fla), hybrids against evict's KDA-only
-    model of the same width in the same mode: tokens/s ratio (> 1: evict faster) and peak-memory ratio (< 1: less).
+    """evict's rows against their reference in the same mode (transformers / fla; a compiled row with no compiled fla
+    row against fla's eager one, labelled so), hybrids against evict's KDA-only model of the same width in the same mode: tokens/s ratio (> 1: evict faster) and peak-memory ratio (< 1: less).
     Only rows of the same shape are compared (`merge` may bring rows of several runs together)."""
     def find(model, impl, mode, shape):
         return next((r for r in rows if (r["model"], r["impl"], r["mode"], r.get("shape")) == (model, impl, mode, shape)
@@ -348,9 +348,13 @@ def _ratios(rows: list[dict]) -> None:
         base = next((b for b in (find(r["model"], i, r["mode"], at) for i in ("transformers", "fla")) if b), None)
         if base is None and r["model"] in ("kkka_226m", "kkkm_226m"):
             base = find("kda_226m", "evict", r["mode"], at)
+        if base is None and r["mode"] != "eager":  # fla's model runs eager only (its kernels are its speed): a compiled
+            base = find(r["model"], "fla", "eager", at)  # evict row is what a user would put beside fla as fla runs
         if base is None:
             continue
         r["vs"] = f"{base['impl']} {base['model']}" if base["model"] != r["model"] else base["impl"]
+        if base["mode"] != r["mode"]:
+            r["vs"] += f" ({base['mode']})"
         r["tok/s ratio"] = round(r["tok/s"] / base["tok/s"], 2)
         if r["peak GiB"] is not None and base["peak GiB"]:
             r["memory ratio"] = round(r["peak GiB"] / base["peak GiB"], 2)
