@@ -9,7 +9,10 @@
 # --decode-prefill-tokens 2048), attn (dev/packed_attention_gpu.py), profile (dev/serve_step_profile.py), knobs,
 # http (the 4K hybrid through HTTP from one client process, from 4 (--client-procs 4), then the same load with
 # `--spawn engine`: no server, the engine in the bench's process; side by side they are what the HTTP side and the
-# bench's client cost; http_attention: HTTP and in process for attention).
+# bench's client cost; http_attention: HTTP and in process for attention), prefill (the prefill path's GPU tests: engine,
+# attention op, mixed precision; then dev/serve_prefill_profile.py: one packed step of the 32K load per layer type, the
+# hybrid with and without MLA's flash padding beside attention, then 32 x 32K through the engine in process; JSON
+# $RES/prefill_profile.json; ~4 min).
 case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
 MODES=${*:-tests main engine cap attn profile knobs}
 set -uo pipefail
@@ -53,6 +56,11 @@ mode_http() {  # HTTP with one client process (as before), with 4, and the engin
     bench 4k_inprocess hybrid 120 $B4K --spawn engine
 }
 mode_http_attention() { bench 4k attention 120 $B4K; bench 4k_inprocess attention 120 $B4K --spawn engine; }
+mode_prefill() {
+    timeout "${TEST_S:-150}" $PY -m pytest -q -rf -m gpu tests/serve/test_engine_gpu.py tests/ops/test_attention.py \
+        tests/models/test_mixed_precision.py -p no:cacheprovider ${TEST_N:+-n $TEST_N}
+    timeout "${PROFILE_S:-130}" $PY -u dev/serve_prefill_profile.py --reps 3 --json "$RES/prefill_profile.json"
+}
 mode_cap() { bench 4k_cap2k hybrid 100 $B4K --decode-prefill-tokens 2048; }
 mode_attn() { timeout 60 $PY dev/packed_attention_gpu.py; }
 mode_profile() {  # steps of the 4K load in process: the prefill phase, then the decode phase
