@@ -147,3 +147,20 @@ def test_bf16_autocast_keeps_float32_logits():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = attn_res(src, q)
     assert out.dtype == torch.float32 and torch.equal(out, attn_res(src, q))
+
+
+def test_compiles_whole_with_its_backward():
+    """torch.compile (fullgraph: no graph break; aot_eager: AOTAutograd traces the written-out backward) gives the
+    eager op's output and every gradient."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    src = [torch.randn(2, 5, 24, requires_grad=True) for _ in range(3)]
+    q, nw = torch.randn(24, requires_grad=True), torch.rand(24, requires_grad=True)
+    go = torch.randn(2, 5, 24)
+    outs = []
+    for fn in (attn_res, torch.compile(attn_res, backend="aot_eager", fullgraph=True)):
+        y = fn(src, q, norm_weight=nw)
+        outs.append([y.detach(), *torch.autograd.grad(y, src + [q, nw], go)])
+    for a, b in zip(*outs):
+        assert rel(a, b) < 1e-6
