@@ -57,15 +57,18 @@ def _dtypes(vs: list[torch.Tensor]) -> tuple[torch.dtype, torch.dtype]:
 
 
 def _stats(vs: list[torch.Tensor], u: torch.Tensor, eps: float, cd: torch.dtype):
-    """Per token and source: dot = v . u and rstd = 1 / sqrt(mean(v^2) + eps), each [S, B, T] in `cd`; two
-    reductions that read each source once and write no [B, T, D] temporary (for sources already in `cd`)."""
+    """Per token and source: dot = v . u and rstd = 1 / sqrt(mean(v^2) + eps), each [S, B, T] in `cd`. Eager: a
+    matrix-vector product and a norm, each reads a source once and writes no [B, T, D] temporary (for sources already
+    in `cd`); under torch.compile the pointwise-and-sum form, which Inductor fuses into one read of each source."""
     D = u.shape[0]
+    fused = torch.compiler.is_compiling()
     dots, rstds = [], []
     with torch.autocast(u.device.type, enabled=False):  # float32 dot products under a bf16 autocast too
         for v in vs:
             vf = v.to(cd)
-            dots.append(vf @ u)  # [B, T]
-            rstds.append(torch.rsqrt(torch.linalg.vector_norm(vf, dim=-1).square() / D + eps))  # [B, T]
+            dots.append((vf * u).sum(-1) if fused else vf @ u)  # [B, T]
+            ms = vf.square().mean(-1) if fused else torch.linalg.vector_norm(vf, dim=-1).square() / D
+            rstds.append(torch.rsqrt(ms + eps))  # [B, T]
     return torch.stack(dots), torch.stack(rstds)  # [S, B, T] each
 
 
@@ -103,12 +106,17 @@ class _AttnRes(torch.autograd.Function):
         gdot = gl * rstd
         c = gl * dot * rstd.pow(3) * (-1.0 / D)  # (2 / D) gms: the coefficient of v_i in dv_i
         du = torch.zeros_like(u)
+        fused = torch.compiler.is_compiling()
         grads = []
         for i, v in enumerate(vs):
             vf = v.to(cd)
-            dv = torch.addcmul(gof * w[i, ..., None], vf, c[i, ..., None])  # [B, T, D]
-            dv = torch.addr(dv.reshape(-1, D), gdot[i].flatten(), u).view(dv.shape)  # + gdot_i (outer) u
-            du += torch.tensordot(gdot[i], vf, dims=([0, 1], [0, 1]))  # [D]
+            if fused:  # pointwise and sums: Inductor fuses them (a GEMM would be a kernel of its own)
+                dv = gof * w[i, ..., None] + vf * c[i, ..., None] + gdot[i, ..., None] * u  # [B, T, D]
+                du += (vf * gdot[i, ..., None]).sum((0, 1))
+            else:  # eager: three passes for dv, a matrix-vector product for du
+                dv = torch.addcmul(gof * w[i, ..., None], vf, c[i, ..., None])  # [B, T, D]
+                dv = torch.addr(dv.reshape(-1, D), gdot[i].flatten(), u).view(dv.shape)  # + gdot_i (outer) u
+                du += torch.tensordot(gdot[i], vf, dims=([0, 1], [0, 1]))  # [D]
             grads.append(dv.to(v.dtype))
         gq = (du if norm_weight is None else du * norm_weight.to(cd)).to(query.dtype)
         gg = (du * query.to(cd)).to(norm_weight.dtype) if ctx.has_norm else None

@@ -150,17 +150,16 @@ def test_bf16_autocast_keeps_float32_logits():
 
 
 def test_compiles_whole_with_its_backward():
-    """torch.compile (fullgraph: no graph break; aot_eager: AOTAutograd traces the written-out backward) gives the
-    eager op's output and every gradient."""
+    """torch.compile (fullgraph: no graph break; aot_eager: AOTAutograd traces the written-out backward, in its
+    compiled form) against the float64 loop, output and every gradient; odd sizes."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    src = [torch.randn(2, 5, 24, requires_grad=True) for _ in range(3)]
-    q, nw = torch.randn(24, requires_grad=True), torch.rand(24, requires_grad=True)
-    go = torch.randn(2, 5, 24)
-    outs = []
-    for fn in (attn_res, torch.compile(attn_res, backend="aot_eager", fullgraph=True)):
-        y = fn(src, q, norm_weight=nw)
-        outs.append([y.detach(), *torch.autograd.grad(y, src + [q, nw], go)])
-    for a, b in zip(*outs):
-        assert rel(a, b) < 1e-6
+    src = _sources(3, 2, 5, 23, seed=9)
+    g = torch.Generator().manual_seed(9)
+    q, nw = torch.randn(23, generator=g, dtype=torch.float64), torch.rand(23, generator=g, dtype=torch.float64) + 0.5
+    go = torch.randn(2, 5, 23, generator=g, dtype=torch.float64)
+    compiled = torch.compile(attn_res, backend="aot_eager", fullgraph=True)
+    assert rel(compiled(src, q, norm_weight=nw), attn_res_reference(src, q, norm_weight=nw)) < 1e-13
+    for a, b in zip(_grads(compiled, src, q, nw, go), _grads(attn_res_reference, src, q, nw, go)):
+        assert rel(a, b) < 1e-12
