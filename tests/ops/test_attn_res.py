@@ -163,3 +163,33 @@ def test_compiles_whole_with_its_backward():
     assert rel(compiled(src, q, norm_weight=nw), attn_res_reference(src, q, norm_weight=nw)) < 1e-13
     for a, b in zip(_grads(compiled, src, q, nw, go), _grads(attn_res_reference, src, q, nw, go)):
         assert rel(a, b) < 1e-12
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gpu_eager_and_inductor_match_float64_loop(compiled):
+    """On CUDA: float32 sources (eager: mv / addr / tensordot; Inductor: the fused forms) against the float64 loop,
+    output and every gradient, odd sizes; and a bf16 source under a bf16 autocast mixes in float32."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    src = _sources(4, 2, 37, 97, seed=11)
+    g = torch.Generator().manual_seed(11)
+    q, nw = torch.randn(97, generator=g, dtype=torch.float64), torch.rand(97, generator=g, dtype=torch.float64) + 0.5
+    go = torch.randn(2, 37, 97, generator=g, dtype=torch.float64)
+    fn = torch.compile(attn_res, fullgraph=True) if compiled else attn_res
+    cuda = [s.float().cuda() for s in src]
+    args = (q.float().cuda(), nw.float().cuda(), go.float().cuda())
+    ref_in = [s.float().double() for s in src]
+    out = fn(cuda, args[0], norm_weight=args[1])
+    assert out.dtype == torch.float32
+    assert rel(out.cpu(), attn_res_reference(ref_in, q.float().double(), norm_weight=nw.float().double())) < 1e-5
+    fast = _grads(fn, cuda, *args)
+    ref = _grads(attn_res_reference, ref_in, q.float().double(), nw.float().double(), go.float().double())
+    for a, b in zip(fast, ref):
+        assert rel(a.cpu(), b) < 1e-4
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        mixed = fn([cuda[0]] + [c.bfloat16() for c in cuda[1:]], args[0])
+    assert mixed.dtype == torch.float32
+    assert rel(mixed.cpu(), attn_res_reference([ref_in[0]] + [c.bfloat16().double().cpu() for c in cuda[1:]],
+                                               q.float().double())) < 1e-5
