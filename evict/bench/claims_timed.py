@@ -55,6 +55,8 @@ def time_attn_res(device: str, modes=("eager",)) -> list[dict]:
             subject = _evict(cfg, s["seq_len"], dev, False)
             r = _measure(subject, x, y, warmup=s["warmup"], steps=s["steps"], compiled=mode == "compiled")
             ms[on], gib[on], warm[on] = r["ms/step"], r["peak GiB"], r["warmup s"]
+            print(f"attn_res {mode} {'with' if on else 'without'}: {r['ms/step']} ms/step, {r['peak GiB']} GiB, "
+                  f"warm-up {r['warmup s']} s", flush=True)  # a run cut by its timeout still shows what it measured
             del subject
             if device == "cuda":
                 torch.cuda.empty_cache()
