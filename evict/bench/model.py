@@ -35,7 +35,7 @@ from torch import nn
 
 from evict.bench.autotune import parallel_autotune_compile
 from evict.report import card, markdown_table, write_json
-from evict.models import LM, presets
+from evict.models import LM, compile_blocks, presets
 from evict.models.config import ModelConfig
 
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12}  # dense bf16 tensor-core FLOP/s of the SXM cards
@@ -145,11 +145,7 @@ def _measure(subject: _Subject, x: torch.Tensor, y: torch.Tensor, *, warmup: int
     model.train()
     loss_fn = subject.loss
     if compiled:
-        if isinstance(model, LM):
-            for blk in model.layers():  # per block, as `evict train --compile` does
-                blk.compile()
-        else:
-            model.compile()
+        compile_blocks(model)  # an LM per block (one dynamo cache per block form), as `evict train --compile` does
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
