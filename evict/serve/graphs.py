@@ -46,7 +46,7 @@ class DecodeGraphs:
         copied.synchronize()
         staged.copy_(torch.tensor([tokens + [0] * pad, rows + [self.scratch] * pad, starts + [0] * pad], dtype=torch.int64))
         inputs.copy_(staged, non_blocking=True)
-        copied.record()
+        copied.record(torch.cuda.current_stream(self.device))
         graph.replay()
         return out[:n]
 
