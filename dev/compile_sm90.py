@@ -115,7 +115,8 @@ def main():
 
 def step_kernels(dt, D):
     """evict/ops/memory/triton/step.py at K = V = D (BV as step_triton picks it): every gate x delta, plain (inputs
-    mapped before) and PRE (memory_step(pre=...): SiLU, L2, the decay gate and beta's sigmoid in the kernel), rows."""
+    mapped before) and PRE (memory_step(pre=...): SiLU, L2, the decay gate and beta's sigmoid in the kernel), rows;
+    and the short conv's decode step (evict/ops/conv_triton.py, k 4)."""
     from evict.ops.memory.triton import step as st
 
     p, f, i = "*" + dt, "*fp32", "i32"
@@ -130,6 +131,12 @@ def step_kernels(dt, D):
                       SILU=pre, L2=pre, BOUNDED=bounded)
         tag = f"gate{gate} delta{int(delta)} pre{int(pre)}{' bounded' if bounded else ''}"
         print(f"step {tag:26s} w4", compile_one(st._step_kernel, sig, consts, 4 if BK * BV <= 4096 else 8, 1, False), flush=True)
+    from evict.ops import conv_triton as ct
+
+    csig = dict(x=p, w=p, tails=p, y=p, rows="*i64", C=i, s_xb=i)
+    for rows in (True, False):
+        print(f"conv step rows{int(rows)}", compile_one(ct._conv_step_kernel, csig, dict(K=4, BC=ct.BC, HAS_ROWS=rows), 4, 1,
+                                                      False), flush=True)
 
 
 def decode_kernels(dt):

@@ -108,7 +108,9 @@ class MemoryMixer(nn.Module):
         B, T, _ = x.shape
         H, D = self.H, self.D
         qkv = self.wqkv(x)  # [B, T, 3 H D]
-        if self.conv is not None:
+        if self.conv is not None and state is not None and state.rows is not None and state.conv is not None:
+            qkv, tail = self.conv.step(qkv, state.conv, state.rows)  # a slot pool's step: its tails shifted in place
+        elif self.conv is not None:
             qkv, tail = self.conv.run(qkv, None if state is None else state.conv, pos)
         if state is not None and self._fused_step(T, pos):  # features, gate and beta inside the step's one launch
             o, S = self._step(x, qkv, state)
