@@ -39,9 +39,10 @@ mode_tests() {
         tests/ops/test_decode.py tests/ops/test_memory_triton.py::test_gpu_packed_sequences_match_each_sequence_alone \
         -p no:cacheprovider ${TEST_N:+-n $TEST_N}
 }
-mode_decode() {  # the decode step's GPU tests (engine, the step kernel with and without pre), then its profile at 1 and
-    # 128 rows (context 4,352: step, replay alone, torch.profiler tables of 3 eager and 3 graph steps)
-    timeout "${TEST_S:-80}" $PY -m pytest -q -rf -m gpu tests/serve/test_engine_gpu.py tests/ops/test_memory_preact.py \
+mode_decode() {  # the decode step's GPU tests (engine, the step kernel with and without pre, the conv step), then
+    # its profile at 1 and 128 rows (context 4,352: step, replay alone, torch.profiler tables of 3 eager and 3 graph steps)
+    timeout "${TEST_S:-90}" $PY -m pytest -q -rf -m gpu tests/serve/test_engine_gpu.py tests/ops/test_memory_preact.py \
+        tests/ops/test_conv_step.py \
         tests/ops/test_memory_triton.py::test_gpu_step_matches_reference_in_place_and_graphed \
         tests/ops/test_memory_triton.py::test_gpu_step_rows_match_reference_in_place_and_graphed \
         -p no:cacheprovider ${TEST_N:+-n $TEST_N}
