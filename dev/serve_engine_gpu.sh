@@ -4,7 +4,8 @@
 # depth side by side (bf16): 128 x (4K + 512) in a 4 GiB pool, batch 1 (the TPOT reference), 64 x (32K + 64), and the
 # engine's knobs on the hybrid. JSON into ${RES:-runs/bench/serve73}. Needs fastapi, uvicorn, httpx (dev/wheels.sh:
 # carried .whl/serve, installed here when missing). Modes, run in the order given (default all): tests (+ the attention,
-# decode and packed memory ops' GPU tests), main (= 4k batch1 32k: the pairs), engine (the 4K load in process, no HTTP,
+# decode and packed memory ops' GPU tests), decode (the decode step's GPU tests and dev/serve_step_profile.py
+# --decode-only 4352 --kernels 3 into $RES/decode_profile.txt), main (= 4k batch1 32k: the pairs), engine (the 4K load in process, no HTTP,
 # both models, packed steps profiled; engine_hybrid / engine_attention one each), cap (the 4K hybrid with
 # --decode-prefill-tokens 2048), attn (dev/packed_attention_gpu.py), profile (dev/serve_step_profile.py), knobs,
 # http (the 4K hybrid through HTTP from one client process, from 4 (--client-procs 4), then the same load with
@@ -40,6 +41,16 @@ mode_tests() {
     timeout "${TEST_S:-150}" $PY -m pytest -q -rf -m gpu tests/serve/test_engine_gpu.py tests/ops/test_attention.py \
         tests/ops/test_decode.py tests/ops/test_memory_triton.py::test_gpu_packed_sequences_match_each_sequence_alone \
         -p no:cacheprovider ${TEST_N:+-n $TEST_N}
+}
+mode_decode() {  # the decode step's GPU tests (engine, the step kernel with and without pre, the conv step), then
+    # its profile at 1 and 128 rows (context 4,352: step, replay alone, torch.profiler tables of 3 eager and 3 graph steps)
+    timeout "${TEST_S:-90}" $PY -m pytest -q -rf -m gpu tests/serve/test_engine_gpu.py tests/ops/test_memory_preact.py \
+        tests/ops/test_conv_step.py \
+        tests/ops/test_memory_triton.py::test_gpu_step_matches_reference_in_place_and_graphed \
+        tests/ops/test_memory_triton.py::test_gpu_step_rows_match_reference_in_place_and_graphed \
+        -p no:cacheprovider ${TEST_N:+-n $TEST_N}
+    timeout "${PROFILE_S:-60}" $PY dev/serve_step_profile.py --decode-only 4352 --kernels 3 > "$RES/decode_profile.txt" 2>&1
+    grep "DECODE_PROFILE" "$RES/decode_profile.txt" || tail -5 "$RES/decode_profile.txt"
 }
 mode_4k() { for m in hybrid attention; do bench 4k "$m" 120 $B4K; done; }
 mode_batch1() { for m in ${BATCH1_MODELS:-hybrid attention}; do bench batch1 "$m" 60 $BATCH1; done; }  # BATCH1_MODELS=hybrid: one
