@@ -20,6 +20,7 @@ from torch import nn
 
 from evict.cache import PackedBatch, PaddedBatch, RecurrentState
 from evict.ops import memory, memory_step
+from evict.ops.memory.preact import Preact, beta_of, log_decay
 
 from .conv import ShortConv
 from .init import reset_children
@@ -33,10 +34,6 @@ KINDS = {  # kind -> (gate, delta, conv, features, normalizer, gated output)
     "kda": ("channel", True, True, "l2", False, True),
     "gla": ("channel", False, True, "none", False, True),
 }
-
-
-def _gate_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 class MemoryMixer(nn.Module):
@@ -99,19 +96,15 @@ class MemoryMixer(nn.Module):
     def log_alpha(self, x: torch.Tensor) -> torch.Tensor:
         """Per-step log decay, <= 0: [B, T, H] (scalar) or [B, T, H, D] (per channel), float32 (float64 in float64).
         Under autograd only the gate projection's output is kept; the float32 gate is recomputed in the backward."""
-        return recompute(self._decay, self.f_gate(x), params=(self.dt_bias, self.A_log))
+        return recompute(self._decay, self._gate_in(x), params=(self.A_log, self.dt_bias))
 
     def _decay(self, g: torch.Tensor) -> torch.Tensor:
-        """The gate projection's output g [B, T, H] or [B, T, H*D] -> log decay in float32 (float64 in float64)."""
-        B, T, _ = g.shape
-        ft = _gate_dtype(g)
-        g = g.to(ft) + self.dt_bias.to(ft)
-        A = self.A_log.to(ft).exp()
-        if self.gate == "channel":
-            g, A = g.view(B, T, self.H, self.D), A[:, None]
-        if self.gate_form == "softplus":
-            return -A * F.softplus(g)
-        return -5.0 * torch.sigmoid(A * g)
+        return log_decay(g, self.A_log, self.dt_bias, self.gate_form)
+
+    def _gate_in(self, x: torch.Tensor) -> torch.Tensor:
+        """The gate's projection, pre-activation: [B, T, H] or [B, T, H, D]."""
+        g = self.f_gate(x)
+        return g if self.gate == "scalar" else g.view(*x.shape[:2], self.H, self.D)
 
     def forward(self, x: torch.Tensor, state: RecurrentState | None = None, pos=0) -> torch.Tensor:
         """x [B, T, d]; the state carries all history, so `pos` (an int or a SlotBatch) is not needed here, except a
@@ -121,34 +114,20 @@ class MemoryMixer(nn.Module):
         H, D = self.H, self.D
         x, xg, xb, xo = compute_inputs(x, 4)  # under autocast one bf16 copy of x kept for the four projections, not 4
         qkv = self.wqkv(x)  # [B, T, 3 H D]
-        # the conv, SiLU and feature maps recomputed in the backward: only qkv (and the op's own q, k, v) are kept
-        q, k, v, tail = recompute(self._features, qkv, None if state is None else state.conv, pos,
-                                  params=() if self.conv is None else (self.conv.weight,))
-        if self.normalizer:  # the normalizer z = sum phi(k) is the same op run on v = ones
-            v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-        la = None if self.gate is None else self.log_alpha(xg)
-        if isinstance(pos, PaddedBatch) and pos.padded:
-            # S_t = exp(la_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T (delta), exp(la_t) S_{t-1} + k_t v_t^T
-            # (not): with k_t = 0 and la_t = 0 both are S_t = S_{t-1}, for every kind (beta alone is not in all of them)
-            k = pos.zero_pads(k)
-            la = None if la is None else pos.zero_pads(la)
-        beta = None
-        if self.wb is not None:
-            beta = torch.sigmoid(self.wb(xb).to(_gate_dtype(xb)))  # [B, T, H]: the op keeps sigmoid's own output
-            beta = beta * 2.0 if self.neg_eigval else beta
-        if isinstance(pos, PackedBatch):
-            if state is None or state.S is None:
-                raise ValueError("state: packed sequences need this layer's RecurrentState rows, got None")
-            o, S = self._packed(q, k, v, la, beta, state.S, pos)
-        elif state is not None and T == 1:  # a slot pool's step (state.rows set): its rows of S updated in place
-            o, S = memory_step(q[:, 0], k[:, 0], v[:, 0], state.S, log_alpha=None if la is None else la[:, 0],
-                               beta=None if beta is None else beta[:, 0], delta=self.delta, rows=state.rows,
-                               out=None if state.rows is None else state.S)
-            o = o[:, None]
+        tail = None
+        if state is None:  # a training / full-sequence forward: the conv, SiLU and feature maps recomputed in the
+            # backward, only qkv (and the op's own q, k, v) kept
+            q, k, v = recompute(self._conv_features, qkv, pos, params=() if self.conv is None else (self.conv.weight,))
+            o, S = self._sequence(xg, xb, q, k, v, state, pos)
         else:
-            o, S = memory(q, k, v, log_alpha=la, beta=beta, delta=self.delta, initial_state=None if state is None else state.S,
-                          output_final_state=state is not None, chunk_size=self.chunk_size, check=False)
-        if state is not None:
+            if self.conv is not None and state.rows is not None and state.conv is not None:
+                qkv, tail = self.conv.step(qkv, state.conv, state.rows)  # a slot pool's step: its tails shifted in place
+            elif self.conv is not None:
+                qkv, tail = self.conv.run(qkv, state.conv, pos)
+            if self._fused_step(T, pos):  # features, gate and beta inside the step's one launch
+                o, S = self._step(xg, xb, qkv, state)
+            else:
+                o, S = self._sequence(xg, xb, *self._features(qkv), state, pos)
             state.S = S
             if self.conv is not None:
                 state.conv = tail
@@ -158,30 +137,75 @@ class MemoryMixer(nn.Module):
             return linear_of(self.wo, self._gated_norm, o, self.f_out(xo), params=(self.o_norm.weight,))
         return self.wo(o.reshape(B, T, H * D))
 
-    def _features(self, qkv: torch.Tensor, tail: torch.Tensor | None, pos):
-        """qkv [B, T, 3 H D] -> q, k, v [B, T, H, D] in qkv's dtype: the short conv (+ SiLU) from `tail` (a cache's,
-        or None), the q / k feature maps; and the conv's new tail (None without a conv). One compute dtype at the op's
-        boundary: the projection's (bf16 under autocast or in a bf16 model, else the parameters'); feature maps may come
-        back in float32 (CUDA autocast runs F.normalize in float32). Gates and beta stay float32; the op keeps its state
-        in float32."""
+    def _gated_norm(self, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """RMSNorm(o) ⊙ σ(g): o [B, T, H, D], g [B, T, H D] -> [B, T, H D]."""
+        assert self.o_norm is not None
+        return (self.o_norm(o) * torch.sigmoid(g).view(o.shape)).flatten(2)
+
+    def _conv_features(self, qkv: torch.Tensor, pos) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [B, T, 3 H D] (the projection) -> q, k, v: the short conv from zeros (no cache), then `_features`."""
+        return self._features(qkv if self.conv is None else self.conv.run(qkv, None, pos)[0])
+
+    def _features(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [B, T, 3 H D] (the conv's output, not activated) -> q, k, v [B, T, H, D] in qkv's dtype: SiLU (with a
+        conv), the q / k feature maps. One compute dtype at the op's boundary: the projection's (bf16 under autocast or
+        in a bf16 model, else the parameters'); feature maps may come back in float32 (CUDA autocast runs F.normalize
+        in float32). Gates and beta stay float32; the op keeps its state in float32 whatever the inputs."""
         B, T, _ = qkv.shape
-        y, new_tail = qkv, None
-        if self.conv is not None:
-            y, new_tail = self.conv.run(qkv, tail, pos)
-            y = F.silu(y)
+        y = F.silu(qkv) if self.conv is not None else qkv
         q, k, v = y.view(B, T, 3, self.H, self.D).unbind(2)  # [B, T, H, D] each
         if self.features == "l2":
             q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         elif self.features == "elu1":
             q, k = F.elu(q) + 1, F.elu(k) + 1
         # v contiguous: as a view it would keep the whole [B, T, 3 H D] SiLU output alive for the op's backward
-        q, k, v = q.to(qkv.dtype), k.to(qkv.dtype), v.to(qkv.dtype).contiguous()
-        return q, k, v, new_tail
+        return q.to(qkv.dtype), k.to(qkv.dtype), v.to(qkv.dtype).contiguous()
 
-    def _gated_norm(self, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """RMSNorm(o) ⊙ σ(g): o [B, T, H, D], g [B, T, H D] -> [B, T, H D]."""
-        assert self.o_norm is not None
-        return (self.o_norm(o) * torch.sigmoid(g).view(o.shape)).flatten(2)
+    def _fused_step(self, T: int, pos) -> bool:
+        """A one-token step of a state whose input maps the step op can run itself (memory_step's `pre`): conv +
+        SiLU features (then L2 or none), not packed sequences or a left-padded batch."""
+        return (T == 1 and self.conv is not None and self.features in ("l2", "none") and not self.normalizer
+                and not isinstance(pos, PackedBatch) and not (isinstance(pos, PaddedBatch) and pos.padded))
+
+    def _step(self, xg: torch.Tensor, xb: torch.Tensor, qkv: torch.Tensor, state: RecurrentState):
+        """One token: qkv [B, 1, 3 H D] the conv's output (not activated) through memory_step(pre=...): o [B, 1, H, D]
+        and the new state (a slot pool's rows updated in place: state.rows). xg, xb: the layer input for the gate and
+        beta projections."""
+        q, k, v = qkv[:, 0].view(qkv.shape[0], 3, self.H, self.D).unbind(1)  # [B, H, D] each, views
+        gated = self.gate is not None
+        pre = Preact(silu=True, l2=self.features == "l2", A_log=self.A_log if gated else None,
+                     dt_bias=self.dt_bias if gated else None, form=self.gate_form,
+                     beta_scale=2.0 if self.neg_eigval else 1.0)
+        g = self._gate_in(xg)[:, 0] if gated else None
+        b = None if self.wb is None else self.wb(xb)[:, 0]
+        o, S = memory_step(q, k, v, state.S, log_alpha=g, beta=b, delta=self.delta, rows=state.rows,
+                           out=None if state.rows is None else state.S, pre=pre)
+        return o[:, None], S
+
+    def _sequence(self, xg: torch.Tensor, xb: torch.Tensor, q, k, v, state: RecurrentState | None, pos):
+        """q, k, v [B, T, H, D] (features applied) through the op, the gate and beta from the layer input (xg, xb):
+        o [B, T, H, D (+1 normalizer)] and the new state (or None)."""
+        T = q.shape[1]
+        if self.normalizer:  # the normalizer z = sum phi(k) is the same op run on v = ones
+            v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+        la = None if self.gate is None else self.log_alpha(xg)
+        if isinstance(pos, PaddedBatch) and pos.padded:
+            # S_t = exp(la_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T (delta), exp(la_t) S_{t-1} + k_t v_t^T
+            # (not): with k_t = 0 and la_t = 0 both are S_t = S_{t-1}, for every kind (beta alone is not in all of them)
+            k = pos.zero_pads(k)
+            la = None if la is None else pos.zero_pads(la)
+        beta = None if self.wb is None else beta_of(self.wb(xb), 2.0 if self.neg_eigval else 1.0)  # [B, T, H]
+        if isinstance(pos, PackedBatch):
+            if state is None or state.S is None:
+                raise ValueError("state: packed sequences need this layer's RecurrentState rows, got None")
+            return self._packed(q, k, v, la, beta, state.S, pos)
+        if state is not None and T == 1:  # a slot pool's step (state.rows set): its rows of S updated in place
+            o, S = memory_step(q[:, 0], k[:, 0], v[:, 0], state.S, log_alpha=None if la is None else la[:, 0],
+                               beta=None if beta is None else beta[:, 0], delta=self.delta, rows=state.rows,
+                               out=None if state.rows is None else state.S)
+            return o[:, None], S
+        return memory(q, k, v, log_alpha=la, beta=beta, delta=self.delta, initial_state=None if state is None else state.S,
+                      output_final_state=state is not None, chunk_size=self.chunk_size, check=False)
 
     def _packed(self, q, k, v, la, beta, S0: torch.Tensor, pos: PackedBatch):
         """The packed sequences [1, T, H, D]: the D decode rows in one step op, the prompt chunks through the op's
