@@ -104,9 +104,9 @@ for gate16 in ("channel", "scalar"):  # per-channel keys stored decayed; a scala
     g16, g_ref = grads(x16, True, impl="triton"), grads(x16_64, True, impl="reference")
     kw16 = dict(log_alpha=x16["log_alpha"], beta=x16["beta"], delta=True, scale=16 ** -0.5,
                 initial_state=x16["initial_state"])
-    o_one = forward_triton(x16["q"], x16["k"], x16["v"], **kw16, out_dot16=False)[0]
-    o_dot16 = forward_triton(x16["q"], x16["k"], x16["v"], **kw16)[0]  # the default at chunks of 64
-    o_fused = forward_triton(x16["q"], x16["k"], x16["v"], **kw16, fuse_out=True)[0]  # opt-in: the output in the carry
+    o_one = forward_triton(x16["q"], x16["k"], x16["v"], **kw16, out_dot16=False, fuse_out=False)[0]
+    o_dot16 = forward_triton(x16["q"], x16["k"], x16["v"], **kw16, fuse_out=False)[0]  # the output kernel's default at C 64
+    o_fused = forward_triton(x16["q"], x16["k"], x16["v"], **kw16, fuse_out=True)[0]  # the output in the carry
     o_noqg = forward_triton(x16["q"], x16["k"], x16["v"], **kw16, fuse_out=True, out_qg=False)[0]
     out["fp16_" + gate16] = {"o": rel(o16, o_ref), "S": rel(s16, s_ref), "o_dtype": str(o16.dtype),
                              **{f"d{n}": rel(g16[n], g_ref[n]) for n in g_ref},
@@ -517,8 +517,10 @@ def test_gpu_forward_matches_reference(dtype, gate, delta, beta_max):
         assert rel(o, o_ref) <= TOL[dtype] and rel(s, s_ref) <= TOL[dtype], (T, cs, rel(o, o_ref), rel(s, s_ref))
 
 
-OUT_FORMS = {  # the output's opt-in forms: the output kernel's float32 operands; the output fused into the carry
-    "out_f32": dict(out_dot16=False), "fused": dict(fuse_out=True), "fused_no_qg": dict(fuse_out=True, out_qg=False)}
+OUT_FORMS = {  # the output's forms, each named (the default picks by shape: `fuse_out_default`): the output kernel with
+    # 16-bit dots (its default at chunks of 64) and with float32 operands; the output fused into the carry
+    "out_kernel": dict(fuse_out=False), "out_f32": dict(out_dot16=False, fuse_out=False), "fused": dict(fuse_out=True),
+    "fused_no_qg": dict(fuse_out=True, out_qg=False)}
 
 
 @pytest.mark.gpu
@@ -526,11 +528,10 @@ OUT_FORMS = {  # the output's opt-in forms: the output kernel's float32 operands
 @pytest.mark.parametrize("form", list(OUT_FORMS))
 @pytest.mark.parametrize("chunk", [None, 32])
 def test_gpu_out_forms_match_reference(gate, delta, form, chunk):
-    """The output's opt-in forms on bf16 inputs (the default, the output kernel with 16-bit dots at chunks of 64, is
-    covered by the default tests): the output kernel with float32 operands (out_dot16=False), and the output fused
-    into the carry (fuse_out=True) with Q e^g stored by the first stage or formed in the carry (out_qg=False); within
-    bf16 rounding of the reference, odd T, strong decay, K 128 (two key blocks) and K 96 (a masked one), chunks of 64
-    and 32."""
+    """The output's forms on bf16 inputs, each asked for by name (the default picks one by shape): the output kernel
+    with 16-bit dots and with float32 operands (out_dot16=False), and the output fused into the carry (fuse_out=True)
+    with Q e^g stored by the first stage or formed in the carry (out_qg=False); within bf16 rounding of the reference,
+    odd T, strong decay, K 128 (two key blocks) and K 96 (a masked one), chunks of 64 and 32."""
     from evict.ops.memory.triton.forward import forward_triton
 
     for T, K, strong in ((63, 128, False), (130, 128, True), (333, 96, False)):
@@ -580,6 +581,43 @@ def _grads(x, delta, **kw):
     loss = (o.double() * torch.randn(o.shape, generator=g, device=o.device, dtype=torch.float64)).sum()
     loss = loss + (s.double() * torch.randn(s.shape, generator=g, device=o.device, dtype=torch.float64)).sum()
     return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+
+
+def test_fuse_out_default_rule():
+    """forward_triton(fuse_out=None): the output in the carry for 16-bit inputs at key dims <= 128 exactly where the
+    sequence-heads in 32-column value blocks fill the SMs (H100: 132), else the output kernel (session 60's timings)."""
+    pytest.importorskip("triton")
+    from evict.ops.memory.triton.forward import fuse_out_default
+
+    assert fuse_out_default(4, 16, 128, 128, True, 132) and fuse_out_default(33, 1, 64, 128, True, 132)
+    assert not fuse_out_default(1, 16, 128, 128, True, 132) and not fuse_out_default(2, 16, 128, 128, True, 132)
+    assert not fuse_out_default(4, 16, 128, 128, False, 132) and not fuse_out_default(4, 16, 256, 128, True, 132)
+    assert fuse_out_default(2, 16, 128, 128, True, 128) and not fuse_out_default(32, 1, 128, 128, True, 132)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
+def test_gpu_default_output_form_by_shape(gate, delta):
+    """The default (fuse_out=None) through `memory` on bf16: with enough sequence-heads to fill the card (B2 H20, V 128:
+    the output fused into the carry) and with few (B1 H3: the output kernel), output, state and every gradient against
+    float64 (odd T, chunks of 64 and 32); each is bit-equal to its form asked for by name, so the rule chose it."""
+    from evict.ops.memory.triton.forward import _sms, forward_triton, fuse_out_default
+
+    sms = _sms(torch.device("cuda"))
+    for B, H, T, cs in ((2, -(-sms // 8), 75, 64), (2, -(-sms // 8), 130, 32), (1, 3, 75, 64)):
+        xd, x64 = _cuda(make_inputs(B, T, H, 64, 128, gate=gate, beta_max=1.5, init=True), torch.bfloat16)
+        fused = fuse_out_default(B, H, 64, 128, True, sms)
+        assert fused == (H > 3)
+        o, s = run(xd, delta, impl="triton", chunk_size=cs)
+        o_ref, s_ref = run(x64, delta, impl="reference")
+        assert rel(o, o_ref) <= TOL[torch.bfloat16] and rel(s, s_ref) <= TOL[torch.bfloat16], (B, H, cs, rel(o, o_ref))
+        kw = dict(log_alpha=xd["log_alpha"], beta=xd["beta"], delta=delta, scale=64 ** -0.5,
+                  initial_state=xd["initial_state"], chunk=cs)
+        o_named = forward_triton(xd["q"], xd["k"], xd["v"], **kw, fuse_out=fused)[0]
+        assert torch.equal(forward_triton(xd["q"], xd["k"], xd["v"], **kw)[0], o_named)
+        g, g_ref = _grads(xd, delta, impl="triton", chunk_size=cs), _grads(x64, delta, impl="reference")
+        for name in g_ref:
+            assert torch.isfinite(g[name]).all() and rel(g[name], g_ref[name]) <= TOL[torch.bfloat16], (B, H, name)
 
 
 @pytest.mark.gpu
