@@ -102,6 +102,7 @@ for gate16 in ("channel", "scalar"):  # per-channel keys stored decayed; a scala
     o16, s16 = run(x16, True, impl="triton")
     o_ref, s_ref = run(x16_64, True, impl="reference")
     g16, g_ref = grads(x16, True, impl="triton"), grads(x16_64, True, impl="reference")
+    g16_32 = grads(x16, True, impl="triton", chunk_size=32)  # 16-bit at chunks <= 32: a scalar gate's K e^{g_C - g} formed
     kw16 = dict(log_alpha=x16["log_alpha"], beta=x16["beta"], delta=True, scale=16 ** -0.5,
                 initial_state=x16["initial_state"])
     o_one = forward_triton(x16["q"], x16["k"], x16["v"], **kw16, out_dot16=False, fuse_out=False)[0]
@@ -110,6 +111,7 @@ for gate16 in ("channel", "scalar"):  # per-channel keys stored decayed; a scala
     o_noqg = forward_triton(x16["q"], x16["k"], x16["v"], **kw16, fuse_out=True, out_qg=False)[0]
     out["fp16_" + gate16] = {"o": rel(o16, o_ref), "S": rel(s16, s_ref), "o_dtype": str(o16.dtype),
                              **{f"d{n}": rel(g16[n], g_ref[n]) for n in g_ref},
+                             **{f"d{n}_c32": rel(g16_32[n], g_ref[n]) for n in g_ref},
                              "grad_dtypes": [str(g16[n].dtype) for n in g16],
                              "out_dot16": [rel(o_dot16, o_ref), rel(o_dot16, o_one)],
                              "fuse_out": [rel(o_fused, o_ref), rel(o_fused, o_one), rel(o_noqg, o_ref), rel(o_noqg, o_one)]}
@@ -159,7 +161,8 @@ def test_interpreter_gradients_match_reference(interpreted, case):
 @pytest.mark.parametrize("gate", ["channel", "scalar"])
 def test_interpreter_float16_inputs(interpreted, gate):
     """16-bit inputs: the forward stores its intermediates in float16 (states carried in float32), the backward
-    recomputes them in float32; both within float16 rounding of the reference on the same rounded inputs."""
+    recomputes them in float32; both within float16 rounding of the reference on the same rounded inputs, the
+    gradients also at chunks of 32 (where the backward forms a scalar gate's K e^{g_C - g} instead of storing it)."""
     r = interpreted["fp16_" + gate]
     assert r["o_dtype"] == "torch.float16" and r["grad_dtypes"] == ["torch.float16"] * 5 + ["torch.float32"]
     for name, err in r.items():
@@ -170,7 +173,7 @@ def test_interpreter_float16_inputs(interpreted, gate):
     # 1.8e-4, about a float16 ulp)
     vs_ref, vs_f32_operands = r["out_dot16"]
     assert vs_ref <= TOL[torch.float16] and vs_f32_operands <= 2e-3, r["out_dot16"]
-    # `fuse_out` (opt-in): the output from the carry kernel's float32 state, Q e^g stored by the first stage (or formed
+    # `fuse_out`: the output from the carry kernel's float32 state, Q e^g stored by the first stage (or formed
     # in the carry: out_qg=False), against the reference and the output kernel's float32-operand form (its start
     # states and U were rounded to float16: observed 3.5e-4 ... 4e-4)
     fused, fused_vs_one, noqg, noqg_vs_one = r["fuse_out"]
