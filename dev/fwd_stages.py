@@ -116,7 +116,16 @@ def main():
                     rows.append({"op": "sdpa causal fwd (FLASH_ATTENTION forced)", "shape": f"B{B} T{T}",
                                  "fwd ms": round(bench(sdpa), 4)})
                 print(rows[-2:], flush=True)
-    if a.fla_bwd:  # last: fla's backward autotunes on its first call at each shape
+    print(markdown_table(rows, ["op", "shape", "fwd ms", "vs fla", "fwd+bwd ms", "note"]))
+    for key, per in stages.items():
+        print(f"\n{key} (CUDA ms per call, per kernel)")
+        print(markdown_table([{"kernel": n[:60], "ms": round(ms, 4)} for n, ms in per]
+                             + [{"kernel": "TOTAL", "ms": round(sum(ms for _, ms in per), 4)}], ["kernel", "ms"]))
+    import triton
+    print(f"\n{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
+          f"fla {getattr(__import__('fla'), '__version__', '?') if fla else 'absent'}; {time.time() - t_start:.0f} s")
+    if a.fla_bwd:  # last, after the tables above are out: fla's backward autotunes on its first call at each shape
+        rows = []
         for rule in ("kda", "gated_deltanet"):
             for B, T in shapes:
                 if rule not in fla or late():
@@ -131,14 +140,7 @@ def main():
                 except Exception as e:  # fla's own guard may refuse a gated backward on some Triton / card pairs
                     rows.append({"op": "fla", "shape": f"{rule} B{B} T{T}", "note": f"fwd+bwd refused: {str(e)[:60]}"})
                 print(rows[-1], flush=True)
-    print(markdown_table(rows, ["op", "shape", "fwd ms", "vs fla", "fwd+bwd ms", "note"]))
-    for key, per in stages.items():
-        print(f"\n{key} (CUDA ms per call, per kernel)")
-        print(markdown_table([{"kernel": n[:60], "ms": round(ms, 4)} for n, ms in per]
-                             + [{"kernel": "TOTAL", "ms": round(sum(ms for _, ms in per), 4)}], ["kernel", "ms"]))
-    import triton
-    print(f"\n{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
-          f"fla {getattr(__import__('fla'), '__version__', '?') if fla else 'absent'}; {time.time() - t_start:.0f} s")
+        print(markdown_table(rows, ["op", "shape", "fwd+bwd ms", "note"]), f"\n{time.time() - t_start:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

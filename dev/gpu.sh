@@ -113,8 +113,8 @@ for what in "$@"; do
           timeout ${TO:-200} python3 -u dev/fwd_stages.py --budget $(( ${TO:-200} - 40 )) > $OUT/fwd_stages.log 2>&1  # session 59's fuse_out
           quiet < $OUT/fwd_stages.log | tail -120 ;;  # (to $OUT first: rows piped through grep die in its buffer at a timeout)
     kbwd) pyt kbwd_tests.log ${T:-85} tests/ops/test_memory_triton.py -n 12 \
-            -k "out_forms or default_output_form or (dtype1 and (gradients_match or chunk_size_reaches))"
-          timeout ${TO:-140} python3 -u dev/fwd_stages.py --fla-bwd --budget $(( ${TO:-140} - 25 )) > $OUT/kbwd_stages.log 2>&1
+            -k "(out_forms and fused) or default_output_form or (dtype1 and (gradients_match or chunk_size_reaches or packed_sequences_match_each))"
+          timeout ${TO:-145} python3 -u dev/fwd_stages.py --fla-bwd --budget $(( ${TO:-145} - 25 )) > $OUT/kbwd_stages.log 2>&1
           quiet < $OUT/kbwd_stages.log | tail -150 ;;
     chunks) pyt chunks.log ${T:-300} tests/ops/test_memory_triton.py -k "shorter_chunks" -n 8 ;;
     prep) pyt prep.log ${T:-240} tests/ops/test_memory_triton.py -k "out_forms or intra_key_blocks or one_tile_states or dkey_block or chunk_size or auto or packed" -n 8

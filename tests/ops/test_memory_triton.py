@@ -787,10 +787,12 @@ def test_gpu_one_tile_states_match_reference(dtype, gate, delta):
 def test_gpu_packed_sequences_match_each_sequence_alone(dtype, gate, delta):
     """cu_seqlens through the kernels equals the kernels run on each sequence alone, and the float64 reference per
     sequence, outputs, final states and every input's gradient: odd lengths, empty sequences, 40 short sequences,
-    K = 16 (zero-padded to MIN_K), strong decay; offsets on the GPU and on the CPU."""
+    K = 16 (zero-padded to MIN_K), strong decay; offsets on the GPU and on the CPU; 70 sequences x 2 heads (bf16: enough
+    to fill an H100 / H200, so the output is fused into the carry, `fuse_out_default`)."""
     for offsets, H, K, V, strong, dev in ((OFFSETS, 3, 128, 96, False, "cuda"),
                                           ([0, 0, 333, 1000, 1001, 1064, 1300], 2, 64, 64, True, "cpu"),
-                                          (list(range(0, 41 * 37, 37)), 2, 16, 16, False, "cuda")):
+                                          (list(range(0, 41 * 37, 37)), 2, 16, 16, False, "cuda"),
+                                          (list(range(0, 71 * 23, 23)), 2, 32, 32, False, "cuda")):
         xd, x64 = _cuda(make_packed(offsets, H, K, V, gate=gate, beta_max=1.5, strong=strong, seed=K), dtype)
         cu = torch.tensor(offsets, device=dev)
         o, s = run(xd, delta, cu_seqlens=cu, impl="triton")
