@@ -67,7 +67,7 @@ def main():
                 o, _ = memory(*leaves[:3], log_alpha=leaves[3], beta=leaves[4], delta=True, check=False, impl="triton")
                 return torch.autograd.grad(o, leaves, do)
             outs, mine = {}, []
-            default = "fused" if fuse_out_default(B, H, D, D, True, _sms(x["q"].device)) else "output kernel"
+            default = "fused" if fuse_out_default(B, H, D, D, auto_chunk(B, H, D), True, _sms(x["q"].device)) else "output kernel"
             for name, kw in FORMS.items():
                 _form(kw)
                 outs[name] = fwd()

@@ -587,15 +587,17 @@ def _grads(x, delta, **kw):
 
 
 def test_fuse_out_default_rule():
-    """forward_triton(fuse_out=None): the output in the carry for 16-bit inputs at key dims <= 128 exactly where the
-    sequence-heads in 32-column value blocks fill the SMs (H100: 132), else the output kernel (session 60's timings)."""
+    """forward_triton(fuse_out=None): the output in the carry for 16-bit inputs at key dims <= 128 and chunks of 32 / 64
+    exactly where the sequence-heads in 32-column value blocks fill the SMs (H100: 132), else the output kernel
+    (session 60's timings)."""
     pytest.importorskip("triton")
     from evict.ops.memory.triton.forward import fuse_out_default
 
-    assert fuse_out_default(4, 16, 128, 128, True, 132) and fuse_out_default(33, 1, 64, 128, True, 132)
-    assert not fuse_out_default(1, 16, 128, 128, True, 132) and not fuse_out_default(2, 16, 128, 128, True, 132)
-    assert not fuse_out_default(4, 16, 128, 128, False, 132) and not fuse_out_default(4, 16, 256, 128, True, 132)
-    assert fuse_out_default(2, 16, 128, 128, True, 128) and not fuse_out_default(32, 1, 128, 128, True, 132)
+    assert fuse_out_default(4, 16, 128, 128, 32, True, 132) and fuse_out_default(33, 1, 64, 128, 64, True, 132)
+    assert not fuse_out_default(1, 16, 128, 128, 64, True, 132) and not fuse_out_default(2, 16, 128, 128, 64, True, 132)
+    assert not fuse_out_default(4, 16, 128, 128, 32, False, 132) and not fuse_out_default(4, 16, 256, 128, 32, True, 132)
+    assert fuse_out_default(2, 16, 128, 128, 64, True, 128) and not fuse_out_default(32, 1, 128, 128, 32, True, 132)
+    assert not fuse_out_default(256, 4, 32, 32, 16, True, 132)  # the lab's K 32 at chunks of 16: not timed fused
 
 
 @pytest.mark.gpu
@@ -609,7 +611,7 @@ def test_gpu_default_output_form_by_shape(gate, delta):
     sms = _sms(torch.device("cuda"))
     for B, H, T, cs in ((2, -(-sms // 8), 75, 64), (2, -(-sms // 8), 130, 32), (1, 3, 75, 64)):
         xd, x64 = _cuda(make_inputs(B, T, H, 64, 128, gate=gate, beta_max=1.5, init=True), torch.bfloat16)
-        fused = fuse_out_default(B, H, 64, 128, True, sms)
+        fused = fuse_out_default(B, H, 64, 128, cs, True, sms)
         assert fused == (H > 3)
         o, s = run(xd, delta, impl="triton", chunk_size=cs)
         o_ref, s_ref = run(x64, delta, impl="reference")

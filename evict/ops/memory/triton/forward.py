@@ -538,7 +538,7 @@ def state_block_v(B, H, V, dev) -> int:
     return 32 if fills_gpu(B, H, V, _sms(dev)) else 16
 
 
-def fuse_out_default(B, H, K, V, low: bool, sms: int) -> bool:
+def fuse_out_default(B, H, K, V, C, low: bool, sms: int) -> bool:
     """`forward_triton(fuse_out=None)`: the output in the carry kernel where that is faster (H100, bf16, H16 D128,
     dev/fwd_stages.py, session 60). The fused carry does the output kernel's products inside its sequential loop. With
     enough programs to fill the GPU (B4: 64 sequence-heads x 4 blocks of 32 values = 256 programs on 132 SMs) each
@@ -549,8 +549,9 @@ def fuse_out_default(B, H, K, V, low: bool, sms: int) -> bool:
     separate output kernel (parallel over chunks too) is cheaper: KDA 3.99 -> 4.82, GDN 2.75 -> 3.09 (B1 T32768,
     chunks of 64). So: fused exactly where `state_block_v` takes full 32-column blocks, for 16-bit inputs with `lowp`
     at padded key dims <= 128 (the forms whose sm_90 compile neither spills nor outgrows shared memory: float32
-    operands at tf32x3 spill 232 B at chunks of 64, K 256 808 B; float32 at tf32 needs 240 KB)."""
-    return low and K <= 128 and fills_gpu(B, H, V, sms)
+    operands at tf32x3 spill 232 B at chunks of 64, K 256 808 B; float32 at tf32 needs 240 KB) and chunks C of 32 or
+    64 (chunks of 16, the lab's key dims <= 32, were never timed fused: the output kernel stays there)."""
+    return low and K <= 128 and C >= 32 and fills_gpu(B, H, V, sms)
 
 
 CHUNKS = (16, 32, 64)  # chunk lengths the kernels take (multiples of SC, powers of two); C = 64 is the default
@@ -677,8 +678,8 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     (float32) and U before it leaves them, so neither the start states Hs (K V per chunk: at chunks of 32 and D 128,
     4x the bytes of q, k, v) nor U go through memory and the output kernel does not run; False: the output kernel
     (`out_dot16` / `out_block_v` / warps[2] apply to it); None (the default): `fuse_out_default`, fused for 16-bit
-    inputs at padded key dims <= 128 where the sequence-heads fill the GPU (B4 H16 on an H100: yes; B1 H16: no; its
-    reasoning and timings there). `out_qg` (per-channel gates, with `fuse_out`): the first stage
+    inputs at padded key dims <= 128 and chunks of 32 or 64 where the sequence-heads fill the GPU (B4 H16 on an H100:
+    yes; B1 H16: no; its reasoning and timings there). `out_qg` (per-channel gates, with `fuse_out`): the first stage
     stores Q e^g (in the store dtype) for the carry to read, else the carry forms it from Q and the stored prefix sums."""
     if chunks is not None and chunk_length(chunk) != C:
         raise ValueError(f"chunk: packed sequences (chunks) are laid out in chunks of {C}; got chunk={chunk}")
@@ -692,7 +693,8 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
         raise ValueError("keep_states: needs keep_factors (the backward then takes every intermediate from the forward)")
     low = lowp and q.dtype in (torch.bfloat16, torch.float16) and not keep_states
     if fuse_out is None:
-        fuse_out = fuse_out_default(B if chunks is None else chunks.numel() - 1, H, K, V, low, _sms(q.device))
+        fuse_out = fuse_out_default(B if chunks is None else chunks.numel() - 1, H, K, V, chunk_length(chunk), low,
+                                    _sms(q.device))
     qg = bool(keep_states) or bool(fuse_out and out_qg and log_alpha is not None and log_alpha.dim() == 4)
     x = intra(q, k, v, log_alpha, beta, bool(delta), warps=warps[0], precision=keep_factors or prec,
               store=q.dtype if low else None, kd=not low, key_block=None if keep_factors else intra_kb, chunk=chunk,
