@@ -86,7 +86,7 @@ def main():
                 **({"out16": (fw._out_kernel, dict(q=p, G=f, U=m, Pm=m, Hs=m, o=p, scale="fp32", T="i32", N="i32"),
                               dict(common, BK=BK, BV=int(os.environ.get("OUT_BV", 64)), GATE=gate, PREC=os.environ.get("PREC", "tf32"),
                                    DOT16=True, KB=min(64, BK)), int(over.get("out16", 4)), 2)} if a.lowp else {}),
-                "dstate": (bw._dstate_kernel, dict(q=p, k=p, do=p, Kd=f, Dec=f, Qg=f, W=f, Pm=f, dU=f, dHs=f, dsT=f, ds0=f, cu="*i32", scale="fp32", G=f, T="i32", N="i32"),
+                "dstate": (bw._dstate_kernel, dict(q=p, k=p, do=p, Kd=f, Dec=f, Qg=f, W=f, Pm=f, dU=f, dHs=f, dsT=f, ds0=f, cu="*i32", scale="fp32", T="i32", N="i32", G=f),
                            dict(common, BK=BK, BV=32, GATE=gate, DELTA=delta, HAS_DST=True, PREC=os.environ.get("PREC", "tf32"), VARLEN=a.varlen,
                                 HALVES=bool(int(os.environ.get("HALVES", 0))), KD=gate == 2 or bool(int(os.environ.get("KD", 1)))), 4,
                            int(os.environ.get("DSTAGES", 2))),

@@ -79,9 +79,9 @@ def kernels(fw, bw) -> dict:
                                  KD=gate == 2, VARLEN=varlen, HALVES=False, OUT=True, STORE=False, QG=gate == 2), 4, 2)
                     out["dstate", prec, gate, delta, varlen] = _ptx(
                         bw._dstate_kernel, dict(q=p, k=p, do=p, Kd=f, Dec=f, Qg=f, W=f, Pm=f, dU=f, dHs=f, dsT=f, ds0=f,
-                                                cu="*i32", scale="fp32", G=f, T="i32", N="i32"),
+                                                cu="*i32", scale="fp32", T="i32", N="i32", G=f),
                         dict(H=16, K=128, V=128, C=64, BK=128, BV=32, GATE=gate, DELTA=delta, HAS_DST=True, PREC=prec,
-                             VARLEN=varlen, HALVES=True), 4, 1)
+                             VARLEN=varlen, HALVES=True, KD=True), 4, 1)  # KD: stored at chunks of 64 (backward._store_kd)
                 for sp in (0, 1, 2):
                     out["dkey", prec, gate, delta, sp] = _ptx(
                         bw._dkey_kernel, dict(q=p, k=p, beta=p, U=f, dU=f, W=f, Tm=f, Am=f, dPm=f, dAm=f, G=f, Hs=f, dHs=f,

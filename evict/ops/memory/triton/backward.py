@@ -45,8 +45,9 @@ def _dstate_back(dS, qn, don, du, W, Dec, hm, i_bh, N, n, t0, rc, ck, scale, K: 
 
 @triton.jit
 def _dstate_kernel(
-    q, k, do, Kd, Dec, Qg, W, Pm, dU, dHs, dsT, ds0, cu, scale, G,
+    q, k, do, Kd, Dec, Qg, W, Pm, dU, dHs, dsT, ds0, cu, scale,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
+    G,  # without KD only (after the others: with KD the kernel compiles as it did before it came)
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, DELTA: tl.constexpr, HAS_DST: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr = False,
     HALVES: tl.constexpr = False, KD: tl.constexpr = True,
@@ -485,8 +486,8 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     BVs = min(BVf, block_v or state_block_v(seqs, H, V, dev))
     _dstate_kernel[(triton.cdiv(V, BVs), seqs * H)](
         q, k, do, x["Kd"], x["Dec"], x["Qg"], x["W"], x["Pm"], dU, dHs, dsT.contiguous() if dsT is not None else ds0, ds0,
-        chunks if varlen else ds0, float(scale), x["G"],
-        T, H=H, K=K, V=V, N=N, C=C, BK=BK, BV=BVs, GATE=gate, DELTA=delta, HAS_DST=dsT is not None, PREC=precs[1], VARLEN=varlen,
+        chunks if varlen else ds0, float(scale),
+        T, H=H, K=K, V=V, N=N, G=x["G"], C=C, BK=BK, BV=BVs, GATE=gate, DELTA=delta, HAS_DST=dsT is not None, PREC=precs[1], VARLEN=varlen,
         HALVES=bool(halves and BK >= 64), KD=x["kd"],
         num_warps=warps[0], num_stages=dstate_stages,  # at C 64, 2 stages of its [C, K] float32 tiles exceed shared memory
     )
