@@ -7,6 +7,7 @@ formed in the state and state gradient kernels, as the backward's recompute does
 """
 
 import argparse
+import itertools
 import os
 import re
 import subprocess
@@ -49,6 +50,7 @@ def main():
     ap.add_argument("--warps", default="", help="name=warps,... overrides, e.g. intra=8,dkey=16")
     ap.add_argument("--gates", default="2,1,0")
     ap.add_argument("--decode", action="store_true", help="the split-K decode attention kernels instead")
+    ap.add_argument("--step", action="store_true", help="the memory op's decode step kernel instead (with and without pre)")
     ap.add_argument("--lowp", action="store_true", help="the forward's 16-bit intermediates (forward_triton's lowp)")
     ap.add_argument("--no-div16", action="store_true", help="integer arguments (T, N) not divisible by 16 (odd T)")
     ap.add_argument("--varlen", action="store_true", help="the sequential kernels' packed-sequence form (a chunk table)")
@@ -56,6 +58,8 @@ def main():
     dt, D, DV = a.dtype, a.D, a.V or a.D
     if a.decode:
         return decode_kernels(a.dtype)
+    if a.step:
+        return step_kernels(a.dtype, a.D)
     BK, BV = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV))
     p, f = "*" + dt, "*fp32"
     m = p if a.lowp else f  # the forward's stored intermediates
@@ -109,6 +113,32 @@ def main():
                     continue
                 warps = over.get(name, warps)
                 print(f"{tag:16s} {name:7s} w{warps}", compile_one(fn, sig, consts, warps, stages, not a.no_div16), flush=True)
+
+
+def step_kernels(dt, D):
+    """evict/ops/memory/triton/step.py at K = V = D (BV as step_triton picks it): every gate x delta, plain (inputs
+    mapped before) and PRE (memory_step(pre=...): SiLU, L2, the decay gate and beta's sigmoid in the kernel), rows;
+    and the short conv's decode step (evict/ops/conv_triton.py, k 4)."""
+    from evict.ops.memory.triton import step as st
+
+    p, f, i = "*" + dt, "*fp32", "i32"
+    sig = dict(q=p, k=p, v=p, la=p, beta=p, s_in=f, s_out=f, o=p, rows="*i64", a_log=f, dt_bias=f, scale="fp32",
+               beta_scale="fp32", sq=i, sv=i)
+    BK = triton.next_power_of_2(D)
+    BV = min(BK, max(16, 4096 // BK))
+    for gate, delta, pre, bounded in itertools.product((0, 1, 2), (True, False), (False, True), (False, True)):
+        if bounded and not (pre and gate):
+            continue
+        consts = dict(H=8, K=D, V=D, BK=BK, BV=BV, GATE=gate, DELTA=delta, HAS_BETA=delta, HAS_ROWS=True, PRE=pre,
+                      SILU=pre, L2=pre, BOUNDED=bounded)
+        tag = f"gate{gate} delta{int(delta)} pre{int(pre)}{' bounded' if bounded else ''}"
+        print(f"step {tag:26s} w4", compile_one(st._step_kernel, sig, consts, 4 if BK * BV <= 4096 else 8, 1, False), flush=True)
+    from evict.ops import conv_triton as ct
+
+    csig = dict(x=p, w=p, tails=p, y=p, rows="*i64", C=i, s_xb=i)
+    for rows in (True, False):
+        print(f"conv step rows{int(rows)}", compile_one(ct._conv_step_kernel, csig, dict(K=4, BC=ct.BC, HAS_ROWS=rows), 4, 1,
+                                                      False), flush=True)
 
 
 def decode_kernels(dt):

@@ -21,7 +21,7 @@ import time
 import torch
 
 from evict.lab import hybrid, pairs, recall
-from evict.models import LM
+from evict.models import LM, compile_blocks
 from evict.tasks.mqar import MQARConfig, MQARTask
 from evict.train import TrainConfig, label_positions, train
 
@@ -98,8 +98,7 @@ for name, make in models.items():
     torch.manual_seed(0)
     model = make().to(a.device)
     if a.compile:
-        for blk in model.blocks:
-            blk.compile()
+        compile_blocks(model)
     x, y = (t.to(a.device) for t in task.get_batch("train", 0, batch))
 
     def step():

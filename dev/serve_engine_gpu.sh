@@ -4,12 +4,16 @@
 # depth side by side (bf16): 128 x (4K + 512) in a 4 GiB pool, batch 1 (the TPOT reference), 64 x (32K + 64), and the
 # engine's knobs on the hybrid. JSON into ${RES:-runs/bench/serve73}. Needs fastapi, uvicorn, httpx (dev/wheels.sh:
 # carried .whl/serve, installed here when missing). Modes, run in the order given (default all): tests (+ the attention,
-# decode and packed memory ops' GPU tests), main (= 4k batch1 32k: the pairs), engine (the 4K load in process, no HTTP,
+# decode and packed memory ops' GPU tests), decode (the decode step's GPU tests and dev/serve_step_profile.py
+# --decode-only 4352 --kernels 3 into $RES/decode_profile.txt), main (= 4k batch1 32k: the pairs), engine (the 4K load in process, no HTTP,
 # both models, packed steps profiled; engine_hybrid / engine_attention one each), cap (the 4K hybrid with
 # --decode-prefill-tokens 2048), attn (dev/packed_attention_gpu.py), profile (dev/serve_step_profile.py), knobs,
 # http (the 4K hybrid through HTTP from one client process, from 4 (--client-procs 4), then the same load with
 # `--spawn engine`: no server, the engine in the bench's process; side by side they are what the HTTP side and the
-# bench's client cost; http_attention: HTTP and in process for attention).
+# bench's client cost; http_attention: HTTP and in process for attention), prefill (the prefill path's GPU tests: engine,
+# attention op, mixed precision; then dev/serve_prefill_profile.py: one packed step of the 32K load per layer type, the
+# hybrid with and without MLA's flash padding beside attention, then 32 x 32K through the engine in process; JSON
+# $RES/prefill_profile.json; ~4 min).
 case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
 MODES=${*:-tests main engine cap attn profile knobs}
 set -uo pipefail
@@ -38,6 +42,16 @@ mode_tests() {
         tests/ops/test_decode.py tests/ops/test_memory_triton.py::test_gpu_packed_sequences_match_each_sequence_alone \
         -p no:cacheprovider ${TEST_N:+-n $TEST_N}
 }
+mode_decode() {  # the decode step's GPU tests (engine, the step kernel with and without pre, the conv step), then
+    # its profile at 1 and 128 rows (context 4,352: step, replay alone, torch.profiler tables of 3 eager and 3 graph steps)
+    timeout "${TEST_S:-90}" $PY -m pytest -q -rf -m gpu tests/serve/test_engine_gpu.py tests/ops/test_memory_preact.py \
+        tests/ops/test_conv_step.py \
+        tests/ops/test_memory_triton.py::test_gpu_step_matches_reference_in_place_and_graphed \
+        tests/ops/test_memory_triton.py::test_gpu_step_rows_match_reference_in_place_and_graphed \
+        -p no:cacheprovider ${TEST_N:+-n $TEST_N}
+    timeout "${PROFILE_S:-60}" $PY dev/serve_step_profile.py --decode-only 4352 --kernels 3 > "$RES/decode_profile.txt" 2>&1
+    grep "DECODE_PROFILE" "$RES/decode_profile.txt" || tail -5 "$RES/decode_profile.txt"
+}
 mode_4k() { for m in hybrid attention; do bench 4k "$m" 120 $B4K; done; }
 mode_batch1() { for m in ${BATCH1_MODELS:-hybrid attention}; do bench batch1 "$m" 60 $BATCH1; done; }  # BATCH1_MODELS=hybrid: one
 mode_32k() { for m in hybrid attention; do bench 32k "$m" 120 $B32K; done; }
@@ -53,6 +67,11 @@ mode_http() {  # HTTP with one client process (as before), with 4, and the engin
     bench 4k_inprocess hybrid 120 $B4K --spawn engine
 }
 mode_http_attention() { bench 4k attention 120 $B4K; bench 4k_inprocess attention 120 $B4K --spawn engine; }
+mode_prefill() {
+    timeout "${TEST_S:-150}" $PY -m pytest -q -rf -m gpu tests/serve/test_engine_gpu.py tests/ops/test_attention.py \
+        tests/models/test_mixed_precision.py -p no:cacheprovider ${TEST_N:+-n $TEST_N}
+    timeout "${PROFILE_S:-130}" $PY -u dev/serve_prefill_profile.py --reps 3 --json "$RES/prefill_profile.json"
+}
 mode_cap() { bench 4k_cap2k hybrid 100 $B4K --decode-prefill-tokens 2048; }
 mode_attn() { timeout 60 $PY dev/packed_attention_gpu.py; }
 mode_profile() {  # steps of the 4K load in process: the prefill phase, then the decode phase

@@ -7,7 +7,10 @@ tokens/s, TTFT p50 and TPOT p50 (no HTTP: the server and its clients excluded). 
 python dev/serve_step_profile.py [--model hybrid|attention] [--conv auto|torch] [--steps 80] [--warmup 8]
 `--decode-only C` instead times decode-only steps of 1 and of N rows, every row at context C (no prefill: the rows'
 blocks are taken and their states left zero, which changes no kernel's work): the engine's step (host + graph + sampling),
-the graph's replay alone (CUDA events), and with `--kernels K` torch.profiler tables of K eager steps and K graph steps."""
+the graph's replay alone (CUDA events), and with `--kernels K` torch.profiler tables of K eager steps and K graph steps.
+`--host-only` (a CPU): the scheduler's own time in a decode-only step of N rows, the model's forward and the cache's
+row selection stubbed out (the logits zeros): thread CPU time per step, median of 5 rounds of 200 steps. Run it with
+PYTHONPATH on two trees to compare their engines' host cost."""
 
 import argparse
 import itertools
@@ -41,7 +44,10 @@ def main():
     ap.add_argument("--decode-prefill-tokens", type=int, help="the engine's cap on prompt tokens in a step that decodes")
     ap.add_argument("--out", type=int, default=512, help="new tokens per request")
     ap.add_argument("--decode-only", type=int, default=0, metavar="C", help="decode steps only, rows at context C")
+    ap.add_argument("--host-only", action="store_true", help="the scheduler's host time a decode step (CPU, forward stubbed)")
     a = ap.parse_args()
+    if a.host_only:
+        return host_only(a.n)
     if a.conv == "torch":
         conv_op.kernel_runs_on = lambda x: False
     torch.manual_seed(0)
@@ -163,6 +169,31 @@ def decode_only(a, eng, sync):
                 eng._finish(r, "cancelled")
         res[f"rows_{rows}"] = out
     print("DECODE_PROFILE", json.dumps(res))
+
+
+def host_only(n: int) -> None:
+    """Thread CPU time of Engine.step over decode-only steps of n rows with the forward stubbed; one JSON line."""
+    model = LM(model_configs(("hybrid",), size="tiny", width={})["hybrid"]).eval()
+    eng = Engine(model, max_batch=n, cache_budget=64 << 20, block_size=256, prefill_chunk=64, max_len=4096)
+    logits = torch.zeros(n, 1, eng.vocab)
+    eng.model.forward = lambda tokens, **kw: logits[: tokens.shape[0]]
+    eng.pool.select = lambda *a, **kw: None
+    reqs = [eng.submit([t % 256 for t in range(100)], SamplingParams(max_tokens=3900, temperature=0)) for _ in range(n)]
+    rounds = []
+    with torch.inference_mode():
+        eng._drain(block=False)
+        eng._admit()
+        for r in reqs:
+            r.cached = len(r.prompt) - 1
+        for _ in range(5):
+            eng.step()
+        for _ in range(5):
+            t0 = time.thread_time_ns()
+            for _ in range(200):
+                eng.step()
+            rounds.append((time.thread_time_ns() - t0) / 200 / 1e3)
+    print("HOST_PROFILE", json.dumps({"rows": n, "host_us_per_step_median": statistics.median(rounds),
+                                      "rounds_us": [round(x, 1) for x in rounds]}))
 
 
 if __name__ == "__main__":

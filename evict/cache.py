@@ -42,8 +42,9 @@ class LatentState:
 class RecurrentState:
     S: torch.Tensor | None = None  # [B, H, K, V] float32, None until the first write
     conv: torch.Tensor | None = None  # [B, k-1, C] last inputs of the short conv
-    # [B] slot ids, set only on a slot pool's one-token step (`HybridCache.slot_states`): S is then the pool's whole
-    # [n_slots, H, K, V] and the layer's rows are S[rows], updated in place by the step op (no gather, no scatter)
+    # [B] slot ids, set only on a slot pool's one-token step (`HybridCache.slot_states`): S and conv are then the
+    # pool's whole [n_slots, H, K, V] and [n_slots, k-1, C], and the layer's rows are S[rows] and conv[rows], updated
+    # in place by the step op and the conv step (no gather, no scatter)
     rows: torch.Tensor | None = None
 
 
@@ -268,14 +269,14 @@ class HybridCache:
 
     def slot_states(self) -> list:
         """Per-layer states of the selected rows: recurrent states and conv tails gathered, KV / latent arenas shared.
-        A one-token step (a SlotBatch of T = 1) leaves each RecurrentState's S whole, with `rows` set: the step op
-        updates the rows in place (no copy of the states out and back)."""
+        A one-token step (a SlotBatch of T = 1) leaves each RecurrentState's S and conv tails whole, with `rows` set:
+        the step op and the conv step update the rows in place (no copy of the states out and back)."""
         batch = self._selected()
         rows = batch.rows
         step = isinstance(batch, SlotBatch) and batch.positions.shape[1] == 1
         out = []
         for st in self.states:
-            whole = ("S",) if step and isinstance(st, RecurrentState) and st.S is not None else ()
+            whole = ("S", "conv") if step and isinstance(st, RecurrentState) and st.S is not None else ()
             new = replace(st, **{f.name: getattr(st, f.name)[rows] for f in fields(st) if f.name in ("S", "conv")
                                  and f.name not in whole and getattr(st, f.name) is not None})
             out.append(replace(new, rows=rows) if whole else new)

@@ -68,12 +68,13 @@ def check_fsdp_available() -> None:
 
 
 def parallelize(model: nn.Module, *, kind: str, compile: bool, device: torch.device) -> nn.Module:
-    """Per-block torch.compile (when `compile`), then, when a process group is initialised, FSDP2 per block and
+    """Per-block torch.compile (when `compile`: evict.models.compile_blocks), then, when a process group is initialised, FSDP2 per block and
     at the root (`kind="fsdp"`) or DDP (`kind="ddp"`). Returns the module to call (the model itself, or its DDP)."""
     blocks = list(getattr(model, "blocks", []))
     if compile:
-        for blk in blocks or [model]:
-            blk.compile()
+        from evict.models.compile_blocks import compile_blocks
+
+        compile_blocks(model)  # each block, one dynamo cache per block form
     if not active():
         return model
     if kind == "ddp":

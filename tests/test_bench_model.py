@@ -123,6 +123,12 @@ def test_impls_and_merge_across_runs(tmp_path):
 
     paths = [run("k.json", "kda_226m", "evict", 100, 20.0), run("h.json", "kkka_226m", "evict", 95, 21.0),
              run("f.json", "kda_226m", "fla", 125, 19.0)]
+    comp = json.loads(paths[0].read_text())
+    comp["rows"][0].update(mode="compiled", **{"tok/s": 150, "peak GiB": 17.0})
+    (tmp_path / "c.json").write_text(json.dumps(comp))
+    merged = merge([*paths, tmp_path / "c.json"], out=tmp_path / "m.json")
+    compiled = next(r for r in merged if r["mode"] == "compiled")  # no compiled fla row: beside fla's eager one
+    assert compiled["vs"] == "fla (eager)" and compiled["tok/s ratio"] == 1.2 and compiled["memory ratio"] == 0.89
     merged = merge(paths, out=tmp_path / "m.json")
     by = {(r["model"], r["impl"]): r for r in merged}
     assert by[("kda_226m", "evict")]["vs"] == "fla" and by[("kda_226m", "evict")]["tok/s ratio"] == 0.8

@@ -1,4 +1,5 @@
 """The maintained tools in dev/ are listed on the development page and each answers --help without doing its work."""
+import json
 import os
 import re
 import subprocess
@@ -35,3 +36,20 @@ def test_a_shell_tool_answers_help(tool):
 def test_a_python_tool_answers_help(tool):
     out = _help(tool)
     assert out.returncode == 0 and out.stdout.strip(), (out.stdout[-2000:], out.stderr[-2000:])
+
+
+@pytest.mark.slow  # tiny models, but two of them stepped and profiled on a shared CPU: ~30-90 s
+def test_serve_prefill_profile_runs_on_a_cpu(tmp_path):
+    """dev/serve_prefill_profile.py --cpu: both models' steps at every scenario, the load's predicted prefill time."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, str(ROOT / "dev" / "serve_prefill_profile.py"), "--cpu", "--models", "hybrid",
+                          "attention", "--reps", "1", "--kernels", "2", "--json", str(tmp_path / "p.json")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads((tmp_path / "p.json").read_text())
+    for kind, letters in (("hybrid", {"K", "M", "ffn"}), ("attention", {"A", "ffn"})):
+        rows = res[kind]["rows"]
+        assert len(rows) == 3 + 4 + 1 and all(set(r["by_type_ms"]) == letters for r in rows)
+        assert res[kind]["load_prefill_s"] > 0 and len(res[kind]["engine_step_ms"]) == 128 // 32  # the engine's steps
+        assert res[kind]["engine_load"]["requests"] == 4 and res[kind]["engine_load"]["steps"] >= 4  # the load in process
+    assert "load prefill time hybrid / attention" in out.stdout

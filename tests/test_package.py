@@ -69,6 +69,8 @@ def test_the_tracked_tree_fits_a_device_call():
     assert total < 48 * 2**20, f"tracked files total {total / 2**20:.1f} MiB; the device call's limit is 64 MiB with .whl"
     big = {n: s for n, s in sizes.items() if n.endswith((".md", ".py", ".sh", ".toml")) and s > 2**20}
     assert not big, f"text files over 1 MiB: {big}"
+    leftovers = sorted(n for n in sizes if n.endswith((".orig", ".rej", ".bak", "~")) or "/.dev_" in f"/{n}")
+    assert not leftovers, f"merge / patch leftovers or device copies tracked: {leftovers}"
 
 
 @pytest.mark.parametrize("argv,lab", [(["recall"], "recall"), (["lab", "pairs"], "pairs"), (["lab", "hybrid"], "hybrid")])

@@ -33,7 +33,8 @@ def _timer(device: str):
 # -- AttnRes ------------------------------------------------------------------------------------------------------------
 
 def time_attn_res(device: str, modes=("eager",)) -> list[dict]:
-    """One training step (bf16 autocast, fused AdamW on CUDA) of the same LM with and without AttnRes."""
+    """One training step (bf16 autocast, fused AdamW on CUDA) of the same LM with and without AttnRes; each one's
+    peak memory (CUDA) and warm-up seconds (compiled: every block form's compile)."""
     from dataclasses import replace
 
     from evict.bench.model import _evict, _measure, model_config
@@ -47,20 +48,23 @@ def time_attn_res(device: str, modes=("eager",)) -> list[dict]:
     x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     rows = []
     for mode in modes:
-        ms = {}
+        ms, gib, warm = {}, {}, {}
         for on in (False, True):
             cfg = replace(base, attn_res=on, attn_res_block=s["attn_res_block"])
             torch.manual_seed(0)
             subject = _evict(cfg, s["seq_len"], dev, False)
             r = _measure(subject, x, y, warmup=s["warmup"], steps=s["steps"], compiled=mode == "compiled")
-            ms[on] = r["ms/step"]
+            ms[on], gib[on], warm[on] = r["ms/step"], r["peak GiB"], r["warmup s"]
+            print(f"attn_res {mode} {'with' if on else 'without'}: {r['ms/step']} ms/step, {r['peak GiB']} GiB, "
+                  f"warm-up {r['warmup s']} s", flush=True)  # a run cut by its timeout still shows what it measured
             del subject
             if device == "cuda":
                 torch.cuda.empty_cache()
         rows.append({"claim": "attn_res", "device": device, "mode": mode, "model": s["lm"],
                      "shape": f"B{s['batch']} T{s['seq_len']}, {base.n_layers} layers, block {s['attn_res_block']}",
                      "without ms": ms[False], "with ms": ms[True],
-                     "overhead %": round(100 * (ms[True] / ms[False] - 1), 2)})
+                     "overhead %": round(100 * (ms[True] / ms[False] - 1), 2),
+                     "without GiB": gib[False], "with GiB": gib[True], "warmup s without / with": f"{warm[False]} / {warm[True]}"})
     return rows
 
 

@@ -35,7 +35,7 @@ from torch import nn
 
 from evict.bench.autotune import parallel_autotune_compile
 from evict.report import card, markdown_table, write_json
-from evict.models import LM, presets
+from evict.models import LM, compile_blocks, presets
 from evict.models.config import ModelConfig
 
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12}  # dense bf16 tensor-core FLOP/s of the SXM cards
@@ -145,11 +145,7 @@ def _measure(subject: _Subject, x: torch.Tensor, y: torch.Tensor, *, warmup: int
     model.train()
     loss_fn = subject.loss
     if compiled:
-        if isinstance(model, LM):
-            for blk in model.layers():  # per block, as `evict train --compile` does
-                blk.compile()
-        else:
-            model.compile()
+        compile_blocks(model)  # an LM per block (one dynamo cache per block form), as `evict train --compile` does
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
@@ -334,8 +330,8 @@ def merge(paths, out=None) -> list[dict]:
 
 
 def _ratios(rows: list[dict]) -> None:
-    """evict's rows against their reference in the same mode (transformers / fla), hybrids against evict's KDA-only
-    model of the same width in the same mode: tokens/s ratio (> 1: evict faster) and peak-memory ratio (< 1: less).
+    """evict's rows against their reference in the same mode (transformers / fla; a compiled row with no compiled fla
+    row against fla's eager one, labelled so), hybrids against evict's KDA-only model of the same width in the same mode: tokens/s ratio (> 1: evict faster) and peak-memory ratio (< 1: less).
     Only rows of the same shape are compared (`merge` may bring rows of several runs together)."""
     def find(model, impl, mode, shape):
         return next((r for r in rows if (r["model"], r["impl"], r["mode"], r.get("shape")) == (model, impl, mode, shape)
@@ -348,9 +344,13 @@ def _ratios(rows: list[dict]) -> None:
         base = next((b for b in (find(r["model"], i, r["mode"], at) for i in ("transformers", "fla")) if b), None)
         if base is None and r["model"] in ("kkka_226m", "kkkm_226m"):
             base = find("kda_226m", "evict", r["mode"], at)
+        if base is None and r["mode"] != "eager":  # fla's model runs eager only (its kernels are its speed): a compiled
+            base = find(r["model"], "fla", "eager", at)  # evict row is what a user would put beside fla as fla runs
         if base is None:
             continue
         r["vs"] = f"{base['impl']} {base['model']}" if base["model"] != r["model"] else base["impl"]
+        if base["mode"] != r["mode"]:
+            r["vs"] += f" ({base['mode']})"
         r["tok/s ratio"] = round(r["tok/s"] / base["tok/s"], 2)
         if r["peak GiB"] is not None and base["peak GiB"]:
             r["memory ratio"] = round(r["peak GiB"] / base["peak GiB"], 2)

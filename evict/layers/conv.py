@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from evict.cache import PackedBatch, PaddedBatch
-from evict.ops.conv import short_conv
+from evict.ops.conv import conv_step, short_conv
 
 
 class ShortConv(nn.Module):
@@ -32,6 +32,11 @@ class ShortConv(nn.Module):
     def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """y [B, T, C] and the new tail (evict.ops.conv.short_conv: Triton on CUDA without a tail, else a conv2d)."""
         return short_conv(x, self.weight[:, 0], tail)
+
+    def step(self, x: torch.Tensor, tails: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token x [B, 1, C] of a slot pool's rows: y [B, 1, C] and the pool's tails [N, k-1, C], whose rows `rows`
+        are shifted by x in place (evict.ops.conv.conv_step)."""
+        return conv_step(x, self.weight[:, 0], tails, rows), tails
 
     def run(self, x: torch.Tensor, tail: torch.Tensor | None, pos=None) -> tuple[torch.Tensor, torch.Tensor]:
         """forward(x, tail); for sequences packed along T (`pos` a PackedBatch, x [1, T, C], tail [N, k-1, C] one

@@ -20,6 +20,7 @@ from torch import nn
 
 from evict.cache import PackedBatch, PaddedBatch, RecurrentState
 from evict.ops import memory, memory_step
+from evict.ops.memory.preact import Preact, beta_of, log_decay
 
 from .conv import ShortConv
 from .init import reset_children
@@ -32,10 +33,6 @@ KINDS = {  # kind -> (gate, delta, conv, features, normalizer, gated output)
     "kda": ("channel", True, True, "l2", False, True),
     "gla": ("channel", False, True, "none", False, True),
 }
-
-
-def _gate_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 class MemoryMixer(nn.Module):
@@ -97,15 +94,12 @@ class MemoryMixer(nn.Module):
 
     def log_alpha(self, x: torch.Tensor) -> torch.Tensor:
         """Per-step log decay, <= 0: [B, T, H] (scalar) or [B, T, H, D] (per channel), float32 (float64 in float64)."""
-        B, T, _ = x.shape
-        ft = _gate_dtype(x)
-        g = self.f_gate(x).to(ft) + self.dt_bias.to(ft)  # [B, T, H] or [B, T, H*D]
-        A = self.A_log.to(ft).exp()
-        if self.gate == "channel":
-            g, A = g.view(B, T, self.H, self.D), A[:, None]
-        if self.gate_form == "softplus":
-            return -A * F.softplus(g)
-        return -5.0 * torch.sigmoid(A * g)
+        return log_decay(self._gate_in(x), self.A_log, self.dt_bias, self.gate_form)
+
+    def _gate_in(self, x: torch.Tensor) -> torch.Tensor:
+        """The gate's projection, pre-activation: [B, T, H] or [B, T, H, D]."""
+        g = self.f_gate(x)
+        return g if self.gate == "scalar" else g.view(*x.shape[:2], self.H, self.D)
 
     def forward(self, x: torch.Tensor, state: RecurrentState | None = None, pos=0) -> torch.Tensor:
         """x [B, T, d]; the state carries all history, so `pos` (an int or a SlotBatch) is not needed here, except a
@@ -114,10 +108,48 @@ class MemoryMixer(nn.Module):
         B, T, _ = x.shape
         H, D = self.H, self.D
         qkv = self.wqkv(x)  # [B, T, 3 H D]
-        if self.conv is not None:
+        if self.conv is not None and state is not None and state.rows is not None and state.conv is not None:
+            qkv, tail = self.conv.step(qkv, state.conv, state.rows)  # a slot pool's step: its tails shifted in place
+        elif self.conv is not None:
             qkv, tail = self.conv.run(qkv, None if state is None else state.conv, pos)
-            qkv = F.silu(qkv)
-        q, k, v = qkv.view(B, T, 3, H, D).unbind(2)  # [B, T, H, D] each
+        if state is not None and self._fused_step(T, pos):  # features, gate and beta inside the step's one launch
+            o, S = self._step(x, qkv, state)
+        else:
+            o, S = self._sequence(x, F.silu(qkv) if self.conv is not None else qkv, state, pos)
+        if state is not None:
+            state.S = S
+            if self.conv is not None:
+                state.conv = tail
+        if self.normalizer:
+            o = o[..., :D] / (o[..., D:] + 1e-6)
+        if self.o_norm is not None and self.f_out is not None:
+            o = self.o_norm(o) * torch.sigmoid(self.f_out(x)).view(B, T, H, D)
+        return self.wo(o.reshape(B, T, H * D))
+
+    def _fused_step(self, T: int, pos) -> bool:
+        """A one-token step of a state whose input maps the step op can run itself (memory_step's `pre`): conv +
+        SiLU features (then L2 or none), not packed sequences or a left-padded batch."""
+        return (T == 1 and self.conv is not None and self.features in ("l2", "none") and not self.normalizer
+                and not isinstance(pos, PackedBatch) and not (isinstance(pos, PaddedBatch) and pos.padded))
+
+    def _step(self, x: torch.Tensor, qkv: torch.Tensor, state: RecurrentState):
+        """One token: qkv [B, 1, 3 H D] the conv's output (not activated) through memory_step(pre=...): o [B, 1, H, D]
+        and the new state (a slot pool's rows updated in place: state.rows)."""
+        q, k, v = qkv[:, 0].view(x.shape[0], 3, self.H, self.D).unbind(1)  # [B, H, D] each, views
+        gated = self.gate is not None
+        pre = Preact(silu=True, l2=self.features == "l2", A_log=self.A_log if gated else None,
+                     dt_bias=self.dt_bias if gated else None, form=self.gate_form,
+                     beta_scale=2.0 if self.neg_eigval else 1.0)
+        g = self._gate_in(x)[:, 0] if gated else None
+        b = None if self.wb is None else self.wb(x)[:, 0]
+        o, S = memory_step(q, k, v, state.S, log_alpha=g, beta=b, delta=self.delta, rows=state.rows,
+                           out=None if state.rows is None else state.S, pre=pre)
+        return o[:, None], S
+
+    def _sequence(self, x: torch.Tensor, qkv: torch.Tensor, state: RecurrentState | None, pos):
+        """qkv [B, T, 3 H D] (activated) through the op: o [B, T, H, D (+1 normalizer)] and the new state (or None)."""
+        B, T, _ = x.shape
+        q, k, v = qkv.view(B, T, 3, self.H, self.D).unbind(2)  # [B, T, H, D] each
         if self.features == "l2":
             q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         elif self.features == "elu1":
@@ -134,30 +166,18 @@ class MemoryMixer(nn.Module):
             # (not): with k_t = 0 and la_t = 0 both are S_t = S_{t-1}, for every kind (beta alone is not in all of them)
             k = pos.zero_pads(k)
             la = None if la is None else pos.zero_pads(la)
-        beta = None
-        if self.wb is not None:
-            beta = torch.sigmoid(self.wb(x).to(_gate_dtype(x))) * (2.0 if self.neg_eigval else 1.0)  # [B, T, H]
+        beta = None if self.wb is None else beta_of(self.wb(x), 2.0 if self.neg_eigval else 1.0)  # [B, T, H]
         if isinstance(pos, PackedBatch):
             if state is None or state.S is None:
                 raise ValueError("state: packed sequences need this layer's RecurrentState rows, got None")
-            o, S = self._packed(q, k, v, la, beta, state.S, pos)
-        elif state is not None and T == 1:  # a slot pool's step (state.rows set): its rows of S updated in place
+            return self._packed(q, k, v, la, beta, state.S, pos)
+        if state is not None and T == 1:  # a slot pool's step (state.rows set): its rows of S updated in place
             o, S = memory_step(q[:, 0], k[:, 0], v[:, 0], state.S, log_alpha=None if la is None else la[:, 0],
                                beta=None if beta is None else beta[:, 0], delta=self.delta, rows=state.rows,
                                out=None if state.rows is None else state.S)
-            o = o[:, None]
-        else:
-            o, S = memory(q, k, v, log_alpha=la, beta=beta, delta=self.delta, initial_state=None if state is None else state.S,
-                          output_final_state=state is not None, chunk_size=self.chunk_size, check=False)
-        if state is not None:
-            state.S = S
-            if self.conv is not None:
-                state.conv = tail
-        if self.normalizer:
-            o = o[..., :D] / (o[..., D:] + 1e-6)
-        if self.o_norm is not None and self.f_out is not None:
-            o = self.o_norm(o) * torch.sigmoid(self.f_out(x)).view(B, T, H, D)
-        return self.wo(o.reshape(B, T, H * D))
+            return o[:, None], S
+        return memory(q, k, v, log_alpha=la, beta=beta, delta=self.delta, initial_state=None if state is None else state.S,
+                      output_final_state=state is not None, chunk_size=self.chunk_size, check=False)
 
     def _packed(self, q, k, v, la, beta, S0: torch.Tensor, pos: PackedBatch):
         """The packed sequences [1, T, H, D]: the D decode rows in one step op, the prompt chunks through the op's

@@ -2,6 +2,7 @@
 
 from . import presets
 from .config import MIXERS, ModelConfig, MoEConfig
+from .compile_blocks import compile_blocks
 from .lm import LM
 
-__all__ = ["LM", "MIXERS", "ModelConfig", "MoEConfig", "presets"]
+__all__ = ["LM", "compile_blocks", "MIXERS", "ModelConfig", "MoEConfig", "presets"]

@@ -117,7 +117,7 @@ class Block(nn.Module):
         sources = completed if h is None else completed + [h]
         x = completed[0] if self.read_mixer is None else self.read_mixer(sources)
         out = self.mixer(self.norm1(x), state, pos)
-        h = out if h is None else h + out
+        h = out.to(completed[0].dtype) if h is None else h + out  # a block's sum in the stream's dtype (float32)
         return h + self.ffn(self.norm2(self.read_ffn(completed + [h])))
 
 

@@ -71,14 +71,30 @@ def attention_reference(q, k, v, *, causal=True, scale, mask=None):
 _NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+# A CUDA forward without gradient whose value head dim is below the key's (MLA: 192 / 128) pads v with zeros to the
+# key's dim, so SDPA can take its flash kernel (one head dim for q, k, v; up to 256 in 16-bit), not the memory-efficient
+# one; the padded output columns are zero and dropped. False: the unpadded call (dev/serve_prefill_profile.py runs both
+# side by side: its hybrid and hybrid_nopad rows).
+PAD_VALUES_FOR_FLASH = True
+
+
 def attention_sdpa(q, k, v, *, causal=True, scale, mask=None):
     if q.is_cuda and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
         with sdpa_kernel(_NO_CUDNN):
-            return _sdpa(q, k, v, causal=causal, scale=scale, mask=mask)
+            return _sdpa(q, k, v, causal=causal, scale=scale, mask=mask, pad_v=PAD_VALUES_FOR_FLASH and _flash_dtype(q))
     return _sdpa(q, k, v, causal=causal, scale=scale, mask=mask)
 
 
-def _sdpa(q, k, v, *, causal, scale, mask):
+def _flash_dtype(q: torch.Tensor) -> bool:
+    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
+
+
+def _sdpa(q, k, v, *, causal, scale, mask, pad_v=False):
+    """SDPA over [B, T, H, D] inputs. `pad_v`: v's head dim, when smaller than q's, zero-padded to it (without a mask:
+    flash takes no mask), the output's extra columns dropped: the same numbers, one head dim for flash."""
+    dv = v.shape[-1]
+    if pad_v and mask is None and dv < q.shape[-1]:
+        return _sdpa(q, k, F.pad(v, (0, q.shape[-1] - dv)), causal=causal, scale=scale, mask=None)[..., :dv]
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, T, D)
     gqa = q.shape[2] != k.shape[2]  # SDPA reads each kv head once (torch >= 2.5)
     tq, tk = q.shape[1], k.shape[1]

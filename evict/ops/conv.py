@@ -1,6 +1,7 @@
 """The short causal depthwise convolution over time: y_t = sum_{s<k} w[k-1-s] x_{t-s} per channel.
 
     short_conv(x, w, tail=None, impl="auto") -> (y, new_tail)
+    conv_step(x, w, tails, rows=None) -> y           one token [B, 1, C]; tails[rows] (a slot pool's) shifted in place
 
 x [B, T, C]; w [C, k] (w[:, k-1] weighs the current token); tail [B, k-1, C], the k-1 inputs before x (zeros when
 None); y [B, T, C] in x's dtype; new_tail = the last k-1 inputs seen (reaching into the old tail when T < k-1), what
@@ -100,3 +101,24 @@ def short_conv(x: torch.Tensor, w: torch.Tensor, tail: torch.Tensor | None = Non
     wc = w.to(x.dtype)[:, None, None, :]  # [C, 1, 1, k]
     y = F.conv2d(xt.transpose(1, 2)[:, :, None, :], wc, groups=C)  # [B, C, 1, T], cross-correlation
     return y[:, :, 0].transpose(1, 2).contiguous(), xt[:, T:]
+
+
+def conv_step(x: torch.Tensor, w: torch.Tensor, tails: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode token: y [B, 1, C] = short_conv(x, w, tails[rows])'s output, and tails[rows] (tails [N, k-1, C], a
+    slot pool's; rows [B], or None: N = B) become the new tails in place. On CUDA one Triton launch (no gather, cast
+    or scatter; the same float32 sum as the forward kernel's); elsewhere short_conv on the gathered rows, copied back."""
+    B, T, C = x.shape
+    k = w.shape[1]
+    if T != 1 or tuple(tails.shape[1:]) != (k - 1, C) or (rows is None and tails.shape[0] != B):
+        raise ValueError(f"conv_step: expected x [B, 1, C] and tails [N, {k - 1}, {C}], got x {tuple(x.shape)} and "
+                         f"tails {tuple(tails.shape)}")
+    if kernel_runs_on(x) and x.is_cuda and tails.is_contiguous() and k > 1:
+        from .conv_triton import conv_step_triton
+
+        return conv_step_triton(x if x.stride(2) == 1 else x.contiguous(), w.contiguous(), tails, rows)
+    y, new = short_conv(x, w, tails if rows is None else tails[rows])
+    if rows is None:
+        tails.copy_(new)
+    else:
+        tails.index_copy_(0, rows, new.to(tails.dtype))
+    return y

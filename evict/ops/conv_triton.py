@@ -88,3 +88,40 @@ def conv_backward_triton(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> 
     _conv_bwd_kernel[_grid(B, T, C)](x, w, dy, dx, parts, T, C, n_t, x.stride(0), x.stride(1), dy.stride(0),
                                      dy.stride(1), dx.stride(0), dx.stride(1), K=w.shape[1], BT=BT, BC=BC, num_warps=4)
     return dx, parts.sum(0)
+
+
+@triton.jit
+def _conv_step_kernel(x, w, tails, y, rows, C, s_xb, K: tl.constexpr, BC: tl.constexpr, HAS_ROWS: tl.constexpr):
+    """One token of B rows, grid (C / BC, B): y = sum_j w[j] [tail; x]_j in float32 (the forward kernel's sum, in its
+    order), and the tail [k-1, C] of pool row rows[b] (or b) shifted by x, in place (a program reads its tile first)."""
+    i_c, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    rc = i_c * BC + tl.arange(0, BC)
+    mc = rc < C
+    if HAS_ROWS:
+        t = tails + tl.load(rows + b).to(tl.int64) * (K - 1) * C + rc
+    else:
+        t = tails + b * (K - 1) * C + rc
+    xt = tl.load(x + b * s_xb + rc, mask=mc, other=0.0)
+    acc = tl.zeros([BC], tl.float32)
+    for j in tl.static_range(K):
+        if j < K - 1:
+            xj = tl.load(t + j * C, mask=mc, other=0.0)
+        else:
+            xj = xt
+        wj = tl.load(w + rc * K + j, mask=mc, other=0.0).to(tl.float32)
+        acc += xj.to(tl.float32) * wj
+    for j in tl.static_range(K - 2):
+        tl.store(t + j * C, tl.load(t + (j + 1) * C, mask=mc, other=0.0), mask=mc)
+    if K > 1:
+        tl.store(t + (K - 2) * C, xt.to(tails.dtype.element_ty), mask=mc)
+    tl.store(y + b * C + rc, acc.to(y.dtype.element_ty), mask=mc)
+
+
+def conv_step_triton(x: torch.Tensor, w: torch.Tensor, tails: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """x [B, 1, C] (channel stride 1), w [C, k] (any float dtype), tails [N, k-1, C] contiguous, rows [B] or None
+    (then N = B) -> y [B, 1, C] in x's dtype; tails[rows] shifted by x in place."""
+    B, _, C = x.shape
+    y = torch.empty(B, 1, C, device=x.device, dtype=x.dtype)
+    _conv_step_kernel[(triton.cdiv(C, BC), B)](x, w, tails, y, tails if rows is None else rows, C, x.stride(0),
+                                               K=w.shape[1], BC=BC, HAS_ROWS=rows is not None, num_warps=4)
+    return y

@@ -306,8 +306,15 @@ class Engine:
 
     def _decode(self, reqs: list[Request]) -> torch.Tensor:
         """One token of each request (a decode-only step); logits [B, V]."""
-        toks, starts = [r.pending(1)[0] for r in reqs], [r.cached for r in reqs]
-        rows = [r.slot for r in reqs if r.slot is not None]  # every row runs in its slot
+        toks: list[int] = []
+        starts: list[int] = []
+        rows: list[int] = []
+        for r in reqs:  # one pass (host time at 128 rows: dev/LOG.md session 60): r.pending(1)[0], its position, slot
+            c, P = r.cached, len(r.prompt)
+            assert r.slot is not None  # every row runs in its slot (step() keeps only those)
+            toks.append(r.prompt[c] if c < P else r.out[c - P])
+            starts.append(c)
+            rows.append(r.slot)
         if self.graphs is not None:
             try:
                 logits = self.graphs(toks, rows, starts)
@@ -374,20 +381,26 @@ class Engine:
     def _plan(self) -> tuple[list[Request], list[tuple[Request, int]]]:
         """This step's decode rows and prompt chunks (request, tokens) within the token budget, by `priority`."""
         left = self.max_tokens
-        decode = [r for r in self.running if r.n_tokens - r.cached == 1]
+        decode: list[Request] = []
+        reading: list[tuple[Request, int]] = []  # (request, tokens it has not read), > 1: prompt chunks to plan
+        for r in self.running:  # one pass over the rows, in admission order
+            n = len(r.prompt) + len(r.out) - r.cached
+            if n == 1:
+                decode.append(r)
+            elif n > 1:
+                reading.append((r, n))
         chunks: list[tuple[Request, int]] = []
         if self.priority == "decode":
             decode = decode[:left]
             left -= len(decode)
         prompt = min(left, self.decode_prefill) if decode else left  # prompt tokens this step
-        for r in self.running:
+        for r, n in reading:
             if prompt == 0:
                 break
-            if r.n_tokens - r.cached > 1:
-                T = min(self.prefill_chunk - r.cached % self.prefill_chunk, r.n_tokens - r.cached, prompt)
-                chunks.append((r, T))
-                prompt -= T
-                left -= T
+            T = min(self.prefill_chunk - r.cached % self.prefill_chunk, n, prompt)
+            chunks.append((r, T))
+            prompt -= T
+            left -= T
         if self.priority == "prefill":
             decode = decode[:left]
         return decode, chunks
@@ -427,8 +440,9 @@ class Engine:
         order = [(r, 1) for r in decode] + chunks
         if self.priority == "prefill":
             order = chunks + [(r, 1) for r in decode]
+        room = self.block_size if self.uses_blocks else None  # tokens a block holds; None: no blocks to grow
         for r, n in order:  # blocks in priority order
-            if r.slot is not None:
+            if r.slot is not None and room is not None and r.cached + n > len(r.blocks) * room:
                 self._grow(r, r.cached + n)  # may preempt the youngest running request (r itself included)
         decode = [r for r in decode if r.slot is not None]
         chunks = [(r, T) for r, T in chunks if r.slot is not None]

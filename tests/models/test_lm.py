@@ -162,3 +162,18 @@ def test_short_conv_is_a_causal_depthwise_convolution():
         assert torch.allclose(y[:, t], want, atol=1e-14)
     y2, _ = conv(x[:, 6:], tail=conv(x[:, :6])[1])
     assert torch.allclose(y2, y[:, 6:], atol=1e-14) and torch.equal(tail, x[:, -3:])
+
+
+def test_attn_res_sources_keep_the_stream_dtype_under_autocast():
+    """Under a bf16 autocast every AttnRes depth source (the embedding, each block's running sum) stays float32, as
+    the plain residual stream does: a block's sum starts from its first sublayer's bf16 output, cast once."""
+    torch.manual_seed(3)
+    m = LM(presets.get("kda", pattern="KM", vocab_size=61, n_layers=4, d_model=32, n_heads=2, head_dim=16, d_ff=48,
+                       attn_res=True, attn_res_block=2))
+    seen = []
+    for mod in m.modules():
+        if type(mod).__name__ == "AttnResRead":
+            mod.register_forward_pre_hook(lambda _, args: seen.extend(s.dtype for s in args[0]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m(torch.randint(0, 61, (2, 9)))
+    assert len(seen) >= 8 and set(seen) == {torch.float32}

@@ -1,10 +1,14 @@
 """Softmax attention: SDPA fast path against the explicit reference, including GQA, offsets and decode."""
 
+import importlib
+
 import pytest
 import torch
 
 from evict.ops import attention
 from tests.conftest import rel
+
+attention_ops = importlib.import_module("evict.ops.attention")  # the module (the package exports its function)
 
 
 @pytest.mark.parametrize("T", [1, 63, 65, 200])
@@ -33,6 +37,17 @@ def test_suffix_queries_and_decode_equal_full(impl):
     assert rel(attention(q[:, 30:], k, v, impl=impl), full[:, 30:]) <= 1e-12
     for t in (0, 17, 49):
         assert rel(attention(q[:, t : t + 1], k[:, : t + 1], v[:, : t + 1], impl=impl), full[:, t : t + 1]) <= 1e-12
+
+
+@pytest.mark.parametrize("tq,tk", [(1, 40), (13, 40), (40, 40)])
+def test_values_padded_for_flash_give_the_same_output(tq, tk):
+    """MLA's value head dim (here 5) below the key's (12): v zero-padded to 12 for one SDPA head dim, the extra output
+    columns dropped, equals the reference (decode row, a chunk over a longer cache, a whole sequence)."""
+    q, k, v = torch.randn(2, tq, 4, 12, dtype=torch.float64), torch.randn(2, tk, 4, 12, dtype=torch.float64), \
+        torch.randn(2, tk, 4, 5, dtype=torch.float64)
+    o = attention_ops._sdpa(q, k, v, causal=True, scale=0.3, mask=None, pad_v=True)
+    assert o.shape == (2, tq, 4, 5)
+    assert rel(o, attention(q, k, v, scale=0.3, impl="reference")) <= 1e-12
 
 
 def test_bad_inputs():
@@ -65,3 +80,25 @@ def test_gpu_suffix_queries_match_reference(grad, dtype, hkv, dv, tq, tk):
     ref = attention(q.double(), k.double(), v.double(), impl="reference")
     assert o.dtype == dtype and o.shape == (2, tq, 8, dv)
     assert rel(o, ref) <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tq,tk", [(256, 4096), (300, 300)])
+def test_gpu_mla_head_dims_run_flash_without_gradient(tq, tk):
+    """MLA's prompt chunk (keys 192, values 128, bf16, no gradient: serving) reaches SDPA's flash kernel (values padded
+    to 192), not the memory-efficient one (neither its aten op nor its cutlass kernel runs); the output matches the
+    float64 reference to 1e-2, as the op's other 16-bit GPU tests."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator(device="cuda").manual_seed(tq + tk)
+    q, k = (torch.randn(1, t, 8, 192, device="cuda", generator=g, dtype=torch.bfloat16) for t in (tq, tk))
+    v = torch.randn(1, tk, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]  # aten ops and kernels
+    with torch.no_grad(), torch.profiler.profile(activities=acts) as prof:
+        o = attention(q, k, v, check=False)
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages()]
+    assert any("flash" in n for n in names), names
+    assert not any("fmha_cutlass" in n or "efficient_attention" in n for n in names), names
+    ref = attention(q.double(), k.double(), v.double(), impl="reference")
+    assert rel(o, ref) <= 1e-2

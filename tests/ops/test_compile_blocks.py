@@ -120,3 +120,45 @@ def test_gpu_blocks_compile_whole(letter):
         n, why = _breaks(blk, x)
         assert n == 0, why
         _compiled_matches(blk, x, "inductor", 3e-2)
+
+
+def _compile_counts(attn_res, per_form, limit=1):
+    """Compile a 4-layer KDA + MLA hybrid's blocks (dynamo only, backend "eager") under a recompile limit, run one
+    training step; returns (dynamo's counters, the number of distinct block forms)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from evict.models import compile_blocks
+    from evict.models.compile_blocks import block_form
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    cfg = presets.get("kda", pattern="KM", vocab_size=61, n_layers=4, d_model=32, n_heads=2, head_dim=16, d_ff=48,
+                      attn_res=attn_res, attn_res_block=2)
+    m = LM(cfg)
+    if per_form:
+        compile_blocks(m, backend="eager")
+    else:  # the per-block mode before: one dynamo cache for every block
+        for blk in m.layers():
+            blk.compile(backend="eager")
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        for _ in range(2):
+            m(torch.randint(0, 61, (2, 12))).square().mean().backward()
+    return counters, len({block_form(m, i) for i in range(4)})
+
+
+@pytest.mark.parametrize("attn_res", [pytest.param(False, marks=pytest.mark.slow), True])
+def test_cpu_hybrid_compiles_each_block_form_once(attn_res):
+    """compile_blocks: a KDA + MLA hybrid (with AttnRes: four forms, each block reads another number of depth
+    sources) compiles each block form exactly once, two steps, under a recompile limit of 1: no recompile, no
+    fallback to eager, no graph break (one graph per form). The old per-block mode shares one dynamo cache among all
+    blocks: it hits the limit at the second form (the H100's kkkm_226m AttnRes run hit 8 and ran eager)."""
+    counters, forms = _compile_counts(attn_res, per_form=True)
+    assert forms == (4 if attn_res else 2)
+    assert not counters["unimplemented"], dict(counters["unimplemented"])
+    assert dict(counters["frames"]) == {"total": forms, "ok": forms}
+    assert counters["stats"]["unique_graphs"] == forms
+    if attn_res:
+        old, _ = _compile_counts(attn_res, per_form=False)
+        assert any("recompile" in k.lower() for k in old["unimplemented"]), dict(old["unimplemented"])

@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 
 from ._check import check_flag, check_inputs, check_scale, state_dtype
+from .preact import check_pre
 from .reference import rule
 from .triton import runs_on as triton_runs_on
 
 
-def memory_step(q, k, v, state, *, log_alpha=None, beta=None, delta=False, scale=None, check=False, out=None, rows=None):
+def memory_step(q, k, v, state, *, log_alpha=None, beta=None, delta=False, scale=None, check=False, out=None, rows=None,
+                pre=None):
     """(o_t, S_t) = step(q_t, k_t, v_t, S_{t-1}): the T = 1 case of `memory`.
 
     q, k [B, H, K]; v [B, H, V]; state [B, H, K, V] float32 (float64 for float64 inputs);
@@ -21,12 +23,17 @@ def memory_step(q, k, v, state, *, log_alpha=None, beta=None, delta=False, scale
     Repeated ids (a CUDA graph's padding rows) leave those rows' new state undefined. Ids outside [0, N) are refused
     on the CPU and with `check=True` (a host sync); on CUDA without `check` they are the caller's to keep in range.
     On CUDA this is one fused Triton launch with no host sync (graph-capturable when check=False).
-    `check=True` also rejects NaN/Inf, positive log_alpha and beta outside [0, 2] (costs a host sync).
+    `check=True` also rejects NaN/Inf, positive log_alpha and beta outside [0, 2] (costs a host sync; not with `pre`).
+    `pre` (evict.ops.memory.preact.Preact): q, k, v are raw (a short conv's outputs), log_alpha the gate projection
+    and beta the beta projection, each of the shape above; the step maps them first (SiLU, L2, log_decay, sigmoid):
+    on CUDA inside its one launch, elsewhere by `pre.apply` (the layers' own torch forms).
     """
     pool = isinstance(state, torch.Tensor) and state.dim() > 0  # rows: state's leading size is the pool's, not B
-    check_inputs(q, k, v, log_alpha, beta, state, step=True, check_values=check,
+    check_inputs(q, k, v, log_alpha, beta, state, step=True, check_values=check and pre is None,
                  state_rows=state.shape[0] if rows is not None and pool else None)
     check_flag("delta", delta)
+    if pre is not None:
+        check_pre(pre, q, log_alpha)
     if state is None:
         raise ValueError("state: expected a tensor of shape [B, H, Dk, Dv], got None")
     if rows is not None:
@@ -47,7 +54,10 @@ def memory_step(q, k, v, state, *, log_alpha=None, beta=None, delta=False, scale
     if q.is_cuda and state.dtype == torch.float32 and triton_runs_on(q):
         from .triton.step import step_triton
 
-        return step_triton(q, k, v, state, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale, out=out, rows=rows)
+        return step_triton(q, k, v, state, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale, out=out, rows=rows,
+                           pre=pre)
+    if pre is not None:
+        q, k, v, log_alpha, beta = pre.apply(q, k, v, log_alpha, beta)
     with torch.autocast(q.device.type, enabled=False):  # the step runs at the state's precision, as `memory` does
         o, S = rule(
             q.to(sd), k.to(sd), v.to(sd), (state if rows is None else state[rows]).to(sd),

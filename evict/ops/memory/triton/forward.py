@@ -547,7 +547,8 @@ def fuse_out_default(B, H, K, V, C, low: bool, sms: int) -> bool:
     ms, Gated DeltaNet 1.75 -> 1.66 (B4 T8192, chunks of 32). Without (B1: 16 sequence-heads, blocks of 16 values,
     128 programs), the SMs' issue slots are not the wait's, the serial steps grow by the output's work, and the
     separate output kernel (parallel over chunks too) is cheaper: KDA 3.99 -> 4.82, GDN 2.75 -> 3.09 (B1 T32768,
-    chunks of 64). So: fused exactly where `state_block_v` takes full 32-column blocks, for 16-bit inputs with `lowp`
+    chunks of 64; forward + backward likewise: B4 14.54 -> 14.23 and 12.40 -> 12.33, B1 19.70 -> 20.53 and 17.05 ->
+    17.40; dev/LOG.md, session 60 lead, 13:28). So: fused exactly where `state_block_v` takes full 32-column blocks, for 16-bit inputs with `lowp`
     at padded key dims <= 128 (the forms whose sm_90 compile neither spills nor outgrows shared memory: float32
     operands at tf32x3 spill 232 B at chunks of 64, K 256 808 B; float32 at tf32 needs 240 KB) and chunks C of 32 or
     64 (chunks of 16, the lab's key dims <= 32, were never timed fused: the output kernel stays there)."""

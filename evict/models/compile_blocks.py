@@ -1,0 +1,59 @@
+"""Per-block torch.compile (`evict train --compile`, `evict bench train/claims` compiled): every block through
+torch.compile, each distinct block form traced once.
+
+Dynamo keeps one cache per code object, with at most `recompile_limit` (8) entries. Every block runs the one
+`Block.forward`, so a hybrid's blocks (a KDA block, an MLA block: a guard on the mixer's type) and an AttnRes model's
+blocks (each block's read sees another number of depth sources) all fill that one cache; past 8 forms dynamo stops
+compiling and runs the rest eager, with a single warning (seen on the H100: kkkm_226m with AttnRes, block 3, 12
+layers, issue 74). Here each block form gets a forward of its own code object (the same code, `code.replace()`), so
+each form has its own cache: blocks of one form share one graph (as before), forms never evict each other.
+
+A block's form: its mixer letter, its FFN kind, and with AttnRes its place in the depth bookkeeping (how many closed
+sources it reads, whether its block has a running sum yet) -- what its forward branches on.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+from torch import nn
+
+from .lm import LM, Block
+
+_FORWARDS: dict[tuple, types.FunctionType] = {}  # block form -> Block.forward under a code object of its own
+
+
+def block_form(model: LM, i: int) -> tuple:
+    """The form of block i of `model`: (mixer letter, FFN kind, AttnRes place or None)."""
+    blk = model.layers()[i]
+    cfg = model.cfg
+    place = (1 + i // cfg.attn_res_block, i % cfg.attn_res_block == 0) if cfg.attn_res else None
+    return blk.letter, blk.ffn_kind, place
+
+
+def _forward_of(form: tuple) -> types.FunctionType:
+    fn = _FORWARDS.get(form)
+    if fn is None:
+        f: Any = Block.forward
+        fn = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+        fn.__kwdefaults__, fn.__doc__, fn.__qualname__ = f.__kwdefaults__, f.__doc__, f.__qualname__
+        _FORWARDS[form] = fn
+    return fn
+
+
+def compile_blocks(model: nn.Module, **kwargs) -> None:
+    """torch.compile(**kwargs) each block of an LM in place (nn.Module.compile), one dynamo cache per block form;
+    any other module with `blocks` compiles each block as it is, and one without compiles whole."""
+    if isinstance(model, LM):
+        # the memory op's first call looks for triton once and sets a module global; inside a trace, that global's
+        # guard (`_AVAILABLE is None`) fails on the next call and its form compiles twice: look it up here, before
+        from evict.ops.memory.triton import available
+
+        available()
+        for i, blk in enumerate(model.layers()):
+            blk.forward = types.MethodType(_forward_of(block_form(model, i)), blk)  # type: ignore[method-assign]
+            blk.compile(**kwargs)
+        return
+    for blk in list(getattr(model, "blocks", [])) or [model]:
+        blk.compile(**kwargs)
