@@ -2,6 +2,8 @@
 
 Catches compiled-mode errors before any device time is spent, and prints registers, spills and shared memory
 per kernel (ptxas -v). Usage: python dev/compile_sm90.py [--dtype bf16] [--warps-key 8]
+Environment knobs: CHUNK, PREC, HALVES, STAGES / DSTAGES, STATE_BV, OUT, QG, KD (0: a scalar gate's K e^{g_C - g}
+formed in the state and state gradient kernels, as the backward's recompute does for 16-bit inputs at chunks <= 32).
 """
 
 import argparse
@@ -78,7 +80,7 @@ def main():
                 "state": (fw._state_kernel, dict(k=p, G=f, Kd=m, Dec=f, Ub=m, W=m, U=m, Hs=m, s0=f, sT=f, cu="*i32", T="i32", N="i32",
                                                  q=p, Qg=m, Pm=m, o=p, scale="fp32"),
                           dict(common, BK=BK, BV=int(os.environ.get("STATE_BV", 32)), GATE=gate, DELTA=delta, HAS_S0=True, PREC=os.environ.get("PREC", "tf32"),
-                               KD=gate == 2 or not a.lowp, VARLEN=a.varlen,
+                               KD=gate == 2 or bool(int(os.environ.get("KD", int(not a.lowp)))), VARLEN=a.varlen,
                                HALVES=bool(int(os.environ.get("HALVES", 0))),
                                # OUT=1: the output fused into the carry (forward_triton's fuse_out), Hs / U not stored
                                OUT=bool(int(os.environ.get("OUT", 0))), STORE=not int(os.environ.get("OUT", 0)),
@@ -88,9 +90,9 @@ def main():
                 **({"out16": (fw._out_kernel, dict(q=p, G=f, U=m, Pm=m, Hs=m, o=p, scale="fp32", T="i32", N="i32"),
                               dict(common, BK=BK, BV=int(os.environ.get("OUT_BV", 64)), GATE=gate, PREC=os.environ.get("PREC", "tf32"),
                                    DOT16=True, KB=min(64, BK)), int(over.get("out16", 4)), 2)} if a.lowp else {}),
-                "dstate": (bw._dstate_kernel, dict(q=p, k=p, do=p, Kd=f, Dec=f, Qg=f, W=f, Pm=f, dU=f, dHs=f, dsT=f, ds0=f, cu="*i32", scale="fp32", T="i32", N="i32"),
+                "dstate": (bw._dstate_kernel, dict(q=p, k=p, do=p, Kd=f, Dec=f, Qg=f, W=f, Pm=f, dU=f, dHs=f, dsT=f, ds0=f, cu="*i32", scale="fp32", T="i32", N="i32", G=f),
                            dict(common, BK=BK, BV=32, GATE=gate, DELTA=delta, HAS_DST=True, PREC=os.environ.get("PREC", "tf32"), VARLEN=a.varlen,
-                                HALVES=bool(int(os.environ.get("HALVES", 0)))), 4,
+                                HALVES=bool(int(os.environ.get("HALVES", 0))), KD=gate == 2 or bool(int(os.environ.get("KD", 1)))), 4,
                            int(os.environ.get("DSTAGES", 2))),
                 "dvalue": (bw._dvalue_kernel, dict(v=p, beta=p, do=p, Ub=f, U=f, dU=f, Tm=f, dPm=f, dAm=f, dB=f, dv=p, scale="fp32", T="i32", N="i32"),
                            dict(H=16, V=DV, C=common["C"], BV=64, DELTA=delta, HAS_BETA=True, PREC=os.environ.get("PREC", "tf32")), 4, 2),

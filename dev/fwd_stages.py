@@ -1,12 +1,15 @@
-"""The memory op's forward stage by stage beside fla's, old form against new, in one run (issue 74, GPU).
+"""The memory op's forward stage by stage beside fla's, its two output forms side by side, in one run (issue 74, GPU).
 
 For each shape and rule (KDA, Gated DeltaNet; bf16, H16 D128): the forward through `memory(impl="triton")` with the
-output fused into the carry (`forward_triton(fuse_out=True)`, opt-in) and without it (the output kernel, the
-default), fla's chunked forward when installed, and the same three as CUDA time per kernel (the stage
-table); forward + backward through autograd for evict's two forms; the first stage's parts by ablation (timing only);
-SDPA's causal forward at the first shape (default dispatch and FlashAttention-2 forced). Each section stops when
-`--budget` seconds have passed since the start, so one device call ends on time.
-Usage: python dev/fwd_stages.py [--shapes 4x8192,1x32768] [--budget 150] [--no-bwd]
+output fused into the carry (`forward_triton(fuse_out=True)`) and without it (the output kernel), the row of the one
+the default picks by shape (`fuse_out_default`) marked, fla's chunked forward when installed, and the same as CUDA
+time per kernel (the stage table); forward + backward through autograd for evict's two forms, and its kernels for the
+default form; for Gated DeltaNet also the backward with a scalar gate's K e^{g_C - g} stored by the recompute, as
+before session 60 (`backward._store_kd`; today formed at chunks <= 32); the first stage's parts by ablation (timing
+only); SDPA's causal forward at the first shape (default dispatch and FlashAttention-2 forced); with `--fla-bwd`, last,
+fla's forward + backward (its first call autotunes). Each section stops when `--budget` seconds have passed since
+the start, so one device call ends on time.
+Usage: python dev/fwd_stages.py [--shapes 4x8192,1x32768] [--budget 150] [--no-bwd] [--fla-bwd]
 """
 
 import argparse
@@ -20,11 +23,13 @@ from triton.testing import do_bench
 from evict.bench.ops import _fla, kernel_profile, rel_err, rule_inputs
 from evict.ops import memory
 from evict.ops.memory.triton import autograd as ag
+from evict.ops.memory.triton import backward as bw
 from evict.ops.memory.triton.autograd import auto_chunk
-from evict.ops.memory.triton.forward import forward_triton, intra
+from evict.ops.memory.triton.forward import _sms, forward_triton, fuse_out_default, intra
 from evict.report import markdown_table
 
-FORMS = {"new (fused)": dict(fuse_out=True), "old (output kernel)": dict(fuse_out=False)}
+FORMS = {"fused": dict(fuse_out=True), "output kernel": dict(fuse_out=False)}
+STORE_KD = bw._store_kd
 
 
 def _form(kw):
@@ -37,6 +42,7 @@ def main():
     ap.add_argument("--shapes", default="4x8192,1x32768")
     ap.add_argument("--budget", type=float, default=150.0, help="seconds; later sections are skipped past it")
     ap.add_argument("--no-bwd", action="store_true")
+    ap.add_argument("--fla-bwd", action="store_true", help="fla's forward + backward too, after everything else")
     a = ap.parse_args()
     t_start = time.time()
     late = lambda: time.time() - t_start > a.budget  # noqa: E731
@@ -61,22 +67,32 @@ def main():
                 o, _ = memory(*leaves[:3], log_alpha=leaves[3], beta=leaves[4], delta=True, check=False, impl="triton")
                 return torch.autograd.grad(o, leaves, do)
             outs, mine = {}, []
+            default = "fused" if fuse_out_default(B, H, D, D, auto_chunk(B, H, D), True, _sms(x["q"].device)) else "output kernel"
             for name, kw in FORMS.items():
                 _form(kw)
                 outs[name] = fwd()
-                row = {"op": f"evict {name}", "shape": tag, "fwd ms": round(bench(fwd), 4)}
+                row = {"op": f"evict {name}" + (" (default)" if name == default else ""), "shape": tag,
+                       "fwd ms": round(bench(fwd), 4)}
                 stages[f"{tag}: evict {name}"] = kernel_profile(fwd)
                 if not a.no_bwd:
                     row["fwd+bwd ms"] = round(bench(fb, rep=200), 4)
+                    if name == default:
+                        stages[f"{tag}: evict {name} fwd+bwd"] = kernel_profile(fb)
                 rows.append(row)
                 mine.append(row)
                 print(row, flush=True)
             _form({})
-            mine[0]["note"] = f"new vs old output {rel_err(outs['new (fused)'], outs['old (output kernel)']):.1e}"
+            mine[0]["note"] = f"fused vs output kernel {rel_err(outs['fused'], outs['output kernel']):.1e}"
+            if rule == "gated_deltanet" and not a.no_bwd and not late():  # the backward as before session 60
+                bw._store_kd = lambda dtype, C: True
+                rows.append({"op": "evict default, bwd K e^(g_C-g) stored (before)", "shape": tag,
+                             "fwd+bwd ms": round(bench(fb, rep=200), 4)})
+                bw._store_kd = STORE_KD
+                print(rows[-1], flush=True)
             if rule in fla and not late():
                 f = fla[rule]
                 with torch.no_grad():
-                    agree = f"out vs evict new {rel_err(f(*args)[0], outs['new (fused)']):.1e}"
+                    agree = f"out vs evict fused {rel_err(f(*args)[0], outs['fused']):.1e}"
                 rows.append({"op": "fla", "shape": tag, "fwd ms": round(bench(lambda: f(*args)), 4), "note": agree})
                 stages[f"{tag}: fla"] = kernel_profile(lambda: f(*args))
                 print(rows[-1], flush=True)
@@ -108,6 +124,23 @@ def main():
     import triton
     print(f"\n{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
           f"fla {getattr(__import__('fla'), '__version__', '?') if fla else 'absent'}; {time.time() - t_start:.0f} s")
+    if a.fla_bwd:  # last, after the tables above are out: fla's backward autotunes on its first call at each shape
+        rows = []
+        for rule in ("kda", "gated_deltanet"):
+            for B, T in shapes:
+                if rule not in fla or late():
+                    continue
+                x = rule_inputs(rule, B, T, H, D, dtype=torch.bfloat16, device="cuda")
+                leaves = [x[n].clone().requires_grad_(True) for n in ("q", "k", "v", "log_alpha", "beta")]
+                do = torch.randn_like(x["v"])
+                fb_fla = lambda: torch.autograd.grad(fla[rule](*leaves)[0], leaves, do)  # noqa: E731
+                try:
+                    fb_fla()
+                    rows.append({"op": "fla", "shape": f"{rule} B{B} T{T}", "fwd+bwd ms": round(bench(fb_fla, rep=200), 4)})
+                except Exception as e:  # fla's own guard may refuse a gated backward on some Triton / card pairs
+                    rows.append({"op": "fla", "shape": f"{rule} B{B} T{T}", "note": f"fwd+bwd refused: {str(e)[:60]}"})
+                print(rows[-1], flush=True)
+        print(markdown_table(rows, ["op", "shape", "fwd+bwd ms", "note"]), f"\n{time.time() - t_start:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@
 #            GRIDFLAGS, default the full grid; rows resume from the committed results/bench/grid/grid_h100.jsonl), claims
 #            (`evict bench claims --device cuda`: CLAIMS, default situ attn_res dplr, each its own process under TO, MODES),
 #            fuse (session 59's output-in-the-carry form, forward_triton(fuse_out=True): its GPU tests, then
-#            dev/fwd_stages.py: old vs new vs fla per stage, both shapes)
+#            dev/fwd_stages.py: old vs new vs fla per stage, both shapes), kbwd (session 60: fuse_out by shape and the backward's
+#            formed K e^{g_C - g}: their GPU tests, then dev/fwd_stages.py --fla-bwd: both output forms, the default marked,
+#            fwd+bwd with the kernel table, GDN's backward as before, fla's fwd and fwd+bwd; both shapes; ~230 s)
 #   decode:  decode, decode1m, decodebench, decodecompile, decodeprofile, dial (the chunk dial's GPU numbers)
 #   train:   bench (cells per second, issue 10), mpsbench (the same, compiled, PROCS each with and without MPS), learns (dev/learns_gpu.py: session 12's two MQAR-learns failures over
 #            seeds and op forms), grid (a piece of `evict recall --full`: MIN, GRIDARGS, GRID; the runs
@@ -110,6 +112,10 @@ for what in "$@"; do
     fuse) pyt fuse.log ${T:-150} tests/ops/test_memory_triton.py -n 12 -k out_forms
           timeout ${TO:-200} python3 -u dev/fwd_stages.py --budget $(( ${TO:-200} - 40 )) > $OUT/fwd_stages.log 2>&1  # session 59's fuse_out
           quiet < $OUT/fwd_stages.log | tail -120 ;;  # (to $OUT first: rows piped through grep die in its buffer at a timeout)
+    kbwd) pyt kbwd_tests.log ${T:-85} tests/ops/test_memory_triton.py -n 12 \
+            -k "(out_forms and fused) or default_output_form or (dtype1 and (gradients_match or chunk_size_reaches or packed_sequences_match_each))"
+          timeout ${TO:-145} python3 -u dev/fwd_stages.py --fla-bwd --budget $(( ${TO:-145} - 25 )) > $OUT/kbwd_stages.log 2>&1
+          quiet < $OUT/kbwd_stages.log | tail -150 ;;
     chunks) pyt chunks.log ${T:-300} tests/ops/test_memory_triton.py -k "shorter_chunks" -n 8 ;;
     prep) pyt prep.log ${T:-240} tests/ops/test_memory_triton.py -k "out_forms or intra_key_blocks or one_tile_states or dkey_block or chunk_size or auto or packed" -n 8
           timeout ${TO:-200} python3 dev/triton_tune.py --fwd-only --shapes 4x8192,1x32768 --variants ${VARS:-v0,c32,o16,c32o16,ikb32,c32ikb32,c32ikb64,hv,c32hv,all,c32all} \

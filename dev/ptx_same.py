@@ -4,8 +4,8 @@ Compiles every Triton kernel the default forward and backward launch — `_intra
 `_out_kernel`, `_dstate_kernel`, `_dvalue_kernel`, `_dkey_kernel` (one launch and both split launches) — for sm_90
 from REV's tree and from the working tree, over gates x delta x {bf16 forward at tf32, float32 backward recompute at
 tf32x3} (and packed sequences for the sequential kernels; at chunks of 64 with the state kernels' two tiles of key
-rows and the bf16 output kernel's 16-bit dots, as launched since session 10), and compares the PTX with line info and
-labels removed.
+rows and the bf16 output kernel's 16-bit dots, as launched since session 10; and the bf16 carry with the output fused
+at chunks of 32, the default at B4 H16 since session 60), and compares the PTX with line info and labels removed.
 Identical PTX means a refactor or an added opt-in branch left the GPU-tested code as it was.
 
     python dev/ptx_same.py REV          (e.g. HEAD, or the last commit whose kernels ran on the GPU)
@@ -69,12 +69,19 @@ def kernels(fw, bw) -> dict:
                         fw._state_kernel, dict(k=p, G=f, Kd=m, Dec=f, Ub=m, W=m, U=m, Hs=m, s0=f, sT=f, cu="*i32",
                                                T="i32", N="i32", q=p, Qg=f, Pm=m, o=p, scale="fp32"),
                         dict(H=16, K=128, V=128, C=64, BK=128, BV=32, GATE=gate, DELTA=delta, HAS_S0=True, PREC=prec,
-                             KD=True, VARLEN=varlen, HALVES=True, OUT=False, STORE=True, QG=True), 4, 2)
+                             KD=gate == 2 or rec, VARLEN=varlen, HALVES=True, OUT=False, STORE=True, QG=True), 4, 2)
+                    if not rec:  # the output fused into the carry (the default where the sequence-heads fill the GPU:
+                        # B4 H16 at chunks of 32, forward.fuse_out_default)
+                        out["state_fused", prec, gate, delta, varlen] = _ptx(
+                            fw._state_kernel, dict(k=p, G=f, Kd=m, Dec=f, Ub=m, W=m, U=m, Hs=m, s0=f, sT=f, cu="*i32",
+                                                   T="i32", N="i32", q=p, Qg=m, Pm=m, o=p, scale="fp32"),
+                            dict(H=16, K=128, V=128, C=32, BK=128, BV=32, GATE=gate, DELTA=delta, HAS_S0=True, PREC=prec,
+                                 KD=gate == 2, VARLEN=varlen, HALVES=False, OUT=True, STORE=False, QG=gate == 2), 4, 2)
                     out["dstate", prec, gate, delta, varlen] = _ptx(
                         bw._dstate_kernel, dict(q=p, k=p, do=p, Kd=f, Dec=f, Qg=f, W=f, Pm=f, dU=f, dHs=f, dsT=f, ds0=f,
-                                                cu="*i32", scale="fp32", T="i32", N="i32"),
+                                                cu="*i32", scale="fp32", T="i32", N="i32", G=f),
                         dict(H=16, K=128, V=128, C=64, BK=128, BV=32, GATE=gate, DELTA=delta, HAS_DST=True, PREC=prec,
-                             VARLEN=varlen, HALVES=True), 4, 1)
+                             VARLEN=varlen, HALVES=True, KD=True), 4, 1)  # KD: stored at chunks of 64 (backward._store_kd)
                 for sp in (0, 1, 2):
                     out["dkey", prec, gate, delta, sp] = _ptx(
                         bw._dkey_kernel, dict(q=p, k=p, beta=p, U=f, dU=f, W=f, Tm=f, Am=f, dPm=f, dAm=f, G=f, Hs=f, dHs=f,

@@ -102,14 +102,16 @@ for gate16 in ("channel", "scalar"):  # per-channel keys stored decayed; a scala
     o16, s16 = run(x16, True, impl="triton")
     o_ref, s_ref = run(x16_64, True, impl="reference")
     g16, g_ref = grads(x16, True, impl="triton"), grads(x16_64, True, impl="reference")
+    g16_32 = grads(x16, True, impl="triton", chunk_size=32)  # 16-bit at chunks <= 32: a scalar gate's K e^{g_C - g} formed
     kw16 = dict(log_alpha=x16["log_alpha"], beta=x16["beta"], delta=True, scale=16 ** -0.5,
                 initial_state=x16["initial_state"])
-    o_one = forward_triton(x16["q"], x16["k"], x16["v"], **kw16, out_dot16=False)[0]
-    o_dot16 = forward_triton(x16["q"], x16["k"], x16["v"], **kw16)[0]  # the default at chunks of 64
-    o_fused = forward_triton(x16["q"], x16["k"], x16["v"], **kw16, fuse_out=True)[0]  # opt-in: the output in the carry
+    o_one = forward_triton(x16["q"], x16["k"], x16["v"], **kw16, out_dot16=False, fuse_out=False)[0]
+    o_dot16 = forward_triton(x16["q"], x16["k"], x16["v"], **kw16, fuse_out=False)[0]  # the output kernel's default at C 64
+    o_fused = forward_triton(x16["q"], x16["k"], x16["v"], **kw16, fuse_out=True)[0]  # the output in the carry
     o_noqg = forward_triton(x16["q"], x16["k"], x16["v"], **kw16, fuse_out=True, out_qg=False)[0]
     out["fp16_" + gate16] = {"o": rel(o16, o_ref), "S": rel(s16, s_ref), "o_dtype": str(o16.dtype),
                              **{f"d{n}": rel(g16[n], g_ref[n]) for n in g_ref},
+                             **{f"d{n}_c32": rel(g16_32[n], g_ref[n]) for n in g_ref},
                              "grad_dtypes": [str(g16[n].dtype) for n in g16],
                              "out_dot16": [rel(o_dot16, o_ref), rel(o_dot16, o_one)],
                              "fuse_out": [rel(o_fused, o_ref), rel(o_fused, o_one), rel(o_noqg, o_ref), rel(o_noqg, o_one)]}
@@ -159,7 +161,8 @@ def test_interpreter_gradients_match_reference(interpreted, case):
 @pytest.mark.parametrize("gate", ["channel", "scalar"])
 def test_interpreter_float16_inputs(interpreted, gate):
     """16-bit inputs: the forward stores its intermediates in float16 (states carried in float32), the backward
-    recomputes them in float32; both within float16 rounding of the reference on the same rounded inputs."""
+    recomputes them in float32; both within float16 rounding of the reference on the same rounded inputs, the
+    gradients also at chunks of 32 (where the backward forms a scalar gate's K e^{g_C - g} instead of storing it)."""
     r = interpreted["fp16_" + gate]
     assert r["o_dtype"] == "torch.float16" and r["grad_dtypes"] == ["torch.float16"] * 5 + ["torch.float32"]
     for name, err in r.items():
@@ -170,7 +173,7 @@ def test_interpreter_float16_inputs(interpreted, gate):
     # 1.8e-4, about a float16 ulp)
     vs_ref, vs_f32_operands = r["out_dot16"]
     assert vs_ref <= TOL[torch.float16] and vs_f32_operands <= 2e-3, r["out_dot16"]
-    # `fuse_out` (opt-in): the output from the carry kernel's float32 state, Q e^g stored by the first stage (or formed
+    # `fuse_out`: the output from the carry kernel's float32 state, Q e^g stored by the first stage (or formed
     # in the carry: out_qg=False), against the reference and the output kernel's float32-operand form (its start
     # states and U were rounded to float16: observed 3.5e-4 ... 4e-4)
     fused, fused_vs_one, noqg, noqg_vs_one = r["fuse_out"]
@@ -517,8 +520,10 @@ def test_gpu_forward_matches_reference(dtype, gate, delta, beta_max):
         assert rel(o, o_ref) <= TOL[dtype] and rel(s, s_ref) <= TOL[dtype], (T, cs, rel(o, o_ref), rel(s, s_ref))
 
 
-OUT_FORMS = {  # the output's opt-in forms: the output kernel's float32 operands; the output fused into the carry
-    "out_f32": dict(out_dot16=False), "fused": dict(fuse_out=True), "fused_no_qg": dict(fuse_out=True, out_qg=False)}
+OUT_FORMS = {  # the output's forms, each named (the default picks by shape: `fuse_out_default`): the output kernel with
+    # 16-bit dots (its default at chunks of 64) and with float32 operands; the output fused into the carry
+    "out_kernel": dict(fuse_out=False), "out_f32": dict(out_dot16=False, fuse_out=False), "fused": dict(fuse_out=True),
+    "fused_no_qg": dict(fuse_out=True, out_qg=False)}
 
 
 @pytest.mark.gpu
@@ -526,11 +531,10 @@ OUT_FORMS = {  # the output's opt-in forms: the output kernel's float32 operands
 @pytest.mark.parametrize("form", list(OUT_FORMS))
 @pytest.mark.parametrize("chunk", [None, 32])
 def test_gpu_out_forms_match_reference(gate, delta, form, chunk):
-    """The output's opt-in forms on bf16 inputs (the default, the output kernel with 16-bit dots at chunks of 64, is
-    covered by the default tests): the output kernel with float32 operands (out_dot16=False), and the output fused
-    into the carry (fuse_out=True) with Q e^g stored by the first stage or formed in the carry (out_qg=False); within
-    bf16 rounding of the reference, odd T, strong decay, K 128 (two key blocks) and K 96 (a masked one), chunks of 64
-    and 32."""
+    """The output's forms on bf16 inputs, each asked for by name (the default picks one by shape): the output kernel
+    with 16-bit dots and with float32 operands (out_dot16=False), and the output fused into the carry (fuse_out=True)
+    with Q e^g stored by the first stage or formed in the carry (out_qg=False); within bf16 rounding of the reference,
+    odd T, strong decay, K 128 (two key blocks) and K 96 (a masked one), chunks of 64 and 32."""
     from evict.ops.memory.triton.forward import forward_triton
 
     for T, K, strong in ((63, 128, False), (130, 128, True), (333, 96, False)):
@@ -580,6 +584,45 @@ def _grads(x, delta, **kw):
     loss = (o.double() * torch.randn(o.shape, generator=g, device=o.device, dtype=torch.float64)).sum()
     loss = loss + (s.double() * torch.randn(s.shape, generator=g, device=o.device, dtype=torch.float64)).sum()
     return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+
+
+def test_fuse_out_default_rule():
+    """forward_triton(fuse_out=None): the output in the carry for 16-bit inputs at key dims <= 128 and chunks of 32 / 64
+    exactly where the sequence-heads in 32-column value blocks fill the SMs (H100: 132), else the output kernel
+    (session 60's timings)."""
+    pytest.importorskip("triton")
+    from evict.ops.memory.triton.forward import fuse_out_default
+
+    assert fuse_out_default(4, 16, 128, 128, 32, True, 132) and fuse_out_default(33, 1, 64, 128, 64, True, 132)
+    assert not fuse_out_default(1, 16, 128, 128, 64, True, 132) and not fuse_out_default(2, 16, 128, 128, 64, True, 132)
+    assert not fuse_out_default(4, 16, 128, 128, 32, False, 132) and not fuse_out_default(4, 16, 256, 128, 32, True, 132)
+    assert fuse_out_default(2, 16, 128, 128, 64, True, 128) and not fuse_out_default(32, 1, 128, 128, 32, True, 132)
+    assert not fuse_out_default(256, 4, 32, 32, 16, True, 132)  # the lab's K 32 at chunks of 16: not timed fused
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
+def test_gpu_default_output_form_by_shape(gate, delta):
+    """The default (fuse_out=None) through `memory` on bf16: with enough sequence-heads to fill the card (B2 H20, V 128:
+    the output fused into the carry) and with few (B1 H3: the output kernel), output, state and every gradient against
+    float64 (odd T, chunks of 64 and 32); each is bit-equal to its form asked for by name, so the rule chose it."""
+    from evict.ops.memory.triton.forward import _sms, forward_triton, fuse_out_default
+
+    sms = _sms(torch.device("cuda"))
+    for B, H, T, cs in ((2, -(-sms // 8), 75, 64), (2, -(-sms // 8), 130, 32), (1, 3, 75, 64)):
+        xd, x64 = _cuda(make_inputs(B, T, H, 64, 128, gate=gate, beta_max=1.5, init=True), torch.bfloat16)
+        fused = fuse_out_default(B, H, 64, 128, cs, True, sms)
+        assert fused == (H > 3)
+        o, s = run(xd, delta, impl="triton", chunk_size=cs)
+        o_ref, s_ref = run(x64, delta, impl="reference")
+        assert rel(o, o_ref) <= TOL[torch.bfloat16] and rel(s, s_ref) <= TOL[torch.bfloat16], (B, H, cs, rel(o, o_ref))
+        kw = dict(log_alpha=xd["log_alpha"], beta=xd["beta"], delta=delta, scale=64 ** -0.5,
+                  initial_state=xd["initial_state"], chunk=cs)
+        o_named = forward_triton(xd["q"], xd["k"], xd["v"], **kw, fuse_out=fused)[0]
+        assert torch.equal(forward_triton(xd["q"], xd["k"], xd["v"], **kw)[0], o_named)
+        g, g_ref = _grads(xd, delta, impl="triton", chunk_size=cs), _grads(x64, delta, impl="reference")
+        for name in g_ref:
+            assert torch.isfinite(g[name]).all() and rel(g[name], g_ref[name]) <= TOL[torch.bfloat16], (B, H, name)
 
 
 @pytest.mark.gpu
@@ -746,10 +789,12 @@ def test_gpu_one_tile_states_match_reference(dtype, gate, delta):
 def test_gpu_packed_sequences_match_each_sequence_alone(dtype, gate, delta):
     """cu_seqlens through the kernels equals the kernels run on each sequence alone, and the float64 reference per
     sequence, outputs, final states and every input's gradient: odd lengths, empty sequences, 40 short sequences,
-    K = 16 (zero-padded to MIN_K), strong decay; offsets on the GPU and on the CPU."""
+    K = 16 (zero-padded to MIN_K), strong decay; offsets on the GPU and on the CPU; 70 sequences x 2 heads (bf16: enough
+    to fill an H100 / H200, so the output is fused into the carry, `fuse_out_default`)."""
     for offsets, H, K, V, strong, dev in ((OFFSETS, 3, 128, 96, False, "cuda"),
                                           ([0, 0, 333, 1000, 1001, 1064, 1300], 2, 64, 64, True, "cpu"),
-                                          (list(range(0, 41 * 37, 37)), 2, 16, 16, False, "cuda")):
+                                          (list(range(0, 41 * 37, 37)), 2, 16, 16, False, "cuda"),
+                                          (list(range(0, 71 * 23, 23)), 2, 32, 32, False, "cuda")):
         xd, x64 = _cuda(make_packed(offsets, H, K, V, gate=gate, beta_max=1.5, strong=strong, seed=K), dtype)
         cu = torch.tensor(offsets, device=dev)
         o, s = run(xd, delta, cu_seqlens=cu, impl="triton")

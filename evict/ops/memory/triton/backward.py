@@ -47,11 +47,14 @@ def _dstate_back(dS, qn, don, du, W, Dec, hm, i_bh, N, n, t0, rc, ck, scale, K: 
 def _dstate_kernel(
     q, k, do, Kd, Dec, Qg, W, Pm, dU, dHs, dsT, ds0, cu, scale,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, N,
+    G,  # without KD only (after the others: with KD the kernel compiles as it did before it came)
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, DELTA: tl.constexpr, HAS_DST: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr = False,
-    HALVES: tl.constexpr = False,
+    HALVES: tl.constexpr = False, KD: tl.constexpr = True,
 ):
-    """HALVES: the state gradient as two [BK / 2, BV] tiles of key rows, as `_state_kernel`'s."""
+    """HALVES: the state gradient as two [BK / 2, BV] tiles of key rows, as `_state_kernel`'s. KD: K e^{g_C - g} as
+    the first stage stored it (Kd), else (a scalar gate) formed here from K and the prefix sums G, as `_state_kernel`
+    does."""
     i_v, i_sh = tl.program_id(0), tl.program_id(1)  # as in _state_kernel: (sequence, head)
     i_s, i_h = i_sh // H, i_sh % H
     n0, n1, i_b = _segment(cu, i_s, N, VARLEN)
@@ -74,11 +77,11 @@ def _dstate_kernel(
             tl.store(dHs + (i_bh.to(tl.int64) * N + n) * K * V + s_off2, dS2, mask=m_s2)
         don = _rows(do_bh, t0, rc, T, H * V, cv, V)
         du = (scale * tl.dot(tl.trans(_lower(Pm + hm * C, t0, C, False)), don, input_precision=PREC)).to(tl.float32)
-        kn = _chunk_keys(k_bh, Kd, Kd, hm, t0, rc, ck, T, H, K, C, GATE, True)  # K, or K e^{g_C - g} (first stage)
+        kn = _chunk_keys(k_bh, Kd, G, hm, t0, rc, ck, T, H, K, C, GATE, KD)  # K, or K e^{g_C - g} (stored or formed)
         qn = _chunk_queries(q_bh, Qg, Qg, hm, t0, rc, ck, T, H, K, GATE, True)
         du += tl.dot(kn, dS, input_precision=PREC)
         if HALVES:
-            du += tl.dot(_chunk_keys(k_bh, Kd, Kd, hm, t0, rc, ck2, T, H, K, C, GATE, True), dS2, input_precision=PREC)
+            du += tl.dot(_chunk_keys(k_bh, Kd, G, hm, t0, rc, ck2, T, H, K, C, GATE, KD), dS2, input_precision=PREC)
         tl.store(dU + (hm + t0 + rc)[:, None] * V + cv[None, :], du, mask=mv[None, :])
         dS = _dstate_back(dS, qn, don, du, W, Dec, hm, i_bh, N, n, t0, rc, ck, scale, K, GATE, DELTA, PREC)
         if HALVES:
@@ -467,7 +470,7 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
         x, U, Hs, sT = states, states["U"], states["Hs"], states["sT"]
     else:
         x = intra(q, k, v, log_alpha, beta, delta, warps=fwd_warps[0], precision=precs[0], qg=True, ablate=ablate[0],
-                  key_block=intra_kb, chunk=chunk, factors=factors)
+                  key_block=intra_kb, chunk=chunk, factors=factors, kd=_store_kd(q.dtype, chunk_length(chunk)))
         U, Hs, sT = carry(k, x, initial_state, delta, V=V, chunks=chunks, block_v=block_v, warps=fwd_warps[1],
                           stages=stages, precision=carry_prec, halves=halves)
     N, C, gate = x["N"], x["C"], x["gate"]
@@ -484,8 +487,8 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
     _dstate_kernel[(triton.cdiv(V, BVs), seqs * H)](
         q, k, do, x["Kd"], x["Dec"], x["Qg"], x["W"], x["Pm"], dU, dHs, dsT.contiguous() if dsT is not None else ds0, ds0,
         chunks if varlen else ds0, float(scale),
-        T, H=H, K=K, V=V, N=N, C=C, BK=BK, BV=BVs, GATE=gate, DELTA=delta, HAS_DST=dsT is not None, PREC=precs[1], VARLEN=varlen,
-        HALVES=bool(halves and BK >= 64),
+        T, H=H, K=K, V=V, N=N, G=x["G"], C=C, BK=BK, BV=BVs, GATE=gate, DELTA=delta, HAS_DST=dsT is not None, PREC=precs[1], VARLEN=varlen,
+        HALVES=bool(halves and BK >= 64), KD=x["kd"],
         num_warps=warps[0], num_stages=dstate_stages,  # at C 64, 2 stages of its [C, K] float32 tiles exceed shared memory
     )
     dPm = torch.empty(B * H * N * C * C, dtype=f32, device=dev)
@@ -514,6 +517,16 @@ def backward_triton(q, k, v, log_alpha, beta, initial_state, do, dsT, *, delta, 
         _dkey_kernel[(N, B * H)](*common, BK=BK, SPLIT=0, **meta)
     dla = _dlog_alpha(dg, log_alpha, sT, dsT, chunks, gate=gate, C=C) if gate else None
     return dq, dk, dv, dla, dbeta if beta is not None else None, ds0
+
+
+def _store_kd(dtype: torch.dtype, C: int) -> bool:
+    """Whether the backward's recompute stores a scalar gate's K e^{g_C - g} (float32, [C, K] per chunk) for the carry
+    and the state gradient kernel to read, or they form it from K and the prefix sums (one exp per row). Formed for
+    16-bit inputs at chunks <= 32: no buffer written and read back, K read at half the bytes, and on sm_90 (bf16, K V
+    128, dstate at tf32) the state gradient kernel compiles to fewer registers (224 -> 202 at chunks of 32, no spills
+    either way). Stored otherwise: at chunks of 64 forming it spills more (196 -> 228 B a thread), and at float32's
+    tf32x3 too (chunks of 32: 4 -> 108 B) — dev/compile_sm90.py, session 60; not yet timed."""
+    return dtype == torch.float32 or C > 32
 
 
 def _precisions(precision, dtype: torch.dtype) -> tuple[str, tuple[str, ...]]:

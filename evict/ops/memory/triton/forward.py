@@ -17,10 +17,9 @@ Derivation: README.md beside this folder. Per chunk, with g the prefix sums of l
 2. `_state_kernel`, grid (V / BV, B H): S [BK, BV] float32 carried across chunks; stores S at each chunk's start (Hs)
    and U = U_bar - W S;  S <- e^{g_C} * S + (K * e^{g_C - g})^T U  (no gate loads or exps in the loop).
    Packed sequences (B = 1, a chunk table): grid (V / BV, N_seq H), each program carrying one sequence's chunks.
-3. The output O = scale ((Q * e^g) S + P U): by default `_out_kernel`, grid (V / BV, N, B H), from Hs and U; opt-in
-   (`forward_triton(fuse_out=True)`, not yet through its GPU tests) in the carry itself, from S in registers
-   (float32) and U before its store, so Hs and U need not be stored at all (Q * e^g stored by step 1 for per-channel
-   gates).
+3. The output O = scale ((Q * e^g) S + P U): `_out_kernel`, grid (V / BV, N, B H), from Hs and U; or (16-bit inputs
+   where the sequence-heads fill the GPU: `fuse_out_default`) in the carry itself, from S in registers (float32) and
+   U before its store, so Hs and U need not be stored at all (Q * e^g stored by step 1 for per-channel gates).
 Forms by chunk (H200, session 10, BENCHMARKS.md): at C = 64 the carry holds S as two tiles of key rows (HALVES) and
 the output kernel takes 16-bit dots on the 16-bit intermediates (DOT16); at C = 32 / 16 both measured slower and stay
 off. Opt-in: `_intra_kb_kernel` (step 1 for per-channel gates, KB key columns at a time; slower on the H200).
@@ -529,9 +528,31 @@ def _sms(dev) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
 
 
+def fills_gpu(B, H, V, sms: int) -> bool:
+    """Whether B H sequence-heads, in blocks of 32 value columns, give every SM a program of the sequential kernels."""
+    return B * H * triton.cdiv(V, 32) >= sms
+
+
 def state_block_v(B, H, V, dev) -> int:
     """V columns per program of the sequential kernels: narrower when B H alone cannot fill the GPU."""
-    return 16 if B * H * triton.cdiv(V, 32) < _sms(dev) else 32
+    return 32 if fills_gpu(B, H, V, _sms(dev)) else 16
+
+
+def fuse_out_default(B, H, K, V, C, low: bool, sms: int) -> bool:
+    """`forward_triton(fuse_out=None)`: the output in the carry kernel where that is faster (H100, bf16, H16 D128,
+    dev/fwd_stages.py, session 60). The fused carry does the output kernel's products inside its sequential loop. With
+    enough programs to fill the GPU (B4: 64 sequence-heads x 4 blocks of 32 values = 256 programs on 132 SMs) each
+    program's chunk step waits on its dot chain, and the extra, independent products hide in that wait while the
+    chunk start states and U (at chunks of 32, 4x the bytes of q, k, v) no longer go through memory: KDA 3.06 -> 2.72
+    ms, Gated DeltaNet 1.75 -> 1.66 (B4 T8192, chunks of 32). Without (B1: 16 sequence-heads, blocks of 16 values,
+    128 programs), the SMs' issue slots are not the wait's, the serial steps grow by the output's work, and the
+    separate output kernel (parallel over chunks too) is cheaper: KDA 3.99 -> 4.82, GDN 2.75 -> 3.09 (B1 T32768,
+    chunks of 64; forward + backward likewise: B4 14.54 -> 14.23 and 12.40 -> 12.33, B1 19.70 -> 20.53 and 17.05 ->
+    17.40; dev/LOG.md, session 60 lead, 13:28). So: fused exactly where `state_block_v` takes full 32-column blocks, for 16-bit inputs with `lowp`
+    at padded key dims <= 128 (the forms whose sm_90 compile neither spills nor outgrows shared memory: float32
+    operands at tf32x3 spill 232 B at chunks of 64, K 256 808 B; float32 at tf32 needs 240 KB) and chunks C of 32 or
+    64 (chunks of 16, the lab's key dims <= 32, were never timed fused: the output kernel stays there)."""
+    return low and K <= 128 and C >= 32 and fills_gpu(B, H, V, sms)
 
 
 CHUNKS = (16, 32, 64)  # chunk lengths the kernels take (multiples of SC, powers of two); C = 64 is the default
@@ -634,7 +655,7 @@ def carry(k, x, initial_state, delta: bool, *, V: int, chunks=None, block_v=None
 def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, initial_state=None, chunks=None,
                    block_v=None, warps=(4, 4, 4), stages=2, out_block_v=64, precision=None, lowp=True,
                    out_dot16=None, intra_kb=None, carry_halves=None, chunk=None, keep_factors=None, keep_states=None,
-                   fuse_out=False, out_qg=True):
+                   fuse_out=None, out_qg=True):
     """Chunked forward on [B, T, H, D] tensors. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] float32),
     plus what the backward may take from it (`keep_factors` / `keep_states`, below). `chunks`: packed sequences laid out chunk-aligned in a batch of one (see
     autograd.py), the int32 table of each sequence's chunks [N_seq + 1]; states are then [N_seq, H, K, V]. Tuning
@@ -654,14 +675,12 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
     in float32 (its first stage also forms Q e^g) and returns them with U, the chunk start states Hs and the final
     state, for `backward_triton(states=...)`, which then skips its recompute altogether (memory: at D 128 and chunks
     of 32 about 5 KB per token and head, against 768 B of bf16 q, k, v — a trade for small models).
-    `fuse_out` (opt-in, NOT YET RUN THROUGH ITS GPU TESTS to the end nor timed: session 59's one device call was cut
-    after 15 of its 24 tests passed, none failed): the carry kernel also writes the output, from each chunk's start
-    state while it is in registers (float32) and U before it leaves them, so neither the start states Hs (K V per
-    chunk: at chunks of 32 and D 128, 4x the bytes of q, k, v) nor U go through memory and the output kernel does not
-    run (False, the default: the output kernel; `out_dot16` / `out_block_v` / warps[2] apply to it). None: on for
-    16-bit inputs with `lowp` at padded key dims <= 128, the forms whose sm_90 compile neither spills nor outgrows
-    shared memory (float32 operands at tf32x3 spill 232 B at chunks of 64, K 256 808 B; float32 at tf32 needs 240 KB),
-    off otherwise — the intended default once measured. `out_qg` (per-channel gates, with `fuse_out`): the first stage
+    `fuse_out`: True, the carry kernel also writes the output, from each chunk's start state while it is in registers
+    (float32) and U before it leaves them, so neither the start states Hs (K V per chunk: at chunks of 32 and D 128,
+    4x the bytes of q, k, v) nor U go through memory and the output kernel does not run; False: the output kernel
+    (`out_dot16` / `out_block_v` / warps[2] apply to it); None (the default): `fuse_out_default`, fused for 16-bit
+    inputs at padded key dims <= 128 and chunks of 32 or 64 where the sequence-heads fill the GPU (B4 H16 on an H100:
+    yes; B1 H16: no; its reasoning and timings there). `out_qg` (per-channel gates, with `fuse_out`): the first stage
     stores Q e^g (in the store dtype) for the carry to read, else the carry forms it from Q and the stored prefix sums."""
     if chunks is not None and chunk_length(chunk) != C:
         raise ValueError(f"chunk: packed sequences (chunks) are laid out in chunks of {C}; got chunk={chunk}")
@@ -675,7 +694,8 @@ def forward_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, in
         raise ValueError("keep_states: needs keep_factors (the backward then takes every intermediate from the forward)")
     low = lowp and q.dtype in (torch.bfloat16, torch.float16) and not keep_states
     if fuse_out is None:
-        fuse_out = low and K <= 128
+        fuse_out = fuse_out_default(B if chunks is None else chunks.numel() - 1, H, K, V, chunk_length(chunk), low,
+                                    _sms(q.device))
     qg = bool(keep_states) or bool(fuse_out and out_qg and log_alpha is not None and log_alpha.dim() == 4)
     x = intra(q, k, v, log_alpha, beta, bool(delta), warps=warps[0], precision=keep_factors or prec,
               store=q.dtype if low else None, kd=not low, key_block=None if keep_factors else intra_kb, chunk=chunk,
