@@ -4,8 +4,8 @@ For each shape and rule (KDA, Gated DeltaNet; bf16, H16 D128): the forward throu
 output fused into the carry (`forward_triton(fuse_out=True)`) and without it (the output kernel), the row of the one
 the default picks by shape (`fuse_out_default`) marked, fla's chunked forward when installed, and the same as CUDA
 time per kernel (the stage table); forward + backward through autograd for evict's two forms, and its kernels for the
-default form; for Gated DeltaNet also the backward with a scalar gate's K e^{g_C - g} stored by the recompute, as
-before session 60 (`backward._store_kd`; today formed at chunks <= 32); the first stage's parts by ablation (timing
+default form; for Gated DeltaNet also the backward with a scalar gate's K e^{g_C - g} formed in the kernels
+(`backward.FORM_KD`, opt-in; stored by default); the first stage's parts by ablation (timing
 only); SDPA's causal forward at the first shape (default dispatch and FlashAttention-2 forced); with `--fla-bwd`, last,
 fla's forward + backward (its first call autotunes). Each section stops when `--budget` seconds have passed since
 the start, so one device call ends on time.
@@ -29,7 +29,6 @@ from evict.ops.memory.triton.forward import _sms, forward_triton, fuse_out_defau
 from evict.report import markdown_table
 
 FORMS = {"fused": dict(fuse_out=True), "output kernel": dict(fuse_out=False)}
-STORE_KD = bw._store_kd
 
 
 def _form(kw):
@@ -83,11 +82,11 @@ def main():
                 print(row, flush=True)
             _form({})
             mine[0]["note"] = f"fused vs output kernel {rel_err(outs['fused'], outs['output kernel']):.1e}"
-            if rule == "gated_deltanet" and not a.no_bwd and not late():  # the backward as before session 60
-                bw._store_kd = lambda dtype, C: True
-                rows.append({"op": "evict default, bwd K e^(g_C-g) stored (before)", "shape": tag,
+            if rule == "gated_deltanet" and not a.no_bwd and not late():  # session 60's opt-in backward form
+                bw.FORM_KD = True
+                rows.append({"op": "evict default, bwd K e^(g_C-g) formed (FORM_KD, opt-in)", "shape": tag,
                              "fwd+bwd ms": round(bench(fb, rep=200), 4)})
-                bw._store_kd = STORE_KD
+                bw.FORM_KD = False
                 print(rows[-1], flush=True)
             if rule in fla and not late():
                 f = fla[rule]

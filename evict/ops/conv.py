@@ -103,16 +103,22 @@ def short_conv(x: torch.Tensor, w: torch.Tensor, tail: torch.Tensor | None = Non
     return y[:, :, 0].transpose(1, 2).contiguous(), xt[:, T:]
 
 
+# The decode step's one Triton launch (conv_step_triton) is opt-in until its GPU tests have run on a card (session 60's
+# device calls failed to start; interpreter-tested): by default CUDA takes the gather / short_conv / scatter form.
+FUSED_STEP = False
+
+
 def conv_step(x: torch.Tensor, w: torch.Tensor, tails: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """One decode token: y [B, 1, C] = short_conv(x, w, tails[rows])'s output, and tails[rows] (tails [N, k-1, C], a
     slot pool's; rows [B], or None: N = B) become the new tails in place. On CUDA one Triton launch (no gather, cast
-    or scatter; the same float32 sum as the forward kernel's); elsewhere short_conv on the gathered rows, copied back."""
+    or scatter; the same float32 sum as the forward kernel's; with FUSED_STEP); elsewhere short_conv on the gathered
+    rows, copied back."""
     B, T, C = x.shape
     k = w.shape[1]
     if T != 1 or tuple(tails.shape[1:]) != (k - 1, C) or (rows is None and tails.shape[0] != B):
         raise ValueError(f"conv_step: expected x [B, 1, C] and tails [N, {k - 1}, {C}], got x {tuple(x.shape)} and "
                          f"tails {tuple(tails.shape)}")
-    if kernel_runs_on(x) and x.is_cuda and tails.is_contiguous() and k > 1:
+    if FUSED_STEP and kernel_runs_on(x) and x.is_cuda and tails.is_contiguous() and k > 1:
         from .conv_triton import conv_step_triton
 
         return conv_step_triton(x if x.stride(2) == 1 else x.contiguous(), w.contiguous(), tails, rows)

@@ -1,8 +1,8 @@
 """Decode-only steps of a slot pool replayed from CUDA graphs captured at bucketed batch sizes.
 
 A step of n decode rows runs the graph of the smallest bucket b >= n: the rows' tokens, slots and positions are
-copied into the graph's static inputs (one [3, b] copy from pinned memory), the b - n padding rows point at a scratch
-slot whose block table names a scratch block (their writes land there and are never read), and the forward (block-table lookups, the layers, the
+copied into the graph's static inputs, the b - n padding rows point at a scratch slot whose block table names a
+scratch block (their writes land there and are never read), and the forward (block-table lookups, the layers, the
 head) replays without Python dispatch. The forward inside is the model's own slot-pool forward (the paged decode ops
 read keys in place), so a replay computes exactly what the eager step computes. Graphs are captured on first use of
 their bucket (or all at once: `capture_all`), after two warm-up runs on a side stream (Triton compiles), and share one memory pool.
@@ -28,9 +28,7 @@ class DecodeGraphs:
         self.buckets = buckets(max_batch)
         self.device = pool.table.device
         pool.table[scratch_slot] = scratch_block
-        # bucket -> (graph, its inputs [3, b] on the device: tokens, rows, starts; their pinned host copy and the event
-        # of its last copy; logits [b, V])
-        self.graphs: dict[int, tuple] = {}
+        self.graphs: dict[int, tuple] = {}  # bucket -> (graph, tokens [b, 1], rows [b], starts [b], logits [b, V])
         self.mempool = torch.cuda.graph_pool_handle()
 
     def __call__(self, tokens: list[int], rows: list[int], starts: list[int]) -> torch.Tensor:
@@ -39,14 +37,13 @@ class DecodeGraphs:
         b = next(x for x in self.buckets if x >= n)
         if b not in self.graphs:
             self.graphs[b] = self._capture(b)
-        graph, inputs, staged, copied, out = self.graphs[b]
+        graph, tok, rws, st, out = self.graphs[b]
         pad = b - n
-        # one host-to-device copy of the three rows [3, b] (tokens, slots, positions) from pinned memory, once the
-        # last copy out of it has finished (it has: the step's sampling synchronised; the event makes it certain)
-        copied.synchronize()
-        staged.copy_(torch.tensor([tokens + [0] * pad, rows + [self.scratch] * pad, starts + [0] * pad], dtype=torch.int64))
-        inputs.copy_(staged, non_blocking=True)
-        copied.record(torch.cuda.current_stream(self.device))
+        host = torch.tensor([tokens + [0] * pad, rows + [self.scratch] * pad, starts + [0] * pad], dtype=torch.int64)
+        dev = host.to(self.device, non_blocking=True)  # [3, b]
+        tok.copy_(dev[0, :, None])
+        rws.copy_(dev[1])
+        st.copy_(dev[2])
         graph.replay()
         return out[:n]
 
@@ -57,9 +54,9 @@ class DecodeGraphs:
                 self.graphs[b] = self._capture(b)
 
     def _capture(self, b: int) -> tuple:
-        inputs = torch.zeros(3, b, dtype=torch.int64, device=self.device)  # tokens, rows, starts: one copy in a step
-        inputs[1] = self.scratch
-        tok, rows, starts = inputs[0].view(b, 1), inputs[1], inputs[2]
+        tok = torch.zeros(b, 1, dtype=torch.int64, device=self.device)
+        rows = torch.full((b,), self.scratch, dtype=torch.int64, device=self.device)
+        starts = torch.zeros(b, dtype=torch.int64, device=self.device)
 
         def forward() -> torch.Tensor:
             self.pool.select_static(rows, starts)
@@ -74,4 +71,4 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
             out = forward()
-        return graph, inputs, torch.empty(3, b, dtype=torch.int64).pin_memory(), torch.cuda.Event(), out
+        return graph, tok, rows, starts, out

@@ -29,6 +29,15 @@ def pool_case(B, C, k, dtype=torch.float64, device="cpu", seed=0):
     return on(x), on(w), on(tails), on(rows), on(y_ref), on(pool_ref)
 
 
+
+@pytest.fixture(autouse=True)
+def _fused_on_cuda(monkeypatch):
+    """This file tests the fused CUDA form, opt-in (FUSED_STEP) until its GPU tests have run on a card; on the CPU the
+    flag changes nothing."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("evict.ops.conv"), "FUSED_STEP", True)
+
 @pytest.mark.parametrize("B,C,k", CASES)
 def test_torch_path_matches_formula_rows_in_place(B, C, k):
     x, w, tails, rows, y_ref, pool_ref = pool_case(B, C, k)

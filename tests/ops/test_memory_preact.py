@@ -72,6 +72,15 @@ def test_pre_bad_input():
         memory_step(q, k, v, pool[:3], pre=Preact(A_log=x["pre"].A_log, dt_bias=x["pre"].dt_bias[:2]), **kw)
 
 
+
+@pytest.fixture(autouse=True)
+def _fused_on_cuda(monkeypatch):
+    """This file tests the fused CUDA form, opt-in (FUSE_PRE) until its GPU tests have run on a card; on the CPU the
+    flag changes nothing."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("evict.ops.memory.step"), "FUSE_PRE", True)
+
 @pytest.mark.parametrize("kind,form", [("deltanet", "softplus"), ("gated_deltanet", "bounded"), ("kda", "softplus"),
                                        ("kda", "bounded"), ("gla", "softplus"), ("linear", "softplus")])
 def test_layer_decode_steps_equal_the_sequence(kind, form):

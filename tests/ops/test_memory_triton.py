@@ -102,7 +102,11 @@ for gate16 in ("channel", "scalar"):  # per-channel keys stored decayed; a scala
     o16, s16 = run(x16, True, impl="triton")
     o_ref, s_ref = run(x16_64, True, impl="reference")
     g16, g_ref = grads(x16, True, impl="triton"), grads(x16_64, True, impl="reference")
-    g16_32 = grads(x16, True, impl="triton", chunk_size=32)  # 16-bit at chunks <= 32: a scalar gate's K e^{g_C - g} formed
+    from evict.ops.memory.triton import backward as _bw
+
+    _bw.FORM_KD = True  # opt-in: 16-bit at chunks <= 32, a scalar gate's K e^{g_C - g} formed in the kernels
+    g16_32 = grads(x16, True, impl="triton", chunk_size=32)
+    _bw.FORM_KD = False
     kw16 = dict(log_alpha=x16["log_alpha"], beta=x16["beta"], delta=True, scale=16 ** -0.5,
                 initial_state=x16["initial_state"])
     o_one = forward_triton(x16["q"], x16["k"], x16["v"], **kw16, out_dot16=False, fuse_out=False)[0]

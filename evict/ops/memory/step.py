@@ -10,6 +10,11 @@ from .reference import rule
 from .triton import runs_on as triton_runs_on
 
 
+# `pre` inside the step's one Triton launch on CUDA: opt-in until its GPU tests have run on a card (session 60's device
+# calls failed to start; interpreter-tested). By default CUDA maps the raw inputs with `pre.apply` (torch) first.
+FUSE_PRE = False
+
+
 def memory_step(q, k, v, state, *, log_alpha=None, beta=None, delta=False, scale=None, check=False, out=None, rows=None,
                 pre=None):
     """(o_t, S_t) = step(q_t, k_t, v_t, S_{t-1}): the T = 1 case of `memory`.
@@ -26,7 +31,7 @@ def memory_step(q, k, v, state, *, log_alpha=None, beta=None, delta=False, scale
     `check=True` also rejects NaN/Inf, positive log_alpha and beta outside [0, 2] (costs a host sync; not with `pre`).
     `pre` (evict.ops.memory.preact.Preact): q, k, v are raw (a short conv's outputs), log_alpha the gate projection
     and beta the beta projection, each of the shape above; the step maps them first (SiLU, L2, log_decay, sigmoid):
-    on CUDA inside its one launch, elsewhere by `pre.apply` (the layers' own torch forms).
+    on CUDA inside its one launch (with FUSE_PRE), elsewhere by `pre.apply` (the layers' own torch forms).
     """
     pool = isinstance(state, torch.Tensor) and state.dim() > 0  # rows: state's leading size is the pool's, not B
     check_inputs(q, k, v, log_alpha, beta, state, step=True, check_values=check and pre is None,
@@ -53,6 +58,10 @@ def memory_step(q, k, v, state, *, log_alpha=None, beta=None, delta=False, scale
     scale = check_scale(scale, q.shape[-1])
     if q.is_cuda and state.dtype == torch.float32 and triton_runs_on(q):
         from .triton.step import step_triton
+
+        if pre is not None and not FUSE_PRE:  # the maps in torch, then the step kernel on plain inputs
+            q, k, v, log_alpha, beta = pre.apply(q, k, v, log_alpha, beta)
+            q, k, v, pre = q.contiguous(), k.contiguous(), v.contiguous(), None
 
         return step_triton(q, k, v, state, log_alpha=log_alpha, beta=beta, delta=delta, scale=scale, out=out, rows=rows,
                            pre=pre)
