@@ -68,13 +68,16 @@ def check_fsdp_available() -> None:
 
 
 def parallelize(model: nn.Module, *, kind: str, compile: bool, device: torch.device) -> nn.Module:
-    """Per-block torch.compile (when `compile`: evict.models.compile_blocks), then, when a process group is initialised, FSDP2 per block and
+    """Per-block torch.compile (when `compile`: the model's own `compile_blocks`, an LM's one dynamo cache per block
+    form; else each block), then, when a process group is initialised, FSDP2 per block and
     at the root (`kind="fsdp"`) or DDP (`kind="ddp"`). Returns the module to call (the model itself, or its DDP)."""
     blocks = list(getattr(model, "blocks", []))
-    if compile:
-        from evict.models.compile_blocks import compile_blocks
-
-        compile_blocks(model)  # each block, one dynamo cache per block form
+    if compile:  # the model's own method (no import of a higher layer here)
+        if callable(getattr(model, "compile_blocks", None)):
+            model.compile_blocks()  # type: ignore[operator]
+        else:
+            for blk in blocks or [model]:
+                blk.compile()
     if not active():
         return model
     if kind == "ddp":

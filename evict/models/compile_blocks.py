@@ -17,14 +17,10 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from torch import nn
-
-from .lm import LM, Block
-
 _FORWARDS: dict[tuple, types.FunctionType] = {}  # block form -> Block.forward under a code object of its own
 
 
-def block_form(model: LM, i: int) -> tuple:
+def block_form(model: Any, i: int) -> tuple:
     """The form of block i of `model`: (mixer letter, FFN kind, AttnRes place or None)."""
     blk = model.layers()[i]
     cfg = model.cfg
@@ -32,27 +28,28 @@ def block_form(model: LM, i: int) -> tuple:
     return blk.letter, blk.ffn_kind, place
 
 
-def _forward_of(form: tuple) -> types.FunctionType:
-    fn = _FORWARDS.get(form)
+def _forward_of(form: tuple, cls: Any) -> types.FunctionType:
+    key = (cls,) + form
+    fn = _FORWARDS.get(key)
     if fn is None:
-        f: Any = Block.forward
+        f: Any = cls.forward
         fn = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
         fn.__kwdefaults__, fn.__doc__, fn.__qualname__ = f.__kwdefaults__, f.__doc__, f.__qualname__
-        _FORWARDS[form] = fn
+        _FORWARDS[key] = fn
     return fn
 
 
-def compile_blocks(model: nn.Module, **kwargs) -> None:
+def compile_blocks(model: Any, **kwargs) -> None:
     """torch.compile(**kwargs) each block of an LM in place (nn.Module.compile), one dynamo cache per block form;
     any other module with `blocks` compiles each block as it is, and one without compiles whole."""
-    if isinstance(model, LM):
+    if callable(getattr(model, "layers", None)) and hasattr(model, "cfg"):  # an LM (evict.models.lm imports this)
         # the memory op's first call looks for triton once and sets a module global; inside a trace, that global's
         # guard (`_AVAILABLE is None`) fails on the next call and its form compiles twice: look it up here, before
         from evict.ops.memory.triton import available
 
         available()
         for i, blk in enumerate(model.layers()):
-            blk.forward = types.MethodType(_forward_of(block_form(model, i)), blk)  # type: ignore[method-assign]
+            blk.forward = types.MethodType(_forward_of(block_form(model, i), type(blk)), blk)
             blk.compile(**kwargs)
         return
     for blk in list(getattr(model, "blocks", [])) or [model]:

@@ -36,6 +36,7 @@ from evict.layers.moe import MoE
 from evict.layers.norms import build_norm
 from evict.ops.loss import LossOut, linear_cross_entropy
 
+from .compile_blocks import compile_blocks
 from .config import MIXERS, ModelConfig
 from .generate import generate
 
@@ -338,6 +339,10 @@ class LM(nn.Module):
 
     def moe_layers(self) -> list[MoE]:
         return [b.ffn for b in self.layers() if isinstance(b.ffn, MoE)]
+
+    def compile_blocks(self, **kwargs) -> None:
+        """torch.compile each block in place, one dynamo cache per block form (evict.models.compile_blocks)."""
+        compile_blocks(self, **kwargs)
 
     def aux_loss(self) -> torch.Tensor | None:
         """Sum of the MoE auxiliary losses of the last forward (None when no layer has one)."""
