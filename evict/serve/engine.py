@@ -92,6 +92,11 @@ class Request:
     def n_tokens(self) -> int:
         return len(self.prompt) + len(self.out)
 
+    def next_token(self) -> int:
+        """The one token at position `cached` (pending(1)[0] without the lists: a decode row's input)."""
+        c, P = self.cached, len(self.prompt)
+        return self.prompt[c] if c < P else self.out[c - P]
+
     def pending(self, T: int) -> list[int]:
         """The next T tokens not yet in the slot."""
         s, P = self.cached, len(self.prompt)
@@ -309,11 +314,10 @@ class Engine:
         toks: list[int] = []
         starts: list[int] = []
         rows: list[int] = []
-        for r in reqs:  # one pass (host time at 128 rows: dev/LOG.md session 60): r.pending(1)[0], its position, slot
-            c, P = r.cached, len(r.prompt)
+        for r in reqs:  # one pass (host time at 128 rows: dev/LOG.md session 60): its token, position, slot
             assert r.slot is not None  # every row runs in its slot (step() keeps only those)
-            toks.append(r.prompt[c] if c < P else r.out[c - P])
-            starts.append(c)
+            toks.append(r.next_token())
+            starts.append(r.cached)
             rows.append(r.slot)
         if self.graphs is not None:
             try:
@@ -335,7 +339,7 @@ class Engine:
         token. The head runs only there, and at the prompt positions whose log-probabilities a chunk's request
         asked for (prompt_logprobs), which are recorded here."""
         self.pool.select_packed([(r.slot, r.cached) for r in decode], [(r.slot, r.cached, T) for r, T in chunks])
-        toks = [r.pending(1)[0] for r in decode] + [t for r, T in chunks for t in r.pending(T)]
+        toks = [r.next_token() for r in decode] + [t for r, T in chunks for t in r.pending(T)]
         at = list(range(len(decode)))  # packed indices where the head runs
         last = list(at)  # rows of `at` at each part's last token
         wanted: list[tuple[Request, int, int, int]] = []  # (request, first position wanted, how many, row of the first)
@@ -384,7 +388,7 @@ class Engine:
         decode: list[Request] = []
         reading: list[tuple[Request, int]] = []  # (request, tokens it has not read), > 1: prompt chunks to plan
         for r in self.running:  # one pass over the rows, in admission order
-            n = len(r.prompt) + len(r.out) - r.cached
+            n = r.n_tokens - r.cached
             if n == 1:
                 decode.append(r)
             elif n > 1:
