@@ -6,8 +6,9 @@
     beta_of(b, scale)                   b [..., H] (a projection) -> scale sigmoid(b), float32 (float64)
     Preact(...).apply(q, k, v, g, b)    the three above for one decode step, as `memory_step(pre=...)` takes them raw
 
-`memory_step(..., pre=Preact(...))` runs these maps inside the step: on CUDA in the step's one Triton launch (the
-serving decode step: ~20 fewer small launches a memory layer), elsewhere through `apply` and then the step.
+`memory_step(..., pre=Preact(...))` runs these maps inside the step: on CUDA in the step's one Triton launch when
+`evict.ops.memory.step.FUSE_PRE` is on (opt-in until its GPU tests have run on a card; ~20 fewer small launches a
+memory layer in the serving decode step), otherwise through `apply` and then the step.
 """
 
 from __future__ import annotations
