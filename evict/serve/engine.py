@@ -153,7 +153,7 @@ class Engine:
             cuda_graphs = self.device.type == "cuda"
         if cuda_graphs not in (True, False) or (cuda_graphs and self.device.type != "cuda"):
             raise ValueError(f"cuda_graphs: expected True (CUDA models only) or False, got {cuda_graphs!r} on {self.device}")
-        if async_steps not in (True, False):
+        if type(async_steps) is not bool:
             raise ValueError(f"async_steps: expected True or False, got {async_steps!r}")
         self.model = model.eval()
         self.vocab = model.cfg.vocab_size
