@@ -6,8 +6,11 @@ requests of the same shape, untimed; `--steps 0` runs the whole load and reports
 tokens/s, TTFT p50 and TPOT p50 (no HTTP: the server and its clients excluded). Prints one JSON line. Run on CUDA:
 python dev/serve_step_profile.py [--model hybrid|attention] [--conv auto|torch] [--steps 80] [--warmup 8]
 `--decode-only C` instead times decode-only steps of 1 and of N rows, every row at context C (no prefill: the rows'
-blocks are taken and their states left zero, which changes no kernel's work): the engine's step (host + graph + sampling),
-the graph's replay alone (CUDA events), and with `--kernels K` torch.profiler tables of K eager steps and K graph steps.
+blocks are taken and their states left zero, which changes no kernel's work): the engine's step (host + graph + sampling)
+synchronized one by one (`step_ms_median`) and 30 steps back to back (`step_ms_back_to_back`: with `--async-scheduling`
+the host plans step n + 1 while step n runs, so only this number shows it), the graph's replay alone (CUDA events),
+and with `--kernels K` torch.profiler tables of K eager steps and K graph steps.
+`--async-scheduling` runs the engine with `async_steps=True` (every mode).
 `--host-only` (a CPU): the scheduler's own time in a decode-only step of N rows, the model's forward and the cache's
 row selection stubbed out (the logits zeros): thread CPU time per step, median of 5 rounds of 200 steps. Run it with
 PYTHONPATH on two trees to compare their engines' host cost."""
@@ -45,9 +48,10 @@ def main():
     ap.add_argument("--out", type=int, default=512, help="new tokens per request")
     ap.add_argument("--decode-only", type=int, default=0, metavar="C", help="decode steps only, rows at context C")
     ap.add_argument("--host-only", action="store_true", help="the scheduler's host time a decode step (CPU, forward stubbed)")
+    ap.add_argument("--async-scheduling", action="store_true", help="the engine's async_steps: plan ahead of the device")
     a = ap.parse_args()
     if a.host_only:
-        return host_only(a.n)
+        return host_only(a.n, a.async_scheduling)
     if a.conv == "torch":
         conv_op.kernel_runs_on = lambda x: False
     torch.manual_seed(0)
@@ -56,7 +60,7 @@ def main():
     model = model.to(torch.bfloat16 if a.device == "cuda" else torch.float32).eval()
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     eng = Engine(model, max_batch=128, cache_budget=(4 << 30) if a.device == "cuda" else (64 << 20), block_size=256, prefill_chunk=4096, max_len=4608,
-                 decode_prefill_tokens=a.decode_prefill_tokens)
+                 decode_prefill_tokens=a.decode_prefill_tokens, async_steps=a.async_scheduling)
     rng = random.Random(0)
     if a.decode_only:
         return decode_only(a, eng, sync)
@@ -100,7 +104,7 @@ def main():
     decode = [dt for dt, d in steps if not d["packed_steps"]]
     tokens = [d["prefill_tokens"] for dt, d in steps if d["packed_steps"]]
     print("STEP_PROFILE", json.dumps({
-        "model": a.model, "conv": a.conv, "steps": len(steps), "packed_steps": len(packed), "wall_s": wall,
+        "model": a.model, "conv": a.conv, "async_steps": a.async_scheduling, "steps": len(steps), "packed_steps": len(packed), "wall_s": wall,
         "requests_per_s": (eng.stats["finished"] - done0) / wall, "output_tokens_per_s": (eng.stats["generated_tokens"] - gen0) / wall,
         "decode_prefill_tokens": eng.decode_prefill,
         "tpot_p50_ms": statistics.median((t - r.t_first) / (len(r.out) - 1) for r, t in ends.items()) * 1e3 if ends else None,
@@ -115,7 +119,7 @@ def main():
 def decode_only(a, eng, sync):
     """Decode-only steps at 1 and a.n rows, each row at context a.decode_only (see the module doc); one JSON line."""
     eng.warm_up()
-    res = {"model": a.model, "context": a.decode_only}
+    res = {"model": a.model, "context": a.decode_only, "async_steps": a.async_scheduling}
     for rows in (1, a.n):
         reqs = [eng.submit([t % 256 for t in range(a.decode_only)], SamplingParams(max_tokens=eng.max_len - a.decode_only,
                                                                        temperature=0)) for _ in range(rows)]
@@ -133,6 +137,13 @@ def decode_only(a, eng, sync):
                 sync()
                 timed.append(time.perf_counter() - t0)
             out = {"step_ms_median": statistics.median(timed[10:]) * 1e3}
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(30):
+                eng.step()
+            eng.flush()
+            sync()
+            out["step_ms_back_to_back"] = (time.perf_counter() - t0) / 30 * 1e3
             if eng.graphs is not None:
                 graph = eng.graphs.graphs[next(x for x in eng.graphs.buckets if x >= rows)][0]
                 ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
@@ -142,6 +153,7 @@ def decode_only(a, eng, sync):
                 ev[1].record()
                 sync()
                 out["replay_ms"] = ev[0].elapsed_time(ev[1]) / 50
+            eng.flush()
             graphs, eng.graphs = eng.graphs, None
             for _ in range(3):  # eager warm-up (Triton's per-shape compiles)
                 eng.step()
@@ -165,16 +177,18 @@ def decode_only(a, eng, sync):
                     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
                     eng.graphs = graphs
             eng.graphs = graphs
+            eng.flush()
             for r in reqs:
                 eng._finish(r, "cancelled")
         res[f"rows_{rows}"] = out
     print("DECODE_PROFILE", json.dumps(res))
 
 
-def host_only(n: int) -> None:
+def host_only(n: int, async_steps: bool) -> None:
     """Thread CPU time of Engine.step over decode-only steps of n rows with the forward stubbed; one JSON line."""
     model = LM(model_configs(("hybrid",), size="tiny", width={})["hybrid"]).eval()
-    eng = Engine(model, max_batch=n, cache_budget=64 << 20, block_size=256, prefill_chunk=64, max_len=4096)
+    eng = Engine(model, max_batch=n, cache_budget=64 << 20, block_size=256, prefill_chunk=64, max_len=4096,
+                 async_steps=async_steps)
     logits = torch.zeros(n, 1, eng.vocab)
     eng.model.forward = lambda tokens, **kw: logits[: tokens.shape[0]]
     eng.pool.select = lambda *a, **kw: None
@@ -192,7 +206,7 @@ def host_only(n: int) -> None:
             for _ in range(200):
                 eng.step()
             rounds.append((time.thread_time_ns() - t0) / 200 / 1e3)
-    print("HOST_PROFILE", json.dumps({"rows": n, "host_us_per_step_median": statistics.median(rounds),
+    print("HOST_PROFILE", json.dumps({"rows": n, "async_steps": async_steps, "host_us_per_step_median": statistics.median(rounds),
                                       "rounds_us": [round(x, 1) for x in rounds]}))
 
 

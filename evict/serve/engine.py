@@ -88,6 +88,11 @@ class Request:
     inflight: int = 0  # tokens sampled on the device whose ids the host does not know yet (async steps: 0 to 2)
     # with params.prompt_logprobs: entry j for prompt token j + 1, (its, top N), from the logits at position j
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    plain: bool = field(init=False)  # greedy, no penalties or logprobs, max_tokens > 0: its token is the argmax alone
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.plain = not (p.temperature > 0 or p.penalized or p.logprobs is not None or not p.max_tokens)
 
     @property
     def n_tokens(self) -> int:
@@ -440,30 +445,32 @@ class Engine:
         """Draw each request's next token from its row of logits [N, V] on the device (penalties recorded, logprobs
         computed there too: nothing here waits for the step); async: the tokens also go into `feed` at their slots
         (`slots` [N] on the device, or built here) and to the host by a non-blocking copy. A request whose sampling
-        fails is marked (it fails when the step is read) and draws no token."""
+        fails draws no token (it fails when the step is read), nor does one with max_tokens 0."""
         nxt = logits.argmax(-1)  # [N]; rows that sample replace theirs
-        failed: dict[int, Exception] = {}
+        undrawn: dict[int, Exception | None] = {}  # row -> why it drew no token (None: max_tokens 0)
         logprobs: dict[int, tuple[torch.Tensor, ...]] = {}
         for i, r in enumerate(reqs):
-            p = r.params
-            if not p.max_tokens:  # the prompt's log-probabilities alone: no token
-                continue
-            try:
-                if p.temperature > 0 or r.penalties is not None:
-                    nxt[i] = self._sample_one(r, logits[i : i + 1])
-                if r.penalties is not None:
-                    r.penalties.record(nxt[i : i + 1])
-                if p.logprobs is not None:
-                    logprobs[i] = _logprob_parts(logits[i : i + 1], nxt[i : i + 1], p.logprobs)
-            except Exception as e:  # this request fails, the others go on
-                failed[i] = e
+            if not r.plain:
+                p = r.params
+                if not p.max_tokens:  # the prompt's log-probabilities alone: no token
+                    undrawn[i] = None
+                    continue
+                try:
+                    if p.temperature > 0 or r.penalties is not None:
+                        nxt[i] = self._sample_one(r, logits[i : i + 1])
+                    if r.penalties is not None:
+                        r.penalties.record(nxt[i : i + 1])
+                    if p.logprobs is not None:
+                        logprobs[i] = _logprob_parts(logits[i : i + 1], nxt[i : i + 1], p.logprobs)
+                except Exception as e:  # this request fails, the others go on
+                    undrawn[i] = e
+                    continue
+            r.inflight += 1
         if self.feed is not None:
             self.feed.index_copy_(0, slots if slots is not None else self._tensor([r.slot for r in reqs]), nxt)  # type: ignore[misc]
-        out = Sampled(reqs, nxt, failed, logprobs)
+        out = Sampled(reqs, nxt, undrawn, logprobs)
         if self.pin:
             out.to_host()
-        for i, r in enumerate(reqs):
-            r.inflight += bool(r.params.max_tokens) and i not in failed
         return out
 
     def _read(self, s: Sampled) -> None:
@@ -472,17 +479,23 @@ class Engine:
         token, a cancel, a failure) drops its token: the one extra token of async steps is never emitted."""
         tokens = s.tokens()  # async on CUDA: waits for that step only; else the step's one host sync
         now = time.perf_counter()
+        undrawn, logprobs = s.undrawn, s.logprobs
         for i, (r, t) in enumerate(zip(s.reqs, tokens)):
-            r.inflight -= bool(r.params.max_tokens) and i not in s.failed
+            if undrawn and i in undrawn:
+                if r.finish_reason is None:
+                    e = undrawn[i]
+                    try:
+                        if e is not None:
+                            raise e
+                        self._finish(r, "length")  # max_tokens 0: its prompt's log-probabilities read, and done
+                    except Exception as e2:
+                        self._fail(r, e2)
+                continue
+            r.inflight -= 1
             if r.finish_reason is not None:
                 continue
             try:
-                if i in s.failed:
-                    raise s.failed[i]
-                if not r.params.max_tokens:  # the prompt's log-probabilities alone: read, and done
-                    self._finish(r, "length")
-                    continue
-                self._emit(r, t, s.logprobs.get(i), now)
+                self._emit(r, t, logprobs.get(i) if logprobs else None, now)
             except Exception as e:
                 self._fail(r, e)
         self.recent.append((now, len(s.reqs)))
@@ -650,9 +663,9 @@ class Sampled:
     """One step's sampled tokens [N] of `reqs` on their way to the host (`Engine._sample` -> `Engine._read`): the
     device's tensors, or (`to_host`, async on CUDA) pinned copies filled by non-blocking copies and an event."""
 
-    def __init__(self, reqs: list[Request], tokens: torch.Tensor, failed: dict[int, Exception],
+    def __init__(self, reqs: list[Request], tokens: torch.Tensor, undrawn: dict[int, Exception | None],
                  logprobs: dict[int, tuple[torch.Tensor, ...]]):
-        self.reqs, self._tokens, self.failed, self.logprobs = reqs, tokens, failed, logprobs
+        self.reqs, self._tokens, self.undrawn, self.logprobs = reqs, tokens, undrawn, logprobs
         self.ready: torch.cuda.Event | None = None
 
     def to_host(self) -> None:
