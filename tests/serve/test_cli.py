@@ -55,6 +55,33 @@ def test_bench_serve_in_process_runs_the_same_load_with_no_http(model_dir, tmp_p
     assert "(in process, no HTTP)" in capsys.readouterr().out
 
 
+def test_async_scheduling_reaches_the_engine_and_the_servers_flags(model_dir, tmp_path, monkeypatch):
+    """--async-scheduling on: the in-process load runs an engine with async steps (answers complete and equal alone);
+    the bench passes the flag to the server it starts."""
+    import argparse
+
+    from evict.bench.serve import add_arguments, server_argv
+    from evict.serve import load
+
+    built = []
+    real = load.build_engine
+    monkeypatch.setattr(load, "build_engine", lambda args: built.append(real(args)) or built[-1])
+    out = tmp_path / "engine.json"
+    main(["bench", "serve", "--spawn", "engine", "--model", str(model_dir), "--requests", "12", "--clients", "6",
+          "--prompt-len", "2", "30", "--output-len", "2", "8", "--check", "3", "--max-batch", "4", "--block-size", "8",
+          "--cache-budget", "2M", "--threads", "1", "--warmup", "0", "--async-scheduling", "on", "--out", str(out)])
+    s = json.loads(out.read_text())["summary"]
+    assert s["errors"] == 0 and s["complete"] == "12/12" and s["equal_alone"] == "3/3"
+    assert built and built[0][0].depth == 1 and built[0][0].stats["generated_tokens"] > 12
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    p.add_argument("--device", default="cpu")
+    for flag in ("on", "off"):
+        argv = server_argv(p.parse_args(["--preset", "attention", "--async-scheduling", flag]), 8000)
+        assert argv[argv.index("--async-scheduling") + 1] == flag
+    assert "--async-scheduling" not in server_argv(p.parse_args(["--preset", "attention"]), 8000)
+
+
 def test_served_text_equals_evict_generate(model_dir, capsys):
     """`evict serve --model DIR`'s engine and app answer a text prompt with `evict generate --temperature 0`'s text."""
     import httpx
@@ -86,6 +113,7 @@ def test_served_text_equals_evict_generate(model_dir, capsys):
     (["serve", "--preset", "attention", "--cuda-graphs", "on"], "--cuda-graphs"),  # a CPU device
     (["serve", "--preset", "attention", "--max-num-batched-tokens", "4"], "--max-num-batched-tokens"),  # < max batch
     (["serve", "--preset", "attention", "--priority", "fifo"], "--priority"),
+    (["serve", "--preset", "attention", "--async-scheduling", "yes"], "--async-scheduling"),
     (["serve", "--preset", "attention", "--port", "70000"], "--port"), (["serve", "--preset", "attention", "--port", "0"], "--port"),
     (["serve", "--preset", "attention", "--host", "999.1.1.1"], "--host"),
     (["serve", "--preset", "attention", "--log-level", "loud"], "--log-level"),
