@@ -10,7 +10,9 @@ blocks are taken and their states left zero, which changes no kernel's work): th
 synchronized one by one (`step_ms_median`) and 30 steps back to back (`step_ms_back_to_back`: with `--async-scheduling`
 the host plans step n + 1 while step n runs, so only this number shows it), the graph's replay alone (CUDA events),
 and with `--kernels K` torch.profiler tables of K eager steps and K graph steps.
-`--async-scheduling` runs the engine with `async_steps=True` (every mode).
+`--async-scheduling` runs the engine with `async_steps=True` (every mode); with `--decode-only`, `--compare-async` runs it
+without and then with async steps in one process (one DECODE_PROFILE line each, then DECODE_COMPARE: the back-to-back
+steps side by side and each mode's N-row step over its 1-row step, issue 73's TPOT ratio).
 `--host-only` (a CPU): the scheduler's own time in a decode-only step of N rows, the model's forward and the cache's
 row selection stubbed out (the logits zeros): thread CPU time per step, median of 5 rounds of 200 steps. Run it with
 PYTHONPATH on two trees to compare their engines' host cost."""
@@ -49,6 +51,7 @@ def main():
     ap.add_argument("--decode-only", type=int, default=0, metavar="C", help="decode steps only, rows at context C")
     ap.add_argument("--host-only", action="store_true", help="the scheduler's host time a decode step (CPU, forward stubbed)")
     ap.add_argument("--async-scheduling", action="store_true", help="the engine's async_steps: plan ahead of the device")
+    ap.add_argument("--compare-async", action="store_true", help="--decode-only without, then with async steps")
     a = ap.parse_args()
     if a.host_only:
         return host_only(a.n, a.async_scheduling)
@@ -59,11 +62,29 @@ def main():
         model = LM(model_configs((a.model,), size="tiny", width=WIDTH if a.width == "bench" else {})[a.model])
     model = model.to(torch.bfloat16 if a.device == "cuda" else torch.float32).eval()
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
-    eng = Engine(model, max_batch=128, cache_budget=(4 << 30) if a.device == "cuda" else (64 << 20), block_size=256, prefill_chunk=4096, max_len=4608,
-                 decode_prefill_tokens=a.decode_prefill_tokens, async_steps=a.async_scheduling)
-    rng = random.Random(0)
+
+    def engine(async_steps: bool) -> Engine:
+        return Engine(model, max_batch=128, cache_budget=(4 << 30) if a.device == "cuda" else (64 << 20), block_size=256,
+                      prefill_chunk=4096, max_len=4608, decode_prefill_tokens=a.decode_prefill_tokens, async_steps=async_steps)
+
     if a.decode_only:
-        return decode_only(a, eng, sync)
+        res = {}
+        for mode in ([False, True] if a.compare_async else [a.async_scheduling]):
+            res[mode] = decode_only(a, engine(mode), sync, mode)
+            if a.device == "cuda":
+                torch.cuda.empty_cache()  # the first engine's pool and graphs go before the second's are made
+        if a.compare_async:
+            key, n = "step_ms_back_to_back", f"rows_{a.n}"
+            print("DECODE_COMPARE", json.dumps({
+                f"{n}_sync_ms": res[False][n][key], f"{n}_async_ms": res[True][n][key],
+                "rows_1_sync_ms": res[False]["rows_1"][key], "rows_1_async_ms": res[True]["rows_1"][key],
+                f"{n}_replay_ms": res[False][n].get("replay_ms"), f"{n}_async_replay_ms": res[True][n].get("replay_ms"),
+                "async_speedup": res[False][n][key] / res[True][n][key],
+                "ratio_to_batch1_sync": res[False][n][key] / res[False]["rows_1"][key],
+                "ratio_to_batch1_async": res[True][n][key] / res[True]["rows_1"][key]}))
+        return
+    eng = engine(a.async_scheduling)
+    rng = random.Random(0)
     if a.warmup:
         eng.warm_up()
         for _ in range(a.warmup):
@@ -116,10 +137,10 @@ def main():
         "last_5": [(round(dt * 1e3, 2), d["generated_tokens"]) for dt, d in steps[-5:]]}))
 
 
-def decode_only(a, eng, sync):
+def decode_only(a, eng, sync, async_steps: bool) -> dict:
     """Decode-only steps at 1 and a.n rows, each row at context a.decode_only (see the module doc); one JSON line."""
     eng.warm_up()
-    res = {"model": a.model, "context": a.decode_only, "async_steps": a.async_scheduling}
+    res = {"model": a.model, "context": a.decode_only, "async_steps": async_steps}
     for rows in (1, a.n):
         reqs = [eng.submit([t % 256 for t in range(a.decode_only)], SamplingParams(max_tokens=eng.max_len - a.decode_only,
                                                                        temperature=0)) for _ in range(rows)]
@@ -182,6 +203,7 @@ def decode_only(a, eng, sync):
                 eng._finish(r, "cancelled")
         res[f"rows_{rows}"] = out
     print("DECODE_PROFILE", json.dumps(res))
+    return res
 
 
 def host_only(n: int, async_steps: bool) -> None:
