@@ -357,8 +357,8 @@ class Engine:
             r.cached += 1
         return logits, slots
 
-    def _tensor(self, xs: list[int]) -> torch.Tensor:
-        """xs as an int64 tensor on the device; async on CUDA through pinned memory (no wait for the step running)."""
+    def _tensor(self, xs: list) -> torch.Tensor:
+        """xs (ints) as an int64 tensor on the device; async on CUDA through pinned memory (no wait for the step running)."""
         t = torch.tensor(xs, dtype=torch.int64)
         return t.pin_memory().to(self.device, non_blocking=True) if self.pin else t.to(self.device)
 
@@ -467,7 +467,7 @@ class Engine:
                     continue
             r.inflight += 1
         if self.feed is not None:
-            self.feed.index_copy_(0, slots if slots is not None else self._tensor([r.slot for r in reqs]), nxt)  # type: ignore[misc]
+            self.feed.index_copy_(0, slots if slots is not None else self._tensor([r.slot for r in reqs]), nxt)
         out = Sampled(reqs, nxt, undrawn, logprobs)
         if self.pin:
             out.to_host()
