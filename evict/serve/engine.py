@@ -15,6 +15,16 @@ blocks are freed and it waits at the head of the queue with the tokens it has (p
 A sequence's tokens are processed as `generate` processes them alone: prompt chunks at the same boundaries
 (multiples of `prefill_chunk` from 0, unless the step's budget cuts one), then one token per forward; so greedy outputs
 equal `generate`'s (tested in float32 through packing and preemption).
+
+Async steps (`async_steps`, off by default): a step is launched (planned, its blocks taken, its forward and sampling
+queued on the device) and only then is the step before read (its tokens streamed, stop tokens and max_tokens
+checked), so the host's work overlaps the device's. The synchronous engine is the same loop with depth 0: it reads
+each step right after launching it. With depth 1 a decode row's token may still be in flight (`Request.inflight`):
+the forward reads it from `feed`, each slot's last sampled token on the device (inside the decode graph), and the host
+gets the tokens by a non-blocking copy into pinned memory and an event. Penalties record a token and log-probabilities
+are computed when it is sampled, so sampling is what the synchronous engine draws. A request whose max_tokens are all
+sampled is not planned again; one that stops on a stop token (or EOS, or is cancelled, or fails) is seen a step late,
+and the token computed for it meanwhile is dropped, never emitted.
 """
 
 from __future__ import annotations
