@@ -42,6 +42,7 @@ import torch
 
 from evict.cli_args import first_line
 from evict.models.generate import Penalties, sample_next
+from evict.serve.graphs import DecodeGraphs, fed
 
 PRIORITIES = ("decode", "prefill")
 FINISH = ("stop", "length", "cancelled", "error")  # error: this request's step failed (Request.error says why)
@@ -199,8 +200,6 @@ class Engine:
         self.pending: Sampled | None = None  # the step launched last, its tokens not yet read (async)
         self.graphs = None
         if cuda_graphs:
-            from evict.serve.graphs import DecodeGraphs
-
             self.graphs = DecodeGraphs(model, self.pool, max_batch=max_batch, scratch_slot=max_batch, scratch_block=n_blocks,
                                        feed=self.feed)
         self.peak_blocks = 0
@@ -662,11 +661,6 @@ class Engine:
 
 class EngineDown(RuntimeError):
     """The engine thread is not running: a request cannot be served."""
-
-
-def fed(tokens: torch.Tensor, feed: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """A step's input tokens [N] (device): an entry -1 (in flight) is its slot's last sampled token, feed[slots[i]]."""
-    return torch.where(tokens >= 0, tokens, feed[slots])
 
 
 class Sampled:

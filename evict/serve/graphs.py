@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from evict.serve.engine import fed
+
+def fed(tokens: torch.Tensor, feed: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """A step's input tokens [N] (device): an entry -1 (in flight) is its slot's last sampled token, feed[slots[i]]."""
+    return torch.where(tokens >= 0, tokens, feed[slots])
 
 
 def buckets(max_batch: int) -> list[int]:
