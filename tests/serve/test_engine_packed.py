@@ -76,18 +76,26 @@ def alone(model, prompt, n, chunk) -> list[int]:
 def test_packed_steps_greedy_equal_generate(family, priority, async_steps, monkeypatch, one_thread):
     """16 requests of 1-45 prompt and 1-20 new tokens, 5 slots, a pool that runs out (preemption), chunks of 16 and a
     budget of 37 tokens per step (so chunks are also cut by the budget): steps pack decode rows with prompt chunks of
-    several requests, and every greedy output equals `generate` on that request alone."""
+    several requests, and every greedy output equals `generate` on that request alone (async: with decode rows whose
+    token is still in flight)."""
     model = build(family)
     eng = Engine(model, max_batch=5, cache_budget=budget(model, 5, 8, 13), block_size=8, prefill_chunk=16,
                  max_num_batched_tokens=37, priority=priority, async_steps=async_steps)
-    shapes = []
+    shapes, flying = [], []  # flying: per packed step, its decode rows whose token is in flight (async)
     real = eng.pool.select_packed
-    monkeypatch.setattr(eng.pool, "select_packed", lambda d, c: shapes.append((len(d), len(c))) or real(d, c))
+
+    def spy(d, c):
+        shapes.append((len(d), len(c)))
+        flying.append(sum(r.next_token() < 0 for r in eng.running if (r.slot, r.cached) in d))
+        return real(d, c)
+
+    monkeypatch.setattr(eng.pool, "select_packed", spy)
     reqs = [(p, n, eng.submit(p, SamplingParams(max_tokens=n, temperature=0))) for p, n in jobs(16, seed=5)]
     eng.run_until_idle()
     uses_kv = family not in ("kda", "linear")
     assert eng.stats["preemptions"] > 0 or not uses_kv
     assert any(d > 0 and c > 1 for d, c in shapes), shapes  # decode rows and several chunks in one forward
+    assert any(flying) == async_steps  # async: packed steps read decode tokens still on the device
     assert eng.stats["finished"] == 16 and len(eng.free_blocks) == eng.n_blocks and len(eng.free_slots) == 5
     for p, n, r in reqs:
         assert r.finish_reason == "length" and r.out == alone(model, p, n, 16), (len(p), n)
