@@ -56,8 +56,8 @@ mode_decode() {  # the decode step's GPU tests (engine, the step kernel with and
     grep "DECODE_PROFILE" "$RES/decode_profile.txt" || tail -5 "$RES/decode_profile.txt"
 }
 mode_async() {  # issue 73's async steps: GPU tests, then the decode step's time without / with them in one process
-    timeout "${TEST_S:-80}" $PY -m pytest -q -rf -m gpu tests/serve/test_engine_gpu.py -p no:cacheprovider ${TEST_N:+-n $TEST_N}
-    timeout "${PROFILE_S:-90}" $PY dev/serve_step_profile.py --decode-only 4352 --kernels 3 --compare-async \
+    timeout "${TEST_S:-90}" $PY -m pytest -q -rf -m gpu tests/serve/test_engine_gpu.py -p no:cacheprovider ${TEST_N:+-n $TEST_N}
+    timeout "${PROFILE_S:-85}" $PY dev/serve_step_profile.py --decode-only 4352 --kernels 3 --compare-async \
         > "$RES/async_profile.txt" 2>&1
     grep -E "DECODE_(PROFILE|COMPARE)" "$RES/async_profile.txt" || tail -5 "$RES/async_profile.txt"
 }

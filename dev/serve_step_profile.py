@@ -18,6 +18,7 @@ row selection stubbed out (the logits zeros): thread CPU time per step, median o
 PYTHONPATH on two trees to compare their engines' host cost."""
 
 import argparse
+import gc
 import itertools
 import json
 import random
@@ -71,6 +72,7 @@ def main():
         res = {}
         for mode in ([False, True] if a.compare_async else [a.async_scheduling]):
             res[mode] = decode_only(a, engine(mode), sync, mode)
+            gc.collect()
             if a.device == "cuda":
                 torch.cuda.empty_cache()  # the first engine's pool and graphs go before the second's are made
         if a.compare_async:
