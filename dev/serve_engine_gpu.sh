@@ -13,7 +13,10 @@
 # bench's client cost; http_attention: HTTP and in process for attention), prefill (the prefill path's GPU tests: engine,
 # attention op, mixed precision; then dev/serve_prefill_profile.py: one packed step of the 32K load per layer type, the
 # hybrid with and without MLA's flash padding beside attention, then 32 x 32K through the engine in process; JSON
-# $RES/prefill_profile.json; ~4 min).
+# $RES/prefill_profile.json; ~4 min), async (the engine's GPU tests, every case with and without async steps, then
+# dev/serve_step_profile.py --decode-only 4352 --kernels 3 --compare-async into $RES/async_profile.txt: decode steps at
+# 1 and 128 rows without and then with async steps in one process; ~150 s), async4k (the 4K hybrid load without and
+# with --async-scheduling on, side by side; ~100 s).
 case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
 MODES=${*:-tests main engine cap attn profile knobs}
 set -uo pipefail
@@ -52,6 +55,13 @@ mode_decode() {  # the decode step's GPU tests (engine, the step kernel with and
     timeout "${PROFILE_S:-60}" $PY dev/serve_step_profile.py --decode-only 4352 --kernels 3 > "$RES/decode_profile.txt" 2>&1
     grep "DECODE_PROFILE" "$RES/decode_profile.txt" || tail -5 "$RES/decode_profile.txt"
 }
+mode_async() {  # issue 73's async steps: GPU tests, then the decode step's time without / with them in one process
+    timeout "${TEST_S:-90}" $PY -m pytest -q -rf -m gpu tests/serve/test_engine_gpu.py -p no:cacheprovider ${TEST_N:+-n $TEST_N}
+    timeout "${PROFILE_S:-85}" $PY dev/serve_step_profile.py --decode-only 4352 --kernels 3 --compare-async \
+        > "$RES/async_profile.txt" 2>&1
+    grep -E "DECODE_(PROFILE|COMPARE)" "$RES/async_profile.txt" || tail -5 "$RES/async_profile.txt"
+}
+mode_async4k() { bench 4k_sync hybrid 100 $B4K; bench 4k_async hybrid 100 $B4K --async-scheduling on; }
 mode_4k() { for m in hybrid attention; do bench 4k "$m" 120 $B4K; done; }
 mode_batch1() { for m in ${BATCH1_MODELS:-hybrid attention}; do bench batch1 "$m" 60 $BATCH1; done; }  # BATCH1_MODELS=hybrid: one
 mode_32k() { for m in hybrid attention; do bench 32k "$m" 120 $B32K; done; }

@@ -6,13 +6,19 @@ requests of the same shape, untimed; `--steps 0` runs the whole load and reports
 tokens/s, TTFT p50 and TPOT p50 (no HTTP: the server and its clients excluded). Prints one JSON line. Run on CUDA:
 python dev/serve_step_profile.py [--model hybrid|attention] [--conv auto|torch] [--steps 80] [--warmup 8]
 `--decode-only C` instead times decode-only steps of 1 and of N rows, every row at context C (no prefill: the rows'
-blocks are taken and their states left zero, which changes no kernel's work): the engine's step (host + graph + sampling),
-the graph's replay alone (CUDA events), and with `--kernels K` torch.profiler tables of K eager steps and K graph steps.
+blocks are taken and their states left zero, which changes no kernel's work): the engine's step (host + graph + sampling)
+synchronized one by one (`step_ms_median`) and 30 steps back to back (`step_ms_back_to_back`: with `--async-scheduling`
+the host plans step n + 1 while step n runs, so only this number shows it), the graph's replay alone (CUDA events),
+and with `--kernels K` torch.profiler tables of K eager steps and K graph steps.
+`--async-scheduling` runs the engine with `async_steps=True` (every mode); with `--decode-only`, `--compare-async` runs it
+without and then with async steps in one process (one DECODE_PROFILE line each, then DECODE_COMPARE: the back-to-back
+steps side by side and each mode's N-row step over its 1-row step, issue 73's TPOT ratio).
 `--host-only` (a CPU): the scheduler's own time in a decode-only step of N rows, the model's forward and the cache's
 row selection stubbed out (the logits zeros): thread CPU time per step, median of 5 rounds of 200 steps. Run it with
 PYTHONPATH on two trees to compare their engines' host cost."""
 
 import argparse
+import gc
 import itertools
 import json
 import random
@@ -45,9 +51,11 @@ def main():
     ap.add_argument("--out", type=int, default=512, help="new tokens per request")
     ap.add_argument("--decode-only", type=int, default=0, metavar="C", help="decode steps only, rows at context C")
     ap.add_argument("--host-only", action="store_true", help="the scheduler's host time a decode step (CPU, forward stubbed)")
+    ap.add_argument("--async-scheduling", action="store_true", help="the engine's async_steps: plan ahead of the device")
+    ap.add_argument("--compare-async", action="store_true", help="--decode-only without, then with async steps")
     a = ap.parse_args()
     if a.host_only:
-        return host_only(a.n)
+        return host_only(a.n, a.async_scheduling)
     if a.conv == "torch":
         conv_op.kernel_runs_on = lambda x: False
     torch.manual_seed(0)
@@ -55,11 +63,30 @@ def main():
         model = LM(model_configs((a.model,), size="tiny", width=WIDTH if a.width == "bench" else {})[a.model])
     model = model.to(torch.bfloat16 if a.device == "cuda" else torch.float32).eval()
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
-    eng = Engine(model, max_batch=128, cache_budget=(4 << 30) if a.device == "cuda" else (64 << 20), block_size=256, prefill_chunk=4096, max_len=4608,
-                 decode_prefill_tokens=a.decode_prefill_tokens)
-    rng = random.Random(0)
+
+    def engine(async_steps: bool) -> Engine:
+        return Engine(model, max_batch=128, cache_budget=(4 << 30) if a.device == "cuda" else (64 << 20), block_size=256,
+                      prefill_chunk=4096, max_len=4608, decode_prefill_tokens=a.decode_prefill_tokens, async_steps=async_steps)
+
     if a.decode_only:
-        return decode_only(a, eng, sync)
+        res = {}
+        for mode in ([False, True] if a.compare_async else [a.async_scheduling]):
+            res[mode] = decode_only(a, engine(mode), sync, mode)
+            gc.collect()
+            if a.device == "cuda":
+                torch.cuda.empty_cache()  # the first engine's pool and graphs go before the second's are made
+        if a.compare_async:
+            key, n = "step_ms_back_to_back", f"rows_{a.n}"
+            print("DECODE_COMPARE", json.dumps({
+                f"{n}_sync_ms": res[False][n][key], f"{n}_async_ms": res[True][n][key],
+                "rows_1_sync_ms": res[False]["rows_1"][key], "rows_1_async_ms": res[True]["rows_1"][key],
+                f"{n}_replay_ms": res[False][n].get("replay_ms"), f"{n}_async_replay_ms": res[True][n].get("replay_ms"),
+                "async_speedup": res[False][n][key] / res[True][n][key],
+                "ratio_to_batch1_sync": res[False][n][key] / res[False]["rows_1"][key],
+                "ratio_to_batch1_async": res[True][n][key] / res[True]["rows_1"][key]}))
+        return
+    eng = engine(a.async_scheduling)
+    rng = random.Random(0)
     if a.warmup:
         eng.warm_up()
         for _ in range(a.warmup):
@@ -100,7 +127,7 @@ def main():
     decode = [dt for dt, d in steps if not d["packed_steps"]]
     tokens = [d["prefill_tokens"] for dt, d in steps if d["packed_steps"]]
     print("STEP_PROFILE", json.dumps({
-        "model": a.model, "conv": a.conv, "steps": len(steps), "packed_steps": len(packed), "wall_s": wall,
+        "model": a.model, "conv": a.conv, "async_steps": a.async_scheduling, "steps": len(steps), "packed_steps": len(packed), "wall_s": wall,
         "requests_per_s": (eng.stats["finished"] - done0) / wall, "output_tokens_per_s": (eng.stats["generated_tokens"] - gen0) / wall,
         "decode_prefill_tokens": eng.decode_prefill,
         "tpot_p50_ms": statistics.median((t - r.t_first) / (len(r.out) - 1) for r, t in ends.items()) * 1e3 if ends else None,
@@ -112,10 +139,10 @@ def main():
         "last_5": [(round(dt * 1e3, 2), d["generated_tokens"]) for dt, d in steps[-5:]]}))
 
 
-def decode_only(a, eng, sync):
+def decode_only(a, eng, sync, async_steps: bool) -> dict:
     """Decode-only steps at 1 and a.n rows, each row at context a.decode_only (see the module doc); one JSON line."""
     eng.warm_up()
-    res = {"model": a.model, "context": a.decode_only}
+    res = {"model": a.model, "context": a.decode_only, "async_steps": async_steps}
     for rows in (1, a.n):
         reqs = [eng.submit([t % 256 for t in range(a.decode_only)], SamplingParams(max_tokens=eng.max_len - a.decode_only,
                                                                        temperature=0)) for _ in range(rows)]
@@ -133,6 +160,13 @@ def decode_only(a, eng, sync):
                 sync()
                 timed.append(time.perf_counter() - t0)
             out = {"step_ms_median": statistics.median(timed[10:]) * 1e3}
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(30):
+                eng.step()
+            eng.flush()
+            sync()
+            out["step_ms_back_to_back"] = (time.perf_counter() - t0) / 30 * 1e3
             if eng.graphs is not None:
                 graph = eng.graphs.graphs[next(x for x in eng.graphs.buckets if x >= rows)][0]
                 ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
@@ -142,6 +176,7 @@ def decode_only(a, eng, sync):
                 ev[1].record()
                 sync()
                 out["replay_ms"] = ev[0].elapsed_time(ev[1]) / 50
+            eng.flush()
             graphs, eng.graphs = eng.graphs, None
             for _ in range(3):  # eager warm-up (Triton's per-shape compiles)
                 eng.step()
@@ -165,16 +200,19 @@ def decode_only(a, eng, sync):
                     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
                     eng.graphs = graphs
             eng.graphs = graphs
+            eng.flush()
             for r in reqs:
                 eng._finish(r, "cancelled")
         res[f"rows_{rows}"] = out
     print("DECODE_PROFILE", json.dumps(res))
+    return res
 
 
-def host_only(n: int) -> None:
+def host_only(n: int, async_steps: bool) -> None:
     """Thread CPU time of Engine.step over decode-only steps of n rows with the forward stubbed; one JSON line."""
     model = LM(model_configs(("hybrid",), size="tiny", width={})["hybrid"]).eval()
-    eng = Engine(model, max_batch=n, cache_budget=64 << 20, block_size=256, prefill_chunk=64, max_len=4096)
+    eng = Engine(model, max_batch=n, cache_budget=64 << 20, block_size=256, prefill_chunk=64, max_len=4096,
+                 async_steps=async_steps)
     logits = torch.zeros(n, 1, eng.vocab)
     eng.model.forward = lambda tokens, **kw: logits[: tokens.shape[0]]
     eng.pool.select = lambda *a, **kw: None
@@ -192,7 +230,7 @@ def host_only(n: int) -> None:
             for _ in range(200):
                 eng.step()
             rounds.append((time.thread_time_ns() - t0) / 200 / 1e3)
-    print("HOST_PROFILE", json.dumps({"rows": n, "host_us_per_step_median": statistics.median(rounds),
+    print("HOST_PROFILE", json.dumps({"rows": n, "async_steps": async_steps, "host_us_per_step_median": statistics.median(rounds),
                                       "rounds_us": [round(x, 1) for x in rounds]}))
 
 

@@ -200,12 +200,14 @@ class HybridCache:
         return None
 
     # -- slot pool ----------------------------------------------------------------------------------------------
-    def set_blocks(self, slot: int, blocks: list[int]) -> None:
-        """The blocks that hold slot's positions, in order (block i holds positions [i bs, (i + 1) bs))."""
+    def set_blocks(self, slot: int, blocks: list[int], *, non_blocking: bool = False) -> None:
+        """The blocks that hold slot's positions, in order (block i holds positions [i bs, (i + 1) bs)).
+        `non_blocking` (a CUDA pool): copied from pinned memory without waiting for the device's queued work."""
         if self.table is None:
             raise ValueError("cache: set_blocks needs a slot pool (LM.new_pool), not a batch cache")
         if blocks:
-            self.table[slot, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+            src = torch.tensor(blocks, dtype=torch.int64)
+            self.table[slot, : len(blocks)].copy_(src.pin_memory() if non_blocking else src, non_blocking=non_blocking)
 
     def select(self, rows: list[int], starts: list[int], T: int) -> None:
         """The next forward runs T new tokens for each slot of `rows`, the slot's first new token at `starts[i]`.

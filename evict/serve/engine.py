@@ -15,6 +15,16 @@ blocks are freed and it waits at the head of the queue with the tokens it has (p
 A sequence's tokens are processed as `generate` processes them alone: prompt chunks at the same boundaries
 (multiples of `prefill_chunk` from 0, unless the step's budget cuts one), then one token per forward; so greedy outputs
 equal `generate`'s (tested in float32 through packing and preemption).
+
+Async steps (`async_steps`, off by default): a step is launched (planned, its blocks taken, its forward and sampling
+queued on the device) and only then is the step before read (its tokens streamed, stop tokens and max_tokens
+checked), so the host's work overlaps the device's. The synchronous engine is the same loop with depth 0: it reads
+each step right after launching it. With depth 1 a decode row's token may still be in flight (`Request.inflight`):
+the forward reads it from `feed`, each slot's last sampled token on the device (inside the decode graph), and the host
+gets the tokens by a non-blocking copy into pinned memory and an event. Penalties record a token and log-probabilities
+are computed when it is sampled, so sampling is what the synchronous engine draws. A request whose max_tokens are all
+sampled is not planned again; one that stops on a stop token (or EOS, or is cancelled, or fails) is seen a step late,
+and the token computed for it meanwhile is dropped, never emitted.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import torch
 
 from evict.cli_args import first_line
 from evict.models.generate import Penalties, sample_next
+from evict.serve.graphs import DecodeGraphs, fed
 
 PRIORITIES = ("decode", "prefill")
 FINISH = ("stop", "length", "cancelled", "error")  # error: this request's step failed (Request.error says why)
@@ -85,17 +96,25 @@ class Request:
     penalties: Penalties | None = None
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # per token: (its, top N)
     error: str | None = None  # why finish_reason is "error"
+    inflight: int = 0  # tokens sampled on the device whose ids the host does not know yet (async steps: 0 to 2)
     # with params.prompt_logprobs: entry j for prompt token j + 1, (its, top N), from the logits at position j
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    plain: bool = field(init=False)  # greedy, no penalties or logprobs, max_tokens > 0: its token is the argmax alone
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.plain = not (p.temperature > 0 or p.penalized or p.logprobs is not None or not p.max_tokens)
 
     @property
     def n_tokens(self) -> int:
-        return len(self.prompt) + len(self.out)
+        """Prompt + output tokens, those still on their way to the host included."""
+        return len(self.prompt) + len(self.out) + self.inflight
 
     def next_token(self) -> int:
-        """The one token at position `cached` (pending(1)[0] without the lists: a decode row's input)."""
+        """The one token at position `cached` (pending(1)[0] without the lists: a decode row's input); -1 when it is
+        in flight (sampled by the step before, known only on the device: the forward reads it from `Engine.feed`)."""
         c, P = self.cached, len(self.prompt)
-        return self.prompt[c] if c < P else self.out[c - P]
+        return self.prompt[c] if c < P else self.out[c - P] if c - P < len(self.out) else -1
 
     def pending(self, T: int) -> list[int]:
         """The next T tokens not yet in the slot."""
@@ -123,11 +142,13 @@ class Engine:
 
     def __init__(self, model, *, max_batch: int = 16, cache_budget: int = 256 << 20, block_size: int = 16,
                  max_len: int | None = None, prefill_chunk: int = 512, max_num_batched_tokens: int | None = None,
-                 priority: str = "decode", cuda_graphs: bool | None = None, decode_prefill_tokens: int | None = None):
+                 priority: str = "decode", cuda_graphs: bool | None = None, decode_prefill_tokens: int | None = None,
+                 async_steps: bool = False):
         """`max_num_batched_tokens`: tokens per forward (default: 8192 on CUDA, 1024 on a CPU; at least max_batch);
         `priority`: what fills that budget first, "decode" rows or "prefill" chunks; `cuda_graphs`: replay decode-only
         steps from CUDA graphs (default: on CUDA); `decode_prefill_tokens`: prompt tokens at most in a step that also
-        runs decode rows (default: the whole budget), so a decode token waits behind at most that much prefill."""
+        runs decode rows (default: the whole budget), so a decode token waits behind at most that much prefill;
+        `async_steps`: launch step n + 1 before the host has read step n's tokens (see the module doc)."""
         self.device = next(model.parameters()).device
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(8192 if self.device.type == "cuda" else 1024, max_batch)
@@ -148,6 +169,8 @@ class Engine:
             cuda_graphs = self.device.type == "cuda"
         if cuda_graphs not in (True, False) or (cuda_graphs and self.device.type != "cuda"):
             raise ValueError(f"cuda_graphs: expected True (CUDA models only) or False, got {cuda_graphs!r} on {self.device}")
+        if type(async_steps) is not bool:
+            raise ValueError(f"async_steps: expected True or False, got {async_steps!r}")
         self.model = model.eval()
         self.vocab = model.cfg.vocab_size
         self.block_size, self.prefill_chunk, self.max_batch = block_size, prefill_chunk, max_batch
@@ -170,11 +193,15 @@ class Engine:
         self.pool = model.new_pool(max_batch + scratch, n_blocks + scratch, block_size, self.max_len)
         self.block_bytes, self.slot_bytes = block_size * per_token, per_slot
         self.pool_bytes = (n_blocks + scratch) * self.block_bytes + (max_batch + scratch) * per_slot
+        self.depth = int(async_steps)  # steps launched ahead of the host's reading of their tokens
+        # async: each slot's last sampled token [slots] on the device, the input of its next decode row (-1 on the host)
+        self.feed = torch.zeros(max_batch + scratch, dtype=torch.int64, device=self.device) if async_steps else None
+        self.pin = async_steps and self.device.type == "cuda"  # host <-> device copies through pinned memory, no sync
+        self.pending: Sampled | None = None  # the step launched last, its tokens not yet read (async)
         self.graphs = None
         if cuda_graphs:
-            from evict.serve.graphs import DecodeGraphs
-
-            self.graphs = DecodeGraphs(model, self.pool, max_batch=max_batch, scratch_slot=max_batch, scratch_block=n_blocks)
+            self.graphs = DecodeGraphs(model, self.pool, max_batch=max_batch, scratch_slot=max_batch, scratch_block=n_blocks,
+                                       feed=self.feed)
         self.peak_blocks = 0
         self.free_slots = list(range(max_batch - 1, -1, -1))
         self.free_blocks = list(range(n_blocks - 1, -1, -1))
@@ -305,12 +332,12 @@ class Engine:
                 return False
         if need > 0:
             req.blocks += [self.free_blocks.pop() for _ in range(need)]
-            self.pool.set_blocks(req.slot, req.blocks)
+            self.pool.set_blocks(req.slot, req.blocks, non_blocking=self.pin)
             self.peak_blocks = max(self.peak_blocks, self.n_blocks - len(self.free_blocks))
         return True
 
-    def _decode(self, reqs: list[Request]) -> torch.Tensor:
-        """One token of each request (a decode-only step); logits [B, V]."""
+    def _decode(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token of each request (a decode-only step); (logits [B, V], the rows' slots [B] on the device or None)."""
         toks: list[int] = []
         starts: list[int] = []
         rows: list[int] = []
@@ -319,27 +346,37 @@ class Engine:
             toks.append(r.next_token())
             starts.append(r.cached)
             rows.append(r.slot)
+        slots = None
         if self.graphs is not None:
             try:
-                logits = self.graphs(toks, rows, starts)
+                logits, slots = self.graphs(toks, rows, starts)
                 self.stats["graph_steps"] += 1
             except Exception as e:  # a model the graphs cannot capture (e.g. MoE sizes its batches on the host)
                 log.warning("serve: CUDA graphs off (%s)", first_line(e, 200))
                 self.graphs = None
         if self.graphs is None:
             self.pool.select(rows, starts, 1)
+            tokens = self._tensor(toks)
+            if self.feed is not None:
+                slots = self._tensor(rows)
+                tokens = fed(tokens, self.feed, slots)
             with torch.no_grad():
-                logits = self.model(torch.tensor(toks, dtype=torch.int64, device=self.device)[:, None], cache=self.pool)[:, -1]
+                logits = self.model(tokens[:, None], cache=self.pool)[:, -1]
         for r in reqs:
             r.cached += 1
-        return logits
+        return logits, slots
+
+    def _tensor(self, xs: list) -> torch.Tensor:
+        """xs (ints) as an int64 tensor on the device; async on CUDA through pinned memory (no wait for the step running)."""
+        t = torch.tensor(xs, dtype=torch.int64)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.pin else t.to(self.device)
 
     def _packed(self, decode: list[Request], chunks: list[tuple[Request, int]]) -> torch.Tensor:
         """One forward over the decode rows and the prompt chunks packed along T; logits [N, V] at each one's last
         token. The head runs only there, and at the prompt positions whose log-probabilities a chunk's request
         asked for (prompt_logprobs), which are recorded here."""
         self.pool.select_packed([(r.slot, r.cached) for r in decode], [(r.slot, r.cached, T) for r, T in chunks])
-        toks = [r.next_token() for r in decode] + [t for r, T in chunks for t in r.pending(T)]
+        toks = [r.next_token() for r in decode] + [t for r, T in chunks for t in r.pending(T)]  # in flight: -1
         at = list(range(len(decode)))  # packed indices where the head runs
         last = list(at)  # rows of `at` at each part's last token
         wanted: list[tuple[Request, int, int, int]] = []  # (request, first position wanted, how many, row of the first)
@@ -352,9 +389,11 @@ class Engine:
             end += T
             at.append(end - 1)
             last.append(len(at) - 1)
+        tokens = self._tensor(toks)
+        if self.feed is not None and decode:  # a decode row's token may be in flight (a prompt chunk's never is)
+            tokens[: len(decode)] = fed(tokens[: len(decode)], self.feed, self._tensor([r.slot for r in decode]))
         with torch.no_grad():
-            logits = self.model(torch.tensor([toks], dtype=torch.int64, device=self.device), cache=self.pool,
-                                positions=torch.tensor([at], dtype=torch.int64, device=self.device))[0]  # [len(at), V]
+            logits = self.model(tokens[None], cache=self.pool, positions=self._tensor(at)[None])[0]  # [len(at), V]
         if wanted:
             for r, first, n, row in wanted:
                 self._record_prompt(r, first, logits[row : row + n])
@@ -379,8 +418,8 @@ class Engine:
     def _record_prompt(self, r: Request, first: int, logits: torch.Tensor) -> None:
         """r's prompt log-probabilities from the logits [K, V] at positions first .. first + K - 1 (of prompt tokens
         first + 1 .. first + K); a host sync for this request only."""
-        r.prompt_logprobs += _logprob_entries(logits, r.prompt[first + 1 : first + 1 + len(logits)],
-                                              r.params.prompt_logprobs or 0)
+        tokens = torch.tensor(r.prompt[first + 1 : first + 1 + len(logits)], device=logits.device)
+        r.prompt_logprobs += _logprob_entries(*_logprob_parts(logits, tokens, r.params.prompt_logprobs or 0))
 
     def _plan(self) -> tuple[list[Request], list[tuple[Request, int]]]:
         """This step's decode rows and prompt chunks (request, tokens) within the token budget, by `priority`."""
@@ -390,6 +429,8 @@ class Engine:
         for r in self.running:  # one pass over the rows, in admission order
             n = r.n_tokens - r.cached
             if n == 1:
+                if r.inflight and len(r.out) + r.inflight >= r.params.max_tokens:
+                    continue  # its last token is in flight (async): it finishes when that is read
                 decode.append(r)
             elif n > 1:
                 reading.append((r, n))
@@ -409,36 +450,94 @@ class Engine:
             decode = decode[:left]
         return decode, chunks
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        nxt = logits.argmax(-1)  # [B]; rows that sample replace theirs
-        failed: dict[int, Exception] = {}
+    def _sample(self, reqs: list[Request], logits: torch.Tensor, slots: torch.Tensor | None) -> Sampled:
+        """Draw each request's next token from its row of logits [N, V] on the device (penalties recorded, logprobs
+        computed there too: nothing here waits for the step); async: the tokens also go into `feed` at their slots
+        (`slots` [N] on the device, or built here) and to the host by a non-blocking copy. A request whose sampling
+        fails draws no token (it fails when the step is read), nor does one with max_tokens 0."""
+        nxt = logits.argmax(-1)  # [N]; rows that sample replace theirs
+        undrawn: dict[int, Exception | None] = {}  # row -> why it drew no token (None: max_tokens 0)
+        logprobs: dict[int, tuple[torch.Tensor, ...]] = {}
         for i, r in enumerate(reqs):
-            if (r.params.temperature > 0 or r.penalties is not None) and r.params.max_tokens:
-                try:
-                    nxt[i] = self._sample_one(r, logits[i : i + 1])
-                except Exception as e:  # this request fails, the others go on
-                    failed[i] = e
-        now = time.perf_counter()
-        for i, (r, t) in enumerate(zip(reqs, nxt.tolist())):  # one host sync per step: the tokens go out to the clients
-            try:
-                if i in failed:
-                    raise failed[i]
-                if not r.params.max_tokens:  # the prompt's log-probabilities alone: read, and done
-                    self._finish(r, "length")
+            if not r.plain:
+                p = r.params
+                if not p.max_tokens:  # the prompt's log-probabilities alone: no token
+                    undrawn[i] = None
                     continue
-                self._emit(r, t, nxt, logits, i, now)
+                try:
+                    if p.temperature > 0 or r.penalties is not None:
+                        nxt[i] = self._sample_one(r, logits[i : i + 1])
+                    if r.penalties is not None:
+                        r.penalties.record(nxt[i : i + 1])
+                    if p.logprobs is not None:
+                        logprobs[i] = _logprob_parts(logits[i : i + 1], nxt[i : i + 1], p.logprobs)
+                except Exception as e:  # this request fails, the others go on
+                    undrawn[i] = e
+                    continue
+            r.inflight += 1
+        if self.feed is not None:
+            self.feed.index_copy_(0, slots if slots is not None else self._tensor([r.slot for r in reqs]), nxt)
+        out = Sampled(reqs, nxt, undrawn, logprobs)
+        if self.pin:
+            out.to_host()
+        return out
+
+    def _read(self, s: Sampled) -> None:
+        """The host learns a step's tokens: each goes out to its client (on_token), and a stop token, max_tokens or a
+        failed sampling finishes its request. A request finished since the step was launched (by the step before's stop
+        token, a cancel, a failure) drops its token: the one extra token of async steps is never emitted."""
+        tokens = s.tokens()  # async on CUDA: waits for that step only; else the step's one host sync
+        now = time.perf_counter()
+        undrawn, logprobs = s.undrawn, s.logprobs
+        for i, (r, t) in enumerate(zip(s.reqs, tokens)):
+            if undrawn and i in undrawn:
+                if r.finish_reason is None:
+                    e = undrawn[i]
+                    try:
+                        if e is not None:
+                            raise e
+                        self._finish(r, "length")  # max_tokens 0: its prompt's log-probabilities read, and done
+                    except Exception as e2:
+                        self._fail(r, e2)
+                continue
+            r.inflight -= 1
+            if r.finish_reason is not None:
+                continue
+            try:
+                self._emit(r, t, logprobs.get(i) if logprobs else None, now)
             except Exception as e:
                 self._fail(r, e)
-        self.recent.append((now, len(reqs)))
+        self.recent.append((now, len(s.reqs)))
         while self.recent[0][0] < now - 10:
             self.recent.popleft()
 
     def step(self) -> bool:
-        """One scheduling iteration; False when there was nothing to do."""
+        """One scheduling iteration; False when there was nothing to do. Plans and launches a step, then reads the
+        step launched before it (async: while this one runs on the device), or this one at once (synchronous)."""
         self._drain(block=False)
         self._admit()
-        if not self.running:
+        if not self.running and self.pending is None:
             return False
+        before, self.pending = self.pending, None
+        try:
+            launched = self._launch() if self.running else None
+        finally:  # even when this launch failed, the tokens of the step before are good
+            if before is not None:
+                self._read(before)
+        if launched is not None and not self.depth:
+            self._read(launched)
+        else:
+            self.pending = launched
+        return True
+
+    def flush(self) -> None:
+        """Read the step in flight now (async), so that every request's tokens are on the host."""
+        before, self.pending = self.pending, None
+        if before is not None:
+            self._read(before)
+
+    def _launch(self) -> Sampled | None:
+        """Plan one step, take its blocks, run its forward and sample it (on the device); None if nothing ran."""
         self.stats["steps"] += 1
         decode, chunks = self._plan()
         order = [(r, 1) for r in decode] + chunks
@@ -451,17 +550,16 @@ class Engine:
         decode = [r for r in decode if r.slot is not None]
         chunks = [(r, T) for r, T in chunks if r.slot is not None]
         if not decode and not chunks:
-            return True
+            return None
         if not chunks:
-            self._sample(decode, self._decode(decode))
-            return True
+            return self._sample(decode, *self._decode(decode))
         self.stats["prefill_tokens"] += sum(T for _, T in chunks)
         logits = self._packed(decode, chunks)
         rows = list(range(len(decode))) + [len(decode) + i for i, (r, _) in enumerate(chunks) if r.cached == r.n_tokens]
         reqs = decode + [r for r, _ in chunks if r.cached == r.n_tokens]
-        if reqs:
-            self._sample(reqs, logits if len(rows) == len(logits) else logits[torch.tensor(rows, device=self.device)])
-        return True
+        if not reqs:
+            return None
+        return self._sample(reqs, logits if len(rows) == len(logits) else logits[self._tensor(rows)], None)
 
     # -- one request's sampling, its token out, its failure ----------------------------------------------------
     def _sample_one(self, r: Request, logits: torch.Tensor) -> torch.Tensor:
@@ -470,17 +568,14 @@ class Engine:
         return sample_next(logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, generator=r.generator,
                            min_p=p.min_p, penalties=r.penalties)[0]
 
-    def _emit(self, r: Request, t: int, nxt: torch.Tensor, logits: torch.Tensor, i: int, now: float) -> None:
-        """Append token t (= nxt[i] of the step's tokens nxt [N] on device, drawn from logits[i] of [N, V]) to r, tell
-        its client, finish r if done. Row i's views are taken only for penalties and logprobs (two views a row were
-        ~260 host tensor ops a step at 128 rows: dev/LOG.md session 59)."""
+    def _emit(self, r: Request, t: int, logprobs: tuple[torch.Tensor, ...] | None, now: float) -> None:
+        """Append token t to r (its log-probabilities' tensors from `_logprob_parts`, or None), tell its client, finish
+        r if done. (Penalties recorded the token when it was sampled.)"""
         r.out.append(t)
         r.t_first = r.t_first or now
         self.stats["generated_tokens"] += 1
-        if r.penalties is not None:
-            r.penalties.record(nxt[i : i + 1])
-        if r.params.logprobs is not None:  # a host sync for this request only
-            r.logprobs += _logprob_entries(logits[i : i + 1], [t], r.params.logprobs)
+        if logprobs is not None:
+            r.logprobs += _logprob_entries(*logprobs)
         if r.on_token is not None:
             r.on_token(r, t)
         if t in r.params.stop_tokens:
@@ -533,12 +628,16 @@ class Engine:
                         log.error("engine: a step failed (%s: %s); its %d requests get an error", type(e).__name__,
                                   first_line(e), len(self.running))
                         self._fail_all(e, waiting=False)
+                        self.pending = None
+                        for r in self.waiting:  # a preempted request's token in flight is lost: it is recomputed
+                            r.inflight = 0
                         busy = True
                     if not busy:
                         self._drain(block=True)
         finally:  # stopped, or this thread dies: nobody may wait for an answer that will not come
             self._stop.set()
             self._drain(block=False)
+            self.pending = None
             self._fail_all(EngineDown("the server is shutting down"), waiting=True)
 
     def run_until_idle(self) -> None:
@@ -564,13 +663,42 @@ class EngineDown(RuntimeError):
     """The engine thread is not running: a request cannot be served."""
 
 
-def _logprob_entries(logits: torch.Tensor, tokens: list[int], n: int) -> list[tuple[float, list[tuple[int, float]]]]:
-    """Per row of logits [K, V]: (log-probability of tokens[k], the n most likely (id, log-probability)), computed
-    in float32 at least (float64 logits stay float64). One host sync."""
+class Sampled:
+    """One step's sampled tokens [N] of `reqs` on their way to the host (`Engine._sample` -> `Engine._read`): the
+    device's tensors, or (`to_host`, async on CUDA) pinned copies filled by non-blocking copies and an event."""
+
+    def __init__(self, reqs: list[Request], tokens: torch.Tensor, undrawn: dict[int, Exception | None],
+                 logprobs: dict[int, tuple[torch.Tensor, ...]]):
+        self.reqs, self._tokens, self.undrawn, self.logprobs = reqs, tokens, undrawn, logprobs
+        self.ready: torch.cuda.Event | None = None
+
+    def to_host(self) -> None:
+        """Start the copies of the tokens and log-probabilities into pinned memory; an event marks their end."""
+        def pinned(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+        self._tokens = pinned(self._tokens)
+        self.logprobs = {i: tuple(pinned(t) for t in parts) for i, parts in self.logprobs.items()}
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+
+    def tokens(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self._tokens.tolist()
+
+
+def _logprob_parts(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """Per row of logits [K, V] (on the device, no sync): the log-probability of tokens[k] [K] and the n most likely
+    ids and log-probabilities [K, n], in float32 at least (float64 logits stay float64)."""
     lp = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)  # [K, V]
-    its = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()  # [K]
     top = lp.topk(min(n, lp.shape[-1]), dim=-1)
-    return [(v, list(zip(i, tv))) for v, i, tv in zip(its, top.indices.tolist(), top.values.tolist())]
+    return lp.gather(1, tokens[:, None])[:, 0], top.indices, top.values
+
+
+def _logprob_entries(its: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> list[tuple[float, list[tuple[int, float]]]]:
+    """`_logprob_parts` on the host: per row, (its log-probability, [(id, log-probability)] of the n most likely)."""
+    return [(v, list(zip(i, tv))) for v, i, tv in zip(its.tolist(), ids.tolist(), values.tolist())]
 
 
 def check_penalties(p: SamplingParams, vocab: int) -> None:

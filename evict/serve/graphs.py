@@ -6,11 +6,19 @@ scratch block (their writes land there and are never read), and the forward (blo
 head) replays without Python dispatch. The forward inside is the model's own slot-pool forward (the paged decode ops
 read keys in place), so a replay computes exactly what the eager step computes. Graphs are captured on first use of
 their bucket (or all at once: `capture_all`), after two warm-up runs on a side stream (Triton compiles), and share one memory pool.
+With `feed` (the engine's async steps) a token -1 is read inside the graph from feed[slot] (the slot's last sampled
+token, still on the device) and the inputs are staged in pinned memory, so a step's launch does not wait for the one
+running.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def fed(tokens: torch.Tensor, feed: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """A step's input tokens [N] (device): an entry -1 (in flight) is its slot's last sampled token, feed[slots[i]]."""
+    return torch.where(tokens >= 0, tokens, feed[slots])
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -23,16 +31,17 @@ def buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, pool, *, max_batch: int, scratch_slot: int, scratch_block: int):
-        self.model, self.pool, self.scratch = model, pool, scratch_slot
+    def __init__(self, model, pool, *, max_batch: int, scratch_slot: int, scratch_block: int,
+                 feed: torch.Tensor | None = None):
+        self.model, self.pool, self.scratch, self.feed = model, pool, scratch_slot, feed
         self.buckets = buckets(max_batch)
         self.device = pool.table.device
         pool.table[scratch_slot] = scratch_block
         self.graphs: dict[int, tuple] = {}  # bucket -> (graph, tokens [b, 1], rows [b], starts [b], logits [b, V])
         self.mempool = torch.cuda.graph_pool_handle()
 
-    def __call__(self, tokens: list[int], rows: list[int], starts: list[int]) -> torch.Tensor:
-        """Logits [n, V] of one decode step of n rows (valid until the next call)."""
+    def __call__(self, tokens: list[int], rows: list[int], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [n, V], the rows' slots [n] on the device) of one decode step of n rows (valid until the next call)."""
         n = len(rows)
         b = next(x for x in self.buckets if x >= n)
         if b not in self.graphs:
@@ -40,12 +49,14 @@ class DecodeGraphs:
         graph, tok, rws, st, out = self.graphs[b]
         pad = b - n
         host = torch.tensor([tokens + [0] * pad, rows + [self.scratch] * pad, starts + [0] * pad], dtype=torch.int64)
+        if self.feed is not None:
+            host = host.pin_memory()  # kept by torch's host allocator until the copy has run
         dev = host.to(self.device, non_blocking=True)  # [3, b]
         tok.copy_(dev[0, :, None])
         rws.copy_(dev[1])
         st.copy_(dev[2])
         graph.replay()
-        return out[:n]
+        return out[:n], rws[:n]
 
     def capture_all(self) -> None:
         """Capture every bucket now (`Engine.warm_up`), not on first use inside a step."""
@@ -60,7 +71,8 @@ class DecodeGraphs:
 
         def forward() -> torch.Tensor:
             self.pool.select_static(rows, starts)
-            return self.model(tok, cache=self.pool)[:, -1]  # [b, V]
+            x = tok if self.feed is None else fed(tok[:, 0], self.feed, rows)[:, None]  # [b, 1]
+            return self.model(x, cache=self.pool)[:, -1]  # [b, V]
 
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))

@@ -43,16 +43,39 @@ def test_bench_serve_from_two_client_processes(model_dir, tmp_path):
     assert s["requests"] == 9 and s["errors"] == 0 and s["complete"] == "9/9" and s["equal_alone"] == "3/3"
 
 
-def test_bench_serve_in_process_runs_the_same_load_with_no_http(model_dir, tmp_path, capsys):
-    """--spawn engine: the load straight into an engine here, completeness and equality checked as through HTTP."""
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_bench_serve_in_process_runs_the_same_load_with_no_http(model_dir, tmp_path, capsys, monkeypatch, async_scheduling):
+    """--spawn engine: the load straight into an engine here, completeness and equality checked as through HTTP;
+    with --async-scheduling on, that engine runs async steps."""
+    from evict.serve import load
+
+    built = []
+    real = load.build_engine
+    monkeypatch.setattr(load, "build_engine", lambda args: built.append(real(args)) or built[-1])
     out = tmp_path / "engine.json"
     main(["bench", "serve", "--spawn", "engine", "--model", str(model_dir), "--requests", "12", "--clients", "6",
           "--rate", "200", "--prompt-len", "2", "30", "--output-len", "2", "8", "--check", "3", "--max-batch", "4",
-          "--block-size", "8", "--cache-budget", "2M", "--threads", "1", "--warmup", "2", "--out", str(out)])
+          "--block-size", "8", "--cache-budget", "2M", "--threads", "1", "--warmup", "2", "--async-scheduling",
+          async_scheduling, "--out", str(out)])
     s = json.loads(out.read_text())["summary"]
     assert s["errors"] == 0 and s["complete"] == "12/12" and s["equal_alone"] == "3/3"
     assert 0 < s["ttft_p50_s"] < s["wall_s"] and s["tpot_p50_s"] > 0 and s["output_tokens_per_s"] > 0
     assert "(in process, no HTTP)" in capsys.readouterr().out
+    assert built[0][0].depth == (async_scheduling == "on")
+
+
+def test_bench_passes_async_scheduling_to_its_server():
+    import argparse
+
+    from evict.bench.serve import add_arguments, server_argv
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    p.add_argument("--device", default="cpu")
+    for flag in ("on", "off"):
+        argv = server_argv(p.parse_args(["--preset", "attention", "--async-scheduling", flag]), 8000)
+        assert argv[argv.index("--async-scheduling") + 1] == flag
+    assert "--async-scheduling" not in server_argv(p.parse_args(["--preset", "attention"]), 8000)
 
 
 def test_served_text_equals_evict_generate(model_dir, capsys):
@@ -86,6 +109,7 @@ def test_served_text_equals_evict_generate(model_dir, capsys):
     (["serve", "--preset", "attention", "--cuda-graphs", "on"], "--cuda-graphs"),  # a CPU device
     (["serve", "--preset", "attention", "--max-num-batched-tokens", "4"], "--max-num-batched-tokens"),  # < max batch
     (["serve", "--preset", "attention", "--priority", "fifo"], "--priority"),
+    (["serve", "--preset", "attention", "--async-scheduling", "yes"], "--async-scheduling"),
     (["serve", "--preset", "attention", "--port", "70000"], "--port"), (["serve", "--preset", "attention", "--port", "0"], "--port"),
     (["serve", "--preset", "attention", "--host", "999.1.1.1"], "--host"),
     (["serve", "--preset", "attention", "--log-level", "loud"], "--log-level"),

@@ -30,13 +30,16 @@ def budget(model, slots: int, block: int, blocks: int) -> int:
     return slots * per_slot + blocks * block * per_token
 
 
+@pytest.mark.parametrize("async_steps", [False, True])
 @pytest.mark.parametrize("name", ["kimi_linear", "attention", "gpt2", "deltanet"])
-def test_greedy_equals_generate_with_preemption(name, one_thread):
+def test_greedy_equals_generate_with_preemption(name, async_steps, one_thread):
     """20 requests of 1-40 prompt and 1-24 new tokens share 6 slots and a pool of 14 blocks of 8 tokens: sequences
     at different lengths decode together, prompts are prefilled in chunks of 16 between decode steps, and the pool
-    runs out (preemption and recompute). Every greedy output equals `generate` on that request alone."""
+    runs out (preemption and recompute). Every greedy output equals `generate` on that request alone; async steps
+    too (a request preempted while its token is in flight gets that token, then is recomputed)."""
     model = tiny(name, n_layers=2)
-    eng = Engine(model, max_batch=6, cache_budget=budget(model, 6, 8, 14), block_size=8, prefill_chunk=16)
+    eng = Engine(model, max_batch=6, cache_budget=budget(model, 6, 8, 14), block_size=8, prefill_chunk=16,
+                 async_steps=async_steps)
     reqs = [(p, n, eng.submit(p, SamplingParams(max_tokens=n, temperature=0))) for p, n in requests(20, seed=1)]
     eng.run_until_idle()
     uses_kv = any(letter in "AM" for letter in model.cfg.layer_mixers())
@@ -48,11 +51,12 @@ def test_greedy_equals_generate_with_preemption(name, one_thread):
         assert r.out == alone(model, p, n, 16), (len(p), n)
 
 
-def test_slot_reused_many_times_without_drift(one_thread):
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_slot_reused_many_times_without_drift(async_steps, one_thread):
     """One slot serves 20 requests in turn (two prompts alternating): each answer equals the first one for its prompt
     and `generate`'s; a stale recurrent state or conv tail would change them."""
     model = tiny("kimi_linear", n_layers=2)
-    eng = Engine(model, max_batch=1, cache_budget=budget(model, 1, 8, 16), block_size=8)
+    eng = Engine(model, max_batch=1, cache_budget=budget(model, 1, 8, 16), block_size=8, async_steps=async_steps)
     prompts = [[5, 17, 200, 3, 3, 9], [250, 1, 77]]
     want = [alone(model, p, 10, 512) for p in prompts]
     for i in range(20):
@@ -61,9 +65,10 @@ def test_slot_reused_many_times_without_drift(one_thread):
         assert r.out == want[i % 2], i
 
 
-def test_stop_tokens_and_seeded_sampling(one_thread):
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_stop_tokens_and_seeded_sampling(async_steps, one_thread):
     model = tiny("kda", n_layers=2)
-    eng = Engine(model, max_batch=4, cache_budget=1 << 20)
+    eng = Engine(model, max_batch=4, cache_budget=1 << 20, async_steps=async_steps)
     greedy = alone(model, [1, 2, 3], 10, 512)
     stop = eng.submit([1, 2, 3], SamplingParams(max_tokens=10, temperature=0, stop_tokens=(greedy[4],)))
     a = eng.submit([9, 9], SamplingParams(max_tokens=12, temperature=1.0, top_k=20, top_p=0.9, seed=7))
@@ -75,9 +80,10 @@ def test_stop_tokens_and_seeded_sampling(one_thread):
     assert a.out == b.out and a.out != c.out and len(a.out) == 12
 
 
-def test_cancel_frees_slot_and_blocks(one_thread):
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_cancel_frees_slot_and_blocks(async_steps, one_thread):
     model = tiny("attention", n_layers=2)
-    eng = Engine(model, max_batch=2, cache_budget=budget(model, 2, 16, 8))
+    eng = Engine(model, max_batch=2, cache_budget=budget(model, 2, 16, 8), async_steps=async_steps)
     r = eng.submit(list(range(30)), SamplingParams(max_tokens=90, temperature=0))
     for _ in range(5):
         eng.step()
@@ -157,8 +163,9 @@ def test_pool_needs_a_selection():
         model.new_pool(2, 0, 8, 32)
 
 
+@pytest.mark.parametrize("async_steps", [False, True])
 @pytest.mark.parametrize("name", ["kimi_linear", "attention"])
-def test_paged_decode_op_path(name, monkeypatch, one_thread):
+def test_paged_decode_op_path(name, async_steps, monkeypatch, one_thread):
     """The path CUDA takes: one-token steps read the pool's blocks in place through the paged decode op (its reference
     form here, forced on) instead of gathering each row's keys; outputs still equal `generate`'s."""
     import evict.layers.attention
@@ -172,7 +179,8 @@ def test_paged_decode_op_path(name, monkeypatch, one_thread):
     for mod in (evict.layers.attention, evict.layers.mla):
         monkeypatch.setattr(mod, "decode_attention", spy)
     model = tiny(name, n_layers=2)
-    eng = Engine(model, max_batch=4, cache_budget=budget(model, 4, 8, 12), block_size=8, prefill_chunk=16)
+    eng = Engine(model, max_batch=4, cache_budget=budget(model, 4, 8, 12), block_size=8, prefill_chunk=16,
+                 async_steps=async_steps)
     reqs = [(p, n, eng.submit(p, SamplingParams(max_tokens=n, temperature=0))) for p, n in requests(10, seed=4)]
     eng.run_until_idle()
     assert any(calls) and eng.stats["preemptions"] > 0

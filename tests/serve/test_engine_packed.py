@@ -71,22 +71,31 @@ def alone(model, prompt, n, chunk) -> list[int]:
     return model.generate(torch.tensor([prompt]), max_new_tokens=n, temperature=0, prefill_chunk=chunk)[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("async_steps", [False, True])
 @pytest.mark.parametrize("family, priority", [(f, "decode") for f in FAMILIES] + [("KKKM", "prefill"), ("attention", "prefill")])
-def test_packed_steps_greedy_equal_generate(family, priority, monkeypatch, one_thread):
+def test_packed_steps_greedy_equal_generate(family, priority, async_steps, monkeypatch, one_thread):
     """16 requests of 1-45 prompt and 1-20 new tokens, 5 slots, a pool that runs out (preemption), chunks of 16 and a
     budget of 37 tokens per step (so chunks are also cut by the budget): steps pack decode rows with prompt chunks of
-    several requests, and every greedy output equals `generate` on that request alone."""
+    several requests, and every greedy output equals `generate` on that request alone (async: with decode rows whose
+    token is still in flight)."""
     model = build(family)
     eng = Engine(model, max_batch=5, cache_budget=budget(model, 5, 8, 13), block_size=8, prefill_chunk=16,
-                 max_num_batched_tokens=37, priority=priority)
-    shapes = []
+                 max_num_batched_tokens=37, priority=priority, async_steps=async_steps)
+    shapes, flying = [], []  # flying: per packed step, its decode rows whose token is in flight (async)
     real = eng.pool.select_packed
-    monkeypatch.setattr(eng.pool, "select_packed", lambda d, c: shapes.append((len(d), len(c))) or real(d, c))
+
+    def spy(d, c):
+        shapes.append((len(d), len(c)))
+        flying.append(sum(r.next_token() < 0 for r in eng.running if (r.slot, r.cached) in d))
+        return real(d, c)
+
+    monkeypatch.setattr(eng.pool, "select_packed", spy)
     reqs = [(p, n, eng.submit(p, SamplingParams(max_tokens=n, temperature=0))) for p, n in jobs(16, seed=5)]
     eng.run_until_idle()
     uses_kv = family not in ("kda", "linear")
     assert eng.stats["preemptions"] > 0 or not uses_kv
     assert any(d > 0 and c > 1 for d, c in shapes), shapes  # decode rows and several chunks in one forward
+    assert any(flying) == async_steps  # async: packed steps read decode tokens still on the device
     assert eng.stats["finished"] == 16 and len(eng.free_blocks) == eng.n_blocks and len(eng.free_slots) == 5
     for p, n, r in reqs:
         assert r.finish_reason == "length" and r.out == alone(model, p, n, 16), (len(p), n)
@@ -113,7 +122,8 @@ def test_priority_and_budget_shape_the_step(one_thread):
     assert plans == {"decode": (3, [17]), "prefill": (0, [20])}
 
 
-def test_decode_prefill_tokens_caps_prompt_while_decoding(one_thread):
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_decode_prefill_tokens_caps_prompt_while_decoding(async_steps, one_thread):
     """The same step with `decode_prefill_tokens` 5: 3 decode tokens and 5 prompt tokens (not 17); with nothing
     decoding, prompts take the whole budget; greedy outputs still equal `generate` alone (KKKM, preemption)."""
     model = build("KKKM")
@@ -136,7 +146,7 @@ def test_decode_prefill_tokens_caps_prompt_while_decoding(one_thread):
     decode, chunks = eng._plan()
     assert (len(decode), [T for _, T in chunks]) == (3, [5])
     eng = Engine(model, max_batch=5, cache_budget=budget(model, 5, 8, 13), block_size=8, prefill_chunk=16,
-                 max_num_batched_tokens=37, decode_prefill_tokens=7)
+                 max_num_batched_tokens=37, decode_prefill_tokens=7, async_steps=async_steps)
     reqs = [(p, n, eng.submit(p, SamplingParams(max_tokens=n, temperature=0))) for p, n in jobs(10, seed=6)]
     eng.run_until_idle()
     assert eng.stats["preemptions"] > 0
@@ -149,7 +159,7 @@ def test_knobs_validated():
     for kw, field in [({"max_num_batched_tokens": 8, "max_batch": 16}, "max_num_batched_tokens"),
                       ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"), ({"priority": "fifo"}, "priority"),
                       ({"decode_prefill_tokens": 0}, "decode_prefill_tokens"),
-                      ({"cuda_graphs": True}, "cuda_graphs")]:
+                      ({"cuda_graphs": True}, "cuda_graphs"), ({"async_steps": 1}, "async_steps")]:
         with pytest.raises(ValueError, match=f"^{field}:"):
             Engine(model, cache_budget=1 << 22, **kw)
 
@@ -160,15 +170,16 @@ def test_graph_buckets():
     assert buckets(20)[-1] == 20 and buckets(20) == sorted(set(buckets(20)))
 
 
+@pytest.mark.parametrize("async_steps", [False, True])
 @pytest.mark.parametrize("family", ["KKKA", "mla_rope_conv"])
-def test_prompt_logprobs_equal_the_full_forward_float64(family, one_thread):
+def test_prompt_logprobs_equal_the_full_forward_float64(family, async_steps, one_thread):
     """Requests with prompt_logprobs (3 or 0 alternatives; max_tokens 0 or not) among requests without, in a float64
     engine whose budget cuts chunks and whose pool runs out (preemption: recomputed positions are not recorded twice):
     each prompt token after the first gets log_softmax(LM(prompt)) at the position before it and the top N of that row
     (float64 full forward of the prompt alone, 1e-10); outputs equal `generate` alone."""
     model = build(family, torch.float64)
     eng = Engine(model, max_batch=5, cache_budget=budget(model, 5, 8, 9), block_size=8, prefill_chunk=16,
-                 max_num_batched_tokens=37)
+                 max_num_batched_tokens=37, async_steps=async_steps)
     reqs = []
     for i, (p, n) in enumerate(jobs(12, seed=9, lengths=(1, 45), outputs=(1, 20))):
         top, n = ((3, n), (0, 0), (None, n))[i % 3]

@@ -1,7 +1,8 @@
 """Load: 1,000 requests at 48 at a time: greedy ones (streaming and not, n 1 or 2) checked token
 for token against `generate`, sampled ones with penalties / min_p / logprobs, malformed bodies, clients that hang up
 mid-stream or before the answer (over a real socket; the rest through httpx's ASGI transport, which on this 2-core
-machine costs an eighth of a socket's time per request), and one request whose sampling fails. Every valid request is answered correctly, the
+machine costs an eighth of a socket's time per request), and one request whose sampling fails; with and without the
+engine's async steps. Every valid request is answered correctly, the
 failing one gets a 500 and nothing else fails, and afterwards /metrics shows no slot and no block in use."""
 
 import asyncio
@@ -26,13 +27,15 @@ BAD = [b"{oops", b"[]", b'{"prompt": "x", "max_tokens": -1}', b'{"prompt": "x", 
        b'{"messages": []}', b'{"prompt": "x", "stop": [1]}', b"[" * 50_000, b'{"prompt": "x", "max_tokens": 1000000}']
 
 
-def test_1000_requests_with_disconnects_malformed_bodies_and_a_failing_sampler(flaky_sampler):
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_1000_requests_with_disconnects_malformed_bodies_and_a_failing_sampler(flaky_sampler, async_steps):
     n_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = LM(presets.get("attention", n_layers=1, d_model=32, n_heads=2, init_std=0.2)).eval()  # the cheapest step
     per_token, per_slot = arena_bytes(model.new_pool(1, 1, 8, 8))
-    engine = Engine(model, max_batch=16, cache_budget=16 * per_slot + 40 * 8 * per_token, block_size=8, prefill_chunk=16)
+    engine = Engine(model, max_batch=16, cache_budget=16 * per_slot + 40 * 8 * per_token, block_size=8, prefill_chunk=16,
+                    async_steps=async_steps)
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 14))] for _ in range(12)]
     refs = [model.generate(torch.tensor([p]), max_new_tokens=4, temperature=0, prefill_chunk=16)[0, len(p):].tolist()

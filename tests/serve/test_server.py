@@ -19,16 +19,18 @@ from evict.serve.server import ServerThread, build_app  # noqa: E402
 from evict.tasks.tokenizers import ByteTokenizer  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def served():
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def served(request):
     """A 2-layer K/M hybrid (random init, float32) behind the server: 8 slots, a pool of 20 blocks of 8 tokens, so
-    64 requests of up to 40 + 12 tokens run out of blocks (preemption) while the server answers."""
+    64 requests of up to 40 + 12 tokens run out of blocks (preemption) while the server answers; the engine with and
+    without async steps."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = LM(presets.get("kimi_linear", n_layers=2, init_std=0.2)).eval()
     per_token, per_slot = arena_bytes(model.new_pool(1, 1, 8, 8))
-    engine = Engine(model, max_batch=8, cache_budget=8 * per_slot + 20 * 8 * per_token, block_size=8, prefill_chunk=16)
+    engine = Engine(model, max_batch=8, cache_budget=8 * per_slot + 20 * 8 * per_token, block_size=8, prefill_chunk=16,
+                    async_steps=request.param)
     engine.start()
     with ServerThread(build_app(engine, ByteTokenizer(), "tiny-hybrid")) as url:
         yield url, model, engine
