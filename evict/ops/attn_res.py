@@ -14,7 +14,8 @@ own tensors, no copy) and [S, B, T] weights and statistics, and its backward is 
     gdot_i = gl_i rstd_i                     grstd_i = gl_i dot_i,  gms_i = -rstd_i^3 grstd_i / 2
     dv_i = w_i go + gdot_i u + (2 / D) gms_i v_i          du = sum_i sum_bt gdot_i v_i,  dq = du g,  dg = du q
 
-The token-by-token float64 loop `attn_res_reference` is the check of both (tests/ops/test_attn_res.py).
+Under torch.compile the same forward is traced as plain ops (`_mix`) and Inductor derives the backward. The
+token-by-token float64 loop `attn_res_reference` is the check of all forms (tests/ops/test_attn_res.py).
 """
 
 from __future__ import annotations
@@ -79,16 +80,10 @@ def _u(query: torch.Tensor, norm_weight: torch.Tensor | None, cd: torch.dtype) -
 class _AttnRes(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, norm_weight, eps, *vs):
-        cd, od = _dtypes(list(vs))
-        u = _u(query, norm_weight, cd)  # [D]
-        dot, rstd = _stats(list(vs), u, eps, cd)  # [S, B, T]
-        w = torch.softmax(dot * rstd, dim=0)  # [S, B, T] over sources
-        acc = vs[0].to(cd) * w[0, ..., None]  # [B, T, D]
-        for i in range(1, len(vs)):
-            acc.addcmul_(vs[i], w[i, ..., None])
+        out, u, w, dot, rstd = _mix(query, norm_weight, eps, list(vs))
         ctx.save_for_backward(query, norm_weight, u, w, dot, rstd, *vs)
         ctx.has_norm = norm_weight is not None
-        return acc.to(od)
+        return out
 
     @staticmethod
     def backward(ctx, go):
@@ -106,17 +101,12 @@ class _AttnRes(torch.autograd.Function):
         gdot = gl * rstd
         c = gl * dot * rstd.pow(3) * (-1.0 / D)  # (2 / D) gms: the coefficient of v_i in dv_i
         du = torch.zeros_like(u)
-        fused = torch.compiler.is_compiling()
         grads = []
-        for i, v in enumerate(vs):
+        for i, v in enumerate(vs):  # three passes for dv, a matrix-vector product for du
             vf = v.to(cd)
-            if fused:  # pointwise and sums: Inductor fuses them (a GEMM would be a kernel of its own)
-                dv = gof * w[i, ..., None] + vf * c[i, ..., None] + gdot[i, ..., None] * u  # [B, T, D]
-                du += (vf * gdot[i, ..., None]).sum((0, 1))
-            else:  # eager: three passes for dv, a matrix-vector product for du
-                dv = torch.addcmul(gof * w[i, ..., None], vf, c[i, ..., None])  # [B, T, D]
-                dv = torch.addr(dv.reshape(-1, D), gdot[i].flatten(), u).view(dv.shape)  # + gdot_i (outer) u
-                du += torch.tensordot(gdot[i], vf, dims=([0, 1], [0, 1]))  # [D]
+            dv = torch.addcmul(gof * w[i, ..., None], vf, c[i, ..., None])  # [B, T, D]
+            dv = torch.addr(dv.reshape(-1, D), gdot[i].flatten(), u).view(dv.shape)  # + gdot_i (outer) u
+            du += torch.tensordot(gdot[i], vf, dims=([0, 1], [0, 1]))  # [D]
             grads.append(dv.to(v.dtype))
         gq = (du if norm_weight is None else du * norm_weight.to(cd)).to(query.dtype)
         gg = (du * query.to(cd)).to(norm_weight.dtype) if ctx.has_norm else None
@@ -130,7 +120,24 @@ def attn_res(sources, query: torch.Tensor, norm_weight: torch.Tensor | None = No
     sources' promoted dtype. Never stacks the sources; its autograd saves them by reference (no copy)."""
     vs = _sources(sources)
     _check(vs[0].shape[-1], query, norm_weight)
+    if torch.compiler.is_compiling():  # Inductor derives and fuses the backward of the plain ops itself
+        return _mix(query, norm_weight, eps, vs)[0]
     return _AttnRes.apply(query, norm_weight, eps, *vs)
+
+
+def _mix(query, norm_weight, eps: float, vs: list[torch.Tensor]):
+    """The forward, differentiable torch ops: out [B, T, D] and u [D], w, dot, rstd [S, B, T]. The Function runs it
+    without autograd and saves what its backward needs; torch.compile traces it instead of the Function, whose
+    written-out backward under Inductor on CUDA (torch 2.11) returned a zero gradient for a source (the GPU test in
+    tests/ops/test_attn_res.py, session 61) where the CPU's Inductor (torch 2.13) agreed with the loop."""
+    cd, od = _dtypes(vs)
+    u = _u(query, norm_weight, cd)  # [D]
+    dot, rstd = _stats(vs, u, eps, cd)  # [S, B, T]
+    w = torch.softmax(dot * rstd, dim=0)  # [S, B, T] over sources
+    acc = vs[0].to(cd) * w[0, ..., None]  # [B, T, D]
+    for i in range(1, len(vs)):
+        acc.addcmul_(vs[i], w[i, ..., None])  # acc is this function's own tensor
+    return acc.to(od), u, w, dot, rstd
 
 
 def attn_res_weights(sources, query: torch.Tensor, norm_weight: torch.Tensor | None = None,

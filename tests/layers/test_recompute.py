@@ -22,7 +22,8 @@ def _grads(model: LM, x: torch.Tensor, amp: bool = False) -> list[torch.Tensor]:
     h = model.embed(x).detach().requires_grad_()
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=amp):
         y = model.blocks[0](h)
-    (y.float() * torch.linspace(-1, 1, y.shape[-1], dtype=y.dtype if y.dtype == torch.float64 else torch.float32)
+    (y.float() * torch.linspace(-1, 1, y.shape[-1], dtype=y.dtype if y.dtype == torch.float64 else torch.float32,
+                                 device=y.device)
      ).square().sum().backward()
     return [y.detach(), h.grad] + [p.grad for p in model.parameters() if p.grad is not None]
 

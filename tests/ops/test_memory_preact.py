@@ -179,4 +179,5 @@ def test_gpu_kda_layer_decode_matches_float64(dtype):
     # float32: the projections' GEMMs too (d 256; the CPU's float32 layer: 4e-7); bf16: its rounding through the
     # projections and norms (the CPU's bf16 layer, its maps in bf16: 9.5e-3)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert rel(got, want) <= tol and rel(s.S, s_ref.S) <= tol, (rel(got, want), rel(s.S, s_ref.S))
+    got, S = got.cpu(), s.S.cpu()
+    assert rel(got, want) <= tol and rel(S, s_ref.S) <= tol, (rel(got, want), rel(S, s_ref.S))
