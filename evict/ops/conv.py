@@ -103,9 +103,9 @@ def short_conv(x: torch.Tensor, w: torch.Tensor, tail: torch.Tensor | None = Non
     return y[:, :, 0].transpose(1, 2).contiguous(), xt[:, T:]
 
 
-# The decode step's one Triton launch (conv_step_triton) is opt-in until its GPU tests have run on a card (session 60's
-# device calls failed to start; interpreter-tested): by default CUDA takes the gather / short_conv / scatter form.
-FUSED_STEP = False
+# The decode step's one Triton launch (conv_step_triton) on CUDA; False: the gather / short_conv / scatter form. On by
+# default since its GPU tests passed on an H100 (session 61: equal to the forward kernel, eager and graphed).
+FUSED_STEP = True
 
 
 def conv_step(x: torch.Tensor, w: torch.Tensor, tails: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:

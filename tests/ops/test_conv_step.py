@@ -32,7 +32,7 @@ def pool_case(B, C, k, dtype=torch.float64, device="cpu", seed=0):
 
 @pytest.fixture(autouse=True)
 def _fused_on_cuda(monkeypatch):
-    """This file tests the fused CUDA form, opt-in (FUSED_STEP) until its GPU tests have run on a card; on the CPU the
+    """This file tests the fused CUDA form (FUSED_STEP, on by default; set here should a caller turn it off); on the CPU the
     flag changes nothing."""
     import importlib
 
