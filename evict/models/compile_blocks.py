@@ -8,6 +8,14 @@ compiling and runs the rest eager, with a single warning (seen on the H100: kkkm
 layers, issue 74). Here each block form gets a forward of its own code object (the same code, `code.replace()`), so
 each form has its own cache: blocks of one form share one graph (as before), forms never evict each other.
 
+`lean` (the module's LEAN by default): Inductor's partitioner may recompute in the backward the elementwise values whose
+backward user is a matmul or an opaque op (torch._functorch.config's ban_recompute_materialized_backward off, while the
+blocks compile): a block then keeps its matmuls' and custom ops' outputs and its input, and recomputes the casts, norms,
+feature maps, gates and activations between them from those; no matmul or custom op runs twice (the backward graph
+has the same matmuls: tests/ops/test_compile_lean.py). By default the partitioner keeps every value a backward matmul
+reads (the bf16 inputs of every product, the weights' bf16 copies). KDA 226M, one block, per token: 65.6 KB kept,
+43.6 KB lean (CPU trace of the CUDA graph, dev/train_memory.py --compiled; dev/LOG.md session 61).
+
 A block's form: its mixer letter, its FFN kind, and with AttnRes its place in the depth bookkeeping (how many closed
 sources it reads, whether its block has a running sum yet) -- what its forward branches on.
 """
@@ -15,7 +23,14 @@ sources it reads, whether its block has a running sum yet) -- what its forward b
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import Any, Callable
+
+import torch
+
+# Opt-in until its GPU run (training speed and peak memory beside the default, dev/train_speed.sh's kdacl group) has
+# passed on a card; then the default.
+LEAN = False
+LEAN_PARTITION = {"ban_recompute_materialized_backward": False}  # torch._functorch.config while a lean block compiles
 
 _FORWARDS: dict[tuple, types.FunctionType] = {}  # block form -> Block.forward under a code object of its own
 
@@ -39,9 +54,36 @@ def _forward_of(form: tuple, cls: Any) -> types.FunctionType:
     return fn
 
 
-def compile_blocks(model: Any, **kwargs) -> None:
+def lean_backend(backend: str | Callable = "inductor") -> Callable:
+    """A torch.compile backend: `backend` (a name or a backend callable) with LEAN_PARTITION set while it compiles a
+    graph (the partition into forward and backward is made then; what each graph keeps is fixed by it). Inductor takes
+    torch.compile's mode / options as its own backend does (its config patches)."""
+    inner = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+
+    def compile_lean(gm, example_inputs, mode=None, options=None, **kw):
+        with torch._functorch.config.patch(LEAN_PARTITION):
+            if backend != "inductor":
+                extra = {k: v for k, v in (("mode", mode), ("options", options)) if v is not None}
+                return inner(gm, example_inputs, **extra, **kw)
+            from torch._inductor import list_mode_options
+            from torch._inductor.compile_fx import compile_fx
+
+            patches = {**(list_mode_options(mode) if mode else {}), **(options or {})}
+            return compile_fx(gm, example_inputs, config_patches=patches, **kw)
+
+    return compile_lean
+
+
+def compile_blocks(model: Any, *, lean: bool | None = None, **kwargs) -> None:
     """torch.compile(**kwargs) each block of an LM in place (nn.Module.compile), one dynamo cache per block form;
-    any other module with `blocks` compiles each block as it is, and one without compiles whole."""
+    any other module with `blocks` compiles each block as it is, and one without compiles whole. `lean` (None: LEAN):
+    through `lean_backend(kwargs' backend, default Inductor)`, keeping less for the backward (module doc)."""
+    if lean is None:
+        lean = LEAN
+    if not isinstance(lean, bool):
+        raise ValueError(f"lean: expected True, False or None, got {lean!r}")
+    if lean:
+        kwargs["backend"] = lean_backend(kwargs.get("backend", "inductor"))
     if callable(getattr(model, "layers", None)) and hasattr(model, "cfg"):  # an LM (evict.models.lm imports this)
         # the memory op's first call looks for triton once and sets a module global; inside a trace, that global's
         # guard (`_AVAILABLE is None`) fails on the next call and its form compiles twice: look it up here, before
