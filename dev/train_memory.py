@@ -98,13 +98,13 @@ form = f"compiled{' lean' if a.lean else ''}" if a.compiled else "eager"
 how = "traced" if a.compiled and dev == "cpu" else "run"
 print(f"{a.model} cut to one block, {form}, device {dev}, {how} at B{B} T{T}, scaled to B{a.batch} T{a.seq_len} "
       f"(x{scale:g}); torch {torch.__version__}")
-print(f"{'module':26s} {'op':18s} {'shape (as run)':22s} {'dtype':9s} {'B/token':>8s} {'MiB (scaled)':>12s}")
+print(f"{'module':26s} {'op':24s} {'shape (as run)':22s} {'dtype':9s} {'B/token':>8s} {'MiB (scaled)':>12s}")
 table = []
 for (mod, op, shape, dtype, fixed), (n, nb, _) in sorted(groups.items(), key=lambda kv: kv[0][0]):
     per = 0 if fixed else nb / (B * T)
     mib = nb / MiB if fixed else nb * scale / MiB
     table.append(dict(module=mod, op=op, shape=shape, dtype=dtype, count=n, fixed=fixed, bytes_per_token=per, MiB=mib))
-    print(f"{mod:26s} {op:18s} {shape:22s} {dtype:9s} {'fixed' if fixed else f'{per:.0f}':>8s} {mib:12.1f}"
+    print(f"{mod:26s} {op[:24]:24s} {shape:22s} {dtype:9s} {'fixed' if fixed else f'{per:.0f}':>8s} {mib:12.1f}"
           + (f"  x{n}" if n > 1 else ""))
 block = saved_bytes(rows, "blocks.0") / (B * T)
 block_fixed = saved_bytes(rows, "blocks.0", fixed=True)

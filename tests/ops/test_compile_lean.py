@@ -148,3 +148,20 @@ def test_gpu_lean_block_matches_eager_and_keeps_less(letter):
         (part,) = compiled_saves(step, model, t.numel())
         kept[lean] = saved_bytes(part.saved)
     assert kept[True] < 0.8 * kept[False], kept
+
+
+def test_lean_compiles_each_block_form_once():
+    """compile_blocks(lean=True) hands every block one backend object: a 4-block KDA LM compiles its one block form
+    once in two training steps under a recompile limit of 1 (a backend per block would recompile each block)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _lm(n_layers=4)
+    model.compile_blocks(lean=True, backend="eager")
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for _ in range(2):
+            x = torch.randint(0, 61, (2, 12))
+            model(x, targets=x).loss.backward()
+    assert dict(counters["frames"]) == {"total": 1, "ok": 1} and not counters["unimplemented"]
