@@ -10,6 +10,7 @@ import torch
 from evict.bench.saved import compiled_saves, saved_bytes, triton_path
 from evict.models import LM, presets
 from evict.models.compile_blocks import lean_backend
+from tests.conftest import run_interpreted
 
 
 def _lm(letter: str = "K", d=64, H=2, D=32, F=96, n_layers=1) -> LM:
@@ -118,6 +119,53 @@ def test_lean_backend_takes_inductor_options_and_bad_lean_is_refused():
     with triton_path():
         (part,) = compiled_saves(lambda: model(x, targets=x).loss, model, 16, run=False)
     assert part.saved  # compiled through Inductor (its partitioner ran) with the options given
+
+
+INTERP_SCRIPT = r"""
+import importlib, json
+import torch
+from evict.bench.saved import compiled_saves, saved_bytes
+from evict.models import LM, presets
+from evict.ops.conv import kernel_runs_on
+import evict.ops.memory.triton.autograd  # registers evict::memory_forward / memory_backward
+mem = importlib.import_module("evict.ops.memory")
+real = mem._dispatch
+mem._dispatch = lambda *a: real(*a[:9], "triton", *a[10:])  # the memory op's custom op on the CPU (interpreted)
+out = {}
+def run(lean):
+    torch.manual_seed(0)
+    m = LM(presets.get("kda", pattern="K", vocab_size=61, n_layers=1, d_model=32, n_heads=1, head_dim=32, d_ff=48))
+    x = torch.randint(0, 61, (1, 20))
+    assert kernel_runs_on(x.float())
+    grads = []
+    def step():
+        loss = m(x, targets=x).loss
+        loss.backward()
+        grads.extend([loss.detach()] + [p.grad for p in m.parameters()])
+    if lean is None:
+        step()
+        return grads, None
+    m.compile_blocks(lean=lean)
+    (part,) = compiled_saves(step, m, 20)
+    return grads, part
+eager, _ = run(None)
+for lean in (False, True):
+    got, part = run(lean)
+    out[str(lean)] = dict(err=max(float((a - b).norm() / b.norm()) for a, b in zip(got, eager)),
+                          kept=saved_bytes(part.saved), conv=part.backward_ops["evict.short_conv_forward"])
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_interpreter_lean_block_through_inductor():
+    """Inductor on the CPU, the memory op and the short conv as their custom ops (Triton's interpreter runs the
+    kernels), float32: the lean and the default compiled KDA block give eager's loss and gradients (the lean block's
+    backward reruns the conv kernel), the lean one keeping less. ~1 minute."""
+    r = run_interpreted(INTERP_SCRIPT)
+    assert r["False"]["err"] < 1e-5 and r["True"]["err"] < 1e-5, r
+    assert r["True"]["conv"] == 1 and r["False"]["conv"] == 0, r
+    assert r["True"]["kept"] < r["False"]["kept"], r
 
 
 @pytest.mark.gpu
