@@ -37,15 +37,16 @@ def _compiled(letter: str, lean: bool, x: torch.Tensor, dtype=torch.float32, amp
     return _step(model, x, amp)
 
 
-@pytest.mark.parametrize("letter", list("KG"))
+@pytest.mark.parametrize("letter", ["K", "G", pytest.param("A", marks=pytest.mark.slow),
+                                    pytest.param("M", marks=pytest.mark.slow)])
 def test_lean_block_matches_default_float64(letter):
-    """KDA, Gated DeltaNet LMs (a compiled block) in float64: the lean partition's loss and every gradient
+    """KDA, Gated DeltaNet (softmax attention, MLA: slow) LMs (a compiled block) in float64: the lean partition's loss and every gradient
     equal the default partition's and the eager model's (the recomputed values are the same ops on the same inputs)."""
     x = torch.randint(0, 61, (2, 37))
     eager = _step(_lm(letter).double(), x, amp=False)
     default = _compiled(letter, False, x, torch.float64)
     lean = _compiled(letter, True, x, torch.float64)
-    assert len(lean) == len(default) == len(eager) > 10
+    assert len(lean) == len(default) == len(eager) > 8
     for a, b, e in zip(lean, default, eager):
         assert a.dtype == torch.float64
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
