@@ -414,6 +414,7 @@ VARLEN_CASES = [  # (name, gate, delta, beta_max (None: no beta), offsets, K, ga
     ("scalar_delta_N1_no_beta", "scalar", True, None, [0, 77], 32, "small"),
     ("channel_delta_reset", "channel", True, 1.5, OFFSETS, 32, "reset"),
     ("scalar_delta_all_empty", "scalar", True, 1.0, [0, 0, 0], 32, "small"),
+    ("channel_delta_aligned", "channel", True, 1.5, [0, 64, 64, 192], 32, "small"),  # whole chunks: no copies
 ]
 
 VARLEN_SCRIPT = r"""
@@ -794,8 +795,9 @@ def test_gpu_packed_sequences_match_each_sequence_alone(dtype, gate, delta):
     """cu_seqlens through the kernels equals the kernels run on each sequence alone, and the float64 reference per
     sequence, outputs, final states and every input's gradient: odd lengths, empty sequences, 40 short sequences,
     K = 16 (zero-padded to MIN_K), strong decay; offsets on the GPU and on the CPU; 70 sequences x 2 heads (bf16: enough
-    to fill an H100 / H200, so the output is fused into the carry, `fuse_out_default`)."""
+    to fill an H100 / H200, so the output is fused into the carry, `fuse_out_default`); whole chunks only (no copies)."""
     for offsets, H, K, V, strong, dev in ((OFFSETS, 3, 128, 96, False, "cuda"),
+                                          ([0, 128, 128, 320], 2, 128, 128, False, "cpu"),
                                           ([0, 0, 333, 1000, 1001, 1064, 1300], 2, 64, 64, True, "cpu"),
                                           (list(range(0, 41 * 37, 37)), 2, 16, 16, False, "cuda"),
                                           (list(range(0, 71 * 23, 23)), 2, 32, 32, False, "cuda")):

@@ -12,7 +12,8 @@ kernels (backward.py). Chunks are 16, 32 or 64 tokens
 Packed sequences (`offsets`) run chunk-aligned: each sequence is copied to a multiple of C rows of one padded row
 [1, T', H, D], the rest neutral tokens (q = k = v = 0, log alpha = 0, beta = 0: they read, write, erase and decay
 nothing), so no chunk straddles two sequences and the per-chunk kernels run unchanged; the sequential kernels take a
-table of each sequence's chunks.
+table of each sequence's chunks. When every sequence is already a whole number of chunks (a serving step's 4,096-token
+prompt chunks) the layout is the identity and nothing is copied.
 """
 
 from __future__ import annotations
@@ -215,16 +216,18 @@ def memory_triton(q, k, v, *, log_alpha=None, beta=None, delta=False, scale, ini
             log_alpha = F.pad(log_alpha, (0, pad))
         if initial_state is not None:
             initial_state = F.pad(initial_state, (0, 0, 0, pad))
-    chunks = None
+    chunks, aligned = None, True
     if offsets is not None:
         rows, chunks, length = _packing(offsets, q.device)
-        q, k, v, log_alpha, beta = (_pad_rows(x, rows, length) for x in (q, k, v, log_alpha, beta))
+        aligned = length == q.shape[1]  # every sequence a whole number of chunks: rows is the identity, no copies
+        if not aligned:
+            q, k, v, log_alpha, beta = (_pad_rows(x, rows, length) for x in (q, k, v, log_alpha, beta))
     keep = states = ""
     if keep_factors is not False and torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, k, v, log_alpha, beta, initial_state)):
         keep = keep_factors if isinstance(keep_factors, str) else precision_for(q.dtype)
         states = (keep_states if isinstance(keep_states, str) else "tf32x3") if keep_states else ""
     o, S, *_ = _forward_op(q, k, v, log_alpha, beta, initial_state, chunks, bool(delta), float(scale), chunk, keep, states)
-    if offsets is not None:
+    if offsets is not None and not aligned:
         o = o.index_select(1, rows)
     return o, (S[:, :, :K] if pad else S)
