@@ -68,7 +68,7 @@ run_group() {
            "tests/ops/test_compile_blocks.py::test_gpu_blocks_compile_whole[K]" \
            tests/models/test_mixed_precision.py -k "recomputed or compile_whole or kda-cuda or kimi_linear-cuda"
          python3 dev/train_memory.py $([ -n "${SMOKE:-}" ] && echo "--device cpu --run-len 32") --json "$OUT/train_memory.json" ;;
-    cmem) python3 -m pytest -q -rf -p no:cacheprovider tests/ops/test_compile_lean.py::test_lean_compiled_kda_block_saved_bytes_bound \
+    cmem) python3 -m pytest -vv -rf -p no:cacheprovider -p no:warnings tests/ops/test_compile_lean.py::test_lean_compiled_kda_block_saved_bytes_bound \
             "tests/ops/test_compile_lean.py::test_gpu_lean_block_matches_eager_and_keeps_less[K]" \
             "tests/ops/test_compile_blocks.py::test_gpu_blocks_compile_whole[K]" \
             tests/layers/test_recompute.py::test_recomputed_block_under_autocast_matches_plain ;;
