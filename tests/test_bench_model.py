@@ -189,3 +189,15 @@ def test_fla_rows_run_inside_the_parallel_compile_unless_told_not(parallel, tmp_
     assert [r["impl"] for r in rows] == ["fla"] and rows[0]["tok/s"] > 0
     assert len(entered) == int(parallel)
     assert (rows[0].get("note") == "2 autotuned kernels, 7 configs compiled in parallel first (1.5 s)") == parallel
+
+
+def test_compiled_lean_mode_compiles_blocks_lean(monkeypatch):
+    """Mode compiled-lean: compile_blocks(lean=True); compiled: compile_blocks' default form (lean=None); a row each,
+    labelled by its mode."""
+    import evict.bench.model as bm
+
+    seen = []
+    monkeypatch.setattr(bm, "compile_blocks", lambda model, lean=None: seen.append(lean))  # eager steps, no compile
+    rows = bench_model(models=("kda",), size="tiny", batch=1, seq_len=8, warmup=1, steps=1, device="cpu",
+                       references=False, modes=("compiled", "compiled-lean"))
+    assert seen == [None, True] and [r["mode"] for r in rows] == ["compiled", "compiled-lean"]

@@ -8,7 +8,9 @@ position of one fixed random batch (evict: `LM(tokens, targets=)`, the chunked l
 fla: the model's own `labels=` loss, which shifts the tokens itself: T - 1 positions). `warmup` steps (compilation,
 allocator, autotuning) run first, then `steps` timed steps between two synchronizations. Reported: tokens/s, peak
 memory (torch.cuda.max_memory_allocated over the timed steps: weights, gradients, AdamW state and activations), MFU,
-and the warm-up's seconds (what a fresh process pays before its first fast step).
+and the warm-up's seconds (what a fresh process pays before its first fast step). Modes: eager; compiled (each block
+torch.compile'd, `compile_blocks` with its default form); compiled-lean (`compile_blocks(lean=True)`: the blocks keep
+less for the backward, recomputing elementwise values there).
 
 MFU = FLOPs per token × tokens/s / the card's bf16 dense peak (H100 / H200 SXM: 989.4 TFLOPS). FLOPs per token =
 6 N + the attention products: N the parameters that multiply (every parameter but the embedding tables; a tied head
@@ -39,7 +41,7 @@ from evict.models import LM, compile_blocks, presets
 from evict.models.config import ModelConfig
 
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12}  # dense bf16 tensor-core FLOP/s of the SXM cards
-MODES = ("eager", "compiled")
+MODES = ("eager", "compiled", "compiled-lean")  # compiled-lean: compile_blocks(lean=True)
 IMPLS = ("evict", "reference")
 
 _KDA_226M: dict[str, Any] = dict(vocab_size=32768, d_model=1024, n_layers=12, n_heads=8, head_dim=128, d_ff=2816,
@@ -140,12 +142,12 @@ def _reference(cfg: ModelConfig) -> tuple[str, Callable] | None:
 
 
 def _measure(subject: _Subject, x: torch.Tensor, y: torch.Tensor, *, warmup: int, steps: int,
-             compiled: bool, profile: int = 0) -> dict[str, Any]:
+             compiled: bool, lean: bool | None = None, profile: int = 0) -> dict[str, Any]:
     model, device = subject.model, x.device
     model.train()
     loss_fn = subject.loss
     if compiled:
-        compile_blocks(model)  # an LM per block (one dynamo cache per block form), as `evict train --compile` does
+        compile_blocks(model, lean=lean)  # an LM per block (one dynamo cache per block form), as `evict train --compile`
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
@@ -252,7 +254,7 @@ def bench_model(*, models=("kda_226m",), size: str = "tiny", batch: int = 4, seq
             builders: list[tuple[str, Callable[[], _Subject]]] = []
             if "evict" in impls:
                 builders.append(("evict", lambda: _evict(cfg, seq_len, dev, checkpoint_blocks)))
-            if ref is not None and "reference" in impls and not (ref[0] == "fla" and mode == "compiled"):
+            if ref is not None and "reference" in impls and not (ref[0] == "fla" and mode != "eager"):
                 builders.append((ref[0], lambda: ref[1](cfg, seq_len, dev)))
             for impl, build in builders:
                 row: dict[str, Any] = {"model": name, "impl": impl, "mode": mode, "shape": f"B{batch} T{seq_len}"}
@@ -270,7 +272,8 @@ def bench_model(*, models=("kda_226m",), size: str = "tiny", batch: int = 4, seq
                 fla = impl == "fla" and parallel_compile
                 tuning: AbstractContextManager[dict] = parallel_autotune_compile() if fla else nullcontext({})
                 with tuning as tuned:
-                    row.update(_measure(subject, x, y, warmup=warmup, steps=steps, compiled=mode == "compiled",
+                    row.update(_measure(subject, x, y, warmup=warmup, steps=steps, compiled=mode != "eager",
+                                        lean=True if mode == "compiled-lean" else None,
                                         profile=profile))
                 if tuned.get("kernels"):
                     row["note"] = (f"{tuned['kernels']} autotuned kernels, {tuned['configs']} configs compiled in "

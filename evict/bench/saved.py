@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import operator
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -137,3 +139,102 @@ def triton_op_saves(factors: bool = True) -> Iterator[None]:
         yield
     finally:
         mem._dispatch = real
+
+
+class _Captured(Exception):
+    """Raised after the first partition when `compiled_saves(run=False)`: nothing of the compiled graph runs."""
+
+
+@dataclass
+class Partition:
+    """One compiled graph's split into forward and backward: what the forward keeps, what the backward runs."""
+    saved: list[Saved]
+    backward_ops: Counter  # op name -> how many nodes of it the backward graph has (recomputed ones among them)
+
+
+def _op_name(node: Any) -> str:
+    """aten.mm.default -> mm, evict.short_conv_forward.default -> evict.short_conv_forward, getitem k of an op's
+    tuple -> op[k]; a graph input -> placeholder."""
+    if node.op != "call_function":
+        return node.op
+    if node.target is operator.getitem:
+        return f"{_op_name(node.args[0])}[{node.args[1]}]"
+    name = str(node.target).removeprefix("aten.")
+    return name.rsplit(".", 1)[0] if name.count(".") else name
+
+
+def _partition(fw: Any, bw: Any, n_out: int, shapes: set, tokens: int) -> Partition:
+    """The saved values of a partitioned forward graph (its outputs after the first n_out, the user's outputs), and
+    the backward graph's op counts."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    (outs,) = [n.args[0] for n in fw.graph.nodes if n.op == "output"]
+    rows, counted = [], set()
+    for node in outs[n_out:]:
+        t = node.meta.get("val") if node is not None else None
+        if not isinstance(t, torch.Tensor):
+            continue  # a saved size (SymInt)
+        stack = node.meta.get("nn_module_stack") or {}
+        path = list(stack.values())[-1][0] if stack else ""
+        module = path.replace("L['self']", "").lstrip(".")  # relative to the compiled module
+        shape = tuple(int(s) for s in t.shape)
+        param = node.op == "placeholder" and shape in shapes and t.dtype == torch.float32
+        key = StorageWeakRef(t.untyped_storage())
+        first = key not in counted and not param and t.numel() > 0
+        counted.add(key)
+        rows.append(Saved(module, _op_name(node), shape, t.dtype, t.untyped_storage().nbytes() if first else 0, param,
+                          shape in shapes or t.numel() < tokens or t.numel() % tokens != 0))
+    ops = Counter(_op_name(n) for n in bw.graph.nodes if n.op == "call_function")
+    return Partition(rows, ops)
+
+
+def compiled_saves(fn: Callable[[], object], model: nn.Module, tokens: int, *, run: bool = True) -> list[Partition]:
+    """What each graph Inductor compiles while fn() runs keeps for its backward: the forward graph's saved values as
+    its partitioner (min-cut) chose them, one Partition per graph in compile order, each value's storage counted once
+    (views of one buffer are one). module: the value's module path relative to the compiled module (a block's:
+    "mixer.wqkv"); op: the aten op that made it ("placeholder": a graph input kept, the block's input or a parameter,
+    marked `param`). `fixed` rows do not grow with the tokens (a weight's bf16 copy, a final state): their numel is
+    not a multiple of `tokens` (run at a length that shares no factor with the state sizes, and whole chunks: 320).
+    Dynamo's caches are reset first, so every graph compiles here. run=False: stop after the first graph's partition
+    (nothing compiled runs: a CPU trace of the CUDA path, whose Triton custom ops cannot run here, `triton_path`)."""
+    import torch._dynamo
+    import torch._inductor.compile_fx as compile_fx
+
+    real = compile_fx.min_cut_rematerialization_partition
+    shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape)[::-1] for p in model.parameters()}
+    graphs: list[Partition] = []
+
+    def partition(joint, inputs, **kw):
+        fw, bw = real(joint, inputs, **kw)
+        graphs.append(_partition(fw, bw, kw["num_fwd_outputs"], shapes, tokens))
+        if not run:
+            raise _Captured
+        return fw, bw
+
+    torch._dynamo.reset()
+    compile_fx.min_cut_rematerialization_partition = partition
+    try:
+        fn()
+    except Exception as e:  # dynamo wraps a backend's exception (BackendCompilerFailed, its inner_exception)
+        if run or not graphs or not any(isinstance(c, _Captured) for c in (e, getattr(e, "inner_exception", None))):
+            raise
+    finally:
+        compile_fx.min_cut_rematerialization_partition = real
+        if not run:
+            torch._dynamo.reset()
+    return graphs
+
+
+@contextlib.contextmanager
+def triton_path() -> Iterator[None]:
+    """Inside: the memory op and the short conv take their Triton forms (the torch.library custom ops) whatever the
+    device, as on CUDA: for tracing a CUDA block's graph on a CPU (`compiled_saves(run=False)`); nothing can run."""
+    conv: Any = importlib.import_module("evict.ops.conv")
+    mem: Any = importlib.import_module("evict.ops.memory")
+    runs, real, dispatch = conv.kernel_runs_on, mem.triton_runs_on, mem._dispatch
+    conv.kernel_runs_on = mem.triton_runs_on = lambda t: True
+    mem._dispatch = lambda *a: dispatch(*a[:9], "triton", *a[10:])  # impl (the 10th argument): the custom op
+    try:
+        yield
+    finally:
+        conv.kernel_runs_on, mem.triton_runs_on, mem._dispatch = runs, real, dispatch

@@ -153,7 +153,9 @@ class MemoryMixer(nn.Module):
         in float32). Gates and beta stay float32; the op keeps its state in float32 whatever the inputs."""
         B, T, _ = qkv.shape
         y = F.silu(qkv) if self.conv is not None else qkv
-        q, k, v = y.view(B, T, 3, self.H, self.D).unbind(2)  # [B, T, H, D] each
+        # split, not a view + unbind: Inductor's partitioner recomputes a split (a view op) in the backward, not an
+        # unbind, whose outputs it then keeps (the whole SiLU output, as one buffer: dev/train_memory.py --compiled)
+        q, k, v = (t.view(B, T, self.H, self.D) for t in y.split(self.H * self.D, dim=-1))  # [B, T, H, D] each
         if self.features == "l2":
             q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         elif self.features == "elu1":

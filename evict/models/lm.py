@@ -341,7 +341,8 @@ class LM(nn.Module):
         return [b.ffn for b in self.layers() if isinstance(b.ffn, MoE)]
 
     def compile_blocks(self, **kwargs) -> None:
-        """torch.compile each block in place, one dynamo cache per block form (evict.models.compile_blocks)."""
+        """torch.compile each block in place, one dynamo cache per block form (evict.models.compile_blocks; lean=True:
+        the blocks keep less for the backward, recomputing elementwise values and the short conv there)."""
         compile_blocks(self, **kwargs)
 
     def aux_loss(self) -> torch.Tensor | None:
