@@ -16,7 +16,7 @@ A sequence's tokens are processed as `generate` processes them alone: prompt chu
 (multiples of `prefill_chunk` from 0, unless the step's budget cuts one), then one token per forward; so greedy outputs
 equal `generate`'s (tested in float32 through packing and preemption).
 
-Async steps (`async_steps`, off by default): a step is launched (planned, its blocks taken, its forward and sampling
+Async steps (`async_steps`; the Engine's default off, the server's on on CUDA): a step is launched (planned, its blocks taken, its forward and sampling
 queued on the device) and only then is the step before read (its tokens streamed, stop tokens and max_tokens
 checked), so the host's work overlaps the device's. The synchronous engine is the same loop with depth 0: it reads
 each step right after launching it. With depth 1 a decode row's token may still be in flight (`Request.inflight`):

@@ -79,7 +79,7 @@ def build_engine(args):
                         max_num_batched_tokens=args.max_num_batched_tokens, priority=args.priority,
                         cuda_graphs=None if args.cuda_graphs is None else args.cuda_graphs == "on",
                         decode_prefill_tokens=args.decode_prefill_tokens,
-                        async_steps=args.async_scheduling == "on")
+                        async_steps=(args.async_scheduling or ("on" if dev.type == "cuda" else "off")) == "on")
     except ValueError as e:
         raise SystemExit(f"--{str(e).split(':', 1)[0].replace('_', '-')}: {str(e).split(': ', 1)[-1]}") from None
     engine.warm_up()  # every decode graph captured before the server answers
@@ -142,7 +142,7 @@ def add_engine_flags(p, *, device: bool = True) -> None:
                    help="what fills a step's token budget first: decode rows (default) or prompt chunks")
     p.add_argument("--cuda-graphs", choices=["on", "off"], help="replay decode-only steps from CUDA graphs (default: on on CUDA)")
     p.add_argument("--async-scheduling", choices=["on", "off"],
-                   help="plan and launch each step before the host has read the last one's tokens (default: off)")
+                   help="plan and launch each step before the host has read the last one's tokens (default: on on CUDA)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--size", default="tiny", choices=["tiny", "small"], help="--preset size (default tiny)")
     p.add_argument("--max-batch", type=positive_int, default=16, help="slots: sequences decoded together (default 16)")
