@@ -73,9 +73,12 @@ recall_piece() { local dir=$1 pieces=$2 stem=$3 flags=$4 last
   mps_off
   cp $dir/config.json $OUT/${stem}_config.json  # tables and plots: dev/grid_piece.py writes them
   finished $dir > $OUT/${stem}_results.jsonl; }
-# the screen keeps the summary line ("N passed, M warnings"), which `quiet` would drop
-pyt() { local log=$1 t=$2; shift 2; timeout $t python3 -m pytest "$@" -m gpu -rf --tb=line -p no:cacheprovider 2>&1 | tee $OUT/$log \
-          | grep -v "Warning\|^  \|^$" | tail -30; }
+# the screen keeps the summary line ("N passed, M warnings"), which `quiet` would drop. `-o addopts=""` drops pyproject's
+# -q so -v names every result as it lands (under xdist -q prints bare dots and names failures only in the summary, which
+# a timeout cuts: session 61 lost two runs' failure names so); pytest-timeout (PT s a test) fails a hung test by name
+pyt() { local log=$1 t=$2; shift 2; local pt=""; python3 -c "import pytest_timeout" 2>/dev/null && pt="--timeout ${PT:-300}"
+  timeout $t python3 -m pytest -o addopts="" -v $pt "$@" -m gpu -rf --tb=line -p no:cacheprovider 2>&1 | tee $OUT/$log \
+    | grep -v "Warning\|^  \|^$\|PASSED\|SKIPPED" | tail -30; }
 # MODE+MODE…: those modes at the same time (each in its own `bash dev/gpu.sh MODE`, same CALL clock, one MPS daemon
 # for all), e.g. `grid+side` with SIDE="tied untied": the grid's last long runs and two side sweeps share the card.
 # SIDE may name several experiments; `side` then runs them side by side the same way.

@@ -41,13 +41,13 @@ B4K="--clients 128 --requests 128 --prompt-len 4096 4096 --output-len 512 512 --
 BATCH1="--clients 1 --requests 1 --warmup 1 --prompt-len 4096 4096 --output-len 512 512 --check 0 --max-batch 1 --cache-budget 4G --max-len 4608"
 B32K="--clients 64 --requests 64 --prompt-len 32768 32768 --output-len 64 64 --check 1 --max-batch 64 --cache-budget ${BIG:-70G} --max-len 32896"
 mode_tests() {
-    timeout "${TEST_S:-150}" $PY -m pytest -q -rf -m gpu tests/serve/test_engine_gpu.py tests/ops/test_attention.py \
+    timeout "${TEST_S:-150}" $PY -m pytest -o addopts="" -v -rf -m gpu tests/serve/test_engine_gpu.py tests/ops/test_attention.py \
         tests/ops/test_decode.py tests/ops/test_memory_triton.py::test_gpu_packed_sequences_match_each_sequence_alone \
         -p no:cacheprovider ${TEST_N:+-n $TEST_N}
 }
 mode_decode() {  # the decode step's GPU tests (engine, the step kernel with and without pre, the conv step), then
     # its profile at 1 and 128 rows (context 4,352: step, replay alone, torch.profiler tables of 3 eager and 3 graph steps)
-    timeout "${TEST_S:-90}" $PY -m pytest -q -rf -m gpu tests/serve/test_engine_gpu.py tests/ops/test_memory_preact.py \
+    timeout "${TEST_S:-90}" $PY -m pytest -o addopts="" -v -rf -m gpu tests/serve/test_engine_gpu.py tests/ops/test_memory_preact.py \
         tests/ops/test_conv_step.py \
         tests/ops/test_memory_triton.py::test_gpu_step_matches_reference_in_place_and_graphed \
         tests/ops/test_memory_triton.py::test_gpu_step_rows_match_reference_in_place_and_graphed \
@@ -56,7 +56,7 @@ mode_decode() {  # the decode step's GPU tests (engine, the step kernel with and
     grep "DECODE_PROFILE" "$RES/decode_profile.txt" || tail -5 "$RES/decode_profile.txt"
 }
 mode_async() {  # issue 73's async steps: GPU tests, then the decode step's time without / with them in one process
-    timeout "${TEST_S:-90}" $PY -m pytest -q -rf -m gpu tests/serve/test_engine_gpu.py -p no:cacheprovider ${TEST_N:+-n $TEST_N}
+    timeout "${TEST_S:-90}" $PY -m pytest -o addopts="" -v -rf -m gpu tests/serve/test_engine_gpu.py -p no:cacheprovider ${TEST_N:+-n $TEST_N}
     timeout "${PROFILE_S:-85}" $PY dev/serve_step_profile.py --decode-only 4352 --kernels 3 --compare-async \
         > "$RES/async_profile.txt" 2>&1
     grep -E "DECODE_(PROFILE|COMPARE)" "$RES/async_profile.txt" || tail -5 "$RES/async_profile.txt"
@@ -78,7 +78,7 @@ mode_http() {  # HTTP with one client process (as before), with 4, and the engin
 }
 mode_http_attention() { bench 4k attention 120 $B4K; bench 4k_inprocess attention 120 $B4K --spawn engine; }
 mode_prefill() {
-    timeout "${TEST_S:-150}" $PY -m pytest -q -rf -m gpu tests/serve/test_engine_gpu.py tests/ops/test_attention.py \
+    timeout "${TEST_S:-150}" $PY -m pytest -o addopts="" -v -rf -m gpu tests/serve/test_engine_gpu.py tests/ops/test_attention.py \
         tests/models/test_mixed_precision.py -p no:cacheprovider ${TEST_N:+-n $TEST_N}
     timeout "${PROFILE_S:-130}" $PY -u dev/serve_prefill_profile.py --reps 3 --json "$RES/prefill_profile.json"
 }

@@ -62,9 +62,9 @@ run_group() {
     gpt2c) bench "$GPT2, modes=('compiled',)" gpt2c ;;
     gpt2) bench "$GPT2, modes=('eager',)" gpt2 ;;
     fla) bench "models=($K,), $KDA, impls=('reference',), profile=30, parallel_compile=${PARALLEL:-True}" fla ;;
-    tests) python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/ops/test_loss.py tests/layers/test_norms.py ;;
+    tests) python3 -m pytest -o addopts="" -v -rf -m gpu -p no:cacheprovider tests/ops/test_loss.py tests/layers/test_norms.py ;;
     ops) python3 dev/train_ops_bench.py --out "$OUT/train_ops.json" ;;
-    mem) python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/layers/test_recompute.py \
+    mem) python3 -m pytest -o addopts="" -v -rf -m gpu -p no:cacheprovider tests/layers/test_recompute.py \
            "tests/ops/test_compile_blocks.py::test_gpu_blocks_compile_whole[K]" \
            tests/models/test_mixed_precision.py -k "recomputed or compile_whole or kda-cuda or kimi_linear-cuda"
          python3 dev/train_memory.py $([ -n "${SMOKE:-}" ] && echo "--device cpu --run-len 32") --json "$OUT/train_memory.json" ;;
