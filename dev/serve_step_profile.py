@@ -18,9 +18,11 @@ row selection stubbed out (the logits zeros): thread CPU time per step, median o
 PYTHONPATH on two trees to compare their engines' host cost.
 `--host-packed` (a CPU): the same for PACKED steps of the 4K load's shape (`--n` decode rows at context ~4,096 plus two
 `--chunk`-token prompt chunks, chunk requests rewound so that every timed step is packed), the forward stubbed but the
-cache's `select_packed` real: thread CPU time per step (median of 5 rounds of `--rounds` steps) and, from a dispatch-mode
-count over 5 steps, the torch ops per step, split into those of the index tensors' host side (outputs on the CPU, made
-before the copy) and everything (on a CPU both are the host; on CUDA the non-host ones are device launches)."""
+cache's `select_packed` real: thread CPU time per step (one intra-op thread; median of 5 rounds of `--rounds` steps) and, from a dispatch-mode
+count over 5 steps, the torch ops per step. `--meta-table` puts the pool's block table on the meta device: the cache's device-side index
+ops then cost only their dispatch (a GPU launch's host side, not a CPU's compute of [rows, L] gathers and [T, L]
+masks) and are counted apart (`device_ops_per_step`: outputs on meta, views excluded: each a launch on a GPU). The meta ops run PyTorch's Python
+reference decompositions (~0.1 ms each), so `--meta-table` times overstate a launch's host cost: read its op counts."""
 
 import argparse
 import collections
@@ -60,6 +62,7 @@ def main():
     ap.add_argument("--host-only", action="store_true", help="the scheduler's host time a decode step (CPU, forward stubbed)")
     ap.add_argument("--host-packed", action="store_true", help="the host time of a packed step (CPU, forward stubbed)")
     ap.add_argument("--chunk", type=int, default=4096, help="--host-packed: tokens of each of the two prompt chunks")
+    ap.add_argument("--meta-table", action="store_true", help="--host-packed: the pool's block table on the meta device")
     ap.add_argument("--rounds", type=int, default=20, help="--host-packed: steps per timed round")
     ap.add_argument("--async-scheduling", action="store_true", help="the engine's async_steps: plan ahead of the device")
     ap.add_argument("--compare-async", action="store_true", help="--decode-only without, then with async steps")
@@ -67,7 +70,7 @@ def main():
     if a.host_only:
         return host_only(a.n, a.async_scheduling)
     if a.host_packed:
-        return host_packed(a.n, a.chunk, a.rounds, a.async_scheduling)
+        return host_packed(a.n, a.chunk, a.rounds, a.async_scheduling, a.meta_table)
     if a.conv == "torch":
         conv_op.kernel_runs_on = lambda x: False
     torch.manual_seed(0)
@@ -247,23 +250,34 @@ def host_only(n: int, async_steps: bool) -> None:
 
 
 class OpCount(TorchDispatchMode):
-    """Counts the aten ops dispatched while on: all of them, and the copies among them (`_to_copy`, `copy_`)."""
+    """Counts the aten ops dispatched while on, by name, and those whose output is on the meta device (`--meta-table`:
+    the block table's device ops, each a launch on a GPU)."""
 
     def __init__(self):
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
+        self.meta: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket.__name__)] += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket.__name__)
+        self.ops[name] += 1
+        if not func.is_view and any(isinstance(t, torch.Tensor) and t.is_meta
+                                    for t in (out if isinstance(out, (tuple, list)) else [out])):
+            self.meta[name] += 1
+        return out
 
 
-def host_packed(n: int, chunk: int, rounds: int, async_steps: bool) -> None:
+def host_packed(n: int, chunk: int, rounds: int, async_steps: bool, meta: bool) -> None:
     """Thread CPU time and torch ops of Engine.step over packed steps (n decode rows + two chunks); one JSON line."""
+    torch.set_num_threads(1)  # the index ops are small: intra-op threads only add noise (spin-waits) on a shared CPU
     model = LM(model_configs(("hybrid",), size="tiny", width={})["hybrid"]).eval()
     eng = Engine(model, max_batch=n + 2, cache_budget=320 << 20, block_size=256, prefill_chunk=chunk,
                  max_len=3 * chunk + 1024, max_num_batched_tokens=n + 2 * chunk, async_steps=async_steps)
-    eng.model.forward = lambda tokens, positions, **kw: torch.zeros(1, positions.shape[1], eng.vocab)
+    logits = torch.zeros(1, n + 2 * chunk, eng.vocab)
+    eng.model.forward = lambda tokens, positions, **kw: logits[:, : positions.shape[1]]
+    if meta:  # the pool's index tensors on the meta device: their ops cost their dispatch only, as a launch's host side
+        eng.pool.table = eng.pool.table.to("meta")
     rows = [eng.submit([t % 256 for t in range(chunk)], SamplingParams(max_tokens=2048, temperature=0)) for _ in range(n)]
     chunks = [eng.submit([t % 256 for t in range(3 * chunk)], SamplingParams(max_tokens=1, temperature=0)) for _ in range(2)]
 
@@ -293,7 +307,8 @@ def host_packed(n: int, chunk: int, rounds: int, async_steps: bool) -> None:
             for _ in range(5):
                 step()
     ops = {k: v / 5 for k, v in count.ops.most_common()}
-    print("HOST_PACKED", json.dumps({"decode_rows": n, "chunks": [chunk, chunk], "async_steps": async_steps,
+    print("HOST_PACKED", json.dumps({"decode_rows": n, "chunks": [chunk, chunk], "async_steps": async_steps, "meta_table": meta,
+                                     "device_ops_per_step": sum(count.meta.values()) / 5,
                                      "host_us_per_step_median": statistics.median(times),
                                      "rounds_us": [round(x, 1) for x in times], "ops_per_step": sum(ops.values()),
                                      "copies_per_step": ops.get("_to_copy", 0) + ops.get("copy_", 0), "ops": ops}))

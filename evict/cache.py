@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from evict.host_copy import to_device
+from evict.host_copy import host_ints, to_device
 
 
 @dataclass
@@ -258,7 +258,7 @@ class HybridCache:
         length after this step. Formed on the host (the block table's host copy), moved by one copy (no sync on CUDA)."""
         assert self.host_table is not None and self.table is not None and self.block_size is not None
         bs = self.block_size
-        seg = torch.tensor([slots, starts, lens], dtype=torch.int64)  # [3, N]
+        seg = host_ints(slots + starts + lens).view(3, -1)  # [3, N]
         T = sum(lens)
         if T == len(lens):  # one token each (decode rows)
             positions, tok_slots = seg[1], seg[0]
