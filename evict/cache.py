@@ -74,7 +74,9 @@ class SlotBatch:
         self.exact = exact  # gather holds exactly each row's past and new keys (one row): causal attention, no mask
         self.L = L
         self._pool_table, self._bs = pool_table, block_size
-        self._table, self._gather, self._mask = table, None, None
+        self._table: torch.Tensor | None = table
+        self._gather: torch.Tensor | None = None
+        self._mask: torch.Tensor | None = None
 
     @property
     def table(self) -> torch.Tensor:
@@ -285,13 +287,14 @@ class HybridCache:
         T = offsets[-1]
         buf = self._indices(slots, [s for _, s in decode] + [s for _, s, _ in chunks], [1] * D + [n for _, _, n in chunks])
         rows, positions, where, lengths = buf[:N], buf[N : N + T], buf[N + T : N + 2 * T], buf[N + 2 * T :]
-        part = dict(pool_table=self.table, block_size=bs)
+        table = self.table
         dec = None
         if decode:
             end = max(s for _, s in decode) + 1
-            dec = SlotBatch(rows[:D], positions[:D, None], where[:D], lengths[:D], L=-(-end // bs) * bs, **part)
+            dec = SlotBatch(rows[:D], positions[:D, None], where[:D], lengths[:D], L=-(-end // bs) * bs,
+                            pool_table=table, block_size=bs)
         parts = [SlotBatch(rows[D + i : D + i + 1], positions[None, a:b], where[a:b], lengths[D + i : D + i + 1],
-                           L=s + n, exact=True, **part)
+                           L=s + n, exact=True, pool_table=table, block_size=bs)
                  for i, ((_, s, n), a, b) in enumerate(zip(chunks, offsets[:-1], offsets[1:]))]
         self.batch = PackedBatch(rows=rows, positions=positions[None], where=where, decode=dec, chunks=parts,
                                  offsets=offsets, cu_seqlens=torch.tensor(offsets, dtype=torch.int64) - D)

@@ -14,9 +14,10 @@ import array
 import torch
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor t on `device` (t itself on its own device), without a host sync on CUDA."""
-    if device.type == "cuda":
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor t on `device` (t itself on its own device), without a host sync on CUDA (eager; a plain `.to`
+    while torch.compile traces)."""
+    if torch.device(device).type == "cuda" and not torch.compiler.is_compiling():
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 

@@ -396,8 +396,8 @@ class Engine:
             if r.cached + T == r.n_tokens:
                 pick.append(len(at) - 1)
                 reqs.append(r)
-        slots = [r.slot for r in reqs] if self.feed is not None else []
-        buf = to_device(host_ints(toks + at + pick + slots), self.device)  # type: ignore[arg-type]
+        slots = [r.slot for r in reqs if r.slot is not None] if self.feed is not None else []  # every one has a slot
+        buf = to_device(host_ints(toks + at + pick + slots), self.device)
         tokens, rest = buf[:end], buf[end:]
         head, picked, slot_t = rest[: len(at)], rest[len(at) : len(at) + len(pick)], rest[len(at) + len(pick) :]
         if self.feed is not None and decode:  # a decode row's token may be in flight (a prompt chunk's never is)
