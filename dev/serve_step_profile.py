@@ -21,7 +21,7 @@ PYTHONPATH on two trees to compare their engines' host cost.
 cache's `select_packed` real: thread CPU time per step (one intra-op thread; median of 5 rounds of `--rounds` steps) and, from a dispatch-mode
 count over 5 steps, the torch ops per step. `--meta-table` puts the pool's block table on the meta device: the cache's device-side index
 ops then cost only their dispatch (a GPU launch's host side, not a CPU's compute of [rows, L] gathers and [T, L]
-masks) and are counted apart (`device_ops_per_step`: outputs on meta, views excluded: each a launch on a GPU). The meta ops run PyTorch's Python
+masks) and are counted apart (`device_ops_per_step`: outputs on meta, views excluded: each a launch on a GPU; `device_copies_per_step` the host -> device copies among them). The meta ops run PyTorch's Python
 reference decompositions (~0.1 ms each), so `--meta-table` times overstate a launch's host cost: read its op counts."""
 
 import argparse
@@ -262,8 +262,9 @@ class OpCount(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = str(func.overloadpacket.__name__)
         self.ops[name] += 1
-        if not func.is_view and any(isinstance(t, torch.Tensor) and t.is_meta
-                                    for t in (out if isinstance(out, (tuple, list)) else [out])):
+        copy = name in ("to", "_to_copy", "copy_")  # `to` is an alias-returning op: a view only where it copies nothing
+        if (copy or not func.is_view) and any(isinstance(t, torch.Tensor) and t.is_meta
+                                              for t in (out if isinstance(out, (tuple, list)) else [out])):
             self.meta[name] += 1
         return out
 
@@ -309,6 +310,7 @@ def host_packed(n: int, chunk: int, rounds: int, async_steps: bool, meta: bool) 
     ops = {k: v / 5 for k, v in count.ops.most_common()}
     print("HOST_PACKED", json.dumps({"decode_rows": n, "chunks": [chunk, chunk], "async_steps": async_steps, "meta_table": meta,
                                      "device_ops_per_step": sum(count.meta.values()) / 5,
+                                     "device_copies_per_step": sum(count.meta[k] for k in ("to", "_to_copy", "copy_")) / 5,
                                      "host_us_per_step_median": statistics.median(times),
                                      "rounds_us": [round(x, 1) for x in times], "ops_per_step": sum(ops.values()),
                                      "copies_per_step": ops.get("_to_copy", 0) + ops.get("copy_", 0), "ops": ops}))
