@@ -248,6 +248,8 @@ class HybridCache:
         if self.block_size is None or self.table is None:
             raise ValueError("cache: select needs a slot pool (LM.new_pool), not a batch cache")
         _distinct(rows)
+        if type(T) is not int or T < 1:
+            raise ValueError(f"cache: select runs at least one token per row, got T={T!r}")
         B, bs = len(rows), self.block_size
         end = max(starts) + T
         buf = self._indices(rows, starts, [T] * B)
@@ -262,7 +264,7 @@ class HybridCache:
         bs = self.block_size
         seg = host_ints(slots + starts + lens).view(3, -1)  # [3, N]
         T = sum(lens)
-        if T == len(lens):  # one token each (decode rows)
+        if T == len(lens) and max(lens) == 1:  # one token each (decode rows)
             positions, tok_slots = seg[1], seg[0]
         else:
             first = seg[2].cumsum(0) - seg[2]  # [N] each sequence's first packed index
@@ -278,6 +280,8 @@ class HybridCache:
             raise ValueError("cache: select_packed needs a slot pool (LM.new_pool), not a batch cache")
         if not decode and not chunks:
             raise ValueError("cache: select_packed needs at least one decode row or prompt chunk")
+        if any(type(n) is not int or n < 1 for _, _, n in chunks):
+            raise ValueError(f"cache: a prompt chunk runs at least one token, got chunks {chunks}")
         slots = [r for r, _ in decode] + [r for r, _, _ in chunks]
         _distinct(slots)
         D, N, bs = len(decode), len(slots), self.block_size

@@ -166,3 +166,11 @@ def test_engine_packed_step_moves_its_host_ints_once(monkeypatch, async_steps):
     for r in (a, b):
         want = model.generate(torch.tensor([r.prompt]), max_new_tokens=r.params.max_tokens, temperature=0)[0]
         assert r.out == want[len(r.prompt):].tolist()
+
+
+def test_empty_chunks_and_steps_are_one_line_errors():
+    pool = random_pool(random.Random(1), 4, 4, 3)
+    with pytest.raises(ValueError, match="at least one token"):
+        pool.select_packed([(0, 1)], [(1, 0, 0)])
+    with pytest.raises(ValueError, match="at least one token"):
+        pool.select([0], [0], 0)
