@@ -11,6 +11,9 @@ the rows (a SlotBatch), replayed from a CUDA graph of the row count's bucket on 
 each request's own parameters and generator, streams the tokens, and frees the slots of finished requests.
 When a forward needs a block and none is free, the most recently admitted running request is preempted: its slot and
 blocks are freed and it waits at the head of the queue with the tokens it has (prompt + output), to be recomputed.
+A packed step moves its host ints in two copies (the cache's index buffer, `HybridCache.select_packed`, and the
+engine's tokens / head positions / sampled rows / slots), from pinned memory on CUDA (`evict.host_copy.to_device`):
+nothing in a step waits for the device but the read of its sampled tokens.
 
 A sequence's tokens are processed as `generate` processes them alone: prompt chunks at the same boundaries
 (multiples of `prefill_chunk` from 0, unless the step's budget cuts one), then one token per forward; so greedy outputs
