@@ -214,7 +214,8 @@ class HybridCache:
         self.block_size = block_size  # None: one batch at one position; else a slot pool
         self.table = table  # [n_slots, max_blocks] int64 block ids (pool only)
         # its host copy (written with it by set_blocks): each step's arena rows are computed on the host
-        self.host_table = None if table is None else table.to("cpu", copy=True)
+        self.host_table = None if table is None else (torch.zeros(table.shape, dtype=torch.int64) if table.is_meta
+                                                      else table.to("cpu", copy=True))  # a meta table holds no data
         self.batch: SlotBatch | PackedBatch | None = None  # the pool's rows of the next forward
         self.owner = owner  # the model it was built for (LM._cache_owner), checked by the forward; None: unchecked
         self.pad: list[int] | None = None  # left padding: each row's count of leading pad columns (PaddedBatch)
