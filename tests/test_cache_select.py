@@ -174,3 +174,36 @@ def test_empty_chunks_and_steps_are_one_line_errors():
         pool.select_packed([(0, 1)], [(1, 0, 0)])
     with pytest.raises(ValueError, match="at least one token"):
         pool.select([0], [0], 0)
+
+
+@pytest.mark.gpu
+def test_cuda_packed_selection_and_host_ints_never_sync():
+    """On CUDA, under torch's sync debug mode (a synchronizing op raises): a pageable `torch.tensor(list,
+    device="cuda")` raises (the mode is on), while `to_device(host_ints(...))`, `select_packed` (100 decode rows + two
+    odd chunks) and reading its lazy table / gathers / masks do not; and the tensors equal the reference's."""
+    from evict.host_copy import host_ints, to_device
+
+    rng = random.Random(2)
+    pool = random_pool(rng, 16, 110, 12)
+    pool.table = pool.table.cuda()
+    torch.cuda.synchronize()
+    decode = [(s, rng.randrange(16)) for s in range(100)]
+    chunks = [(100, 0, 61), (101, 7, 93)]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):
+            torch.tensor([1, 2, 3], device="cuda")
+        ints = to_device(host_ints([4, 5, 6]), torch.device("cuda"))
+        pool.select_packed(decode, chunks)
+        b = pool.batch
+        got = [b.decode.table, b.decode.gather, b.decode.mask] + [t for c in b.chunks for t in (c.table, c.gather, c.mask)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert ints.tolist() == [4, 5, 6]
+    table = pool.table.cpu()
+    ref = reference(table, 16, [s for s, _ in decode], [p for _, p in decode], 1)
+    assert all(torch.equal(g.cpu(), ref[k]) for g, k in zip(got[:3], ("table", "gather", "mask")))
+    for i, (s, start, n) in enumerate(chunks):
+        ref = reference(table, 16, [s], [start], n, exact=True)
+        assert all(torch.equal(g.cpu(), ref[k]) for g, k in zip(got[3 + 3 * i : 6 + 3 * i], ("table", "gather", "mask")))
+        assert all(torch.equal(getattr(b.chunks[i], k).cpu(), ref[k]) for k in ("rows", "positions", "where", "lengths"))
