@@ -15,9 +15,17 @@ without and then with async steps in one process (one DECODE_PROFILE line each, 
 steps side by side and each mode's N-row step over its 1-row step, issue 73's TPOT ratio).
 `--host-only` (a CPU): the scheduler's own time in a decode-only step of N rows, the model's forward and the cache's
 row selection stubbed out (the logits zeros): thread CPU time per step, median of 5 rounds of 200 steps. Run it with
-PYTHONPATH on two trees to compare their engines' host cost."""
+PYTHONPATH on two trees to compare their engines' host cost.
+`--host-packed` (a CPU): the same for PACKED steps of the 4K load's shape (`--n` decode rows at context ~4,096 plus two
+`--chunk`-token prompt chunks, chunk requests rewound so that every timed step is packed), the forward stubbed but the
+cache's `select_packed` real: thread CPU time per step (one intra-op thread; median of 5 rounds of `--rounds` steps) and, from a dispatch-mode
+count over 5 steps, the torch ops per step. `--meta-table` puts the pool's block table on the meta device: the cache's device-side index
+ops then cost only their dispatch (a GPU launch's host side, not a CPU's compute of [rows, L] gathers and [T, L]
+masks) and are counted apart (`device_ops_per_step`: outputs on meta, views excluded: each a launch on a GPU; `device_copies_per_step` the host -> device copies among them). The meta ops run PyTorch's Python
+reference decompositions (~0.1 ms each), so `--meta-table` times overstate a launch's host cost: read its op counts."""
 
 import argparse
+import collections
 import gc
 import itertools
 import json
@@ -26,6 +34,7 @@ import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import evict.ops.conv as conv_op
 from evict.bench.decode import model_configs
@@ -51,11 +60,17 @@ def main():
     ap.add_argument("--out", type=int, default=512, help="new tokens per request")
     ap.add_argument("--decode-only", type=int, default=0, metavar="C", help="decode steps only, rows at context C")
     ap.add_argument("--host-only", action="store_true", help="the scheduler's host time a decode step (CPU, forward stubbed)")
+    ap.add_argument("--host-packed", action="store_true", help="the host time of a packed step (CPU, forward stubbed)")
+    ap.add_argument("--chunk", type=int, default=4096, help="--host-packed: tokens of each of the two prompt chunks")
+    ap.add_argument("--meta-table", action="store_true", help="--host-packed: the pool's block table on the meta device")
+    ap.add_argument("--rounds", type=int, default=20, help="--host-packed: steps per timed round")
     ap.add_argument("--async-scheduling", action="store_true", help="the engine's async_steps: plan ahead of the device")
     ap.add_argument("--compare-async", action="store_true", help="--decode-only without, then with async steps")
     a = ap.parse_args()
     if a.host_only:
         return host_only(a.n, a.async_scheduling)
+    if a.host_packed:
+        return host_packed(a.n, a.chunk, a.rounds, a.async_scheduling, a.meta_table)
     if a.conv == "torch":
         conv_op.kernel_runs_on = lambda x: False
     torch.manual_seed(0)
@@ -232,6 +247,73 @@ def host_only(n: int, async_steps: bool) -> None:
             rounds.append((time.thread_time_ns() - t0) / 200 / 1e3)
     print("HOST_PROFILE", json.dumps({"rows": n, "async_steps": async_steps, "host_us_per_step_median": statistics.median(rounds),
                                       "rounds_us": [round(x, 1) for x in rounds]}))
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched while on, by name, and those whose output is on the meta device (`--meta-table`:
+    the block table's device ops, each a launch on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.meta: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket.__name__)
+        self.ops[name] += 1
+        copy = name in ("to", "_to_copy", "copy_")  # `to` is an alias-returning op: a view only where it copies nothing
+        if (copy or not func.is_view) and any(isinstance(t, torch.Tensor) and t.is_meta
+                                              for t in (out if isinstance(out, (tuple, list)) else [out])):
+            self.meta[name] += 1
+        return out
+
+
+def host_packed(n: int, chunk: int, rounds: int, async_steps: bool, meta: bool) -> None:
+    """Thread CPU time and torch ops of Engine.step over packed steps (n decode rows + two chunks); one JSON line."""
+    torch.set_num_threads(1)  # the index ops are small: intra-op threads only add noise (spin-waits) on a shared CPU
+    model = LM(model_configs(("hybrid",), size="tiny", width={})["hybrid"]).eval()
+    eng = Engine(model, max_batch=n + 2, cache_budget=320 << 20, block_size=256, prefill_chunk=chunk,
+                 max_len=3 * chunk + 1024, max_num_batched_tokens=n + 2 * chunk, async_steps=async_steps)
+    logits = torch.zeros(1, n + 2 * chunk, eng.vocab)
+    eng.model.forward = lambda tokens, positions, **kw: logits[:, : positions.shape[1]]
+    if meta:  # the pool's index tensors on the meta device: their ops cost their dispatch only, as a launch's host side
+        eng.pool.table = eng.pool.table.to("meta")
+    rows = [eng.submit([t % 256 for t in range(chunk)], SamplingParams(max_tokens=2048, temperature=0)) for _ in range(n)]
+    chunks = [eng.submit([t % 256 for t in range(3 * chunk)], SamplingParams(max_tokens=1, temperature=0)) for _ in range(2)]
+
+    def step():
+        for r in chunks:  # rewound: every step runs both requests' next chunk (at 0 or chunk), none completes
+            if r.cached >= 2 * chunk:
+                r.cached = 0
+        eng.step()
+
+    with torch.inference_mode():
+        eng._drain(block=False)
+        eng._admit()
+        assert len(eng.running) == n + 2, "the pool does not hold the rows"
+        for r in rows:
+            r.cached = len(r.prompt) - 1
+        for _ in range(5):
+            step()
+        packed0 = eng.stats["packed_steps"]
+        times = []
+        for _ in range(5):
+            t0 = time.thread_time_ns()
+            for _ in range(rounds):
+                step()
+            times.append((time.thread_time_ns() - t0) / rounds / 1e3)
+        assert eng.stats["packed_steps"] - packed0 == 5 * rounds, "a timed step was not packed"
+        with OpCount() as count:
+            for _ in range(5):
+                step()
+    ops = {k: v / 5 for k, v in count.ops.most_common()}
+    print("HOST_PACKED", json.dumps({"decode_rows": n, "chunks": [chunk, chunk], "async_steps": async_steps, "meta_table": meta,
+                                     "device_ops_per_step": sum(count.meta.values()) / 5,
+                                     "device_copies_per_step": sum(count.meta[k] for k in ("to", "_to_copy", "copy_")) / 5,
+                                     "host_us_per_step_median": statistics.median(times),
+                                     "rounds_us": [round(x, 1) for x in times], "ops_per_step": sum(ops.values()),
+                                     "copies_per_step": ops.get("_to_copy", 0) + ops.get("copy_", 0), "ops": ops}))
 
 
 if __name__ == "__main__":

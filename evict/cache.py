@@ -23,6 +23,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from evict.host_copy import host_ints, to_device
+
 
 @dataclass
 class KVState:
@@ -54,23 +56,48 @@ def write_rows(arena: torch.Tensor, where: torch.Tensor, new: torch.Tensor) -> N
     flat.index_copy_(0, where, new.reshape(-1, *new.shape[2:]).to(flat.dtype))
 
 
-@dataclass
 class SlotBatch:
     """Where one forward's rows live in a slot pool (B rows of T new tokens each, L = keys read per row).
 
     rows [B] slot ids; positions [B, T] absolute positions of the new tokens; where [B*T] arena rows they go to;
-    gather [B, L] arena rows of positions 0..L-1 of each slot; mask [B, T, L]: key j is visible iff j <= position;
-    table [B, max_blocks] the rows' block tables and lengths [B] their lengths after this step (the paged decode op).
+    lengths [B] the rows' lengths after this step; table [B, max_blocks] the rows' block tables (the paged decode op);
+    gather [B, L] arena rows of positions 0..L-1 of each slot; mask [B, T, L]: key j is visible iff j <= position.
+    rows, positions, where and lengths come from the host in one copy (`HybridCache.select`); table, gather and mask
+    are formed on the device from the pool's block table when first read (a paged decode op reads none of gather and
+    mask, an exact row no mask), each with a few device ops and no host sync.
     """
 
-    rows: torch.Tensor
-    positions: torch.Tensor
-    where: torch.Tensor
-    gather: torch.Tensor
-    mask: torch.Tensor
-    table: torch.Tensor
-    lengths: torch.Tensor
-    exact: bool = False  # gather holds exactly each row's past and new keys (one row): causal attention, no mask
+    def __init__(self, rows: torch.Tensor, positions: torch.Tensor, where: torch.Tensor, lengths: torch.Tensor, *,
+                 pool_table: torch.Tensor, block_size: int, L: int, exact: bool = False,
+                 table: torch.Tensor | None = None):
+        self.rows, self.positions, self.where, self.lengths = rows, positions, where, lengths
+        self.exact = exact  # gather holds exactly each row's past and new keys (one row): causal attention, no mask
+        self.L = L
+        self._pool_table, self._bs = pool_table, block_size
+        self._table: torch.Tensor | None = table
+        self._gather: torch.Tensor | None = None
+        self._mask: torch.Tensor | None = None
+
+    @property
+    def table(self) -> torch.Tensor:
+        if self._table is None:
+            self._table = self._pool_table[self.rows]  # [B, max_blocks]
+        return self._table
+
+    @property
+    def gather(self) -> torch.Tensor:
+        if self._gather is None:
+            B, bs, L = self.rows.shape[0], self._bs, self.L
+            nb = -(-L // bs)
+            blocks = self.table[:, :nb, None]  # [B, nb, 1]
+            self._gather = (blocks * bs + torch.arange(bs, device=blocks.device)).reshape(B, nb * bs)[:, :L]  # [B, L]
+        return self._gather
+
+    @property
+    def mask(self) -> torch.Tensor:
+        if self._mask is None:
+            self._mask = torch.arange(self.L, device=self.positions.device) <= self.positions[:, :, None]  # [B, T, L]
+        return self._mask
 
     def write(self, arena: torch.Tensor, new: torch.Tensor) -> None:
         """Write new [B, T, ...] into the block arena [n_blocks, block_size, ...] at the rows' positions."""
@@ -79,7 +106,7 @@ class SlotBatch:
     def read(self, arena: torch.Tensor) -> torch.Tensor:
         """Every row's positions 0..L-1 from the block arena, contiguous: [B, L, ...] (one copy of what is read)."""
         flat = arena.view(-1, *arena.shape[2:])
-        B, L = self.gather.shape
+        B, L = self.rows.shape[0], self.L
         if L == 0:
             raise ValueError("cache: this selection reads keys in place only (a CUDA-graph decode step): no key gather")
         return flat.index_select(0, self.gather.reshape(-1)).view(B, L, *flat.shape[1:])  # ~10x advanced indexing
@@ -93,6 +120,7 @@ class PackedBatch:
     i at T offsets [offsets[i], offsets[i + 1]) (`chunks[i]` its SlotBatch [1, T_i], reading exactly its L_i = start +
     T_i keys). rows [N] slot ids in that order; positions [1, T]; where [T] arena rows of the new tokens;
     cu_seqlens [P + 1] (CPU int64) the chunks' bounds within the prompt part (offsets - D), for the memory op.
+    Every index tensor of every part is a view of one device buffer, copied from the host once (`select_packed`).
     Mixers project, convolve and run the memory op packed; attention runs per part (`split` / `join`).
     """
 
@@ -185,6 +213,9 @@ class HybridCache:
         self.pos = 0
         self.block_size = block_size  # None: one batch at one position; else a slot pool
         self.table = table  # [n_slots, max_blocks] int64 block ids (pool only)
+        # its host copy (written with it by set_blocks): each step's arena rows are computed on the host
+        self.host_table = None if table is None else (torch.zeros(table.shape, dtype=torch.int64) if table.is_meta
+                                                      else table.to("cpu", copy=True))  # a meta table holds no data
         self.batch: SlotBatch | PackedBatch | None = None  # the pool's rows of the next forward
         self.owner = owner  # the model it was built for (LM._cache_owner), checked by the forward; None: unchecked
         self.pad: list[int] | None = None  # left padding: each row's count of leading pad columns (PaddedBatch)
@@ -202,11 +233,13 @@ class HybridCache:
     # -- slot pool ----------------------------------------------------------------------------------------------
     def set_blocks(self, slot: int, blocks: list[int], *, non_blocking: bool = False) -> None:
         """The blocks that hold slot's positions, in order (block i holds positions [i bs, (i + 1) bs)).
-        `non_blocking` (a CUDA pool): copied from pinned memory without waiting for the device's queued work."""
-        if self.table is None:
+        `non_blocking` (a CUDA pool): copied from pinned memory without waiting for the device's queued work.
+        The host keeps its own copy of the table (`host_table`), from which each step's arena rows are computed."""
+        if self.table is None or self.host_table is None:
             raise ValueError("cache: set_blocks needs a slot pool (LM.new_pool), not a batch cache")
         if blocks:
             src = torch.tensor(blocks, dtype=torch.int64)
+            self.host_table[slot, : len(blocks)] = src
             self.table[slot, : len(blocks)].copy_(src.pin_memory() if non_blocking else src, non_blocking=non_blocking)
 
     def select(self, rows: list[int], starts: list[int], T: int) -> None:
@@ -216,22 +249,30 @@ class HybridCache:
         if self.block_size is None or self.table is None:
             raise ValueError("cache: select needs a slot pool (LM.new_pool), not a batch cache")
         _distinct(rows)
-        self.batch = self._batch(rows, starts, T)
-
-    def _batch(self, rows: list[int], starts: list[int], T: int, exact: bool = False) -> SlotBatch:
-        dev = self.table.device  # type: ignore[union-attr]
-        bs = self.block_size
-        assert bs is not None and self.table is not None
-        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
-        positions = torch.tensor(starts, dtype=torch.int64, device=dev)[:, None] + torch.arange(T, device=dev)  # [B, T]
+        if type(T) is not int or T < 1:
+            raise ValueError(f"cache: select runs at least one token per row, got T={T!r}")
+        B, bs = len(rows), self.block_size
         end = max(starts) + T
-        L = end if exact else -(-end // bs) * bs  # keys read per row: the longest row's (whole blocks unless exact)
-        blocks = self.table[rows_t]  # [B, max_blocks]
-        where = (blocks.gather(1, positions // bs) * bs + positions % bs).reshape(-1)  # [B*T]
-        nb = -(-L // bs)
-        gather = (blocks[:, :nb, None] * bs + torch.arange(bs, device=dev)).reshape(len(rows), nb * bs)[:, :L]  # [B, L]
-        mask = torch.arange(L, device=dev) <= positions[:, :, None]  # [B, T, L]
-        return SlotBatch(rows_t, positions, where, gather, mask, blocks, positions[:, -1] + 1, exact=exact and len(rows) == 1)
+        buf = self._indices(rows, starts, [T] * B)
+        self.batch = SlotBatch(buf[:B], buf[B : B + B * T].view(B, T), buf[B + B * T : B + 2 * B * T],
+                               buf[B + 2 * B * T :], pool_table=self.table, block_size=bs, L=-(-end // bs) * bs)
+
+    def _indices(self, slots: list[int], starts: list[int], lens: list[int]) -> torch.Tensor:
+        """N sequences' new tokens (slot, first position, count), packed in that order (T = sum(lens) tokens), as ONE
+        int64 device buffer [N + T + T + N]: the slots, each token's position, each token's arena row, each sequence's
+        length after this step. Formed on the host (the block table's host copy), moved by one copy (no sync on CUDA)."""
+        assert self.host_table is not None and self.table is not None and self.block_size is not None
+        bs = self.block_size
+        seg = host_ints(slots + starts + lens).view(3, -1)  # [3, N]
+        T = sum(lens)
+        if T == len(lens) and max(lens) == 1:  # one token each (decode rows)
+            positions, tok_slots = seg[1], seg[0]
+        else:
+            first = seg[2].cumsum(0) - seg[2]  # [N] each sequence's first packed index
+            positions = torch.arange(T) + (seg[1] - first).repeat_interleave(seg[2], output_size=T)  # [T]
+            tok_slots = seg[0].repeat_interleave(seg[2], output_size=T)  # [T]
+        where = self.host_table[tok_slots, positions // bs] * bs + positions % bs  # [T]
+        return to_device(torch.cat([seg[0], positions, where, seg[1] + seg[2]]), self.table.device)
 
     def select_packed(self, decode: list[tuple[int, int]], chunks: list[tuple[int, int, int]]) -> None:
         """The next forward runs tokens [1, T] packed: one token of each (slot, start) of `decode`, then each prompt
@@ -240,28 +281,38 @@ class HybridCache:
             raise ValueError("cache: select_packed needs a slot pool (LM.new_pool), not a batch cache")
         if not decode and not chunks:
             raise ValueError("cache: select_packed needs at least one decode row or prompt chunk")
-        _distinct([r for r, _ in decode] + [r for r, _, _ in chunks])
-        dec = self._batch([r for r, _ in decode], [s for _, s in decode], 1) if decode else None
-        parts = [self._batch([r], [s], n, exact=True) for r, s, n in chunks]
-        offsets = [len(decode)]
+        if any(type(n) is not int or n < 1 for _, _, n in chunks):
+            raise ValueError(f"cache: a prompt chunk runs at least one token, got chunks {chunks}")
+        slots = [r for r, _ in decode] + [r for r, _, _ in chunks]
+        _distinct(slots)
+        D, N, bs = len(decode), len(slots), self.block_size
+        offsets = [D]
         for _, _, n in chunks:
             offsets.append(offsets[-1] + n)
-        every = ([dec] if dec is not None else []) + parts
-        self.batch = PackedBatch(
-            rows=torch.cat([b.rows for b in every]), positions=torch.cat([b.positions.reshape(-1) for b in every])[None],
-            where=torch.cat([b.where for b in every]), decode=dec, chunks=parts, offsets=offsets,
-            cu_seqlens=torch.tensor(offsets, dtype=torch.int64) - offsets[0])
+        T = offsets[-1]
+        buf = self._indices(slots, [s for _, s in decode] + [s for _, s, _ in chunks], [1] * D + [n for _, _, n in chunks])
+        rows, positions, where, lengths = buf[:N], buf[N : N + T], buf[N + T : N + 2 * T], buf[N + 2 * T :]
+        table = self.table
+        dec = None
+        if decode:
+            end = max(s for _, s in decode) + 1
+            dec = SlotBatch(rows[:D], positions[:D, None], where[:D], lengths[:D], L=-(-end // bs) * bs,
+                            pool_table=table, block_size=bs)
+        parts = [SlotBatch(rows[D + i : D + i + 1], positions[None, a:b], where[a:b], lengths[D + i : D + i + 1],
+                           L=s + n, exact=True, pool_table=table, block_size=bs)
+                 for i, ((_, s, n), a, b) in enumerate(zip(chunks, offsets[:-1], offsets[1:]))]
+        self.batch = PackedBatch(rows=rows, positions=positions[None], where=where, decode=dec, chunks=parts,
+                                 offsets=offsets, cu_seqlens=torch.tensor(offsets, dtype=torch.int64) - D)
 
     def select_static(self, rows: torch.Tensor, starts: torch.Tensor) -> SlotBatch:
         """A one-token step for the slots `rows` [B] (device) at positions `starts` [B], computed on the device without
-        a host sync (CUDA-graph capture): the paged decode ops read keys in place, so no gather is laid out."""
+        a host sync (CUDA-graph capture): the paged decode ops read keys in place, so no gather is laid out (L = 0)."""
         assert self.block_size is not None and self.table is not None
         bs = self.block_size
         positions = starts[:, None]  # [B, 1]
         blocks = self.table[rows]  # [B, max_blocks]
         where = (blocks.gather(1, positions // bs) * bs + positions % bs).reshape(-1)
-        empty = torch.zeros(rows.shape[0], 0, dtype=torch.int64, device=rows.device)
-        self.batch = SlotBatch(rows, positions, where, empty, empty[:, None].bool(), blocks, starts + 1)
+        self.batch = SlotBatch(rows, positions, where, starts + 1, pool_table=self.table, block_size=bs, L=0, table=blocks)
         return self.batch
 
     def _selected(self) -> SlotBatch | PackedBatch:

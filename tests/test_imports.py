@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1] / "evict"
 # Lowest first. A module may import its own package and the packages of lower layers, nothing else: not a higher
 # layer, and not another package of its own layer.
 LAYERS = [
-    {"cli_args", "jsonfile", "report", "plots", "distributed"},  # utilities (flag types, JSON, tables, devices)
+    # utilities (flag types, JSON, tables, devices, host -> device copies)
+    {"cli_args", "jsonfile", "report", "plots", "distributed", "host_copy"},
     {"data"},  # corpora on disk: text, JSONL, parquet, datasets, token .bin files
     {"ops", "cache"},  # the memory op and the kernels; the decode cache, a data structure the layers fill
     {"layers", "stories"},  # model layers; the lesson's stories (ops on hand-made keys)

@@ -11,6 +11,9 @@ the rows (a SlotBatch), replayed from a CUDA graph of the row count's bucket on 
 each request's own parameters and generator, streams the tokens, and frees the slots of finished requests.
 When a forward needs a block and none is free, the most recently admitted running request is preempted: its slot and
 blocks are freed and it waits at the head of the queue with the tokens it has (prompt + output), to be recomputed.
+A packed step moves its host ints in two copies (the cache's index buffer, `HybridCache.select_packed`, and the
+engine's tokens / head positions / sampled rows / slots), from pinned memory on CUDA (`evict.host_copy.to_device`):
+nothing in a step waits for the device but the read of its sampled tokens.
 
 A sequence's tokens are processed as `generate` processes them alone: prompt chunks at the same boundaries
 (multiples of `prefill_chunk` from 0, unless the step's budget cuts one), then one token per forward; so greedy outputs
@@ -41,6 +44,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from evict.cli_args import first_line
+from evict.host_copy import host_ints, to_device
 from evict.models.generate import Penalties, sample_next
 from evict.serve.graphs import DecodeGraphs, fed
 
@@ -367,20 +371,24 @@ class Engine:
         return logits, slots
 
     def _tensor(self, xs: list) -> torch.Tensor:
-        """xs (ints) as an int64 tensor on the device; async on CUDA through pinned memory (no wait for the step running)."""
-        t = torch.tensor(xs, dtype=torch.int64)
-        return t.pin_memory().to(self.device, non_blocking=True) if self.pin else t.to(self.device)
+        """xs (ints) as an int64 tensor on the device; on CUDA through pinned memory (no wait for the step running)."""
+        return to_device(host_ints(xs), self.device)
 
-    def _packed(self, decode: list[Request], chunks: list[tuple[Request, int]]) -> torch.Tensor:
-        """One forward over the decode rows and the prompt chunks packed along T; logits [N, V] at each one's last
-        token. The head runs only there, and at the prompt positions whose log-probabilities a chunk's request
-        asked for (prompt_logprobs), which are recorded here."""
+    def _packed(self, decode: list[Request], chunks: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor,
+                                                                                     torch.Tensor | None]:
+        """One forward over the decode rows and the prompt chunks packed along T: (the requests that sample now, the
+        decode rows and the chunks that end their prompt; their logits [N, V]; their slots [N] on the device for
+        `feed`, async only). The head runs only at each part's last token and at the prompt positions whose
+        log-probabilities a chunk's request asked for (prompt_logprobs), which are recorded here. The step's host
+        ints (tokens, head positions, sampled rows, slots) go to the device in one copy (no sync on CUDA)."""
         self.pool.select_packed([(r.slot, r.cached) for r in decode], [(r.slot, r.cached, T) for r, T in chunks])
+        D = len(decode)
         toks = [r.next_token() for r in decode] + [t for r, T in chunks for t in r.pending(T)]  # in flight: -1
-        at = list(range(len(decode)))  # packed indices where the head runs
-        last = list(at)  # rows of `at` at each part's last token
+        at = list(range(D))  # packed indices where the head runs
+        pick = list(at)  # rows of `at` that sample: the decode rows, then each chunk that ends its prompt
         wanted: list[tuple[Request, int, int, int]] = []  # (request, first position wanted, how many, row of the first)
-        end = len(decode)
+        reqs = list(decode)
+        end = D
         for r, T in chunks:
             first, n = self._wanted(r, T)
             if n:
@@ -388,22 +396,25 @@ class Engine:
                 at += range(end + first - r.cached, end + T - 1)  # the chunk's last position comes next
             end += T
             at.append(end - 1)
-            last.append(len(at) - 1)
-        tokens = self._tensor(toks)
+            if r.cached + T == r.n_tokens:
+                pick.append(len(at) - 1)
+                reqs.append(r)
+        slots = [r.slot for r in reqs if r.slot is not None] if self.feed is not None else []  # every one has a slot
+        buf = to_device(host_ints(toks + at + pick + slots), self.device)
+        tokens, rest = buf[:end], buf[end:]
+        head, picked, slot_t = rest[: len(at)], rest[len(at) : len(at) + len(pick)], rest[len(at) + len(pick) :]
         if self.feed is not None and decode:  # a decode row's token may be in flight (a prompt chunk's never is)
-            tokens[: len(decode)] = fed(tokens[: len(decode)], self.feed, self._tensor([r.slot for r in decode]))
+            tokens[:D] = fed(tokens[:D], self.feed, slot_t[:D])
         with torch.no_grad():
-            logits = self.model(tokens[None], cache=self.pool, positions=self._tensor(at)[None])[0]  # [len(at), V]
-        if wanted:
-            for r, first, n, row in wanted:
-                self._record_prompt(r, first, logits[row : row + n])
-            logits = logits[torch.tensor(last, device=self.device)]
+            logits = self.model(tokens[None], cache=self.pool, positions=head[None])[0]  # [len(at), V]
+        for r, first, n, row in wanted:
+            self._record_prompt(r, first, logits[row : row + n])
         for r in decode:
             r.cached += 1
         for r, T in chunks:
             r.cached += T
         self.stats["packed_steps"] += 1
-        return logits
+        return reqs, logits if len(pick) == len(at) else logits[picked], slot_t if self.feed is not None else None
 
     @staticmethod
     def _wanted(r: Request, T: int) -> tuple[int, int]:
@@ -554,12 +565,8 @@ class Engine:
         if not chunks:
             return self._sample(decode, *self._decode(decode))
         self.stats["prefill_tokens"] += sum(T for _, T in chunks)
-        logits = self._packed(decode, chunks)
-        rows = list(range(len(decode))) + [len(decode) + i for i, (r, _) in enumerate(chunks) if r.cached == r.n_tokens]
-        reqs = decode + [r for r, _ in chunks if r.cached == r.n_tokens]
-        if not reqs:
-            return None
-        return self._sample(reqs, logits if len(rows) == len(logits) else logits[self._tensor(rows)], None)
+        reqs, logits, slots = self._packed(decode, chunks)
+        return self._sample(reqs, logits, slots) if reqs else None
 
     # -- one request's sampling, its token out, its failure ----------------------------------------------------
     def _sample_one(self, r: Request, logits: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ class DecodeGraphs:
         self.model, self.pool, self.scratch, self.feed = model, pool, scratch_slot, feed
         self.buckets = buckets(max_batch)
         self.device = pool.table.device
-        pool.table[scratch_slot] = scratch_block
+        pool.set_blocks(scratch_slot, [scratch_block] * pool.table.shape[1])
         self.graphs: dict[int, tuple] = {}  # bucket -> (graph, tokens [b, 1], rows [b], starts [b], logits [b, V])
         self.mempool = torch.cuda.graph_pool_handle()
 

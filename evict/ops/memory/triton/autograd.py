@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from evict.host_copy import to_device
+
 from .backward import backward_triton
 from .forward import CHUNKS, C, _gate, forward_triton, precision_for
 
@@ -153,8 +155,8 @@ _LAYOUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}  # (offsets, 
 
 def _packing(offsets: list[int], device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """_layout(offsets, device), kept for the last few offsets: every memory layer of one packed forward (a serving
-    step) runs the same offsets, and each layout costs two host-to-device copies, each a host sync that stalls the
-    host until the GPU has caught up (the layers after the first then reuse the device tensors, read-only)."""
+    step) runs the same offsets, and each layout costs two host-to-device copies (the layers after the first then reuse
+    the device tensors, read-only); `to_device` makes them from pinned memory, so they do not stall the host."""
     if torch.compiler.is_compiling():
         return _layout(offsets, device)
     key = (tuple(offsets), str(device))
@@ -176,7 +178,7 @@ def _layout(offsets: list[int], device) -> tuple[torch.Tensor, torch.Tensor, int
         counts[-1] = 1
     chunks = F.pad(counts.cumsum(0), (1, 0))
     rows = torch.arange(offsets[-1], dtype=torch.int64) + (C * chunks[:-1] - starts).repeat_interleave(lens)
-    return rows.to(device), chunks.to(device=device, dtype=torch.int32), C * int(chunks[-1])
+    return to_device(rows, device), to_device(chunks.to(torch.int32), device), C * int(chunks[-1])
 
 
 def _pad_rows(x, rows, length):
