@@ -15,6 +15,7 @@ import logging
 import math
 import operator
 import os
+import shutil
 import stat
 from pathlib import Path
 from typing import cast
@@ -424,11 +425,17 @@ class LM(nn.Module):
         text = self.cfg.to_json()
         state = self.state_dict()
         meta = {"evict_sha256": _digest(_by_storage(state, state)), "evict_config_sha256": _config_digest(json.loads(text))}
-        tmp_cfg, tmp_st = path / f".config.json.tmp-{os.getpid()}", path / f".model.safetensors.tmp-{os.getpid()}"
+        # the tensors are written inside a folder of this save's own (safetensors writes through a temporary file of
+        # its own naming beside its target: a save killed mid-write leaves it there, and only this folder's name is ours)
+        work = path / f".evict-save-{os.getpid()}"
+        tmp_cfg, tmp_st = path / f".config.json.tmp-{os.getpid()}", work / "model.safetensors"
         try:
             with _folder_lock(path, exclusive=True):
                 for stale in (*path.glob(".config.json.tmp-*"), *path.glob(".model.safetensors.tmp-*")):
                     stale.unlink(missing_ok=True)  # temporaries exist only under this lock: these are a killed save's
+                for old in path.glob(".evict-save-*"):
+                    shutil.rmtree(old, ignore_errors=True)
+                work.mkdir()
                 tmp_cfg.write_text(text)
                 save_model(self, str(tmp_st), metadata=meta)
                 os.chmod(tmp_st, stat.S_IMODE(tmp_cfg.stat().st_mode))  # safetensors creates 0600; match the config
@@ -437,8 +444,8 @@ class LM(nn.Module):
         except OSError as e:
             raise ValueError(f"path: cannot write the model into {path} ({e.strerror or first_line(e)})") from None
         finally:
-            for tmp in (tmp_cfg, tmp_st):
-                tmp.unlink(missing_ok=True)
+            tmp_cfg.unlink(missing_ok=True)
+            shutil.rmtree(work, ignore_errors=True)
         return path
 
     @classmethod

@@ -66,6 +66,37 @@ def test_kill_9_mid_save_leaves_one_whole_save_and_no_temporaries(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
 
 
+# A child whose tensor write dies as safetensors' would mid-file: its own temporary (".tmp" + 6 characters, beside its
+# target) written, then SIGKILL. session 61's CI saw such a file left in the folder by the kill -9 test above.
+DIES_IN_WRITE = """
+import os, pathlib, signal, sys, torch
+import safetensors.torch
+from evict.models import LM
+from evict.models.config import ModelConfig
+
+def dies(model, filename, metadata=None):
+    pathlib.Path(filename).with_name(".tmpAbC123").write_bytes(b"half a file")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+safetensors.torch.save_model = dies
+LM(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, pattern="AK")).save(sys.argv[1])
+"""
+
+
+def test_a_save_killed_inside_the_tensor_write_leaves_nothing_after_the_next_save(tmp_path):
+    models = _models()
+    folder = tmp_path / "m"
+    models[1e-5].save(folder)
+    child = spawn(DIES_IN_WRITE, str(folder))
+    child.wait(timeout=120)
+    assert child.returncode == -9, child.returncode
+    assert len(list(folder.iterdir())) > 2  # the dead write's leftovers are there
+    _assert_one_save(folder, models)
+    models[1e-3].save(folder)  # the next save clears them
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    _assert_is_one(LM.load(folder), {1e-3: models[1e-3]})
+
+
 def test_two_writers_and_a_reader_never_mix_a_pair(tmp_path):
     models = _models()
     folder = tmp_path / "m"
