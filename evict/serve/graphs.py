@@ -6,14 +6,16 @@ scratch block (their writes land there and are never read), and the forward (blo
 head) replays without Python dispatch. The forward inside is the model's own slot-pool forward (the paged decode ops
 read keys in place), so a replay computes exactly what the eager step computes. Graphs are captured on first use of
 their bucket (or all at once: `capture_all`), after two warm-up runs on a side stream (Triton compiles), and share one memory pool.
-With `feed` (the engine's async steps) a token -1 is read inside the graph from feed[slot] (the slot's last sampled
-token, still on the device) and the inputs are staged in pinned memory, so a step's launch does not wait for the one
-running.
+The inputs are staged in pinned memory (`evict.host_copy`), so a step's launch does not wait for the one running;
+with `feed` (the engine's async steps) a token -1 is read inside the graph from feed[slot] (the slot's last sampled
+token, still on the device).
 """
 
 from __future__ import annotations
 
 import torch
+
+from evict.host_copy import host_ints, to_device
 
 
 def fed(tokens: torch.Tensor, feed: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -48,10 +50,8 @@ class DecodeGraphs:
             self.graphs[b] = self._capture(b)
         graph, tok, rws, st, out = self.graphs[b]
         pad = b - n
-        host = torch.tensor([tokens + [0] * pad, rows + [self.scratch] * pad, starts + [0] * pad], dtype=torch.int64)
-        if self.feed is not None:
-            host = host.pin_memory()  # kept by torch's host allocator until the copy has run
-        dev = host.to(self.device, non_blocking=True)  # [3, b]
+        host = host_ints(tokens + [0] * pad + rows + [self.scratch] * pad + starts + [0] * pad)
+        dev = to_device(host, self.device).view(3, b)  # pinned on CUDA: the launch does not wait for the step running
         tok.copy_(dev[0, :, None])
         rws.copy_(dev[1])
         st.copy_(dev[2])
