@@ -150,8 +150,8 @@ def test_bf16_autocast_keeps_float32_logits():
 
 
 def test_compiles_whole_with_its_backward():
-    """torch.compile (fullgraph: no graph break; aot_eager: AOTAutograd traces the written-out backward, in its
-    compiled form) against the float64 loop, output and every gradient; odd sizes."""
+    """torch.compile (fullgraph: no graph break; aot_eager: AOTAutograd derives the backward of the plain ops that
+    compiled code traces, `_mix`) against the float64 loop, output and every gradient; odd sizes."""
     import torch._dynamo
 
     torch._dynamo.reset()
