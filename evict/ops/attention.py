@@ -74,9 +74,8 @@ _NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBack
 # A CUDA forward without gradient whose value head dim is below the key's (MLA: 192 / 128) pads v with zeros to the
 # key's dim, so SDPA can take its flash kernel (one head dim for q, k, v; up to 256 in 16-bit), not the memory-efficient
 # one; the padded output columns are zero and dropped. False: the unpadded call (dev/serve_prefill_profile.py runs both
-# side by side: its hybrid and hybrid_nopad rows). Off by default until its GPU test has run on a card (session 60's
-# device calls failed to start; dev/LOG.md): the default stays the dispatch whose GPU tests passed.
-PAD_VALUES_FOR_FLASH = False
+# side by side: its hybrid and hybrid_nopad rows). On since its GPU test passed on an H100 (session 62, dev/LOG.md).
+PAD_VALUES_FOR_FLASH = True
 
 
 def attention_sdpa(q, k, v, *, causal=True, scale, mask=None):

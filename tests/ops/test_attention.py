@@ -90,7 +90,7 @@ def test_gpu_mla_head_dims_run_flash_without_gradient(tq, tk, monkeypatch):
     float64 reference to 1e-2, as the op's other 16-bit GPU tests."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    monkeypatch.setattr(attention_ops, "PAD_VALUES_FOR_FLASH", True)  # opt-in until this test has passed on a card
+    monkeypatch.setattr(attention_ops, "PAD_VALUES_FOR_FLASH", True)  # the default: this test is about the padded path
     g = torch.Generator(device="cuda").manual_seed(tq + tk)
     q, k = (torch.randn(1, t, 8, 192, device="cuda", generator=g, dtype=torch.bfloat16) for t in (tq, tk))
     v = torch.randn(1, tk, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16)

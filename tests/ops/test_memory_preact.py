@@ -75,7 +75,7 @@ def test_pre_bad_input():
 
 @pytest.fixture(autouse=True)
 def _fused_on_cuda(monkeypatch):
-    """This file tests the fused CUDA form, opt-in (FUSE_PRE) until its GPU tests have run on a card; on the CPU the
+    """This file tests the fused CUDA form (FUSE_PRE, the default; set here so the tests stay about it); on the CPU the
     flag changes nothing."""
     import importlib
 

@@ -7,7 +7,7 @@
     Preact(...).apply(q, k, v, g, b)    the three above for one decode step, as `memory_step(pre=...)` takes them raw
 
 `memory_step(..., pre=Preact(...))` runs these maps inside the step: on CUDA in the step's one Triton launch when
-`evict.ops.memory.step.FUSE_PRE` is on (opt-in until its GPU tests have run on a card; ~20 fewer small launches a
+`evict.ops.memory.step.FUSE_PRE` is on (the default since its GPU tests passed on a card; ~20 fewer small launches a
 memory layer in the serving decode step), otherwise through `apply` and then the step.
 """
 

@@ -10,9 +10,9 @@ from .reference import rule
 from .triton import runs_on as triton_runs_on
 
 
-# `pre` inside the step's one Triton launch on CUDA: opt-in until its GPU tests have run on a card (session 60's device
-# calls failed to start; interpreter-tested). By default CUDA maps the raw inputs with `pre.apply` (torch) first.
-FUSE_PRE = False
+# `pre` inside the step's one Triton launch on CUDA (on since its GPU tests passed on an H100, session 62). False: CUDA
+# maps the raw inputs with `pre.apply` (torch) first, then the plain step kernel.
+FUSE_PRE = True
 
 
 def memory_step(q, k, v, state, *, log_alpha=None, beta=None, delta=False, scale=None, check=False, out=None, rows=None,
