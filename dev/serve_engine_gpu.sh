@@ -16,7 +16,8 @@
 # $RES/prefill_profile.json; ~4 min), async (the engine's GPU tests, every case with and without async steps, then
 # dev/serve_step_profile.py --decode-only 4352 --kernels 3 --compare-async into $RES/async_profile.txt: decode steps at
 # 1 and 128 rows without and then with async steps in one process; ~150 s), async4k (the 4K hybrid load without and
-# with --async-scheduling on, side by side; ~100 s).
+# with --async-scheduling on, side by side; ~100 s), 4kp (the 4K pair from 4 client processes, then each
+# model in the bench's process, no HTTP: is the one-process client or the server the limit of the 4K row? ~4 min).
 case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
 MODES=${*:-tests main engine cap attn profile knobs}
 set -uo pipefail
@@ -63,6 +64,9 @@ mode_async() {  # issue 73's async steps: GPU tests, then the decode step's time
 }
 mode_async4k() { bench 4k_sync hybrid 100 $B4K; bench 4k_async hybrid 100 $B4K --async-scheduling on; }
 mode_4k() { for m in hybrid attention; do bench 4k "$m" 120 $B4K; done; }
+mode_4kp() {  # the 4K pair with the timed requests sent from 4 client processes and with the engine in the bench's process
+    for m in hybrid attention; do bench 4k_clients4 "$m" 120 $B4K --client-procs 4; bench 4k_inprocess "$m" 120 $B4K --spawn engine; done
+}
 mode_batch1() { for m in ${BATCH1_MODELS:-hybrid attention}; do bench batch1 "$m" 60 $BATCH1; done; }  # BATCH1_MODELS=hybrid: one
 mode_32k() { for m in hybrid attention; do bench 32k "$m" 120 $B32K; done; }
 mode_main() { mode_4k; mode_batch1; mode_32k; }
