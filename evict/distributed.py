@@ -67,14 +67,20 @@ def check_fsdp_available() -> None:
         raise ValueError(f"dist: FSDP2 needs torch >= 2.6 (this is torch {torch.__version__}); use --dist ddp") from None
 
 
-def parallelize(model: nn.Module, *, kind: str, compile: bool, device: torch.device) -> nn.Module:
-    """Per-block torch.compile (when `compile`: the model's own `compile_blocks`, an LM's one dynamo cache per block
-    form; else each block), then, when a process group is initialised, FSDP2 per block and
-    at the root (`kind="fsdp"`) or DDP (`kind="ddp"`). Returns the module to call (the model itself, or its DDP)."""
+def parallelize(model: nn.Module, *, kind: str, compile: bool, device: torch.device,
+                lean: bool | None = None) -> nn.Module:
+    """Per-block torch.compile (when `compile`: the model's own `compile_blocks(lean=lean)`, an LM's one dynamo cache
+    per block form, lean=True its lean form and None the model's default; else each block), then, when a process group
+    is initialised, FSDP2 per block and at the root (`kind="fsdp"`) or DDP (`kind="ddp"`). Returns the module to call
+    (the model itself, or its DDP). A model without `compile_blocks` has no lean form: lean=True is a ValueError."""
     blocks = list(getattr(model, "blocks", []))
-    if compile:  # the model's own method (no import of a higher layer here)
-        if callable(getattr(model, "compile_blocks", None)):
-            model.compile_blocks()  # type: ignore[operator]
+    own = callable(getattr(model, "compile_blocks", None))  # the model's own method (no import of a higher layer here)
+    if compile and lean and not own:
+        raise ValueError(f"compile_lean: {type(model).__name__} has no lean compiled form (evict's LM has: its "
+                         "compile_blocks(lean=True)); drop compile_lean")
+    if compile:
+        if own:
+            model.compile_blocks(lean=lean)  # type: ignore[operator]
         else:
             for blk in blocks or [model]:
                 blk.compile()

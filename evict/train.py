@@ -86,6 +86,8 @@ class TrainConfig:
     stop_file: str | None = None  # a path whose existence, seen at an evaluation, ends the run there (stopped_early)
     grad_accum: int = 1  # micro-batches per rank per optimizer step (batch_size is the global batch)
     compile: bool = False  # torch.compile each block (or the whole model if it has no `blocks`)
+    compile_lean: bool = False  # with compile: the lean compiled form, compile_blocks(lean=True) (blocks keep less for
+    # the backward and recompute elementwise values and the short conv there); False: the module's default (LEAN)
     checkpoint_blocks: bool = False  # activation checkpointing per block (sets evict's LM's gradient_checkpointing)
     dist: str = "fsdp"  # under torchrun: "fsdp" (FSDP2, per block) or "ddp"
     tensorboard: bool = False  # also write the metrics rows as TensorBoard scalars into out_dir/tensorboard
@@ -124,6 +126,9 @@ class TrainConfig:
             raise ValueError(f"batch_size must be a multiple of grad_accum={self.grad_accum}, got {self.batch_size}")
         if self.dist not in distributed.DIST:
             raise ValueError(f"dist must be one of {distributed.DIST}, got {self.dist!r}")
+        if self.compile_lean and not self.compile:
+            raise ValueError("compile_lean: the lean form is a form of the compiled blocks; needs compile=True, got "
+                             "compile=False")
         if self.graphs and self.grad_accum > 1:
             raise ValueError("graphs: a captured step holds one batch; use grad_accum=1 with graphs")
         if self.tensorboard and self.out_dir is None:
@@ -386,7 +391,7 @@ def train(model: nn.Module, task: Task, cfg: TrainConfig, record: dict | None = 
     """Train `model` on `task` for cfg.steps optimizer steps (or until val accuracy >= target_accuracy).
 
     Under torch.distributed (torchrun) the model is sharded (FSDP2) or replicated (DDP) here, after per-block
-    torch.compile when cfg.compile; `model` is then the trained model on every rank (FSDP2: sharded in place — take
+    torch.compile when cfg.compile (the lean form with cfg.compile_lean); `model` is then the trained model on every rank (FSDP2: sharded in place — take
     `distributed.full_model_state(model)` on every rank for its full weights).
 
     `record` (JSON-able, e.g. the model and task configs): with out_dir, out_dir/run.json is rewritten after each
@@ -463,7 +468,8 @@ class Trainer:
         model.to(self.device)
         model.train()
         self.core = model
-        self.model = distributed.parallelize(model, kind=cfg.dist, compile=cfg.compile, device=self.device)
+        self.model = distributed.parallelize(model, kind=cfg.dist, compile=cfg.compile,
+                                                lean=True if cfg.compile_lean else None, device=self.device)
         self.opt = _make_optimizer(self.model, cfg, self.device)
         self.schedule = WarmupCosine(cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
         self.per_row = _labels_per_row(self.model, self.task, cfg)

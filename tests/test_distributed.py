@@ -1,5 +1,6 @@
 """Training on 2 CPU processes (gloo) as torchrun would run it: the same losses as one process at the same global
-batch (FSDP2, and DDP with accumulation), exact resume from sharded checkpoints, MoE hooks on the wrapped model."""
+batch (FSDP2, and DDP with accumulation), exact resume from sharded checkpoints, MoE hooks on the wrapped model; and
+parallelize's one compile path, handing `lean` to the model's own compile_blocks."""
 
 import json
 import os
@@ -103,3 +104,27 @@ def test_torchrun_cli_equals_one_process(tmp_path):
     assert run["world_size"] == 2 and run["per_rank_batch"] == 2
     summaries = [json.loads((tmp_path / n / "summary.json").read_text()) for n in ("one", "two")]
     assert summaries[0]["val_loss"] == pytest.approx(summaries[1]["val_loss"], abs=1e-5)
+
+
+def test_parallelize_hands_lean_to_the_models_compile_blocks():
+    """One compile path (one process here; FSDP2 / DDP wrap after it): `lean` reaches the model's compile_blocks as
+    given (None: the model's default form); without `compile` nothing compiles; a model with no compile_blocks has no
+    lean form: one line naming compile_lean."""
+    from evict.distributed import parallelize
+
+    class Spy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def compile_blocks(self, **kw):
+            self.calls.append(kw)
+
+    model, cpu = Spy(), torch.device("cpu")
+    for lean in (None, True, False):
+        assert parallelize(model, kind="fsdp", compile=True, lean=lean, device=cpu) is model
+    parallelize(model, kind="ddp", compile=True, device=cpu)
+    parallelize(model, kind="fsdp", compile=False, lean=True, device=cpu)
+    assert model.calls == [{"lean": None}, {"lean": True}, {"lean": False}, {"lean": None}]
+    with pytest.raises(ValueError, match="^compile_lean: Linear has no lean compiled form"):
+        parallelize(torch.nn.Linear(2, 2), kind="fsdp", compile=True, lean=True, device=cpu)

@@ -169,7 +169,8 @@ def test_schedule():
     "kwargs,word",
     [({"steps": 0}, "steps"), ({"lr": 0.0}, "lr"), ({"warmup_steps": 100}, "warmup_steps"),
      ({"amp": "fp8"}, "amp"), ({"min_lr_ratio": 2.0}, "min_lr_ratio"), ({"target_accuracy": 1.5}, "target_accuracy"),
-     ({"checkpoint_every": 0}, "checkpoint_every"), ({"betas": (0.9, 1.0)}, "betas")],
+     ({"checkpoint_every": 0}, "checkpoint_every"), ({"betas": (0.9, 1.0)}, "betas"),
+     ({"compile_lean": True}, "^compile_lean: the lean form is a form of the compiled blocks; needs compile=True")],
 )
 def test_config_validation(kwargs, word):
     with pytest.raises(ValueError, match=word):

@@ -1,5 +1,6 @@
 """The training loop's one loss path for evict's LM (`targets=`: the chunked linear cross-entropy), its accuracy
-counts, and per-block activation checkpointing through TrainConfig / `evict train --checkpoint-blocks`."""
+counts, per-block activation checkpointing through TrainConfig / `evict train --checkpoint-blocks`, and the lean
+compiled form's refusal of a model that has none (its runs: tests/test_cli_train_flags.py)."""
 
 import json
 
@@ -59,3 +60,8 @@ def test_checkpoint_blocks_trains_the_same(tmp_path):
 def test_checkpoint_blocks_needs_a_model_that_has_it():
     with pytest.raises(ValueError, match="^checkpoint_blocks: Tiny has no per-block activation checkpointing"):
         train(Tiny(), CopyTask(), TrainConfig(steps=1, device="cpu", progress=False, checkpoint_blocks=True))
+
+
+def test_compile_lean_needs_a_model_that_has_it():
+    with pytest.raises(ValueError, match="^compile_lean: Tiny has no lean compiled form"):
+        train(Tiny(), CopyTask(), TrainConfig(steps=1, device="cpu", progress=False, compile=True, compile_lean=True))
