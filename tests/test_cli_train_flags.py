@@ -1,5 +1,6 @@
 """`evict train`'s training flags and resume semantics: replay a run.json, continue a finished run, refuse what
-cannot be honoured (one line, nothing written), start over, grad norm and tokens/s in the metrics."""
+cannot be honoured (one line, nothing written), start over, grad norm and tokens/s in the metrics; --compile-lean's
+runs (the lean compiled blocks train as eager does; recorded and replayed)."""
 
 import json
 import sys
@@ -8,7 +9,9 @@ import pytest
 import torch
 
 from evict.cli import main
+from evict.models import LM
 from tests.test_cli_train import TINY, corpus  # noqa: F401  (the tiny model flags and the corpus fixture)
+from tests.test_distributed_gpu import COMPILED_RTOL
 
 
 def _argv(corpus, out, *extra, steps=2):
@@ -145,3 +148,53 @@ def test_tensorboard_flag(corpus, tmp_path, capsys, monkeypatch):
     assert e.value.code == 2 and err == ["evict train: error: --tensorboard: the tensorboard package is not installed "
                                          "(pip install tensorboard)"]
     assert not (tmp_path / "none").exists()
+
+
+def _losses_close(out, eager):
+    got, want = [r["loss"] for r in _rows(out)], [r["loss"] for r in _rows(eager)]
+    assert len(got) == len(want) >= 2 and all(abs(a - b) <= COMPILED_RTOL * abs(b) for a, b in zip(got, want)), \
+        (got, want)
+
+
+def test_compile_lean_reaches_compile_blocks_trains_as_eager_and_replays(corpus, tmp_path, monkeypatch):
+    """--compile-lean (alone: it implies --compile) calls the LM's compile_blocks(lean=True) once; the run's losses are
+    the eager run's within the compiled-vs-eager tolerance; run.json records compile and compile_lean, and resuming the
+    run from it (--config run.json, more steps) compiles lean again and records it in the new segment. The graphs are
+    compiled by aot_eager_decomp_partition: Inductor's partitioner under the lean form's LEAN_PARTITION, the graphs
+    run eager (seconds; Inductor's own C++ compile of the same run is the slow test below)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    calls = []
+    real = LM.compile_blocks
+
+    def spy(self, **kw):
+        calls.append(kw)
+        real(self, backend="aot_eager_decomp_partition", **kw)
+
+    monkeypatch.setattr(LM, "compile_blocks", spy)
+    main(_argv(corpus, tmp_path / "eager", "--preset", "kda"))
+    assert calls == []
+    out = tmp_path / "lean"
+    main(_argv(corpus, out, "--preset", "kda", "--compile-lean"))
+    assert calls == [{"lean": True}]
+    _losses_close(out, tmp_path / "eager")
+    t = json.loads((out / "run.json").read_text())["train"]
+    assert (t["compile"], t["compile_lean"]) == (True, True)
+    main(["train", "--config", str(out / "run.json"), "--out", str(out), "--steps", "3"])
+    assert calls == [{"lean": True}] * 2
+    run = json.loads((out / "run.json").read_text())
+    assert run["steps_done"] == 3 and [s["steps"] for s in run["segments"]] == [[0, 2], [2, 3]]
+    assert [(s["train"]["compile"], s["train"]["compile_lean"]) for s in run["segments"]] == [(True, True)] * 2
+
+
+@pytest.mark.slow
+def test_compile_lean_through_inductor_trains_as_eager(corpus, tmp_path):
+    """`evict train --compile-lean` as a user runs it: each KDA block through Inductor (C++ on the CPU) in the lean
+    form; the losses are the eager run's within the compiled-vs-eager tolerance. ~2 minutes on 2 busy cores."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    main(_argv(corpus, tmp_path / "eager", "--preset", "kda"))
+    main(_argv(corpus, tmp_path / "lean", "--preset", "kda", "--compile-lean"))
+    _losses_close(tmp_path / "lean", tmp_path / "eager")

@@ -1,6 +1,6 @@
 """`evict train`'s run-folder flags, hardened (issue 76): --config run.json replays every `train` field or refuses it by
-name; --no-resume removes only what evict wrote; --out expands ~; --set vocab_size and a decay that flips the
-weights are one line before anything runs."""
+name; --no-resume removes only what evict wrote; --out expands ~; --set vocab_size, a decay that flips the weights and
+--compile-lean against a run.json that records compile false are one line before anything runs."""
 
 import dataclasses
 import json
@@ -92,3 +92,30 @@ def test_flags_that_cannot_train_are_one_line(tmp_path, capsys, monkeypatch, arg
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and says in err[0], err
     assert not (tmp_path / "o").exists()
+
+
+def test_compile_lean_implies_compile_unless_a_run_json_records_compile_false(tmp_path, capsys, monkeypatch):
+    """--compile-lean alone turns --compile on; a run.json that records compile false (an eager run's, or one edited to
+    compile_lean true) contradicts it: one line naming --compile-lean, exit 2, nothing written; --compile given as
+    well wins over the file. A run.json from before the flag (no compile_lean field) replays as not lean."""
+    monkeypatch.chdir(tmp_path)
+    o = tmp_path / "o"
+    tcfg = train_config(_resolve(["train", "--compile-lean", "--out", str(o)]))
+    assert (tcfg.compile, tcfg.compile_lean) == (True, True)
+    for recorded, extra in (({}, ["--compile-lean"]), ({"compile_lean": True}, [])):
+        path = _run_json(tmp_path, compile=False, **recorded)
+        with pytest.raises(SystemExit) as e:
+            main(["train", "--config", str(path), "--out", str(o), *extra])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and err == [f"evict train: error: --compile-lean: {path} records compile false, and "
+                                             "the lean form is a form of --compile; pass --compile as well, or drop "
+                                             "--compile-lean"], err
+        assert not o.exists()
+        tcfg = train_config(_resolve(["train", "--config", str(path), "--out", str(o), "--compile", *extra]))
+        assert (tcfg.compile, tcfg.compile_lean) == (True, True)
+    old = _run_json(tmp_path, compile=True)
+    d = json.loads(old.read_text())
+    del d["train"]["compile_lean"]
+    old.write_text(json.dumps(d))
+    tcfg = train_config(_resolve(["train", "--config", str(old), "--out", str(o)]))
+    assert (tcfg.compile, tcfg.compile_lean) == (True, False)
