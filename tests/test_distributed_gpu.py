@@ -62,11 +62,15 @@ def test_fsdp_world_of_one_bf16_compile_resumes_from_shards(tmp_path):
 
 @needs_cuda
 def test_compile_matches_eager_on_cuda(tmp_path):
-    for name, compile in (("eager", False), ("compiled", True)):
-        train(_model(), _task(), TrainConfig(**BASE, device="cuda", amp="none", compile=compile,
-                                             out_dir=str(tmp_path / name)))
-    got, want = _losses(tmp_path / "compiled"), _losses(tmp_path / "eager")
-    assert all(abs(a - b) <= COMPILED_RTOL * abs(b) for a, b in zip(got, want)), (got, want)
+    """The compiled blocks (default and lean form, `evict train --compile` / `--compile-lean`) train as eager does."""
+    forms = {"eager": {}, "compiled": dict(compile=True), "lean": dict(compile=True, compile_lean=True)}
+    for name, kw in forms.items():
+        torch._dynamo.reset()  # each form compiles its blocks afresh (no other test's cache entries)
+        train(_model(), _task(), TrainConfig(**BASE, device="cuda", amp="none", **kw, out_dir=str(tmp_path / name)))
+    want = _losses(tmp_path / "eager")
+    for name in ("compiled", "lean"):
+        got = _losses(tmp_path / name)
+        assert len(got) == 8 and all(abs(a - b) <= COMPILED_RTOL * abs(b) for a, b in zip(got, want)), (name, got, want)
 
 
 def _worker(rank, port, root):
