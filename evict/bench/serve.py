@@ -54,7 +54,8 @@ def server_argv(args, port: int) -> list[str]:
     if args.set:
         argv += ["--set", *args.set]
     for flag in ("max_batch", "cache_budget", "block_size", "max_len", "prefill_chunk", "max_num_batched_tokens",
-                 "decode_prefill_tokens", "priority", "cuda_graphs", "async_scheduling", "dtype", "threads"):
+                 "decode_prefill_tokens", "priority", "cuda_graphs", "async_scheduling", "dtype", "threads",
+                 "engine_process"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     return argv + ["--device", args.device]
