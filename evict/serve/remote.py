@@ -11,7 +11,7 @@ max_len and the pool's sizes):
     EngineClient.cancel ── ("cancel", id) ──────────────────> Engine.cancel
     EngineClient.metrics ─ ("metrics", key) ──────────────── > Engine.metrics ─> ("metrics", key, dict)
     reader thread <── ("events", [one step's events]) ─────── engine thread, after each step (Engine.after_step)
-    EngineClient.stop ──── a multiprocessing Event ─────────> main thread: Engine.stop, the process exits
+    EngineClient.stop ──── one byte down a third pipe ──────> main thread: Engine.stop, the process exits
 
 Each step's events (a token with its log-probability entry, or a finish with its reason and error; a request's prompt
 log-probabilities with its first event) go up as ONE message; the reader thread hands them to the requests' on_token /
@@ -66,14 +66,14 @@ class EngineClient:
         ctx = mp.get_context("spawn")
         commands, self._commands = ctx.Pipe(duplex=False)  # (reader, writer)
         self._events, events = ctx.Pipe(duplex=False)
-        self._stop_event = ctx.Event()
+        stop, self._stop_pipe = ctx.Pipe(duplex=False)  # one byte: stop (not an mp.Event: a killed child would hang it)
         child_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "fn"})
         child_args.engine_process = "off"
-        self.process = ctx.Process(target=child_main, args=(child_args, commands, events, self._stop_event, prepare),
+        self.process = ctx.Process(target=child_main, args=(child_args, commands, events, stop, prepare),
                                    name="evict-engine", daemon=True)
         self.process.start()
-        commands.close()  # the child's ends: this process keeps none, so a dead child is an EOF here
-        events.close()
+        for end in (commands, events, stop):  # the child's ends: this process keeps none, so a dead child is an EOF here
+            end.close()
         try:
             info = self._wait_ready()
         except BaseException:
@@ -143,8 +143,12 @@ class EngineClient:
         """The child's engine stops after its current step (its requests in flight get errors) and the child exits;
         `timeout`: seconds to wait for that (0: do not wait), then the child is killed and whatever is still in flight
         gets its error here."""
-        self._stopping = True
-        self._stop_event.set()  # no pipe write: this may run in a signal handler that interrupted a send
+        if not self._stopping:  # not through the command pipe: this may run in a signal handler that interrupted a send
+            self._stopping = True
+            try:
+                self._stop_pipe.send_bytes(b"s")
+            except OSError:  # the child is gone
+                pass
         if timeout == 0:
             return
         self.process.join(timeout)
@@ -241,8 +245,8 @@ class EngineClient:
 
 # -- the child process ----------------------------------------------------------------------------------------------
 def child_main(args: argparse.Namespace, commands, events, stop, prepare: Callable[[], None] | None) -> None:
-    """The child: build the engine, answer the client's commands, send each step's events; exit when `stop` is set
-    or the server process is gone."""
+    """The child: build the engine, answer the client's commands, send each step's events; exit when `stop` gets its
+    byte or the server process is gone (its end closed)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server stops us
     if prepare is not None:
         prepare()
@@ -256,10 +260,10 @@ def child_main(args: argparse.Namespace, commands, events, stop, prepare: Callab
     except Exception as e:
         events.send(("failed", f"serve: the engine could not be built ({type(e).__name__}: {first_line(e)})"))
         raise
-    child = Child(engine, events, stop)
+    child = Child(engine, events)
     events.send(("ready", {k: getattr(engine, k) for k in INFO}))
     threading.Thread(target=child.commands, args=(commands,), name="evict-engine-commands", daemon=True).start()
-    stop.wait()
+    stop.poll(None)
     engine.stop()  # its thread fails what is in flight, then after_step sends those errors
     child.flush()
     sys.stderr.flush()
@@ -269,8 +273,8 @@ def child_main(args: argparse.Namespace, commands, events, stop, prepare: Callab
 class Child:
     """The child's side: its engine's callbacks gather events; after each step they go up as one message."""
 
-    def __init__(self, engine, events, stop):
-        self.engine, self.events, self.stop = engine, events, stop
+    def __init__(self, engine, events):
+        self.engine, self.events = engine, events
         self.lock = threading.Lock()  # the event pipe's writers: the engine thread, the command thread
         self.batch: list[tuple] = []  # this step's events (the engine thread appends and sends them)
         self.reqs: dict = {}  # id -> engine.Request
@@ -282,8 +286,8 @@ class Child:
         with self.lock:
             try:
                 self.events.send(msg)
-            except OSError:  # the server process is gone
-                self.stop.set()
+            except OSError:  # the server process is gone: the main thread sees the stop pipe's end closed
+                pass
 
     def flush(self) -> None:
         if self.batch:
@@ -333,5 +337,5 @@ class Child:
                 elif msg[0] == "start":
                     self.started = True
                     self.engine.start()
-        except (EOFError, OSError):
-            self.stop.set()
+        except (EOFError, OSError):  # the server process is gone: the main thread sees the stop pipe's end closed
+            pass
