@@ -32,6 +32,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 
 from evict.cli_args import first_line
 from evict.serve.engine import EngineDown, SamplingParams, check_request
@@ -132,7 +133,12 @@ class EngineClient:
     @property
     def alive(self) -> bool:
         """The child process runs, and its engine thread too (started, not stopped, not dead)."""
-        return self._started and self._engine_up and not self._stopping and self.process.is_alive()
+        return self._started and self._engine_up and not self._stopping and not self._exited(0)
+
+    def _exited(self, timeout: float | None) -> bool:
+        """The child has exited (waits up to `timeout` s). Its sentinel, not waitpid: only the reader thread reaps it
+        (two threads in waitpid make multiprocessing see a reaped child as alive)."""
+        return bool(wait([self.process.sentinel], timeout))
 
     def start(self) -> None:
         self._started = self._engine_up = True
@@ -151,12 +157,11 @@ class EngineClient:
                 pass
         if timeout == 0:
             return
-        self.process.join(timeout)
-        if self.process.is_alive():
+        if not self._exited(timeout):
             log.warning("serve: the engine process did not stop within %s s; killed", timeout)
             self.process.kill()
-            self.process.join(5)
-        self._reader.join(5)
+            self._exited(5)
+        self._reader.join(5)  # it reaps the child and fails what is still in flight
 
     def metrics(self) -> dict:
         """The child engine's metrics (a round trip: the caller waits for the child's answer)."""
@@ -198,7 +203,8 @@ class EngineClient:
         except Exception as e:  # a message that could not be read: the child is unusable
             log.error("serve: the engine process's messages failed (%s: %s)", type(e).__name__, first_line(e))
         self._engine_up = False
-        self.process.join(1)
+        if self._exited(5):
+            self.process.join(0)  # reaped here only
         why = "the server is shutting down" if self._stopping else \
             f"the engine process died (exit code {self.process.exitcode}); see the server's log"
         with self._lock:
