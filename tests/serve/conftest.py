@@ -33,6 +33,20 @@ def install_flaky_sampler() -> None:
     engine_module.sample_next = flaky(engine_module.sample_next)
 
 
+def failing_requests_fail_alone(c, name: str, greedy: list[int]) -> None:
+    """Through the openai client `c`: a request of FAILING_TEMPERATURE gets a 500 naming the injected failure
+    (streamed: an error event); then "hi" at the tiniest positive temperature (greedy, not an overflow) answers `greedy`."""
+    import openai
+
+    with pytest.raises(openai.InternalServerError) as e:
+        c.completions.create(model=name, prompt="hi", max_tokens=4, temperature=FAILING_TEMPERATURE)
+    assert "injected sampler failure" in e.value.body["message"]
+    with pytest.raises(openai.APIError):
+        list(c.completions.create(model=name, prompt="hi", max_tokens=4, temperature=FAILING_TEMPERATURE, stream=True))
+    r = c.completions.create(model=name, prompt="hi", max_tokens=4, temperature=1e-39, extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == greedy
+
+
 def hang_steps() -> None:
     """An engine whose steps hang once a request runs (a stuck kernel), for an EngineClient's `prepare`."""
     from evict.serve.engine import Engine

@@ -21,7 +21,7 @@ from evict.serve.load import add_engine_flags, build_engine, load_served  # noqa
 from evict.serve.remote import EngineClient  # noqa: E402
 from evict.serve.server import ServerThread, build_app  # noqa: E402
 from evict.tasks.tokenizers import ByteTokenizer  # noqa: E402
-from tests.serve.conftest import FAILING_TEMPERATURE, hang_steps, install_flaky_sampler  # noqa: E402
+from tests.serve.conftest import failing_requests_fail_alone, hang_steps, install_flaky_sampler  # noqa: E402
 
 NAME = "tiny"
 FLAGS = ["--preset", "kimi_linear", "--set", "n_layers=2", "init_std=0.2", "--max-batch", "8", "--cache-budget", "8M",
@@ -137,13 +137,7 @@ def test_a_hang_up_frees_its_slot(servers):
 def test_a_failing_sampler_fails_only_its_request(servers):
     r_url, _, model, remote = servers
     c = client(r_url)
-    with pytest.raises(openai.InternalServerError) as e:
-        c.completions.create(model=NAME, prompt="hi", max_tokens=4, temperature=FAILING_TEMPERATURE)
-    assert "injected sampler failure" in e.value.body["message"]
-    with pytest.raises(openai.APIError):
-        list(c.completions.create(model=NAME, prompt="hi", max_tokens=4, temperature=FAILING_TEMPERATURE, stream=True))
-    r = c.completions.create(model=NAME, prompt="hi", max_tokens=4, temperature=0, extra_body={"return_token_ids": True})
-    assert r.choices[0].model_extra["token_ids"] == alone(model, list(b"hi"), 4)
+    failing_requests_fail_alone(c, NAME, alone(model, list(b"hi"), 4))
     assert httpx.get(f"{r_url}/health").json()["status"] == "ok" and remote.alive
     with pytest.raises(openai.BadRequestError) as e:  # checked at the client's door, as the Engine's
         c.completions.create(model=NAME, prompt="hi", max_tokens=1000)
