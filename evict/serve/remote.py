@@ -330,18 +330,25 @@ class Child:
 
     def commands(self, conn) -> None:
         """The command thread: the client's messages until the server process is gone."""
-        try:
-            while True:
+        while True:
+            try:
                 msg = conn.recv()
-                if msg[0] == "submit":
-                    self.submit(*msg[1:])
-                elif msg[0] == "cancel":
-                    if (req := self.reqs.get(msg[1])) is not None:
-                        self.engine.cancel(req)
-                elif msg[0] == "metrics":
-                    self.send(("metrics", msg[1], self.engine.metrics()))
-                elif msg[0] == "start":
-                    self.started = True
-                    self.engine.start()
-        except (EOFError, OSError):  # the server process is gone: the main thread sees the stop pipe's end closed
-            pass
+            except (EOFError, OSError):  # the server process is gone: the main thread sees the stop pipe's end closed
+                return
+            try:
+                self.command(msg)
+            except Exception as e:  # a bug here must not leave the server waiting for answers: log it, go on
+                log.error("serve: the engine process's command %s failed (%s: %s)", msg[0], type(e).__name__,
+                          first_line(e))
+
+    def command(self, msg: tuple) -> None:
+        if msg[0] == "submit":
+            self.submit(*msg[1:])
+        elif msg[0] == "cancel":
+            if (req := self.reqs.get(msg[1])) is not None:
+                self.engine.cancel(req)
+        elif msg[0] == "metrics":
+            self.send(("metrics", msg[1], self.engine.metrics()))
+        elif msg[0] == "start":
+            self.started = True
+            self.engine.start()

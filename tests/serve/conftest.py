@@ -59,3 +59,18 @@ def hang_steps() -> None:
         return real(self)
 
     Engine.step = step  # type: ignore[method-assign]
+
+
+def die_in_step() -> None:
+    """An engine whose thread dies (SystemExit: nothing in its loop catches it) once a request runs, for an
+    EngineClient's `prepare`."""
+    from evict.serve.engine import Engine
+
+    real = Engine.step
+
+    def step(self):
+        if self.running:
+            raise SystemExit("the thread dies")
+        return real(self)
+
+    Engine.step = step  # type: ignore[method-assign]

@@ -21,7 +21,7 @@ from evict.serve.load import add_engine_flags, build_engine, load_served  # noqa
 from evict.serve.remote import EngineClient  # noqa: E402
 from evict.serve.server import ServerThread, build_app  # noqa: E402
 from evict.tasks.tokenizers import ByteTokenizer  # noqa: E402
-from tests.serve.conftest import failing_requests_fail_alone, hang_steps, install_flaky_sampler  # noqa: E402
+from tests.serve.conftest import die_in_step, failing_requests_fail_alone, hang_steps, install_flaky_sampler  # noqa: E402
 
 NAME = "tiny"
 FLAGS = ["--preset", "kimi_linear", "--set", "n_layers=2", "init_std=0.2", "--max-batch", "8", "--cache-budget", "8M",
@@ -186,6 +186,28 @@ def test_a_killed_child_fails_what_is_in_flight_and_health_says_so():
     finally:
         remote.stop(5)
     assert remote.process.exitcode == -signal.SIGKILL
+
+
+def test_a_dead_engine_thread_in_the_child_is_reported_and_requests_get_errors():
+    remote = EngineClient(parse(SMALL + ["--engine-process", "on"]), prepare=die_in_step)
+    remote.start()
+    try:
+        with ServerThread(build_app(remote, ByteTokenizer(), NAME)) as url:
+            assert httpx.get(f"{url}/health").status_code == 200
+            with pytest.raises(openai.APIStatusError) as e:  # in flight when the thread died: an error, not a hang
+                client(url).completions.create(model=NAME, prompt="hi", max_tokens=4)
+            assert e.value.status_code == 503
+            t0 = time.time()
+            while httpx.get(f"{url}/health").status_code != 503:  # the child's "down" follows the errors
+                assert time.time() - t0 < 10, "/health still says ok"
+                time.sleep(0.05)
+            assert remote.process.is_alive() and not remote.alive  # the process lives, its engine does not
+            with pytest.raises(openai.APIStatusError) as e:  # later requests: refused at once
+                client(url).completions.create(model=NAME, prompt="hi", max_tokens=4)
+            assert e.value.status_code == 503
+    finally:
+        remote.stop(5)
+    assert remote.process.exitcode == 0
 
 
 @pytest.mark.parametrize("hang", [False, True], ids=["stops", "killed-at-deadline"])
