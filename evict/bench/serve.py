@@ -293,10 +293,11 @@ def engine_load(args, mark=None) -> tuple[list[dict], float, dict]:
             r["alone"] = run_jobs([(r["prompt"], r["max_tokens"], 0.0)], timed=False)[0]["ids"]
     finally:
         engine.stop()
+    where = "engine process" if getattr(args, "engine_process", "off") == "on" else "in process"
     metrics = {"peak_memory_bytes": m["peak_memory_bytes"], "cache_pool_bytes": m["pool_bytes"],
                "cache_pool_peak_used_bytes": m["pool_peak_used_bytes"],
                "preemptions_total": m["preemptions"] - before["preemptions"], "warmup_requests": args.warmup,
-               "warmup_s": warmup_s, "model": f"{name} (in process, no HTTP)"}
+               "warmup_s": warmup_s, "model": f"{name} ({where}, no HTTP)"}
     return results, wall, metrics
 
 

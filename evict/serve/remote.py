@@ -6,12 +6,12 @@ and its Engine itself from the same parsed flags (evict.serve.load.build_engine)
 holds an EngineClient, the Engine's surface that the server uses (submit, cancel, alive, start, stop, metrics,
 max_len and the pool's sizes):
 
-    server process                                      child process
-    EngineClient.submit ── ("submit", id, prompt, params) ──> command thread: Engine.submit (callbacks gather events)
-    EngineClient.cancel ── ("cancel", id) ──────────────────> Engine.cancel
-    EngineClient.metrics ─ ("metrics", key) ──────────────── > Engine.metrics ─> ("metrics", key, dict)
-    reader thread <── ("events", [one step's events]) ─────── engine thread, after each step (Engine.after_step)
-    EngineClient.stop ──── one byte down a third pipe ──────> main thread: Engine.stop, the process exits
+    server process                                  child process
+    EngineClient.submit   ("submit", id, prompt, params) ->  command thread: Engine.submit (its callbacks gather events)
+    EngineClient.cancel   ("cancel", id) ->                  command thread: Engine.cancel
+    EngineClient.metrics  ("metrics", key) ->                command thread: ("metrics", key, Engine.metrics())
+    reader thread         <- ("events", [a step's events])   engine thread, after each step (Engine.after_step)
+    EngineClient.stop     one byte down a third pipe ->      main thread: Engine.stop, then the process exits
 
 Each step's events (a token with its log-probability entry, or a finish with its reason and error; a request's prompt
 log-probabilities with its first event) go up as ONE message; the reader thread hands them to the requests' on_token /
@@ -267,7 +267,10 @@ def child_main(args: argparse.Namespace, commands, events, stop, prepare: Callab
         events.send(("failed", f"serve: the engine could not be built ({type(e).__name__}: {first_line(e)})"))
         raise
     child = Child(engine, events)
-    events.send(("ready", {k: getattr(engine, k) for k in INFO}))
+    try:
+        events.send(("ready", {k: getattr(engine, k) for k in INFO}))
+    except OSError:  # the server process went away while the engine was built
+        os._exit(0)
     threading.Thread(target=child.commands, args=(commands,), name="evict-engine-commands", daemon=True).start()
     stop.poll(None)
     engine.stop()  # its thread fails what is in flight, then after_step sends those errors
