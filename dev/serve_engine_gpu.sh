@@ -17,7 +17,9 @@
 # dev/serve_step_profile.py --decode-only 4352 --kernels 3 --compare-async into $RES/async_profile.txt: decode steps at
 # 1 and 128 rows without and then with async steps in one process; ~150 s), async4k (the 4K hybrid load without and
 # with --async-scheduling on, side by side; ~100 s), 4kp (the 4K pair from 4 client processes, then each
-# model in the bench's process, no HTTP: is the one-process client or the server the limit of the 4K row? ~4 min).
+# model in the bench's process, no HTTP: is the one-process client or the server the limit of the 4K row? ~4 min),
+# proc4k (the 4K hybrid and attention rows through HTTP, each without and with --engine-process on: the engine in a
+# child process, its own GIL; 4 rows, ~4 min).
 case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
 MODES=${*:-tests main engine cap attn profile knobs}
 set -uo pipefail
@@ -63,6 +65,11 @@ mode_async() {  # issue 73's async steps: GPU tests, then the decode step's time
     grep -E "DECODE_(PROFILE|COMPARE)" "$RES/async_profile.txt" || tail -5 "$RES/async_profile.txt"
 }
 mode_async4k() { bench 4k_sync hybrid 100 $B4K; bench 4k_async hybrid 100 $B4K --async-scheduling on; }
+mode_proc4k() {  # the engine in the server's thread (default) vs in a child process, same B4K load, side by side
+    for m in ${PROC_MODELS:-hybrid attention}; do
+        bench 4k_thread "$m" 120 $B4K --engine-process off; bench 4k_proc "$m" 120 $B4K --engine-process on
+    done
+}
 mode_4k() { for m in hybrid attention; do bench 4k "$m" 120 $B4K; done; }
 mode_4kp() {  # the 4K pair with the timed requests sent from 4 client processes and with the engine in the bench's process
     for m in hybrid attention; do bench 4k_clients4 "$m" 120 $B4K --client-procs 4; bench 4k_inprocess "$m" 120 $B4K --spawn engine; done

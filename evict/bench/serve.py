@@ -54,7 +54,8 @@ def server_argv(args, port: int) -> list[str]:
     if args.set:
         argv += ["--set", *args.set]
     for flag in ("max_batch", "cache_budget", "block_size", "max_len", "prefill_chunk", "max_num_batched_tokens",
-                 "decode_prefill_tokens", "priority", "cuda_graphs", "async_scheduling", "dtype", "threads"):
+                 "decode_prefill_tokens", "priority", "cuda_graphs", "async_scheduling", "dtype", "threads",
+                 "engine_process"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     return argv + ["--device", args.device]
@@ -292,10 +293,11 @@ def engine_load(args, mark=None) -> tuple[list[dict], float, dict]:
             r["alone"] = run_jobs([(r["prompt"], r["max_tokens"], 0.0)], timed=False)[0]["ids"]
     finally:
         engine.stop()
+    where = "engine process" if getattr(args, "engine_process", "off") == "on" else "in process"
     metrics = {"peak_memory_bytes": m["peak_memory_bytes"], "cache_pool_bytes": m["pool_bytes"],
                "cache_pool_peak_used_bytes": m["pool_peak_used_bytes"],
                "preemptions_total": m["preemptions"] - before["preemptions"], "warmup_requests": args.warmup,
-               "warmup_s": warmup_s, "model": f"{name} (in process, no HTTP)"}
+               "warmup_s": warmup_s, "model": f"{name} ({where}, no HTTP)"}
     return results, wall, metrics
 
 

@@ -219,6 +219,9 @@ class Engine:
         self.recent: deque[tuple[float, int]] = deque()  # (time, tokens) of the last 10 s, for tokens/s
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        # called by the engine thread after each step (and once as it ends): evict.serve.remote sends a step's
+        # events, gathered by the requests' callbacks, as one message there
+        self.after_step: Callable[[], None] | None = None
 
     def warm_up(self) -> None:
         """Capture the decode step's CUDA graph at every bucket now (their Triton compiles included), so that a server
@@ -235,26 +238,7 @@ class Engine:
     # -- the door -----------------------------------------------------------------------------------------------
     def check(self, prompt, params: SamplingParams) -> None:
         """Raise ValueError (one line, naming the field) unless the request is valid and fits this engine."""
-        if not isinstance(prompt, list) or not prompt or not all(type(t) is int and 0 <= t < self.vocab for t in prompt):
-            raise ValueError(f"prompt: expected a non-empty list of token ids in [0, {self.vocab})")
-        p = params
-        if type(p.max_tokens) is not int or p.max_tokens < (0 if p.prompt_logprobs is not None else 1):
-            raise ValueError(f"max_tokens: expected a positive integer (0 only with prompt_logprobs), got {p.max_tokens!r}")
-        from evict.models.generate import _check_stop_tokens, _is_int, _is_real
-
-        if not _is_real(p.temperature) or p.temperature < 0:
-            raise ValueError(f"temperature: expected a finite number >= 0, got {p.temperature!r}")
-        if p.top_p is not None and (not _is_real(p.top_p) or not 0 < p.top_p <= 1):
-            raise ValueError(f"top_p: expected a number in (0, 1], got {p.top_p!r}")
-        if p.top_k is not None and (not _is_int(p.top_k) or p.top_k < 1):
-            raise ValueError(f"top_k: expected a positive integer, got {p.top_k!r}")
-        if p.seed is not None and (not _is_int(p.seed) or not 0 <= p.seed < 2**63):
-            raise ValueError(f"seed: expected an integer in [0, 2**63), got {p.seed!r}")
-        _check_stop_tokens(p.stop_tokens, self.vocab)
-        check_penalties(p, self.vocab)
-        if len(prompt) + p.max_tokens > self.max_len:
-            raise ValueError(f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) exceed the "
-                             f"server's {self.max_len} tokens per sequence")
+        check_request(prompt, params, vocab=self.vocab, max_len=self.max_len)
 
     def submit(self, prompt: list[int], params: SamplingParams, on_token=None, on_finish=None) -> Request:
         self.check(prompt, params)
@@ -641,11 +625,15 @@ class Engine:
                         busy = True
                     if not busy:
                         self._drain(block=True)
+                    if self.after_step is not None:
+                        self.after_step()
         finally:  # stopped, or this thread dies: nobody may wait for an answer that will not come
             self._stop.set()
             self._drain(block=False)
             self.pending = None
             self._fail_all(EngineDown("the server is shutting down"), waiting=True)
+            if self.after_step is not None:
+                self.after_step()
 
     def run_until_idle(self) -> None:
         """Step in this thread until every submitted request has finished (tests, offline use)."""
@@ -706,6 +694,31 @@ def _logprob_parts(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> tuple[
 def _logprob_entries(its: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> list[tuple[float, list[tuple[int, float]]]]:
     """`_logprob_parts` on the host: per row, (its log-probability, [(id, log-probability)] of the n most likely)."""
     return [(v, list(zip(i, tv))) for v, i, tv in zip(its.tolist(), ids.tolist(), values.tolist())]
+
+
+def check_request(prompt, params: SamplingParams, *, vocab: int, max_len: int) -> None:
+    """Raise ValueError (one line, naming the field) unless the request is valid and fits an engine of `vocab` tokens
+    and `max_len` tokens per sequence (Engine.check; evict.serve.remote checks at its door with it too)."""
+    if not isinstance(prompt, list) or not prompt or not all(type(t) is int and 0 <= t < vocab for t in prompt):
+        raise ValueError(f"prompt: expected a non-empty list of token ids in [0, {vocab})")
+    p = params
+    if type(p.max_tokens) is not int or p.max_tokens < (0 if p.prompt_logprobs is not None else 1):
+        raise ValueError(f"max_tokens: expected a positive integer (0 only with prompt_logprobs), got {p.max_tokens!r}")
+    from evict.models.generate import _check_stop_tokens, _is_int, _is_real
+
+    if not _is_real(p.temperature) or p.temperature < 0:
+        raise ValueError(f"temperature: expected a finite number >= 0, got {p.temperature!r}")
+    if p.top_p is not None and (not _is_real(p.top_p) or not 0 < p.top_p <= 1):
+        raise ValueError(f"top_p: expected a number in (0, 1], got {p.top_p!r}")
+    if p.top_k is not None and (not _is_int(p.top_k) or p.top_k < 1):
+        raise ValueError(f"top_k: expected a positive integer, got {p.top_k!r}")
+    if p.seed is not None and (not _is_int(p.seed) or not 0 <= p.seed < 2**63):
+        raise ValueError(f"seed: expected an integer in [0, 2**63), got {p.seed!r}")
+    _check_stop_tokens(p.stop_tokens, vocab)
+    check_penalties(p, vocab)
+    if len(prompt) + p.max_tokens > max_len:
+        raise ValueError(f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) exceed the "
+                         f"server's {max_len} tokens per sequence")
 
 
 def check_penalties(p: SamplingParams, vocab: int) -> None:

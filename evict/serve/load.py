@@ -44,11 +44,25 @@ def preset_config(name: str, size: str, overrides: list[str] | None):
         raise SystemExit(f"--preset {name}: {e}") from None
 
 
+def served_name(args) -> str:
+    """The served model's name: its run folder's, or the preset's."""
+    return resolve_model_dir(args.model).resolve().parent.name if args.model is not None else args.preset
+
+
+def served_tokenizer(args):
+    """The tokenizer of --model (its tokenizer.json) or of a --preset (bytes), without loading the model."""
+    if args.model is None:
+        from evict.tasks.tokenizers import ByteTokenizer
+
+        return ByteTokenizer()
+    return folder_tokenizer(resolve_model_dir(args.model))
+
+
 def load_served(args, dev: torch.device):
     """(model, tokenizer, name) from --model or --preset; the preset's weights are random (seeded), its tokenizer bytes."""
     if args.model is not None:
         model, tok = load_model(args.model, dev)
-        name = resolve_model_dir(args.model).resolve().parent.name
+        name = served_name(args)
     else:
         from evict.models import LM
         from evict.tasks.tokenizers import ByteTokenizer
@@ -64,13 +78,20 @@ def load_served(args, dev: torch.device):
 
 
 def build_engine(args):
+    """(engine, tokenizer, name) from the flags: an Engine stepping in a thread of this process, or with
+    --engine-process on an EngineClient of one in a child process (evict.serve.remote; the child builds the model)."""
     from evict.distributed import resolve_device
     from evict.serve.engine import Engine
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     if args.model is None and args.preset is None:
         raise SystemExit("--model: expected --model DIR (a model saved by `evict train`) or --preset NAME")
+    if getattr(args, "engine_process", "off") == "on":
+        from evict.serve.remote import EngineClient
+
+        tok, name = served_tokenizer(args), served_name(args)  # one-line errors before the child starts
+        return EngineClient(args), tok, name
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     dev = resolve_device(args.device)
     model, tok, name = load_served(args, dev)
     try:
@@ -100,10 +121,19 @@ def resolve_model_dir(path: str) -> Path:
     return p
 
 
+def folder_tokenizer(folder: Path):
+    """The tokenizer.json of a model folder; one-line errors."""
+    from evict.tasks.tokenizers import load_tokenizer
+
+    try:
+        return load_tokenizer(folder / "tokenizer.json")
+    except (ValueError, ImportError) as e:
+        raise SystemExit(f"--model: {e}") from None
+
+
 def load_model(path: str, device: torch.device):
     """(model, tokenizer) from --model (a run folder or its model/ folder), on `device`; one-line errors."""
     from evict.models import LM
-    from evict.tasks.tokenizers import load_tokenizer
 
     folder = resolve_model_dir(path)
     try:
@@ -111,10 +141,7 @@ def load_model(path: str, device: torch.device):
     except (ValueError, OSError) as e:
         raise SystemExit(f"--model: {e}") from None
     model.to(device)
-    try:
-        tok = load_tokenizer(folder / "tokenizer.json")
-    except (ValueError, ImportError) as e:
-        raise SystemExit(f"--model: {e}") from None
+    tok = folder_tokenizer(folder)
     if tok.vocab_size != model.cfg.vocab_size:
         raise SystemExit(f"--model: {folder / 'tokenizer.json'} has {tok.vocab_size} tokens but the model's vocab_size is "
                          f"{model.cfg.vocab_size} (a tokenizer from another run?)")
@@ -149,3 +176,6 @@ def add_engine_flags(p, *, device: bool = True) -> None:
     if device:
         p.add_argument("--device", type=device_type, default="cpu", help="cpu, cuda or auto")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    p.add_argument("--engine-process", choices=["on", "off"], default="off",
+                   help="run the engine in a child process (its own GIL; the HTTP side talks to it through pipes) or in "
+                        "a thread of the server's process (default off: not yet measured on a GPU)")

@@ -138,8 +138,10 @@ def test_a_port_in_use_is_one_line_exit_2_and_never_serving(capsys):
     assert len(err.strip().splitlines()) == 1 and "--port" in err and "in use" in err
 
 
-def test_sigterm_fails_the_requests_in_flight_and_exits(model_dir, tmp_path):
-    """A recurrent model asked for 1,000,000 tokens: SIGTERM answers that request with a 503 and the process exits."""
+@pytest.mark.parametrize("engine_process", ["off", "on"])
+def test_sigterm_fails_the_requests_in_flight_and_exits(model_dir, tmp_path, engine_process):
+    """A recurrent model asked for 1,000,000 tokens: SIGTERM answers that request with a 503 and the process exits
+    (with --engine-process on, its engine's child process too)."""
     import os
     import signal
     import socket
@@ -158,7 +160,8 @@ def test_sigterm_fails_the_requests_in_flight_and_exits(model_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "EVICT_API_KEY": "k"}
     proc = subprocess.Popen([sys.executable, "-m", "evict", "serve", "--preset", "deltanet", "--set", "n_layers=1",
                              "d_model=32", "--threads", "1", "--port", str(port), "--served-model-name", "dn",
-                             "--chat-template", str(template), "--shutdown-timeout", "3", "--access-log", "--log-level", "info"],
+                             "--chat-template", str(template), "--shutdown-timeout", "3", "--access-log", "--log-level", "info",
+                             "--engine-process", engine_process],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()
@@ -177,10 +180,23 @@ def test_sigterm_fails_the_requests_in_flight_and_exits(model_dir, tmp_path):
         t.start()
         while "evict_requests_running 1" not in httpx.get(f"{url}/metrics").text:
             time.sleep(0.05)
+        kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(kids) >= (engine_process == "on")  # the engine's process (and multiprocessing's resource tracker)
         proc.send_signal(signal.SIGTERM)
         t.join(20)
         assert result["r"].status_code == 503 and "shutting down" in result["r"].json()["error"]["message"]
         assert proc.wait(timeout=20) == -signal.SIGTERM  # uvicorn re-raises the signal once it has shut down
+        def running(pid: str) -> bool:  # not gone, not a zombie for its new parent to reap
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    return "zombie" not in f.read()
+            except FileNotFoundError:
+                return False
+
+        t0 = time.time()  # no process left behind
+        while left := [k for k in kids if running(k)]:
+            assert time.time() - t0 < 10, left
+            time.sleep(0.1)
         assert "Traceback" not in proc.stderr.read()
         assert '"POST /v1/chat/completions HTTP/1.1" 200' in proc.stdout.read()  # uvicorn's access log
     finally:

@@ -18,7 +18,7 @@ from evict.models import LM, presets  # noqa: E402
 from evict.serve.engine import Engine  # noqa: E402
 from evict.serve.server import ServerThread, build_app  # noqa: E402
 from evict.tasks.tokenizers import ByteTokenizer  # noqa: E402
-from tests.serve.conftest import FAILING_TEMPERATURE  # noqa: E402
+from tests.serve.conftest import failing_requests_fail_alone  # noqa: E402
 
 NAME = "tiny"
 
@@ -254,15 +254,7 @@ def test_api_key_404_405_are_openai_errors(setup):
 def test_a_failing_sampler_fails_only_its_request(setup, flaky_sampler):
     model, engine = setup
     with serve(engine) as url:
-        c = client(url)
-        with pytest.raises(openai.InternalServerError) as e:
-            c.completions.create(model=NAME, prompt="hi", max_tokens=4, temperature=FAILING_TEMPERATURE)
-        assert "injected sampler failure" in e.value.body["message"]
-        with pytest.raises(openai.APIError):
-            list(c.completions.create(model=NAME, prompt="hi", max_tokens=4, temperature=FAILING_TEMPERATURE, stream=True))
-        # the tiniest positive temperature is greedy, not an overflow
-        r = c.completions.create(model=NAME, prompt="hi", max_tokens=4, temperature=1e-39, extra_body={"return_token_ids": True})
-        assert r.choices[0].model_extra["token_ids"] == alone(model, list(b"hi"), 4)
+        failing_requests_fail_alone(client(url), NAME, alone(model, list(b"hi"), 4))
         assert httpx.get(f"{url}/health").json()["status"] == "ok"
     assert engine.alive and not engine.running
 
