@@ -89,7 +89,7 @@ def build_engine(args):
         from evict.serve.remote import EngineClient
 
         tok, name = served_tokenizer(args), served_name(args)  # one-line errors before the child starts
-        return EngineClient(args), tok, name
+        return EngineClient(args, build=build_engine), tok, name
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dev = resolve_device(args.device)

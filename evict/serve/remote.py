@@ -59,18 +59,20 @@ class RemoteRequest:
 
 
 class EngineClient:
-    """An Engine in a child process, built from `args` (the flags of evict.serve.load.add_engine_flags); returns once
-    the child's engine is built and warmed up (SystemExit with the child's one line if it could not be). `prepare`, a
-    picklable function, runs first in the child (tests install a failing sampler there)."""
+    """An Engine in a child process, built there by `build(args)` (evict.serve.load.build_engine with the flags of
+    evict.serve.load.add_engine_flags: passed in, so this module imports no loader); returns once the child's engine
+    is built and warmed up (SystemExit with the child's one line if it could not be). `prepare`, a picklable function,
+    runs first in the child (tests install a failing sampler there)."""
 
-    def __init__(self, args: argparse.Namespace, *, prepare: Callable[[], None] | None = None):
+    def __init__(self, args: argparse.Namespace, *, build: Callable[[argparse.Namespace], tuple],
+                 prepare: Callable[[], None] | None = None):
         ctx = mp.get_context("spawn")
         commands, self._commands = ctx.Pipe(duplex=False)  # (reader, writer)
         self._events, events = ctx.Pipe(duplex=False)
         stop, self._stop_pipe = ctx.Pipe(duplex=False)  # one byte: stop (not an mp.Event: a killed child would hang it)
         child_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "fn"})
         child_args.engine_process = "off"
-        self.process = ctx.Process(target=child_main, args=(child_args, commands, events, stop, prepare),
+        self.process = ctx.Process(target=child_main, args=(child_args, build, commands, events, stop, prepare),
                                    name="evict-engine", daemon=True)
         self.process.start()
         for end in (commands, events, stop):  # the child's ends: this process keeps none, so a dead child is an EOF here
@@ -250,16 +252,15 @@ class EngineClient:
 
 
 # -- the child process ----------------------------------------------------------------------------------------------
-def child_main(args: argparse.Namespace, commands, events, stop, prepare: Callable[[], None] | None) -> None:
-    """The child: build the engine, answer the client's commands, send each step's events; exit when `stop` gets its
-    byte or the server process is gone (its end closed)."""
+def child_main(args: argparse.Namespace, build: Callable[[argparse.Namespace], tuple], commands, events, stop,
+               prepare: Callable[[], None] | None) -> None:
+    """The child: build the engine (`build(args)`: engine, tokenizer, name), answer the client's commands, send each
+    step's events; exit when `stop` gets its byte or the server process is gone (its end closed)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server stops us
     if prepare is not None:
         prepare()
-    from evict.serve.load import build_engine
-
     try:
-        engine, _, _ = build_engine(args)
+        engine, _, _ = build(args)
     except SystemExit as e:
         events.send(("failed", str(e.code)))
         return

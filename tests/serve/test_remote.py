@@ -46,7 +46,7 @@ def servers():
     child process (its sampler failing FAILING_TEMPERATURE's requests) and by one in this process's thread."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
-    remote = EngineClient(parse(FLAGS + ["--engine-process", "on"]), prepare=install_flaky_sampler)
+    remote = EngineClient(parse(FLAGS + ["--engine-process", "on"]), build=build_engine, prepare=install_flaky_sampler)
     local, _, _ = build_engine(parse(FLAGS))
     model, _, _ = load_served(parse(FLAGS), torch.device("cpu"))
     remote.start()
@@ -166,7 +166,7 @@ def wait_running(remote: EngineClient) -> None:
 
 
 def test_a_killed_child_fails_what_is_in_flight_and_health_says_so():
-    remote = EngineClient(parse(SMALL + ["--engine-process", "on"]))
+    remote = EngineClient(parse(SMALL + ["--engine-process", "on"]), build=build_engine)
     remote.start()
     try:
         with ServerThread(build_app(remote, ByteTokenizer(), NAME)) as url:
@@ -189,7 +189,7 @@ def test_a_killed_child_fails_what_is_in_flight_and_health_says_so():
 
 
 def test_a_dead_engine_thread_in_the_child_is_reported_and_requests_get_errors():
-    remote = EngineClient(parse(SMALL + ["--engine-process", "on"]), prepare=die_in_step)
+    remote = EngineClient(parse(SMALL + ["--engine-process", "on"]), build=build_engine, prepare=die_in_step)
     remote.start()
     try:
         with ServerThread(build_app(remote, ByteTokenizer(), NAME)) as url:
@@ -212,7 +212,8 @@ def test_a_dead_engine_thread_in_the_child_is_reported_and_requests_get_errors()
 
 @pytest.mark.parametrize("hang", [False, True], ids=["stops", "killed-at-deadline"])
 def test_stop_fails_what_is_in_flight_and_the_child_exits(hang):
-    remote = EngineClient(parse(SMALL + ["--engine-process", "on"]), prepare=hang_steps if hang else None)
+    remote = EngineClient(parse(SMALL + ["--engine-process", "on"]), build=build_engine,
+                          prepare=hang_steps if hang else None)
     remote.start()
     try:
         with ServerThread(build_app(remote, ByteTokenizer(), NAME)) as url:
@@ -249,5 +250,5 @@ def test_the_flag_reaches_the_benchs_server_and_bad_values_are_one_line(capsys):
 
 def test_a_child_that_cannot_build_its_engine_is_one_line():
     with pytest.raises(SystemExit) as e:
-        EngineClient(parse(SMALL + ["--max-len", "100000000", "--engine-process", "on"]))
+        EngineClient(parse(SMALL + ["--max-len", "100000000", "--engine-process", "on"]), build=build_engine)
     assert str(e.value.code).startswith("--max-len:") and "\n" not in str(e.value.code)
