@@ -33,6 +33,7 @@ from json.encoder import encode_basestring_ascii as json_str  # what json.dumps 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from evict.serve.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, eos_token_id
@@ -342,8 +343,9 @@ def add_info_routes(app: FastAPI, served: Served) -> None:
                                             "owned_by": "evict", "max_model_len": engine.max_len}]}
 
     @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(prometheus(engine.metrics()), media_type="text/plain; version=0.0.4")
+    async def metrics():  # in a worker thread: with --engine-process on it waits for the child's answer
+        return PlainTextResponse(prometheus(await run_in_threadpool(engine.metrics)),
+                                 media_type="text/plain; version=0.0.4")
 
 
 async def respond(request: Request, gen: Generation, stream: bool, include_usage: bool, chunk, final, event=None):
