@@ -10,15 +10,13 @@
 # --decode-prefill-tokens 2048), attn (dev/packed_attention_gpu.py), profile (dev/serve_step_profile.py), knobs,
 # http (the 4K hybrid through HTTP from one client process, from 4 (--client-procs 4), then the same load with
 # `--spawn engine`: no server, the engine in the bench's process; side by side they are what the HTTP side and the
-# bench's client cost; http_attention: HTTP and in process for attention), prefill (the prefill path's GPU tests: engine,
+# bench's client cost; http_attention: the same three rows for attention), prefill (the prefill path's GPU tests: engine,
 # attention op, mixed precision; then dev/serve_prefill_profile.py: one packed step of the 32K load per layer type, the
 # hybrid with and without MLA's flash padding beside attention, then 32 x 32K through the engine in process; JSON
 # $RES/prefill_profile.json; ~4 min), async (the engine's GPU tests, every case with and without async steps, then
 # dev/serve_step_profile.py --decode-only 4352 --kernels 3 --compare-async into $RES/async_profile.txt: decode steps at
 # 1 and 128 rows without and then with async steps in one process; ~150 s), async4k (the 4K hybrid load without and
-# with --async-scheduling on, side by side; ~100 s), 4kp (the 4K pair from 4 client processes, then each
-# model in the bench's process, no HTTP: is the one-process client or the server the limit of the 4K row? ~4 min),
-# proc4k (the 4K hybrid and attention rows through HTTP, each without and with --engine-process on: the engine in a
+# with --async-scheduling on, side by side; ~100 s), proc4k (the 4K hybrid and attention rows through HTTP, each without and with --engine-process on: the engine in a
 # child process, its own GIL; 4 rows, ~4 min).
 case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
 MODES=${*:-tests main engine cap attn profile knobs}
@@ -71,9 +69,6 @@ mode_proc4k() {  # the engine in the server's thread (default) vs in a child pro
     done
 }
 mode_4k() { for m in hybrid attention; do bench 4k "$m" 120 $B4K; done; }
-mode_4kp() {  # the 4K pair with the timed requests sent from 4 client processes and with the engine in the bench's process
-    for m in hybrid attention; do bench 4k_clients4 "$m" 120 $B4K --client-procs 4; bench 4k_inprocess "$m" 120 $B4K --spawn engine; done
-}
 mode_batch1() { for m in ${BATCH1_MODELS:-hybrid attention}; do bench batch1 "$m" 60 $BATCH1; done; }  # BATCH1_MODELS=hybrid: one
 mode_32k() { for m in hybrid attention; do bench 32k "$m" 120 $B32K; done; }
 mode_main() { mode_4k; mode_batch1; mode_32k; }
@@ -87,7 +82,10 @@ mode_http() {  # HTTP with one client process (as before), with 4, and the engin
     bench 4k hybrid 120 $B4K; bench 4k_clients4 hybrid 120 $B4K --client-procs 4
     bench 4k_inprocess hybrid 120 $B4K --spawn engine
 }
-mode_http_attention() { bench 4k attention 120 $B4K; bench 4k_inprocess attention 120 $B4K --spawn engine; }
+mode_http_attention() {  # the same three rows for attention
+    bench 4k attention 120 $B4K; bench 4k_clients4 attention 120 $B4K --client-procs 4
+    bench 4k_inprocess attention 120 $B4K --spawn engine
+}
 mode_prefill() {
     timeout "${TEST_S:-150}" $PY -m pytest -o addopts="" -v -rf -m gpu tests/serve/test_engine_gpu.py tests/ops/test_attention.py \
         tests/models/test_mixed_precision.py -p no:cacheprovider ${TEST_N:+-n $TEST_N}
