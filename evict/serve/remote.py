@@ -99,14 +99,15 @@ class EngineClient:
         self._reader.start()
 
     def _wait_ready(self) -> dict:
+        gone = lambda: SystemExit(f"serve: the engine process exited (code {self.process.exitcode}) before it was ready")
         while not self._events.poll(0.2):
             if not self.process.is_alive() and not self._events.poll(0):
-                raise SystemExit(f"serve: the engine process exited (code {self.process.exitcode}) before it was ready")
+                raise gone()
         try:
             kind, value = self._events.recv()
         except (EOFError, OSError):
             self.process.join(5)
-            raise SystemExit(f"serve: the engine process exited (code {self.process.exitcode}) before it was ready") from None
+            raise gone() from None
         if kind == "failed":
             self.process.join(5)
             raise SystemExit(value)
