@@ -206,8 +206,8 @@ class EngineClient:
         except Exception as e:  # a message that could not be read: the child is unusable
             log.error("serve: the engine process's messages failed (%s: %s)", type(e).__name__, first_line(e))
         self._engine_up = False
-        if self._exited(5):
-            self.process.join(0)  # reaped here only
+        if self._exited(5):  # its sentinel is ready once its pipes close, a moment before the kernel can reap it:
+            self.process.join(5)  # wait for that (join(0) could leave exitcode None); reaped here only
         why = "the server is shutting down" if self._stopping else \
             f"the engine process died (exit code {self.process.exitcode}); see the server's log"
         with self._lock:
