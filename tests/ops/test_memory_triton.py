@@ -66,7 +66,8 @@ for name, gate, delta, bmax, T, cs, strong in json.loads(sys.argv[1]):
     out[name] = [rel(o, o_ref), rel(s, s_ref), bool(torch.isfinite(o).all() and torch.isfinite(s).all()), G]
 for gate in ("none", "scalar", "channel"):
     for delta in (False, True):
-        x64 = make_inputs(2, 1, 3, 12, 20, gate=gate, beta_max=2.0, init=True)
+        x64 = {n: None if t is None else t.float().double()  # one token: the reference on the kernel's own inputs
+               for n, t in make_inputs(2, 1, 3, 12, 20, gate=gate, beta_max=2.0, init=True).items()}
         sq = lambda n: None if x64[n] is None else x64[n][:, 0]
         o_ref, s_ref = rule(sq("q"), sq("k"), sq("v"), x64["initial_state"], sq("log_alpha"), sq("beta"), delta, 0.3)
         f = lambda n: None if sq(n) is None else sq(n).float()
@@ -93,6 +94,7 @@ for name, gate, delta, bmax, T, strong, on in json.loads(sys.argv[2]):
     x64 = make_inputs(1, T, 2, 12, 20, gate=gate, beta_max=bmax, init=True, strong=strong == "all")
     if strong == "mixed":  # strong decay in the first 24 tokens only: exact and factored sub-chunks in one run
         x64["log_alpha"][:, :24] *= 40
+    x64 = {n: None if t is None else t.float().double() for n, t in x64.items()}  # the kernel's own (rounded) inputs
     g_ref = grads(x64, delta, on, impl="reference")
     g = grads({n: None if t is None else t.float() for n, t in x64.items()}, delta, on, impl="triton")
     out["grads"][name] = {n: rel(g[n], g_ref[n]) if g_ref[n].norm() > 0 else float(g[n].norm()) for n in g_ref}
