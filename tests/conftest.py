@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -33,41 +34,105 @@ interp._patch_lang_tensor = _patch_lang_tensor
 def run_interpreted(script: str, *args: str, timeout: int = 600) -> dict:
     """Run `script` (after INTERPRETER_PRELUDE) in a subprocess under Triton's CPU interpreter; it prints one line
     "RESULT" + JSON, which is returned. Skips when triton is not installed."""
-    return _interpreted([[*args]], script, timeout)[0]
+    return _Job(script, [list(args)], timeout).result()
 
 
-def run_interpreted_cases(script: str, cases: list, processes: int = 2, timeout: int = 600) -> dict:
-    """`run_interpreted(script, json.dumps(cases))` for a script whose RESULT is a dict keyed by case, with the cases
-    dealt round-robin to `processes` interpreter processes at once (the suite itself runs on one core; these few
-    fixtures were most of its time) and their dicts merged."""
-    parts = [cases[i::processes] for i in range(processes) if cases[i::processes]]
-    merged: dict = {}
-    for result in _interpreted([[json.dumps(p)] for p in parts], script, timeout):
-        merged.update(result)
-    return merged
+def interpreter_fixture(script: str, *args: str, cases: list | None = None, parts: int = 2, timeout: int = 600):
+    """A module-scoped fixture: `run_interpreted(script, *args)`, or with `cases` the script run on `parts` slices of
+    them (json.dumps(slice) its one argument; its RESULT a dict keyed by case; the dicts merged).
+
+    Its run starts at collection, in the background: the suite's own tests run on one core of CI's two, so these
+    subprocesses (most of the suite's CPU time) run on the other beside them, and the modules that use such a fixture
+    run last (`pytest_collection_modifyitems`). A fixture reached before its background run finished runs the parts
+    not yet started itself. Not under xdist (each worker would start every run)."""
+    arg_lists = [list(args)] if cases is None else [[json.dumps(cases[i::parts])] for i in range(parts) if cases[i::parts]]
+    job = _Job(script, arg_lists, timeout)
+
+    @pytest.fixture(scope="module")
+    def interpreted():
+        return job.result()
+
+    interpreted._interpreter_job = job  # type: ignore[attr-defined]
+    return interpreted
 
 
-def _interpreted(arg_lists: list, script: str, timeout: int) -> list:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    # one BLAS thread: the interpreter runs tl.dot as numpy matmuls, whose threaded sums vary run to run
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
-               MKL_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", INTERPRETER_PRELUDE + script, *args], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in arg_lists]
-    results = []
-    try:
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=timeout)
-            line = [l for l in stdout.splitlines() if l.startswith("RESULT")]
-            assert proc.returncode == 0 and line, stderr[-3000:]
-            results.append(json.loads(line[0][len("RESULT"):]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return results
+class _Part:
+    """One interpreter subprocess: pending, then run once (by the background thread or the fixture), then done."""
+
+    def __init__(self, script: str, args: list, timeout: int):
+        self.script, self.args, self.timeout = script, args, timeout
+        self.claimed, self.done = False, threading.Event()
+        self.proc: subprocess.Popen | None = None
+        self.out: tuple | None = None  # (returncode, stdout, stderr), or (None, "", why) after a timeout
+
+    def claim(self) -> bool:
+        with _LOCK:
+            mine, self.claimed = not self.claimed, True
+            return mine
+
+    def start(self) -> None:
+        # one BLAS thread: the interpreter runs tl.dot as numpy matmuls, whose threaded sums vary run to run
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1",
+                   OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        self.proc = subprocess.Popen([sys.executable, "-c", INTERPRETER_PRELUDE + self.script, *self.args], cwd=ROOT,
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def finish(self) -> None:
+        assert self.proc is not None
+        try:
+            stdout, stderr = self.proc.communicate(timeout=self.timeout)
+            self.out = (self.proc.returncode, stdout, stderr)
+        except subprocess.TimeoutExpired:
+            self.out = (None, "", f"timed out after {self.timeout} s")
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.done.set()
+
+    def result(self) -> dict:
+        self.done.wait()
+        assert self.out is not None
+        code, stdout, stderr = self.out
+        line = [l for l in stdout.splitlines() if l.startswith("RESULT")]
+        assert code == 0 and line, stderr[-3000:]
+        return json.loads(line[0][len("RESULT"):])
+
+
+class _Job:
+    def __init__(self, script: str, arg_lists: list, timeout: int):
+        self.parts = [_Part(script, args, timeout) for args in arg_lists]
+
+    def result(self) -> dict:
+        if importlib.util.find_spec("triton") is None:
+            pytest.skip("triton is not installed")
+        mine = [p for p in self.parts if p.claim()]  # the parts the background has not started: run them here, at once
+        for p in mine:
+            p.start()
+        for p in mine:
+            p.finish()
+        merged: dict = {}
+        for p in self.parts:
+            merged.update(p.result())
+        return merged
+
+
+_LOCK = threading.Lock()
+_BACKGROUND: list[_Part] = []  # the parts the background thread runs, one at a time, in the order the suite needs them
+
+
+def _background() -> None:
+    for part in _BACKGROUND:
+        if part.claim():
+            part.start()
+            part.finish()
+
+
+def _jobs_of(item) -> list:
+    """The interpreter jobs of the `interpreter_fixture`s an item uses."""
+    module = getattr(item, "module", None)
+    jobs = (getattr(getattr(module, name, None), "_interpreter_job", None) for name in item.fixturenames)
+    return [job for job in jobs if isinstance(job, _Job)]
 
 
 def pytest_configure(config):
@@ -78,12 +143,34 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs CUDA")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+    if os.environ.get("PYTEST_XDIST_WORKER") or importlib.util.find_spec("triton") is None:
         return
-    skip = pytest.mark.skip(reason="needs CUDA")
+    # the modules whose interpreter runs start in the background go last, in their order, so those runs have the
+    # rest of the suite's time to finish on the other core
+    late = {item.module for item in items if "gpu" not in item.keywords and _jobs_of(item)}
+    items[:] = [i for i in items if getattr(i, "module", None) not in late] + \
+               [i for i in items if getattr(i, "module", None) in late]
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" not in item.keywords:
+            for job in _jobs_of(item):
+                _BACKGROUND.extend(p for p in job.parts if p not in _BACKGROUND)
+
+
+def pytest_collection_finish(session):
+    if _BACKGROUND and not session.config.option.collectonly:
+        threading.Thread(target=_background, name="interpreter-runs", daemon=True).start()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for part in _BACKGROUND:  # an interrupted or -x session leaves no interpreter process behind
+        part.claim()
+        if part.proc is not None and part.proc.poll() is None:
+            part.proc.kill()
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from evict.models import LM, presets
-from tests.conftest import run_interpreted
+from tests.conftest import interpreter_fixture
 
 PATTERN = "KGDACM"  # every mixer of the lab but linear attention's normalizer form; L below
 
@@ -87,9 +87,7 @@ print("RESULT" + json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def interpreted():  # ~2 minutes on a shared 2-core machine
-    return run_interpreted(INTERP_SCRIPT, "KGC")
+interpreted = interpreter_fixture(INTERP_SCRIPT, "KGC")  # ~2 minutes on a shared 2-core machine
 
 
 @pytest.mark.slow

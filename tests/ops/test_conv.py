@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from evict.ops.conv import short_conv
-from tests.conftest import rel, run_interpreted
+from tests.conftest import interpreter_fixture, rel
 from tests.layers.test_conv import explicit
 
 CASES = [(2, 70, 130, 4), (1, 5, 7, 3), (3, 64, 128, 4), (2, 1, 9, 4), (1, 131, 33, 2), (2, 3, 5, 1)]
@@ -41,9 +41,7 @@ print("RESULT" + json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    return run_interpreted(SCRIPT, json.dumps(CASES))
+interpreted = interpreter_fixture(SCRIPT, json.dumps(CASES))
 
 
 @pytest.mark.parametrize("case", [f"{B}_{T}_{C}_{k}" for B, T, C, k in CASES])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from evict.ops.conv import conv_step
-from tests.conftest import rel, run_interpreted
+from tests.conftest import interpreter_fixture, rel
 from tests.layers.test_conv import explicit
 
 CASES = [(3, 130, 4), (2, 7, 3), (4, 300, 2)]  # (B, C, k): channels past one 128-wide block, odd widths
@@ -77,9 +77,7 @@ print("RESULT" + json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    return run_interpreted(SCRIPT, json.dumps(CASES))
+interpreted = interpreter_fixture(SCRIPT, json.dumps(CASES))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "_".join(map(str, c)))

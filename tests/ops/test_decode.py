@@ -11,7 +11,7 @@ import torch
 
 from evict.ops import attention
 from evict.ops.decode import decode_attention, decode_reference
-from tests.conftest import rel, run_interpreted
+from tests.conftest import interpreter_fixture, rel
 
 def make(B, H, G, L, Dk, Dv, D2=0, mla=False, dtype=torch.float64, seed=0, device="cpu"):
     """Random decode inputs; lengths include 1 and L. mla: values are the keys (v None) and G = 1."""
@@ -135,9 +135,7 @@ print("RESULT" + json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    return run_interpreted(INTERP_SCRIPT, timeout=300)
+interpreted = interpreter_fixture(INTERP_SCRIPT, timeout=300)
 
 
 @pytest.mark.parametrize("case", CASES)

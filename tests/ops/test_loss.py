@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from evict.ops.loss import linear_cross_entropy
-from tests.conftest import run_interpreted
+from tests.conftest import interpreter_fixture
 
 
 def _reference(h, w, t, ignore_index=-100):
@@ -128,9 +128,7 @@ print("RESULT" + json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    return run_interpreted(TRITON_SCRIPT, json.dumps(TRITON_CASES))
+interpreted = interpreter_fixture(TRITON_SCRIPT, json.dumps(TRITON_CASES))
 
 
 @pytest.mark.parametrize("case", [f"{N}_{V}" for N, _, V, _, _ in TRITON_CASES])

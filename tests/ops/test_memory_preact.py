@@ -14,7 +14,7 @@ import torch
 
 from evict.ops import memory_step
 from evict.ops.memory.preact import Preact
-from tests.conftest import rel, run_interpreted
+from tests.conftest import interpreter_fixture, rel
 
 CASES = [(g, f, l2, d) for g, f, l2, d in itertools.product(("none", "scalar", "channel"), ("softplus", "bounded"),
                                                             (True, False), (True, False))
@@ -120,9 +120,7 @@ print("RESULT" + json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    return run_interpreted(INTERP_SCRIPT, json.dumps(CASES))
+interpreted = interpreter_fixture(INTERP_SCRIPT, json.dumps(CASES))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))

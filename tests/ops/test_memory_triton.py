@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from evict.ops import memory, memory_step
-from tests.conftest import rel, run_interpreted, run_interpreted_cases
+from tests.conftest import interpreter_fixture, rel, run_interpreted
 from tests.ops.test_memory import GATES, OFFSETS, make_inputs, make_packed, packed_grads, per_sequence, run
 
 TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -128,9 +128,7 @@ print("RESULT" + json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    return run_interpreted(INTERP_SCRIPT, json.dumps(INTERP_CASES), json.dumps(GRAD_CASES))
+interpreted = interpreter_fixture(INTERP_SCRIPT, json.dumps(INTERP_CASES), json.dumps(GRAD_CASES))
 
 
 @pytest.mark.parametrize("case", [c[0] for c in INTERP_CASES])
@@ -302,9 +300,7 @@ def _same_as_default(errs, strong):
     return all(e <= (1e-5 if strong and i == 5 else 3e-6) for i, e in enumerate(errs))
 
 
-@pytest.fixture(scope="module")
-def interpreted_split():
-    return run_interpreted_cases(SPLIT_SCRIPT, SPLIT_CASES)
+interpreted_split = interpreter_fixture(SPLIT_SCRIPT, cases=SPLIT_CASES, parts=4)  # the suite's longest run: 4 parts
 
 
 def _check_form(r, case, vs_reference, vs_default):
@@ -445,9 +441,7 @@ print("RESULT" + json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def interpreted_varlen():
-    return run_interpreted_cases(VARLEN_SCRIPT, VARLEN_CASES)
+interpreted_varlen = interpreter_fixture(VARLEN_SCRIPT, cases=VARLEN_CASES)
 
 
 @pytest.mark.parametrize("case", [c[0] for c in VARLEN_CASES])
