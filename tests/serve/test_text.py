@@ -65,10 +65,10 @@ def test_eight_thousand_tokens_stream_in_linear_time(tokenizers):
     for tok in tokenizers:
         ids = list(tok.encode("".join(CORPUS)))
         ids = (ids * (8000 // len(ids) + 1))[:8000]
-        t0 = time.perf_counter()
+        t0 = time.process_time()  # CPU time: on CI's busy cores the wall clock reached 1.7 s of the 2 (s63; CPU 0.36 s)
         got, _ = stream(tok, ids, ["a stop string that never comes"])
         assert got == tok.decode(ids)
-        assert time.perf_counter() - t0 < 2.0, tok.kind  # the old whole-text decode per token: 9 to 40 s here
+        assert time.process_time() - t0 < 2.0, tok.kind  # the old whole-text decode per token: 9 to 40 s here
 
 
 def test_a_decoder_decodes_each_token_window_not_the_whole_text(tokenizers):

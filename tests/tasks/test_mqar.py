@@ -174,10 +174,13 @@ def test_task_protocol():
     assert x.shape == (4, 128) and x.device.type == "cpu" and y.dtype == torch.int64
 
 
-def test_vectorised_speed():
-    t = time.perf_counter()
+def test_vectorised_speed(one_thread):
+    """10,000 examples in well under 2 s of CPU: no per-example Python loop. The process's CPU time on one thread, not
+    the wall clock: on CI's two busy cores (the interpreter runs beside the suite) two torch threads contend, and the
+    wall time reached 1.7 s of the 2 (s63: CPU time 0.04 s on one thread, 0.25-0.56 s on two)."""
+    t = time.process_time()
     x, y = make_mqar(MQARConfig(), 10_000, seed=0)
-    assert time.perf_counter() - t < 2.0
+    assert time.process_time() - t < 2.0
     assert x.shape == (10_000, 64) and ((y != -100).sum(1) == 4).all()
 
 
