@@ -284,9 +284,9 @@ print("RESULT" + json.dumps(out))
 SPLIT_CASES = [  # (name, gate, delta, T, K, V, strong): odd lengths, key dims across two 64-column blocks, strong decay
     ("kda_k96_strong", "channel", True, 70, 96, 16, True), ("kda_strong", "channel", True, 130, 32, 20, True),
     ("kda_k32_v80", "channel", True, 100, 32, 80, False),
-    ("gdn", "scalar", True, 70, 32, 16, False), ("delta_nogate", None, True, 65, 32, 16, False),
-    ("gla", "channel", False, 70, 32, 16, False), ("linear", None, False, 64, 32, 16, False),
-    ("gdn_k64", "scalar", True, 70, 64, 16, False), ("delta_k64", None, True, 65, 64, 16, False),
+    ("gdn", "scalar", True, 70, 32, 16, False), ("delta_nogate", "none", True, 65, 32, 16, False),
+    ("gla", "channel", False, 70, 32, 16, False), ("linear", "none", False, 64, 32, 16, False),
+    ("gdn_k64", "scalar", True, 70, 64, 16, False), ("delta_k64", "none", True, 65, 64, 16, False),
     # key dims above 128 (padded to 256: four 64-column blocks, the last partly masked), the pairs lab's top head dim
     ("kda_k200_strong", "channel", True, 45, 200, 24, True), ("gdn_k256", "scalar", True, 37, 256, 16, False),
 ]
