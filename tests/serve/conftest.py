@@ -1,5 +1,6 @@
 """Shared by the serving tests."""
 
+import os
 import time
 
 import pytest
@@ -48,13 +49,17 @@ def failing_requests_fail_alone(c, name: str, greedy: list[int]) -> None:
 
 
 def hang_steps() -> None:
-    """An engine whose steps hang once a request runs (a stuck kernel), for an EngineClient's `prepare`."""
+    """An engine whose steps hang once a request runs (a stuck kernel), for an EngineClient's `prepare`. With
+    $EVICT_TEST_HANG_MARKER set, that file is created as the hang begins (metrics can say "running" a step before)."""
     from evict.serve.engine import Engine
 
     real = Engine.step
+    marker = os.environ.get("EVICT_TEST_HANG_MARKER")
 
     def step(self):
         if self.running:
+            if marker:
+                open(marker, "w").close()
             time.sleep(3600)
         return real(self)
 

@@ -211,7 +211,9 @@ def test_a_dead_engine_thread_in_the_child_is_reported_and_requests_get_errors()
 
 
 @pytest.mark.parametrize("hang", [False, True], ids=["stops", "killed-at-deadline"])
-def test_stop_fails_what_is_in_flight_and_the_child_exits(hang):
+def test_stop_fails_what_is_in_flight_and_the_child_exits(hang, tmp_path, monkeypatch):
+    marker = tmp_path / "hanging"  # the child's step has begun its hang (a fresh clone's CI, s63: "running" was
+    monkeypatch.setenv("EVICT_TEST_HANG_MARKER", str(marker))  # reported, the stop came before the hanging step)
     remote = EngineClient(parse(SMALL + ["--engine-process", "on"]), build=build_engine,
                           prepare=hang_steps if hang else None)
     remote.start()
@@ -220,6 +222,10 @@ def test_stop_fails_what_is_in_flight_and_the_child_exits(hang):
             result: dict = {}
             t = long_request(url, result)
             wait_running(remote)
+            t_wait = time.time()
+            while hang and not marker.exists():
+                assert time.time() - t_wait < 30, "the step never hung"
+                time.sleep(0.05)
             t0 = time.time()
             remote.stop(timeout=2)
             took = time.time() - t0
