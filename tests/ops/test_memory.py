@@ -35,6 +35,11 @@ def make_inputs(B, T, H, K, V, *, gate, beta_max, dtype=torch.float64, init=Fals
     return dict(q=cast(q), k=cast(k), v=cast(v), log_alpha=cast(la), beta=cast(beta), initial_state=S0 if S0 is None else S0.to(torch.float64 if dtype == torch.float64 else torch.float32))
 
 
+def rounded(inputs, dtype=torch.float32):
+    """The inputs rounded to `dtype` and back to float64: the reference on what a `dtype` kernel sees."""
+    return {n: None if t is None else t.to(dtype).double() for n, t in inputs.items()}
+
+
 def run(inputs, delta, **kw):
     x = dict(inputs)
     return memory(x.pop("q"), x.pop("k"), x.pop("v"), delta=delta, output_final_state=True, **x, **kw)

@@ -50,14 +50,13 @@ from evict.ops.memory.triton.forward import forward_triton
 from evict.ops.memory.triton.step import step_triton
 from evict.ops.memory.reference import rule
 from tests.conftest import rel, run_interpreted
-from tests.ops.test_memory import make_inputs, run, step_rows_case
+from tests.ops.test_memory import make_inputs, rounded, run, step_rows_case
 
 out = {}
 for name, gate, delta, bmax, T, cs, strong in json.loads(sys.argv[1]):
     # the reference runs on the float32-rounded inputs the kernel sees: at T = 1 one dot q.k can nearly cancel, and
     # the rounding of the inputs alone then moves the float64 answer by 1e-5 and more (a failing fresh clone, s63)
-    x64 = {n: None if t is None else t.float().double()
-           for n, t in make_inputs(1, T, 1, 12, 20, gate=gate, beta_max=bmax, init=True, strong=strong).items()}
+    x64 = rounded(make_inputs(1, T, 1, 12, 20, gate=gate, beta_max=bmax, init=True, strong=strong))
     o_ref, s_ref = run(x64, delta, impl="reference")
     x = {n: None if t is None else t.float() for n, t in x64.items()}
     o, s = run(x, delta, impl="triton", chunk_size=cs)
@@ -66,8 +65,7 @@ for name, gate, delta, bmax, T, cs, strong in json.loads(sys.argv[1]):
     out[name] = [rel(o, o_ref), rel(s, s_ref), bool(torch.isfinite(o).all() and torch.isfinite(s).all()), G]
 for gate in ("none", "scalar", "channel"):
     for delta in (False, True):
-        x64 = {n: None if t is None else t.float().double()  # one token: the reference on the kernel's own inputs
-               for n, t in make_inputs(2, 1, 3, 12, 20, gate=gate, beta_max=2.0, init=True).items()}
+        x64 = rounded(make_inputs(2, 1, 3, 12, 20, gate=gate, beta_max=2.0, init=True))  # the kernel's own inputs
         sq = lambda n: None if x64[n] is None else x64[n][:, 0]
         o_ref, s_ref = rule(sq("q"), sq("k"), sq("v"), x64["initial_state"], sq("log_alpha"), sq("beta"), delta, 0.3)
         f = lambda n: None if sq(n) is None else sq(n).float()
@@ -94,7 +92,7 @@ for name, gate, delta, bmax, T, strong, on in json.loads(sys.argv[2]):
     x64 = make_inputs(1, T, 2, 12, 20, gate=gate, beta_max=bmax, init=True, strong=strong == "all")
     if strong == "mixed":  # strong decay in the first 24 tokens only: exact and factored sub-chunks in one run
         x64["log_alpha"][:, :24] *= 40
-    x64 = {n: None if t is None else t.float().double() for n, t in x64.items()}  # the kernel's own (rounded) inputs
+    x64 = rounded(x64)  # the kernel's own inputs
     g_ref = grads(x64, delta, on, impl="reference")
     g = grads({n: None if t is None else t.float() for n, t in x64.items()}, delta, on, impl="triton")
     out["grads"][name] = {n: rel(g[n], g_ref[n]) if g_ref[n].norm() > 0 else float(g[n].norm()) for n in g_ref}
@@ -133,10 +131,11 @@ interpreted = interpreter_fixture(INTERP_SCRIPT, json.dumps(INTERP_CASES), json.
 
 @pytest.mark.parametrize("case", [c[0] for c in INTERP_CASES])
 def test_interpreter_forward_matches_reference(interpreted, case):
-    """float32 kernels vs float64 on the same (float32-rounded) inputs: 1e-5, plus float32's own error in the decays. The kernels form decay ratios
-    e^(G_i - G_j) from within-chunk cumulative sums G of log alpha, which float32 holds to ~2^-24 |G| absolute, so
-    the ratios carry up to ~2 * 2^-24 * max |G| relative error whatever the algorithm (strong decay, chunk 16:
-    |G| ~ 160, ~2e-5; observed 6e-7 ... 1.1e-5 over fresh random inputs). Small decays keep the bound at ~1e-5."""
+    """float32 kernels vs float64 on the same (float32-rounded) inputs: 1e-5, plus float32's own error in the decays.
+    The kernels form decay ratios e^(G_i - G_j) from within-chunk cumulative sums G of log alpha, which float32 holds
+    to ~2^-24 |G| absolute, so the ratios carry up to ~2 * 2^-24 * max |G| relative error whatever the algorithm
+    (strong decay, chunk 16: |G| ~ 160, ~2e-5; observed 6e-7 ... 1.1e-5 over fresh random inputs). Small decays keep
+    the bound at ~1e-5."""
     err_o, err_s, finite, G = interpreted[case]
     tol = 1e-5 + 2 * 2**-24 * G
     assert finite and err_o <= tol and err_s <= tol, (err_o, err_s, tol)
