@@ -44,7 +44,7 @@ def interpreter_fixture(script: str, *args: str, cases: list | None = None, part
     Its run starts at collection, in the background: the suite's own tests run on one core of CI's two, so these
     subprocesses (most of the suite's CPU time) run on the other beside them, and the modules that use such a fixture
     run last (`pytest_collection_modifyitems`). A fixture reached before its background run finished runs the parts
-    not yet started itself, and while it waits on one the background started, the next part the background has not.
+    not yet started itself.
     Not under xdist (each worker would start every run)."""
     arg_lists = [list(args)] if cases is None else [[json.dumps(cases[i::parts])] for i in range(parts) if cases[i::parts]]
     job = _Job(script, arg_lists, timeout)
@@ -112,12 +112,6 @@ class _Job:
             p.start()
         for p in mine:
             p.finish()
-        while not all(p.done.is_set() for p in self.parts):  # waiting on the background: run a later part meanwhile
-            later = next((p for p in _BACKGROUND if p.claim()), None)
-            if later is None:
-                break
-            later.start()
-            later.finish()
         merged: dict = {}
         for p in self.parts:
             merged.update(p.result())
