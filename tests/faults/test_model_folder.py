@@ -15,9 +15,12 @@ from evict.models.config import ModelConfig
 
 from .common import kill9, spawn, wait_for_line
 
-# A child that saves model A or B (seed and norm_eps differ) into argv[1], forever, printing "go" once started.
+# A child that saves model A or B (seed and norm_eps differ) into argv[1], forever, printing "go" once started; with an
+# argv[3], it rests a random 0..argv[3] seconds between saves. (The flock is not fair: two writers saving back to back
+# can starve one another for tens of seconds on a loaded two-core machine, as CI's did; the rest gives the other writer
+# its turn, while every save still races the reader's loads.)
 SAVER = """
-import sys, torch
+import random, sys, time, torch
 from evict.models import LM
 from evict.models.config import ModelConfig
 which = sys.argv[2]
@@ -26,10 +29,13 @@ models = {w: (torch.manual_seed(s), LM(ModelConfig(vocab_size=64, d_model=32, n_
 order = "AB" if which == "both" else which
 models[order[0]].save(sys.argv[1])
 print("go", flush=True)
+rest = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
 i = 0
 while True:
     i += 1
     models[order[i % len(order)]].save(sys.argv[1])
+    if rest:
+        time.sleep(random.uniform(0.0, rest))
 """
 
 
@@ -100,9 +106,9 @@ def test_a_save_killed_inside_the_tensor_write_leaves_nothing_after_the_next_sav
 def test_two_writers_and_a_reader_never_mix_a_pair(tmp_path):
     models = _models()
     folder = tmp_path / "m"
-    a = spawn(SAVER, str(folder), "A")
+    a = spawn(SAVER, str(folder), "A", "0.02")
     wait_for_line(a, "go")
-    b = spawn(SAVER, str(folder), "B")
+    b = spawn(SAVER, str(folder), "B", "0.02")
     try:
         wait_for_line(b, "go")
         seen = set()
