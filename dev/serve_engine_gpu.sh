@@ -17,7 +17,8 @@
 # dev/serve_step_profile.py --decode-only 4352 --kernels 3 --compare-async into $RES/async_profile.txt: decode steps at
 # 1 and 128 rows without and then with async steps in one process; ~150 s), async4k (the 4K hybrid load without and
 # with --async-scheduling on, side by side; ~100 s), proc4k (the 4K hybrid and attention rows through HTTP, each without and with --engine-process on: the engine in a
-# child process, its own GIL; 4 rows, ~4 min).
+# child process, its own GIL; 4 rows, ~4 min), budget (the 4K load, hybrid and attention at the default step budget and at
+# --max-num-batched-tokens 16384, then the hybrid at 32768: four or eight 4K chunks a step; 5 rows, ~3 min).
 case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
 MODES=${*:-tests main engine cap attn profile knobs}
 set -uo pipefail
@@ -90,6 +91,10 @@ mode_prefill() {
     timeout "${TEST_S:-150}" $PY -m pytest -o addopts="" -v -rf -m gpu tests/serve/test_engine_gpu.py tests/ops/test_attention.py \
         tests/models/test_mixed_precision.py -p no:cacheprovider ${TEST_N:+-n $TEST_N}
     timeout "${PROFILE_S:-130}" $PY -u dev/serve_prefill_profile.py --reps 3 --json "$RES/prefill_profile.json"
+}
+mode_budget() {  # the step budget on both models (a larger one gives the KDA op's carry more sequences a step)
+    for m in hybrid attention; do bench 4k "$m" 100 $B4K; bench 4k_budget16k "$m" 100 $B4K --max-num-batched-tokens 16384; done
+    bench 4k_budget32k hybrid 100 $B4K --max-num-batched-tokens 32768
 }
 mode_cap() { bench 4k_cap2k hybrid 100 $B4K --decode-prefill-tokens 2048; }
 mode_attn() { timeout 60 $PY dev/packed_attention_gpu.py; }
