@@ -93,7 +93,8 @@ mode_prefill() {
     timeout "${PROFILE_S:-130}" $PY -u dev/serve_prefill_profile.py --reps 3 --json "$RES/prefill_profile.json"
 }
 mode_budget() {  # the step budget on both models (a larger one gives the KDA op's carry more sequences a step)
-    for m in hybrid attention; do bench 4k "$m" 100 $B4K; bench 4k_budget16k "$m" 100 $B4K --max-num-batched-tokens 16384; done
+    mode_4k
+    for m in hybrid attention; do bench 4k_budget16k "$m" 100 $B4K --max-num-batched-tokens 16384; done
     bench 4k_budget32k hybrid 100 $B4K --max-num-batched-tokens 32768
 }
 mode_cap() { bench 4k_cap2k hybrid 100 $B4K --decode-prefill-tokens 2048; }
@@ -107,7 +108,6 @@ mode_knobs() {
     bench 4k_budget2k hybrid 100 $B4K --max-num-batched-tokens 2048
     [[ -n ${ALL_KNOBS:-} ]] || return 0
     bench 4k_no_graphs hybrid 100 $B4K --cuda-graphs off
-    bench 4k_budget16k hybrid 100 $B4K --max-num-batched-tokens 16384
     bench 4k_chunk1k hybrid 100 $B4K --prefill-chunk 1024
     bench 4k_max64 hybrid 100 ${B4K/--max-batch 128/--max-batch 64}
 }
