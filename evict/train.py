@@ -86,8 +86,9 @@ class TrainConfig:
     stop_file: str | None = None  # a path whose existence, seen at an evaluation, ends the run there (stopped_early)
     grad_accum: int = 1  # micro-batches per rank per optimizer step (batch_size is the global batch)
     compile: bool = False  # torch.compile each block (or the whole model if it has no `blocks`)
-    compile_lean: bool = False  # with compile: the lean compiled form, compile_blocks(lean=True) (blocks keep less for
-    # the backward and recompute elementwise values and the short conv there); False: the module's default (LEAN)
+    compile_lean: bool | None = None  # with compile: True the lean compiled form, compile_blocks(lean=True) (blocks keep
+    # less for the backward and recompute elementwise values and the short conv there); False the keep-all form; None
+    # the module's default (evict.models.compile_blocks.LEAN: lean)
     checkpoint_blocks: bool = False  # activation checkpointing per block (sets evict's LM's gradient_checkpointing)
     dist: str = "fsdp"  # under torchrun: "fsdp" (FSDP2, per block) or "ddp"
     tensorboard: bool = False  # also write the metrics rows as TensorBoard scalars into out_dir/tensorboard
@@ -469,7 +470,7 @@ class Trainer:
         model.train()
         self.core = model
         self.model = distributed.parallelize(model, kind=cfg.dist, compile=cfg.compile,
-                                                lean=True if cfg.compile_lean else None, device=self.device)
+                                                lean=cfg.compile_lean, device=self.device)
         self.opt = _make_optimizer(self.model, cfg, self.device)
         self.schedule = WarmupCosine(cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
         self.per_row = _labels_per_row(self.model, self.task, cfg)

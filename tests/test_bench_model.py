@@ -192,12 +192,12 @@ def test_fla_rows_run_inside_the_parallel_compile_unless_told_not(parallel, tmp_
 
 
 def test_compiled_lean_mode_compiles_blocks_lean(monkeypatch):
-    """Mode compiled-lean: compile_blocks(lean=True); compiled: compile_blocks' default form (lean=None); a row each,
-    labelled by its mode."""
+    """Mode compiled-lean: compile_blocks(lean=True); compiled-keep: lean=False (the keep-all form); compiled:
+    compile_blocks' default form (lean=None); a row each, labelled by its mode."""
     import evict.bench.model as bm
 
     seen = []
     monkeypatch.setattr(bm, "compile_blocks", lambda model, lean=None: seen.append(lean))  # eager steps, no compile
     rows = bench_model(models=("kda",), size="tiny", batch=1, seq_len=8, warmup=1, steps=1, device="cpu",
-                       references=False, modes=("compiled", "compiled-lean"))
-    assert seen == [None, True] and [r["mode"] for r in rows] == ["compiled", "compiled-lean"]
+                       references=False, modes=("compiled", "compiled-lean", "compiled-keep"))
+    assert seen == [None, True, False] and [r["mode"] for r in rows] == ["compiled", "compiled-lean", "compiled-keep"]

@@ -97,7 +97,9 @@ def test_flags_that_cannot_train_are_one_line(tmp_path, capsys, monkeypatch, arg
 def test_compile_lean_implies_compile_unless_a_run_json_records_compile_false(tmp_path, capsys, monkeypatch):
     """--compile-lean alone turns --compile on; a run.json that records compile false (an eager run's, or one edited to
     compile_lean true) contradicts it: one line naming --compile-lean, exit 2, nothing written; --compile given as
-    well wins over the file. A run.json from before the flag (no compile_lean field) replays as not lean."""
+    well wins over the file. A compiled run.json from before the flag (no compile_lean field) replays the keep-all form
+    it ran (compile_lean False); one from before lean became the default records false and replays keep-all as well;
+    a fresh --compile leaves compile_lean None (the module's default form, lean), --no-compile-lean makes it False."""
     monkeypatch.chdir(tmp_path)
     o = tmp_path / "o"
     tcfg = train_config(_resolve(["train", "--compile-lean", "--out", str(o)]))
@@ -119,3 +121,12 @@ def test_compile_lean_implies_compile_unless_a_run_json_records_compile_false(tm
     old.write_text(json.dumps(d))
     tcfg = train_config(_resolve(["train", "--config", str(old), "--out", str(o)]))
     assert (tcfg.compile, tcfg.compile_lean) == (True, False)
+    tcfg = train_config(_resolve(["train", "--config", str(old), "--out", str(o), "--compile-lean"]))
+    assert (tcfg.compile, tcfg.compile_lean) == (True, True)
+    assert train_config(_resolve(["train", "--compile", "--out", str(o)])).compile_lean is None
+    assert train_config(_resolve(["train", "--compile", "--no-compile-lean", "--out", str(o)])).compile_lean is False
+    eager = _run_json(tmp_path, compile=False)
+    d = json.loads(eager.read_text())
+    del d["train"]["compile_lean"]
+    eager.write_text(json.dumps(d))
+    assert train_config(_resolve(["train", "--config", str(eager), "--out", str(o)])).compile_lean is None

@@ -9,8 +9,9 @@ fla: the model's own `labels=` loss, which shifts the tokens itself: T - 1 posit
 allocator, autotuning) run first, then `steps` timed steps between two synchronizations. Reported: tokens/s, peak
 memory (torch.cuda.max_memory_allocated over the timed steps: weights, gradients, AdamW state and activations), MFU,
 and the warm-up's seconds (what a fresh process pays before its first fast step). Modes: eager; compiled (each block
-torch.compile'd, `compile_blocks` with its default form); compiled-lean (`compile_blocks(lean=True)`: the blocks keep
-less for the backward, recomputing elementwise values there).
+torch.compile'd, `compile_blocks` with its default form, lean since session 66); compiled-lean
+(`compile_blocks(lean=True)`: the blocks keep less for the backward, recomputing elementwise values there);
+compiled-keep (`compile_blocks(lean=False)`: the keep-all form, the default before).
 
 MFU = FLOPs per token × tokens/s / the card's bf16 dense peak (H100 / H200 SXM: 989.4 TFLOPS). FLOPs per token =
 6 N + the attention products: N the parameters that multiply (every parameter but the embedding tables; a tied head
@@ -41,7 +42,9 @@ from evict.models import LM, compile_blocks, presets
 from evict.models.config import ModelConfig
 
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12}  # dense bf16 tensor-core FLOP/s of the SXM cards
-MODES = ("eager", "compiled", "compiled-lean")  # compiled-lean: compile_blocks(lean=True)
+MODES = ("eager", "compiled", "compiled-lean", "compiled-keep")  # compiled: compile_blocks' default form (lean);
+# compiled-lean: compile_blocks(lean=True); compiled-keep: compile_blocks(lean=False), the keep-all form
+_LEAN = {"compiled-lean": True, "compiled-keep": False}
 IMPLS = ("evict", "reference")
 
 _KDA_226M: dict[str, Any] = dict(vocab_size=32768, d_model=1024, n_layers=12, n_heads=8, head_dim=128, d_ff=2816,
@@ -273,7 +276,7 @@ def bench_model(*, models=("kda_226m",), size: str = "tiny", batch: int = 4, seq
                 tuning: AbstractContextManager[dict] = parallel_autotune_compile() if fla else nullcontext({})
                 with tuning as tuned:
                     row.update(_measure(subject, x, y, warmup=warmup, steps=steps, compiled=mode != "eager",
-                                        lean=True if mode == "compiled-lean" else None,
+                                        lean=_LEAN.get(mode),
                                         profile=profile))
                 if tuned.get("kernels"):
                     row["note"] = (f"{tuned['kernels']} autotuned kernels, {tuned['configs']} configs compiled in "

@@ -178,7 +178,7 @@ def _train_arguments(t) -> None:
     m.add_argument("--lm-size", choices=["tiny", "small"], default="tiny", help="presets' size (default tiny)")
     m.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step (default 4)")
     m.add_argument("--seq-len", type=positive_int, default=4096, help="tokens per sequence (default 4096)")
-    m.add_argument("--modes", nargs="+", choices=list(MODES), default=["eager"], help="eager, compiled and / or compiled-lean (blocks keeping less for the backward)")
+    m.add_argument("--modes", nargs="+", choices=list(MODES), default=["eager"], help="eager, compiled (the default compiled form: lean), compiled-lean (blocks keeping less for the backward) and / or compiled-keep (the keep-all compiled form)")
     m.add_argument("--no-reference", action="store_true", help="skip transformers' / fla's model beside evict's")
     m.add_argument("--warmup-steps", type=positive_int, default=3, help="untimed steps first (default 3)")
     m.add_argument("--timed-steps", type=positive_int, default=10, help="timed steps (default 10)")

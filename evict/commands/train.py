@@ -39,7 +39,7 @@ from evict.train import TrainConfig, read_checkpoint, train
 DEFAULTS = dict(preset="gpt2", size="tiny", task="text", corpus=None, text_field="text", tokenizer="char", bpe_vocab=2048,
                 seq_len=None,
                 pairs=4, vocab=8192, steps=1000, batch_size=32, lr=3e-3, min_lr=0.0, warmup=None, weight_decay=0.1,
-                clip=1.0, grad_accum=1, amp="auto", compile=False, compile_lean=False, checkpoint_blocks=False, dist="fsdp",
+                clip=1.0, grad_accum=1, amp="auto", compile=False, compile_lean=None, checkpoint_blocks=False, dist="fsdp",
                 eval_every=100,
                 eval_batches=10, log_every=10, ckpt_every=None, device="auto", threads=None, seed=0, tensorboard=False,
                 out="runs/train/latest")
@@ -136,6 +136,8 @@ def resolve(args) -> SimpleNamespace:
                     o["train_only"][field] = tuple(t[field]) if field == "betas" else t[field]
             recorded = {k: d["task"][k] for k in _TASK_FLAGS if k in d["task"]}
             recorded.update({flag: t[field] for field, flag in _TRAIN_FLAGS.items() if field in t})
+            if t.get("compile") and "compile_lean" not in t:  # a compiled run from before the flag: the keep-all form
+                recorded["compile_lean"] = False
             if isinstance(t.get("min_lr_ratio"), (int, float)) and isinstance(t.get("lr"), (int, float)):
                 recorded["min_lr"] = t["min_lr_ratio"] * t["lr"]
             o.update({k: _check_recorded(args.config, k, v) for k, v in recorded.items()})
@@ -399,11 +401,12 @@ def add_parser(sub) -> None:
     t.add_argument("--clip", type=nonneg_float, help=f"gradient-norm clip, 0 = none (default {d['clip']})")
     t.add_argument("--amp", choices=["auto", "bf16", "none"], help="bf16 autocast: auto = on CUDA only (default)")
     t.add_argument("--compile", action="store_true", default=None, help="torch.compile each block")
-    t.add_argument("--compile-lean", action="store_true", default=None,
-                   help="implies --compile: each block compiled in the lean form, which keeps less for the backward "
-                        "and recomputes there the elementwise values between the matmuls and the short conv (no "
-                        "matmul or memory-op forward runs twice); KDA 226M on an H100: 0.67x the memory of --compile "
-                        "at 0.96x its speed (docs/training.md)")
+    t.add_argument("--compile-lean", action=argparse.BooleanOptionalAction, default=None,
+                   help="implies --compile: each block compiled in the lean form (the default form of --compile), "
+                        "which keeps less for the backward and recomputes there the elementwise values between the "
+                        "matmuls and the short conv (no matmul or memory-op forward runs twice); --no-compile-lean: "
+                        "the keep-all form; KDA 226M on an H100: lean 0.67x the keep-all form's memory at 0.96x its "
+                        "speed (docs/training.md)")
     t.add_argument("--checkpoint-blocks", action="store_true", default=None,
                    help="activation checkpointing per block: recompute each block's activations in the backward")
     t.add_argument("--dist", choices=list(distributed.DIST), help="under torchrun: fsdp (FSDP2, default) or ddp")
