@@ -70,7 +70,7 @@ def check_fsdp_available() -> None:
 def parallelize(model: nn.Module, *, kind: str, compile: bool, device: torch.device,
                 lean: bool | None = None) -> nn.Module:
     """Per-block torch.compile (when `compile`: the model's own `compile_blocks(lean=lean)`, an LM's one dynamo cache
-    per block form, lean=True its lean form and None the model's default; else each block), then, when a process group
+    per block form, lean=True its lean form, False its keep-all form and None the model's default; else each block), then, when a process group
     is initialised, FSDP2 per block and at the root (`kind="fsdp"`) or DDP (`kind="ddp"`). Returns the module to call
     (the model itself, or its DDP). A model without `compile_blocks` has no lean form: lean=True is a ValueError."""
     blocks = list(getattr(model, "blocks", []))

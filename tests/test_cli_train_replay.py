@@ -130,3 +130,5 @@ def test_compile_lean_implies_compile_unless_a_run_json_records_compile_false(tm
     del d["train"]["compile_lean"]
     eager.write_text(json.dumps(d))
     assert train_config(_resolve(["train", "--config", str(eager), "--out", str(o)])).compile_lean is None
+    recorded_false = _run_json(tmp_path, compile=True, compile_lean=False)
+    assert train_config(_resolve(["train", "--config", str(recorded_false), "--out", str(o)])).compile_lean is False
