@@ -36,6 +36,13 @@ KINDS = {  # kind -> (gate, delta, conv, features, normalizer, gated output)
 }
 
 
+def _elu1(x: torch.Tensor) -> torch.Tensor:
+    """ELU(x) + 1 = x + 1 (x > 0), e^x (x <= 0), from where / exp, not F.elu: the fake (meta) elu_backward gives a
+    contiguous gradient where the real kernel follows a strided incoming gradient's layout, and aot_eager's backward
+    then cannot view it (torch 2.13, CPU). The exp branch sees min(x, 0): no inf to multiply by a zero gradient."""
+    return torch.where(x > 0, x + 1, x.clamp(max=0).exp())
+
+
 class MemoryMixer(nn.Module):
     def __init__(self, cfg, kind: str):
         super().__init__()
@@ -159,7 +166,7 @@ class MemoryMixer(nn.Module):
         if self.features == "l2":
             q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         elif self.features == "elu1":
-            q, k = F.elu(q) + 1, F.elu(k) + 1
+            q, k = _elu1(q), _elu1(k)
         # v contiguous: as a view it would keep the whole [B, T, 3 H D] SiLU output alive for the op's backward
         return q.to(qkv.dtype), k.to(qkv.dtype), v.to(qkv.dtype).contiguous()
 
