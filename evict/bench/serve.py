@@ -27,10 +27,20 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 
 from evict.report import card, markdown_table, write_json
+
+
+# the client drops idle connections well before a server closes them (ours keeps them 65 s, uvicorn's default is 5 s):
+# otherwise a request may go out on a connection the server is closing ("Server disconnected without sending a response")
+KEEPALIVE_S = 2.0
+
+
+class ServerGone(Exception):
+    """A connection to the benchmark's server failed during the load (the server died, or closed it)."""
 
 
 def free_port() -> int:
@@ -82,14 +92,21 @@ def started_server(args):
             engine.stop()
         return
     port = free_port()
-    proc = subprocess.Popen(server_argv(args, port), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    assert proc.stderr is not None  # stderr=PIPE
+    # its stderr into a file, not a pipe nobody reads while the load runs (a full pipe would block the server's logging)
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(server_argv(args, port), stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
+
+    def last_line() -> str:
+        log.seek(0)
+        lines = log.read().strip().splitlines()
+        return lines[-1] if lines else "(nothing on stderr)"
+
     try:
         t0 = time.time()
         while True:
             if proc.poll() is not None:
-                raise SystemExit(f"bench serve: the server exited: {proc.stderr.read().strip().splitlines()[-1:]}")
+                raise SystemExit(f"bench serve: the server exited (code {proc.returncode}): {last_line()}")
             try:
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                     break
@@ -98,13 +115,19 @@ def started_server(args):
             if time.time() - t0 > args.start_timeout:
                 raise SystemExit(f"bench serve: the server did not answer /health within {args.start_timeout} s")
             time.sleep(0.2)
-        yield url
+        try:
+            yield url
+        except ServerGone as e:
+            time.sleep(1.0)  # a server that crashed has exited by now
+            state = "still running" if proc.poll() is None else f"exited with code {proc.returncode}: {last_line()}"
+            raise SystemExit(f"bench serve: a request failed: {e} (the server {state})") from None
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log.close()
 
 
 async def one_request(client, url: str, model: str, prompt: list[int], max_tokens: int, temperature: float,
@@ -112,21 +135,26 @@ async def one_request(client, url: str, model: str, prompt: list[int], max_token
     """Stream one completion; returns its token ids, finish reason and timings."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
             "stream_options": {"include_usage": True}, "return_token_ids": True, **({} if seed is None else {"seed": seed})}
+    import httpx
+
     t0 = time.perf_counter()
     ids, times, reason, usage = [], [], None, None
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            return {"error": f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}", "prompt": prompt}
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage  # the last event (stream_options.include_usage), with no choices
-            for c in chunk["choices"]:
-                if c.get("token_ids"):
-                    ids += c["token_ids"]
-                    times.append(time.perf_counter())
-                reason = c["finish_reason"] or reason
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return {"error": f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}", "prompt": prompt}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage  # the last event (stream_options.include_usage), with no choices
+                for c in chunk["choices"]:
+                    if c.get("token_ids"):
+                        ids += c["token_ids"]
+                        times.append(time.perf_counter())
+                    reason = c["finish_reason"] or reason
+    except httpx.TransportError as e:  # counted as this request's error; a dead server fails the next /metrics read
+        return {"error": f"connection: {type(e).__name__}: {e}", "prompt": prompt}
     return {"prompt": prompt, "max_tokens": max_tokens, "ids": ids, "finish_reason": reason, "usage": usage,
             "ttft": times[0] - t0 if times else float("nan"),
             "tpot": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")}
@@ -135,7 +163,8 @@ async def one_request(client, url: str, model: str, prompt: list[int], max_token
 async def load(url: str, args) -> tuple[list[dict], float, dict]:
     import httpx
 
-    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=args.clients + 4)) as client:
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=args.clients + 4,
+                                                                   keepalive_expiry=KEEPALIVE_S)) as client:
         info = (await client.get(f"{url}/v1/models")).json()["data"][0]
         vocab = 256 if args.vocab is None else args.vocab
         jobs = jobs_of(args, args.bench_seed, args.requests, vocab)
@@ -168,7 +197,10 @@ async def load(url: str, args) -> tuple[list[dict], float, dict]:
         metrics.update(warmup_requests=args.warmup, warmup_s=warmup_s)
         for r in results[: args.check] if args.temperature == 0 else []:  # replayed alone, one at a time
             if "error" not in r:
-                r["alone"] = (await one_request(client, url, info["id"], r["prompt"], r["max_tokens"], 0.0, None))["ids"]
+                alone = await one_request(client, url, info["id"], r["prompt"], r["max_tokens"], 0.0, None)
+                if "error" in alone:
+                    raise ServerGone(f"the check's request alone: {alone['error']}")
+                r["alone"] = alone["ids"]
     return list(results), wall, {**metrics, "model": info["id"]}
 
 
@@ -195,7 +227,10 @@ def in_client_procs(url: str, model: str, args, jobs: list[tuple[list[int], int,
         t0 = time.perf_counter() + 0.01
         for c in pipes:
             c.send(t0)
-        parts = [c.recv() for c in pipes]
+        try:
+            parts = [c.recv() for c in pipes]
+        except EOFError:  # it died (its traceback, if any, is on stderr above)
+            raise SystemExit("bench serve: a client process died during the load") from None
         wall = time.perf_counter() - t0
     finally:
         for p in procs:
@@ -211,7 +246,8 @@ def client_proc(conn, url: str, model: str, jobs, clients: int, temperature: flo
     import httpx
 
     async def main() -> list[dict]:
-        async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=clients + 4)) as client:
+        async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=clients + 4,
+                                                                       keepalive_expiry=KEEPALIVE_S)) as client:
             gate = asyncio.Semaphore(clients)
             conn.send("ready")
             t0 = conn.recv()
@@ -345,8 +381,16 @@ def run(args) -> dict:
     if args.spawn == "engine":
         results, wall, metrics = engine_load(args)
     else:
-        with started_server(args) as url:
-            results, wall, metrics = asyncio.run(load(url, args))
+        import httpx
+
+        try:
+            with started_server(args) as url:
+                try:
+                    results, wall, metrics = asyncio.run(load(url, args))
+                except httpx.TransportError as e:  # /v1/models or /metrics: the server is gone
+                    raise ServerGone(f"{type(e).__name__}: {e}") from None
+        except ServerGone as e:  # --url or --spawn thread (a spawned process's context says more, as SystemExit)
+            raise SystemExit(f"bench serve: a request failed: {e}") from None
     s = summarize(results, wall, metrics, args)
     row = {"model": metrics["model"], **{k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in s.items() if k != "first_error"}}
     print(markdown_table([row], list(row)))

@@ -10,9 +10,13 @@ import logging
 import os
 import socket
 
-from evict.cli_args import UserError
+from evict.cli_args import UserError, positive_int
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+# uvicorn's own default is 5 s, the same as httpx's (and the openai client's) idle-connection expiry: a client then
+# sends a request on a connection the server is closing that instant ("Server disconnected without sending a
+# response"). The server keeping idle connections longer than its clients leaves the closing to them.
+KEEP_ALIVE_S = 65
 
 
 def port(text: str) -> int:
@@ -47,6 +51,9 @@ def add_http_flags(p) -> None:
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False, help="log every request")
     p.add_argument("--shutdown-timeout", type=seconds, default=5.0,
                    help="seconds a SIGTERM waits for connections to close after failing the requests in flight")
+    p.add_argument("--timeout-keep-alive", type=positive_int, metavar="SECONDS", default=KEEP_ALIVE_S,
+                   help="seconds an idle connection stays open (longer than clients keep idle connections: httpx and "
+                        "the openai client drop theirs after 5 s, so a request never meets a connection being closed)")
 
 
 def bind(host: str, port_: int) -> socket.socket:
@@ -76,7 +83,7 @@ def serve_forever(app, engine, sock: socket.socket, args) -> None:
 
     logging.getLogger("evict.serve").setLevel(args.log_level.upper())
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log, lifespan="off",
-                            timeout_graceful_shutdown=args.shutdown_timeout)
+                            timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=args.timeout_keep_alive)
     if args.access_log:
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
 

@@ -641,7 +641,10 @@ class ServerThread:
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
         import uvicorn
 
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+        from evict.serve.launch import KEEP_ALIVE_S
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
+                                                    timeout_keep_alive=KEEP_ALIVE_S))
         self.thread = threading.Thread(target=self.server.run, name="evict-http", daemon=True)
 
     def __enter__(self) -> str:

@@ -114,6 +114,7 @@ def test_served_text_equals_evict_generate(model_dir, capsys):
     (["serve", "--preset", "attention", "--host", "999.1.1.1"], "--host"),
     (["serve", "--preset", "attention", "--log-level", "loud"], "--log-level"),
     (["serve", "--preset", "attention", "--shutdown-timeout", "-1"], "--shutdown-timeout"),
+    (["serve", "--preset", "attention", "--timeout-keep-alive", "0.5"], "--timeout-keep-alive"),
     (["serve", "--preset", "attention", "--port", "8", "--chat-template", "/nonexistent.jinja"], "--chat-template"),
 ])
 def test_bad_flags_are_one_line_exit_2(argv, flag, capsys):
@@ -202,3 +203,92 @@ def test_sigterm_fails_the_requests_in_flight_and_exits(model_dir, tmp_path, eng
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_bench_serve_against_no_server_is_one_line(capsys):
+    """--url where nothing listens: one line naming the failed connection, not httpx's traceback."""
+    from evict.bench.serve import free_port
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "serve", "--url", f"http://127.0.0.1:{free_port()}", "--requests", "2"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1
+    assert "bench serve: a request failed:" in err and "ConnectError" in err
+
+
+def test_a_dropped_connection_is_that_request_s_error():
+    """A server that closes the connection before answering (what a request meets on a connection the server is
+    closing, or a dead server): that request's error, counted in the row, the load goes on."""
+    import asyncio
+    import socket
+    import threading
+
+    import httpx
+
+    from evict.bench.serve import one_request
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+
+    def accept_and_close():
+        conn, _ = srv.accept()
+        conn.recv(65536)
+        conn.close()
+
+    threading.Thread(target=accept_and_close, daemon=True).start()
+
+    async def go():
+        async with httpx.AsyncClient(timeout=10) as client:
+            return await one_request(client, f"http://127.0.0.1:{srv.getsockname()[1]}", "m", [1, 2], 4, 0.0, None)
+
+    r = asyncio.run(go())
+    srv.close()
+    # closed with the body still unread, the close may go out as a reset: ReadError instead of RemoteProtocolError
+    assert r["prompt"] == [1, 2] and r["error"].split(":")[:2] in (["connection", " RemoteProtocolError"],
+                                                                   ["connection", " ReadError"])
+
+
+def test_the_server_keeps_idle_connections_past_a_clients_5_s():
+    """A keep-alive connection idle for 5.5 s still answers: clients (httpx, the openai client) drop idle connections
+    after 5 s, so the server closing first (uvicorn's default, 5 s) races their next request on it."""
+    import socket
+    import time
+
+    from fastapi import FastAPI
+
+    from evict.serve.server import ServerThread
+
+    app = FastAPI()
+    app.get("/ping")(lambda: {"ok": True})
+    with ServerThread(app) as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            for i in range(2):
+                if i:
+                    time.sleep(5.5)
+                s.sendall(f"GET /ping HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+                reply = s.recv(65536)
+                assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b'{"ok":true}'), (i, reply)
+
+
+def test_serve_passes_its_keep_alive_to_uvicorn(monkeypatch):
+    """`evict serve`'s --timeout-keep-alive (default 65 s) is uvicorn's timeout_keep_alive."""
+    import argparse
+
+    import uvicorn
+
+    from evict.serve import launch
+
+    seen = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: seen.append(self.config.timeout_keep_alive))
+
+    class Engine:
+        def stop(self, timeout=None):
+            pass
+
+    p = argparse.ArgumentParser()
+    launch.add_http_flags(p)
+    for argv, want in (([], 65), (["--timeout-keep-alive", "12"], 12)):
+        launch.serve_forever(object(), Engine(), launch.bind("127.0.0.1", 0), p.parse_args(argv))
+        assert seen[-1] == want
