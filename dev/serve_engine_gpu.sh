@@ -18,7 +18,9 @@
 # 1 and 128 rows without and then with async steps in one process; ~150 s), async4k (the 4K hybrid load without and
 # with --async-scheduling on, side by side; ~100 s), proc4k (the 4K hybrid and attention rows through HTTP, each without and with --engine-process on: the engine in a
 # child process, its own GIL; 4 rows, ~4 min), budget (the 4K load, hybrid and attention at the default step budget and at
-# --max-num-batched-tokens 16384, then the hybrid at 32768: four or eight 4K chunks a step; 5 rows, ~3 min).
+# --max-num-batched-tokens 16384, then the hybrid at 32768: four or eight 4K chunks a step; 5 rows, ~3 min), reps (the
+# 4K pair REPS times, alternating, with REPFLAGS; ~35 s a row). Since session 67 the bench sends from a quarter of the
+# host's CPUs (1 to 4 client processes) unless --client-procs is given; each row has client_busy.
 case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
 MODES=${*:-tests main engine cap attn profile knobs}
 set -uo pipefail
@@ -70,6 +72,10 @@ mode_proc4k() {  # the engine in the server's thread (default) vs in a child pro
     done
 }
 mode_4k() { for m in hybrid attention; do bench 4k "$m" 120 $B4K; done; }
+mode_reps() {  # the 4K pair REPS times (default 3), hybrid and attention alternating, each with REPFLAGS (e.g.
+    # "--engine-process on"): HTTP rows of the hybrid moved 19-28 req/s between calls at the same flags (session 67)
+    for i in $(seq "${REPS:-3}"); do for m in hybrid attention; do bench "4k_rep$i" "$m" 100 $B4K ${REPFLAGS:-}; done; done
+}
 mode_batch1() { for m in ${BATCH1_MODELS:-hybrid attention}; do bench batch1 "$m" 60 $BATCH1; done; }  # BATCH1_MODELS=hybrid: one
 mode_32k() { for m in hybrid attention; do bench 32k "$m" 120 $B32K; done; }
 mode_main() { mode_4k; mode_batch1; mode_32k; }
@@ -79,12 +85,12 @@ mode_engine() {  # the same 4K load in process: the engine's own rate, no HTTP s
 }
 mode_engine_hybrid() { timeout 90 $PY dev/serve_step_profile.py --steps 0 --warmup 8 --kernels 3; }
 mode_engine_attention() { timeout 90 $PY dev/serve_step_profile.py --steps 0 --warmup 8 --model attention; }
-mode_http() {  # HTTP with one client process (as before), with 4, and the engine in process
-    bench 4k hybrid 120 $B4K; bench 4k_clients4 hybrid 120 $B4K --client-procs 4
+mode_http() {  # HTTP with one client process (the default before session 67), with 4, and the engine in process
+    bench 4k_clients1 hybrid 120 $B4K --client-procs 1; bench 4k_clients4 hybrid 120 $B4K --client-procs 4
     bench 4k_inprocess hybrid 120 $B4K --spawn engine
 }
 mode_http_attention() {  # the same three rows for attention
-    bench 4k attention 120 $B4K; bench 4k_clients4 attention 120 $B4K --client-procs 4
+    bench 4k_clients1 attention 120 $B4K --client-procs 1; bench 4k_clients4 attention 120 $B4K --client-procs 4
     bench 4k_inprocess attention 120 $B4K --spawn engine
 }
 mode_prefill() {

@@ -13,8 +13,9 @@ The server is --url, or started by the benchmark from --model / --preset and the
 (--spawn process, the default: its memory is its own) or in this process (--spawn thread). --spawn engine runs the
 same load with no HTTP at all: the requests go straight to an engine in this process (its thread stepping, callbacks
 timing the tokens), so its row beside an HTTP row is what the server and its clients cost. The client (httpx, one
-event loop) parses every streamed event and can be the limit of an HTTP row: --client-procs P sends the timed requests
-from P processes.
+event loop per process) parses every streamed event and can be the limit of an HTTP row: the timed requests go out
+from --client-procs processes (default a quarter of the CPUs, 1 to 4), the row reports the busiest one's CPU seconds
+per wall second (client_busy), and past 0.9 the bench says in one line that the client may have been the limit.
 """
 
 from __future__ import annotations
@@ -41,6 +42,14 @@ KEEPALIVE_S = 2.0
 
 class ServerGone(Exception):
     """A connection to the benchmark's server failed during the load (the server died, or closed it)."""
+
+
+BUSY = 0.9  # a client process busier than this (CPU seconds per wall second) over the load may be what limits the row
+
+
+def default_client_procs() -> int:
+    """--client-procs by default: a quarter of the CPUs, 1 to 4 (the server, its engine and the clients share them)."""
+    return min(4, max(1, (os.cpu_count() or 1) // 4))
 
 
 def free_port() -> int:
@@ -185,16 +194,20 @@ async def load(url: str, args) -> tuple[list[dict], float, dict]:
         for _, _, gap in jobs:
             t += gap
             delays.append(t)
+        if args.client_procs is None:  # run() resolves it; callers of load() alone (dev/serve_http_profile.py) may not
+            args.client_procs = default_client_procs()
         if args.client_procs > 1:
-            results, wall = await asyncio.to_thread(in_client_procs, url, info["id"], args,
-                                                    [(p, n, d) for (p, n, _), d in zip(jobs, delays)])
+            results, wall, busy = await asyncio.to_thread(in_client_procs, url, info["id"], args,
+                                                          [(p, n, d) for (p, n, _), d in zip(jobs, delays)])
         else:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             results = await asyncio.gather(*(client_task(p, n, d) for (p, n, _), d in zip(jobs, delays)))
             wall = time.perf_counter() - t0
+            # this process's CPU over the load: the client's own, unless the server is a thread of it
+            busy = (time.process_time() - c0) / wall if args.spawn == "process" or args.url else float("nan")
         metrics = parse_metrics((await client.get(f"{url}/metrics")).text)
         metrics["preemptions_total"] = metrics.get("preemptions_total", 0) - before.get("preemptions_total", 0)
-        metrics.update(warmup_requests=args.warmup, warmup_s=warmup_s)
+        metrics.update(warmup_requests=args.warmup, warmup_s=warmup_s, client_busy=busy)
         for r in results[: args.check] if args.temperature == 0 else []:  # replayed alone, one at a time
             if "error" not in r:
                 alone = await one_request(client, url, info["id"], r["prompt"], r["max_tokens"], 0.0, None)
@@ -204,10 +217,11 @@ async def load(url: str, args) -> tuple[list[dict], float, dict]:
     return list(results), wall, {**metrics, "model": info["id"]}
 
 
-def in_client_procs(url: str, model: str, args, jobs: list[tuple[list[int], int, float]]) -> tuple[list[dict], float]:
+def in_client_procs(url: str, model: str, args, jobs: list[tuple[list[int], int, float]]) -> tuple[list[dict], float, float]:
     """The timed requests (prompt, max_tokens, arrival time in s) sent from --client-procs processes (job i from
     process i mod P, each with its share of --clients), all started at one instant (perf_counter is the system's
-    monotonic clock on Linux: one clock for every process); (results in job order, wall seconds)."""
+    monotonic clock on Linux: one clock for every process); (results in job order, wall seconds, the busiest client
+    process's CPU seconds per wall second)."""
     import multiprocessing
 
     P = args.client_procs
@@ -228,7 +242,7 @@ def in_client_procs(url: str, model: str, args, jobs: list[tuple[list[int], int,
         for c in pipes:
             c.send(t0)
         try:
-            parts = [c.recv() for c in pipes]
+            parts, busy = zip(*(c.recv() for c in pipes))
         except EOFError:  # it died (its traceback, if any, is on stderr above)
             raise SystemExit("bench serve: a client process died during the load") from None
         wall = time.perf_counter() - t0
@@ -238,14 +252,15 @@ def in_client_procs(url: str, model: str, args, jobs: list[tuple[list[int], int,
     results: list[dict] = [{}] * len(jobs)
     for i, part in enumerate(parts):
         results[i::P] = part
-    return results, wall
+    return results, wall, max(busy)
 
 
 def client_proc(conn, url: str, model: str, jobs, clients: int, temperature: float) -> None:
-    """One client process of in_client_procs: says ready, waits for the start instant, sends its results back."""
+    """One client process of in_client_procs: says ready, waits for the start instant, sends its results back with
+    its CPU seconds per wall second over them."""
     import httpx
 
-    async def main() -> list[dict]:
+    async def main() -> tuple[list[dict], float]:
         async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=clients + 4,
                                                                        keepalive_expiry=KEEPALIVE_S)) as client:
             gate = asyncio.Semaphore(clients)
@@ -257,7 +272,9 @@ def client_proc(conn, url: str, model: str, jobs, clients: int, temperature: flo
                 async with gate:
                     return await one_request(client, url, model, prompt, N, temperature, None)
 
-            return list(await asyncio.gather(*(task(*j) for j in jobs)))
+            c0 = time.process_time()
+            results = list(await asyncio.gather(*(task(*j) for j in jobs)))
+            return results, (time.process_time() - c0) / max(time.perf_counter() - t0, 1e-9)
 
     conn.send(asyncio.run(main()))
 
@@ -364,6 +381,7 @@ def summarize(results: list[dict], wall: float, metrics: dict, args) -> dict:
         "pool_peak_used_gib": metrics.get("cache_pool_peak_used_bytes", float("nan")) / 2**30,
         "preemptions": int(metrics.get("preemptions_total", 0)),
         "warmup_s": metrics.get("warmup_s", 0.0),
+        "client_busy": metrics.get("client_busy", float("nan")),
         "complete": f"{len(complete)}/{len(results)}",
         "equal_alone": f"{sum(r['alone'] == r['ids'] for r in replayed)}/{len(replayed)}",
         "first_error": next((r["error"] for r in results if "error" in r), None),
@@ -378,6 +396,8 @@ def run(args) -> dict:
         raise SystemExit("--url: expected a running server's URL, or --model DIR / --preset NAME to start one")
     if args.spawn == "process" and args.url is None and args.model is not None and not os.path.isdir(args.model):
         raise SystemExit(f"--model: no such folder: {args.model}")
+    if args.client_procs is None:
+        args.client_procs = default_client_procs()
     if args.spawn == "engine":
         results, wall, metrics = engine_load(args)
     else:
@@ -396,6 +416,9 @@ def run(args) -> dict:
     print(markdown_table([row], list(row)))
     if s["first_error"]:
         print(f"first error: {s['first_error']}", file=sys.stderr)
+    if s["client_busy"] >= BUSY:
+        print(f"bench serve: a client process was busy {s['client_busy']:.0%} of the timed load, so it may have been "
+              f"this row's limit (--client-procs {args.client_procs}; more spread the requests)", file=sys.stderr)
     payload = {"card": card(), "flags": {k: v for k, v in vars(args).items() if k != "fn"}, "summary": s,
                "server_metrics": metrics}
     if args.out:
@@ -411,9 +434,9 @@ def add_arguments(g) -> None:
     g.add_argument("--spawn", choices=["process", "thread", "engine"], default="process",
                    help="how to start the server (default process); engine: no server, the engine in this process")
     g.add_argument("--clients", type=positive_int, default=16, help="requests in flight at most (default 16)")
-    g.add_argument("--client-procs", type=positive_int, default=1, help="processes sending the timed requests (default "
-                   "1; more when one client process cannot keep up with the server: each sends every P-th request "
-                   "with its share of --clients)")
+    g.add_argument("--client-procs", type=positive_int, help="processes sending the timed requests, each every P-th "
+                   "request with its share of --clients (default: a quarter of the CPUs, 1 to 4: one client process "
+                   "parses ~10,000 streamed tokens a second at most; the row says how busy the busiest one was)")
     g.add_argument("--requests", type=positive_int, default=64, help="requests in all (default 64)")
     g.add_argument("--rate", type=positive_float, default=math.inf, help="Poisson arrivals per second (default: all at once)")
     g.add_argument("--prompt-len", type=positive_int, nargs=2, default=[16, 256], metavar=("LO", "HI"))

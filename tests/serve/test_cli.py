@@ -30,6 +30,7 @@ def test_bench_serve_starts_its_server_and_checks(model_dir, tmp_path, capsys):
     s = json.loads(out.read_text())["summary"]
     assert s["errors"] == 0 and s["complete"] == "12/12" and s["equal_alone"] == "3/3"
     assert s["ttft_p50_s"] > 0 and s["output_tokens_per_s"] > 0 and s["peak_memory_gib"] > 0
+    assert 0 < s["client_busy"] < 4  # the bench process's CPU seconds per wall second over the load (the server's its own)
     assert "| model |" in capsys.readouterr().out
 
 
@@ -41,6 +42,7 @@ def test_bench_serve_from_two_client_processes(model_dir, tmp_path):
           "--block-size", "8", "--cache-budget", "2M", "--threads", "1", "--warmup", "1", "--out", str(out)])
     s = json.loads(out.read_text())["summary"]
     assert s["requests"] == 9 and s["errors"] == 0 and s["complete"] == "9/9" and s["equal_alone"] == "3/3"
+    assert 0 < s["client_busy"] < 4  # the busier client process's (the server is a thread of the bench here)
 
 
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
@@ -292,3 +294,27 @@ def test_serve_passes_its_keep_alive_to_uvicorn(monkeypatch):
     for argv, want in (([], 65), (["--timeout-keep-alive", "12"], 12)):
         launch.serve_forever(object(), Engine(), launch.bind("127.0.0.1", 0), p.parse_args(argv))
         assert seen[-1] == want
+
+
+@pytest.mark.parametrize("cpus, procs", [(None, 1), (2, 1), (8, 2), (16, 4), (128, 4)])
+def test_client_processes_default_to_a_quarter_of_the_cpus(monkeypatch, cpus, procs):
+    from evict.bench import serve
+
+    monkeypatch.setattr(serve.os, "cpu_count", lambda: cpus)
+    assert serve.default_client_procs() == procs
+
+
+def test_a_busy_client_is_said_in_one_line(model_dir, tmp_path, capsys, monkeypatch):
+    """A client process busy past BUSY of the load gets a line naming --client-procs; the JSON records the flags the
+    row ran with (the default resolved) and how busy the client was."""
+    from evict.bench import serve
+
+    monkeypatch.setattr(serve, "BUSY", 0.0)
+    out = tmp_path / "busy.json"
+    main(["bench", "serve", "--model", str(model_dir), "--requests", "4", "--clients", "4", "--prompt-len", "2", "8",
+          "--output-len", "2", "4", "--check", "0", "--max-batch", "4", "--block-size", "8", "--cache-budget", "2M",
+          "--threads", "1", "--warmup", "0", "--out", str(out)])
+    err = [line for line in capsys.readouterr().err.splitlines() if "client process was busy" in line]
+    d = json.loads(out.read_text())
+    assert len(err) == 1 and f"--client-procs {d['flags']['client_procs']}" in err[0]
+    assert d["flags"]["client_procs"] == serve.default_client_procs() and d["summary"]["client_busy"] > 0
