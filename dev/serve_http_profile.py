@@ -140,8 +140,9 @@ def child(args, out: str) -> None:
     engine.start()
     gen0 = engine.stats["generated_tokens"]
     prof = cProfile.Profile()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, tok, name), port=args.port, log_level="warning",
-                                           lifespan="off", http=args.http, loop=args.loop))
+    app = build_app(engine, tok, name, stream_interval=args.stream_interval or 1)
+    server = uvicorn.Server(uvicorn.Config(app, port=args.port, log_level="warning", lifespan="off", http=args.http,
+                                           loop=args.loop))
     loop_tid, eng_tid = threading.get_native_id(), engine._thread.native_id
     marks: dict[str, tuple] = {}
 

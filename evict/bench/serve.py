@@ -74,7 +74,7 @@ def server_argv(args, port: int) -> list[str]:
         argv += ["--set", *args.set]
     for flag in ("max_batch", "cache_budget", "block_size", "max_len", "prefill_chunk", "max_num_batched_tokens",
                  "decode_prefill_tokens", "priority", "cuda_graphs", "async_scheduling", "dtype", "threads",
-                 "engine_process"):
+                 "engine_process", "stream_interval"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     return argv + ["--device", args.device]
@@ -95,7 +95,7 @@ def started_server(args):
         engine, tok, name = build_engine(args)
         engine.start()
         try:
-            with ServerThread(build_app(engine, tok, name)) as url:
+            with ServerThread(build_app(engine, tok, name, stream_interval=args.stream_interval or 1)) as url:
                 yield url
         finally:
             engine.stop()
@@ -447,6 +447,8 @@ def add_arguments(g) -> None:
     g.add_argument("--check", type=int, default=8, help="greedy requests replayed alone for the equality check (default 8)")
     g.add_argument("--vocab", type=positive_int, help="prompt token ids in [0, VOCAB) (default 256)")
     g.add_argument("--bench-seed", type=int, default=0, help="seed of the lengths, prompts and arrivals")
+    g.add_argument("--stream-interval", type=positive_int, metavar="N",
+                   help="its own server's --stream-interval (a stream written once per N tokens; default 1)")
     g.add_argument("--start-timeout", type=positive_float, default=600, help="seconds to wait for the server (default 600)")
     from evict.serve.load import add_engine_flags
 

@@ -28,7 +28,8 @@ def run_serve(args) -> None:
     try:
         engine, tok, name = build_engine(args)
         name = args.served_model_name or name
-        app = build_app(engine, tok, name, chat_template=template, api_key=args.api_key)
+        app = build_app(engine, tok, name, chat_template=template, api_key=args.api_key,
+                        stream_interval=args.stream_interval)
     except BaseException:
         sock.close()
         raise

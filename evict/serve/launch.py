@@ -51,6 +51,9 @@ def add_http_flags(p) -> None:
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False, help="log every request")
     p.add_argument("--shutdown-timeout", type=seconds, default=5.0,
                    help="seconds a SIGTERM waits for connections to close after failing the requests in flight")
+    p.add_argument("--stream-interval", type=positive_int, metavar="N", default=1,
+                   help="write a stream once per N tokens (its first token and its end at once; default 1): the same "
+                        "events, fewer wake-ups and writes of the server's event loop per token")
     p.add_argument("--timeout-keep-alive", type=positive_int, metavar="SECONDS", default=KEEP_ALIVE_S,
                    help="seconds an idle connection stays open (longer than clients keep idle connections: httpx and "
                         "the openai client drop theirs after 5 s, so a request never meets a connection being closed)")

@@ -78,6 +78,9 @@ def test_bench_passes_async_scheduling_to_its_server():
         argv = server_argv(p.parse_args(["--preset", "attention", "--async-scheduling", flag]), 8000)
         assert argv[argv.index("--async-scheduling") + 1] == flag
     assert "--async-scheduling" not in server_argv(p.parse_args(["--preset", "attention"]), 8000)
+    argv = server_argv(p.parse_args(["--preset", "attention", "--stream-interval", "4"]), 8000)
+    assert argv[argv.index("--stream-interval") + 1] == "4"
+    assert "--stream-interval" not in server_argv(p.parse_args(["--preset", "attention"]), 8000)
 
 
 def test_served_text_equals_evict_generate(model_dir, capsys):
@@ -117,6 +120,7 @@ def test_served_text_equals_evict_generate(model_dir, capsys):
     (["serve", "--preset", "attention", "--log-level", "loud"], "--log-level"),
     (["serve", "--preset", "attention", "--shutdown-timeout", "-1"], "--shutdown-timeout"),
     (["serve", "--preset", "attention", "--timeout-keep-alive", "0.5"], "--timeout-keep-alive"),
+    (["serve", "--preset", "attention", "--stream-interval", "0"], "--stream-interval"),
     (["serve", "--preset", "attention", "--port", "8", "--chat-template", "/nonexistent.jinja"], "--chat-template"),
 ])
 def test_bad_flags_are_one_line_exit_2(argv, flag, capsys):

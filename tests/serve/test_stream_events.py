@@ -87,3 +87,40 @@ def test_streams_with_and_without_templates_are_the_same_events(setup, monkeypat
             for e in fast if path.startswith("/v1/chat") else []:  # valid for the official client's chunk type
                 e = {**e, "id": "x", "created": 0}  # (its Completion type wants a finish_reason in every event)
                 assert openai.types.chat.ChatCompletionChunk.model_validate(e).model_dump(exclude_unset=True) == e
+
+
+@pytest.mark.parametrize("interval, want", [
+    (1, [[0], [1], [2], [3], [4], [5], [6], ["length"]]),
+    (3, [[0], [1, 2, 3], [4, 5, 6], ["length"]]),  # the first token at once, then three at a time, the end at once
+    (64, [[0], [1, 2, 3, 4, 5, 6, "length"]]),
+])
+def test_an_inbox_wakes_its_reader_at_the_first_token_every_interval_and_the_end(interval, want):
+    import asyncio
+
+    async def go():
+        box, got = srv.Inbox(interval), []
+
+        async def reader():
+            while not got or got[-1][-1] != "length":
+                got.append([e[2] for e in await box.take()])
+
+        task = asyncio.create_task(reader())
+        for t in range(7):
+            box.put_nowait((0, "token", t, None))
+            for _ in range(3):  # the reader runs, if it was woken, before the next token
+                await asyncio.sleep(0)
+        box.put_nowait((0, "finish", "length", None))
+        await task
+        return got
+
+    assert asyncio.run(go()) == want
+
+
+@pytest.mark.parametrize("interval", [3, 64])
+def test_a_stream_interval_sends_the_same_events(setup, interval):
+    """--stream-interval N groups a stream's writes, never its events: every body streams the same parsed events."""
+    engine = setup[1]
+    with ServerThread(build_app(engine, ByteTokenizer(), "tiny")) as one, \
+            ServerThread(build_app(engine, ByteTokenizer(), "tiny", stream_interval=interval)) as grouped:
+        for path, body in BODIES:
+            assert events(grouped, path, body) == events(one, path, body), (path, body)
