@@ -141,11 +141,12 @@ def started_server(args):
 
 async def one_request(client, url: str, model: str, prompt: list[int], max_tokens: int, temperature: float,
                       seed: int | None) -> dict:
-    """Stream one completion; returns its token ids, finish reason and timings."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
-            "stream_options": {"include_usage": True}, "return_token_ids": True, **({} if seed is None else {"seed": seed})}
+    """Stream one completion; returns its token ids, finish reason and timings (or its error: an HTTP status, or a
+    connection that failed)."""
     import httpx
 
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
+            "stream_options": {"include_usage": True}, "return_token_ids": True, **({} if seed is None else {"seed": seed})}
     t0 = time.perf_counter()
     ids, times, reason, usage = [], [], None, None
     try:
