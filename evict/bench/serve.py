@@ -195,8 +195,6 @@ async def load(url: str, args) -> tuple[list[dict], float, dict]:
         for _, _, gap in jobs:
             t += gap
             delays.append(t)
-        if args.client_procs is None:  # run() resolves it; callers of load() alone (dev/serve_http_profile.py) may not
-            args.client_procs = default_client_procs()
         if args.client_procs > 1:
             results, wall, busy = await asyncio.to_thread(in_client_procs, url, info["id"], args,
                                                           [(p, n, d) for (p, n, _), d in zip(jobs, delays)])
@@ -397,8 +395,6 @@ def run(args) -> dict:
         raise SystemExit("--url: expected a running server's URL, or --model DIR / --preset NAME to start one")
     if args.spawn == "process" and args.url is None and args.model is not None and not os.path.isdir(args.model):
         raise SystemExit(f"--model: no such folder: {args.model}")
-    if args.client_procs is None:
-        args.client_procs = default_client_procs()
     if args.spawn == "engine":
         results, wall, metrics = engine_load(args)
     else:
@@ -435,7 +431,7 @@ def add_arguments(g) -> None:
     g.add_argument("--spawn", choices=["process", "thread", "engine"], default="process",
                    help="how to start the server (default process); engine: no server, the engine in this process")
     g.add_argument("--clients", type=positive_int, default=16, help="requests in flight at most (default 16)")
-    g.add_argument("--client-procs", type=positive_int, help="processes sending the timed requests, each every P-th "
+    g.add_argument("--client-procs", type=positive_int, default=default_client_procs(), help="processes sending the timed requests, each every P-th "
                    "request with its share of --clients (default: a quarter of the CPUs, 1 to 4: one client process "
                    "parses ~10,000 streamed tokens a second at most; the row says how busy the busiest one was)")
     g.add_argument("--requests", type=positive_int, default=64, help="requests in all (default 64)")

@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException
 from evict.serve.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate, eos_token_id
 from evict.serve.engine import Engine, EngineDown, SamplingParams
 from evict.serve.engine import Request as EngineRequest
+from evict.serve.launch import KEEP_ALIVE_S
 from evict.serve.protocol import BadRequest, ChatRequest, CompletionRequest, Sampling, sampling_params, stop_strings
 from evict.serve.text import IncrementalDecoder, TextStream
 
@@ -652,8 +653,6 @@ class ServerThread:
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
         import uvicorn
-
-        from evict.serve.launch import KEEP_ALIVE_S
 
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
                                                     timeout_keep_alive=KEEP_ALIVE_S))
