@@ -258,3 +258,33 @@ def test_a_child_that_cannot_build_its_engine_is_one_line():
     with pytest.raises(SystemExit) as e:
         EngineClient(parse(SMALL + ["--max-len", "100000000", "--engine-process", "on"]), build=build_engine)
     assert str(e.value.code).startswith("--max-len:") and "\n" not in str(e.value.code)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_child_answers_equal_generate_float32():
+    """On CUDA (CUDA graphs and async steps at their defaults, float32): greedy answers from an engine in a child
+    process, several at once (packed prefill, batched decode) and streamed, equal `generate` alone on the same card."""
+    flags = FLAGS[:FLAGS.index("--threads")] + ["--device", "cuda", "--dtype", "float32"]
+    remote = EngineClient(parse(flags + ["--engine-process", "on"]), build=build_engine)
+    model, _, _ = load_served(parse(flags), torch.device("cuda"))
+    prompts = ["To be", "or not to be, that is", "the question: whether 'tis nobler", "x" * 40]
+    remote.start()
+    try:
+        with ServerThread(build_app(remote, ByteTokenizer(), NAME)) as url:
+            c = client(url)
+            results: dict = {}
+
+            def ask(i, p):
+                results[i] = c.completions.create(model=NAME, prompt=p, max_tokens=20, temperature=0).choices[0].text
+
+            threads = [threading.Thread(target=ask, args=(i, p)) for i, p in enumerate(prompts)]
+            [t.start() for t in threads]
+            [t.join(120) for t in threads]
+            stream = "".join(e.choices[0].text for e in c.completions.create(model=NAME, prompt=prompts[1], max_tokens=20,
+                                                                              temperature=0, stream=True))
+    finally:
+        remote.stop(10)
+    want = [ByteTokenizer().decode(alone(model, list(p.encode()), 20)) for p in prompts]
+    assert [results.get(i) for i in range(len(prompts))] == want
+    assert stream == want[1]
