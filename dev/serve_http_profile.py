@@ -23,6 +23,7 @@ import threading
 import time
 
 from evict.bench import serve as bench
+from evict.serve import launch
 from evict.serve.engine import Request
 
 
@@ -157,6 +158,7 @@ def child(args, out: str) -> None:
 
     signal.signal(signal.SIGUSR1, mark)
     signal.signal(signal.SIGUSR2, lambda sig, frame: setattr(server, "should_exit", True))  # the parent is done
+    getattr(launch, "freeze_heap", lambda: None)()  # as `evict serve` does before uvicorn runs (older --trees: none)
     server.run()
     engine.stop()
     (l0, e0, g0, t0, u0), (l1, e1, g1, t1, u1) = marks["start"], marks["end"]
@@ -193,6 +195,7 @@ def parent(args, argv: list[str]) -> None:
                 asyncio.run(bench.load(url, args))
                 args.requests = n
             args.check = 0
+            getattr(launch, "freeze_heap", lambda: None)()  # its collection before c0 (bench.load's, after: cheap)
             proc.send_signal(signal.SIGUSR1)
             c0 = time.process_time()
             bench_wall = asyncio.run(bench.load(url, args))[1]  # the timed requests' wall (not the clients' start)

@@ -33,6 +33,7 @@ import time
 from contextlib import contextmanager
 
 from evict.report import card, markdown_table, write_json
+from evict.serve.launch import freeze_heap, frozen_heap
 
 
 # the client drops idle connections well before a server closes them (ours keeps them 65 s, uvicorn's default is 5 s):
@@ -195,15 +196,16 @@ async def load(url: str, args) -> tuple[list[dict], float, dict]:
         for _, _, gap in jobs:
             t += gap
             delays.append(t)
-        if args.client_procs > 1:
-            results, wall, busy = await asyncio.to_thread(in_client_procs, url, info["id"], args,
-                                                          [(p, n, d) for (p, n, _), d in zip(jobs, delays)])
-        else:
-            t0, c0 = time.perf_counter(), time.process_time()
-            results = await asyncio.gather(*(client_task(p, n, d) for (p, n, _), d in zip(jobs, delays)))
-            wall = time.perf_counter() - t0
-            # this process's CPU over the load: the client's own, unless the server is a thread of it
-            busy = (time.process_time() - c0) / wall if args.spawn == "process" or args.url else float("nan")
+        with frozen_heap():  # no full collection walks this process's modules (or its server's model) mid-load
+            if args.client_procs > 1:
+                results, wall, busy = await asyncio.to_thread(in_client_procs, url, info["id"], args,
+                                                              [(p, n, d) for (p, n, _), d in zip(jobs, delays)])
+            else:
+                t0, c0 = time.perf_counter(), time.process_time()
+                results = await asyncio.gather(*(client_task(p, n, d) for (p, n, _), d in zip(jobs, delays)))
+                wall = time.perf_counter() - t0
+                # this process's CPU over the load: the client's own, unless the server is a thread of it
+                busy = (time.process_time() - c0) / wall if args.spawn == "process" or args.url else float("nan")
         metrics = parse_metrics((await client.get(f"{url}/metrics")).text)
         metrics["preemptions_total"] = metrics.get("preemptions_total", 0) - before.get("preemptions_total", 0)
         metrics.update(warmup_requests=args.warmup, warmup_s=warmup_s, client_busy=busy)
@@ -263,6 +265,7 @@ def client_proc(conn, url: str, model: str, jobs, clients: int, temperature: flo
         async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=clients + 4,
                                                                        keepalive_expiry=KEEPALIVE_S)) as client:
             gate = asyncio.Semaphore(clients)
+            freeze_heap()
             conn.send("ready")
             t0 = conn.recv()
 
@@ -336,7 +339,8 @@ def engine_load(args, mark=None) -> tuple[list[dict], float, dict]:
         t0 = time.perf_counter()
         if mark:
             mark(engine)
-        results = run_jobs(jobs_of(args, args.bench_seed, args.requests, vocab), timed=True)
+        with frozen_heap():  # as load()'s
+            results = run_jobs(jobs_of(args, args.bench_seed, args.requests, vocab), timed=True)
         wall = time.perf_counter() - t0
         if mark:
             mark(engine)

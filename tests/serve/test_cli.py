@@ -279,15 +279,24 @@ def test_the_server_keeps_idle_connections_past_a_clients_5_s():
 
 
 def test_serve_passes_its_keep_alive_to_uvicorn(monkeypatch):
-    """`evict serve`'s --timeout-keep-alive (default 65 s) is uvicorn's timeout_keep_alive."""
+    """`evict serve`'s --timeout-keep-alive (default 65 s) is uvicorn's timeout_keep_alive; the heap is frozen (out of
+    the cyclic GC's reach) before uvicorn runs."""
     import argparse
+    import gc
 
     import uvicorn
 
     from evict.serve import launch
 
     seen = []
-    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: seen.append(self.config.timeout_keep_alive))
+
+    def run(self, sockets=None):
+        seen.append(self.config.timeout_keep_alive)
+        frozen.append(gc.get_freeze_count())
+        gc.unfreeze()  # not this test process's heap for the rest of the session
+
+    frozen: list[int] = []
+    monkeypatch.setattr(uvicorn.Server, "run", run)
 
     class Engine:
         def stop(self, timeout=None):
@@ -297,7 +306,7 @@ def test_serve_passes_its_keep_alive_to_uvicorn(monkeypatch):
     launch.add_http_flags(p)
     for argv, want in (([], 65), (["--timeout-keep-alive", "12"], 12)):
         launch.serve_forever(object(), Engine(), launch.bind("127.0.0.1", 0), p.parse_args(argv))
-        assert seen[-1] == want
+        assert seen[-1] == want and frozen[-1] > 10_000
 
 
 @pytest.mark.parametrize("cpus, procs", [(None, 1), (2, 1), (8, 2), (16, 4), (128, 4)])
