@@ -23,6 +23,7 @@ import threading
 import time
 
 from evict.bench import serve as bench
+from evict.serve import launch
 from evict.serve.engine import Request
 
 
@@ -110,6 +111,11 @@ class StubEngine:
         return {**z, **self.stats}
 
 
+def tpot_p50(results: list[dict]) -> float:
+    """The median of the requests' time per output token after the first (seconds; NaN if none has two tokens)."""
+    return bench.percentile([r["tpot"] for r in results if "tpot" in r and r["tpot"] == r["tpot"]], 50)
+
+
 def thread_cpu(tid: int, part: slice = slice(11, 13)) -> float:
     """Seconds of CPU thread `tid` of this process has used: user + system, or `part` (slice(11, 12): user only)."""
     with open(f"/proc/self/task/{tid}/stat") as f:
@@ -125,7 +131,8 @@ def child(args, out: str) -> None:
         marks = []
         results, wall, _ = bench.engine_load(args, lambda e: marks.append(thread_cpu(e._thread.native_id)))
         n = sum(len(r["ids"]) for r in results)
-        json.dump({"mode": "engine", "wall_s": wall, "tokens": n, "engine_cpu_s": marks[1] - marks[0]}, open(out, "w"))
+        json.dump({"mode": "engine", "wall_s": wall, "tokens": n, "engine_cpu_s": marks[1] - marks[0],
+                   "tpot_p50_s": tpot_p50(results)}, open(out, "w"))
         return
     import uvicorn
 
@@ -157,6 +164,7 @@ def child(args, out: str) -> None:
 
     signal.signal(signal.SIGUSR1, mark)
     signal.signal(signal.SIGUSR2, lambda sig, frame: setattr(server, "should_exit", True))  # the parent is done
+    getattr(launch, "freeze_heap", lambda: None)()  # as `evict serve` does before uvicorn runs (older --trees: none)
     server.run()
     engine.stop()
     (l0, e0, g0, t0, u0), (l1, e1, g1, t1, u1) = marks["start"], marks["end"]
@@ -193,22 +201,25 @@ def parent(args, argv: list[str]) -> None:
                 asyncio.run(bench.load(url, args))
                 args.requests = n
             args.check = 0
+            getattr(launch, "freeze_heap", lambda: None)()  # its collection before c0 (bench.load's, after: cheap)
             proc.send_signal(signal.SIGUSR1)
             c0 = time.process_time()
-            bench_wall = asyncio.run(bench.load(url, args))[1]  # the timed requests' wall (not the clients' start)
+            timed, bench_wall, _ = asyncio.run(bench.load(url, args))  # the timed requests' wall (not the clients' start)
             client_s = time.process_time() - c0  # the bench's client (this process), parsing every event
             proc.send_signal(signal.SIGUSR1)
             args.warmup = warm
             proc.send_signal(signal.SIGUSR2)
         proc.wait()
-        r = {**json.load(open(out)), **({"client_s": client_s, "wall_s": bench_wall} if mode == "http" else {})}
+        r = {**json.load(open(out)), **({"client_s": client_s, "wall_s": bench_wall, "tpot_p50_s": tpot_p50(timed)}
+                                        if mode == "http" else {})}
         os.unlink(out)
         tok = r["tokens"]
         row = {"mode": mode, "tree": os.path.basename(tree.rstrip("/")), "tokens": tok, "wall_s": round(r["wall_s"], 2), "out_tok_s": round(tok / r["wall_s"]),
                "engine_us_per_tok": round(r["engine_cpu_s"] / tok * 1e6, 1),
                "loop_us_per_tok": round(r.get("loop_cpu_s", 0.0) / tok * 1e6, 1),
                "loop_user_us_per_tok": round(r.get("loop_user_s", 0.0) / tok * 1e6, 1),
-               "client_us_per_tok": round(r.get("client_s", 0.0) / tok * 1e6, 1)}
+               "client_us_per_tok": round(r.get("client_s", 0.0) / tok * 1e6, 1),
+               "tpot_p50_ms": round(r["tpot_p50_s"] * 1e3, 2)}
         rows.append(row)
         if r.get("profile"):
             print(r["profile"])

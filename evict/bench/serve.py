@@ -33,6 +33,7 @@ import time
 from contextlib import contextmanager
 
 from evict.report import card, markdown_table, write_json
+from evict.serve.launch import freeze_heap, frozen_heap
 
 
 # the client drops idle connections well before a server closes them (ours keeps them 65 s, uvicorn's default is 5 s):
@@ -170,20 +171,49 @@ async def one_request(client, url: str, model: str, prompt: list[int], max_token
             "tpot": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")}
 
 
+class Clients:
+    """`n` httpx clients of one connection each, one per request in flight: `send` waits for a free one (so at most n
+    in flight, the first to wait the first served). Not one pool of n connections: httpcore scans all of its pool's
+    connections as each request starts and ends, and all of them again for each idle one (O(n^2) as requests end),
+    ~40 % of one client process's CPU at 128 requests in flight (cProfile, stand-in engine)."""
+
+    def __init__(self, n: int):
+        import httpx
+
+        tls = httpx.create_ssl_context()  # one for all (each client's own would take ~25 ms to make)
+        self.all = [httpx.AsyncClient(timeout=None, verify=tls, limits=httpx.Limits(max_connections=1,
+                                                                                  keepalive_expiry=KEEPALIVE_S))
+                    for _ in range(n)]
+        self.free: asyncio.Queue = asyncio.Queue()
+        for c in self.all:
+            self.free.put_nowait(c)
+
+    async def send(self, url: str, model: str, prompt: list[int], max_tokens: int, temperature: float) -> dict:
+        client = await self.free.get()
+        try:
+            return await one_request(client, url, model, prompt, max_tokens, temperature, None)
+        finally:
+            self.free.put_nowait(client)
+
+    async def __aenter__(self) -> Clients:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.gather(*(c.aclose() for c in self.all))
+
+
 async def load(url: str, args) -> tuple[list[dict], float, dict]:
     import httpx
 
-    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=args.clients + 4,
-                                                                   keepalive_expiry=KEEPALIVE_S)) as client:
+    limits = httpx.Limits(max_connections=4, keepalive_expiry=KEEPALIVE_S)  # /v1/models, /metrics, the checks
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client, Clients(args.clients) as clients:
         info = (await client.get(f"{url}/v1/models")).json()["data"][0]
         vocab = 256 if args.vocab is None else args.vocab
         jobs = jobs_of(args, args.bench_seed, args.requests, vocab)
-        gate = asyncio.Semaphore(args.clients)
 
         async def client_task(prompt, N, delay):
             await asyncio.sleep(delay)
-            async with gate:
-                return await one_request(client, url, info["id"], prompt, N, args.temperature, None)
+            return await clients.send(url, info["id"], prompt, N, args.temperature)
 
         # warm-up, not timed: requests of the same lengths at once (first-use kernel compiles and plans happen here)
         t0 = time.perf_counter()
@@ -195,15 +225,16 @@ async def load(url: str, args) -> tuple[list[dict], float, dict]:
         for _, _, gap in jobs:
             t += gap
             delays.append(t)
-        if args.client_procs > 1:
-            results, wall, busy = await asyncio.to_thread(in_client_procs, url, info["id"], args,
-                                                          [(p, n, d) for (p, n, _), d in zip(jobs, delays)])
-        else:
-            t0, c0 = time.perf_counter(), time.process_time()
-            results = await asyncio.gather(*(client_task(p, n, d) for (p, n, _), d in zip(jobs, delays)))
-            wall = time.perf_counter() - t0
-            # this process's CPU over the load: the client's own, unless the server is a thread of it
-            busy = (time.process_time() - c0) / wall if args.spawn == "process" or args.url else float("nan")
+        with frozen_heap():  # no full collection walks this process's modules (or its server's model) mid-load
+            if args.client_procs > 1:
+                results, wall, busy = await asyncio.to_thread(in_client_procs, url, info["id"], args,
+                                                              [(p, n, d) for (p, n, _), d in zip(jobs, delays)])
+            else:
+                t0, c0 = time.perf_counter(), time.process_time()
+                results = await asyncio.gather(*(client_task(p, n, d) for (p, n, _), d in zip(jobs, delays)))
+                wall = time.perf_counter() - t0
+                # this process's CPU over the load: the client's own, unless the server is a thread of it
+                busy = (time.process_time() - c0) / wall if args.spawn == "process" or args.url else float("nan")
         metrics = parse_metrics((await client.get(f"{url}/metrics")).text)
         metrics["preemptions_total"] = metrics.get("preemptions_total", 0) - before.get("preemptions_total", 0)
         metrics.update(warmup_requests=args.warmup, warmup_s=warmup_s, client_busy=busy)
@@ -257,19 +288,16 @@ def in_client_procs(url: str, model: str, args, jobs: list[tuple[list[int], int,
 def client_proc(conn, url: str, model: str, jobs, clients: int, temperature: float) -> None:
     """One client process of in_client_procs: says ready, waits for the start instant, sends its results back with
     its CPU seconds per wall second over them."""
-    import httpx
 
     async def main() -> tuple[list[dict], float]:
-        async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=clients + 4,
-                                                                       keepalive_expiry=KEEPALIVE_S)) as client:
-            gate = asyncio.Semaphore(clients)
+        async with Clients(clients) as pool:
+            freeze_heap()
             conn.send("ready")
             t0 = conn.recv()
 
             async def task(prompt, N, at):
                 await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-                async with gate:
-                    return await one_request(client, url, model, prompt, N, temperature, None)
+                return await pool.send(url, model, prompt, N, temperature)
 
             c0 = time.process_time()
             results = list(await asyncio.gather(*(task(*j) for j in jobs)))
@@ -336,7 +364,8 @@ def engine_load(args, mark=None) -> tuple[list[dict], float, dict]:
         t0 = time.perf_counter()
         if mark:
             mark(engine)
-        results = run_jobs(jobs_of(args, args.bench_seed, args.requests, vocab), timed=True)
+        with frozen_heap():  # as load()'s
+            results = run_jobs(jobs_of(args, args.bench_seed, args.requests, vocab), timed=True)
         wall = time.perf_counter() - t0
         if mark:
             mark(engine)

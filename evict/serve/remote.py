@@ -36,6 +36,7 @@ from multiprocessing.connection import wait
 
 from evict.cli_args import first_line
 from evict.serve.engine import EngineDown, SamplingParams, check_request
+from evict.serve.launch import freeze_heap
 
 log = logging.getLogger(__name__)
 INFO = ("vocab", "max_len", "max_batch", "n_blocks", "block_size", "pool_bytes")  # the child's Engine's sizes
@@ -269,6 +270,7 @@ def child_main(args: argparse.Namespace, build: Callable[[argparse.Namespace], t
         events.send(("failed", f"serve: the engine could not be built ({type(e).__name__}: {first_line(e)})"))
         raise
     child = Child(engine, events)
+    freeze_heap()  # the model is built: full collections no longer walk it
     try:
         events.send(("ready", {k: getattr(engine, k) for k in INFO}))
     except OSError:  # the server process went away while the engine was built

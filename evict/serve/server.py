@@ -56,7 +56,7 @@ def error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param), status_code=status)
 
 
-@dataclass
+@dataclass(slots=True)
 class Delta:
     """What one engine event adds to one choice."""
 
@@ -82,7 +82,7 @@ class Choice:
     def handle(self, kind: str, value, extra, cancel) -> Delta | None:
         if self.done:  # a step the engine ran past a stop text
             return None
-        d = self._handle(kind, value, extra, cancel)
+        d = self._token(value, extra, cancel) if kind == "token" else self._end(value, extra)
         if self.echo is not None and d.error is None and self.req is not None:
             d.text = self.echo + d.text
             if self.req.params.prompt_logprobs is not None:
@@ -92,25 +92,23 @@ class Choice:
             self.echo = None
         return d
 
-    def _handle(self, kind: str, value, extra, cancel) -> Delta:
-        d = Delta(self.index)
-        if kind == "token":
-            self.tokens += 1
-            d.ids = [value]
-            if extra is not None:
-                d.logprobs = [(value, *extra)]
-            if value not in self.stop_ids:
-                d.text, stopped = self.text.feed(value)
-                if stopped:
-                    self.done, d.finish = True, "stop"
-                    cancel(self.req)
-            return d
+    def _token(self, t: int, extra, cancel) -> Delta:
+        self.tokens += 1
+        lps = [] if extra is None else [(t, *extra)]
+        if t in self.stop_ids:  # its text is not returned
+            return Delta(self.index, "", [t], lps)
+        text, stopped = self.text.feed(t)
+        if not stopped:
+            return Delta(self.index, text, [t], lps)
         self.done = True
-        if value == "error":
-            d.error = extra
-        else:
-            d.text, d.finish = self.text.flush(), value
-        return d
+        cancel(self.req)
+        return Delta(self.index, text, [t], lps, "stop")
+
+    def _end(self, reason: str, error: str | None) -> Delta:
+        self.done = True
+        if reason == "error":
+            return Delta(self.index, error=error)
+        return Delta(self.index, self.text.flush(), finish=reason)
 
 
 class Mailbox:
@@ -151,10 +149,12 @@ class Inbox:
         self.interval, self.first, self.urgent = interval, True, False
 
     def put_nowait(self, event: tuple) -> None:
-        self.items.append(event)
-        self.urgent = self.urgent or event[1] != "token"
-        if self.waiter is not None and not self.waiter.done() and self.ready():
-            self.waiter.set_result(None)
+        items, waiter = self.items, self.waiter
+        items.append(event)
+        if event[1] != "token":
+            self.urgent = True
+        if waiter is not None and (self.first or self.urgent or len(items) >= self.interval) and not waiter.done():
+            waiter.set_result(None)  # ready(), with items known not to be empty
 
     def ready(self) -> bool:
         return bool(self.items) and (self.first or self.urgent or len(self.items) >= self.interval)
@@ -194,6 +194,7 @@ class Generation:
         self.mailbox = mailbox()
         self.events = Inbox(interval * len(params))  # `interval` tokens of each choice
         self.choices = [Choice(i, tokenizer, stop, p.stop_tokens, echo) for i, p in enumerate(params)]
+        self.left = len(self.choices)  # choices not finished yet (as the loop has seen them)
         try:
             for c, p in zip(self.choices, params):
                 c.req = engine.submit(ids, p, on_token=self._on_token(c.index), on_finish=self._on_finish(c.index))
@@ -201,28 +202,29 @@ class Generation:
             self.cancel()
             raise
 
-    def _put(self, *event) -> None:  # from the engine thread
-        self.mailbox.put(self.events, event)
-
-    def _on_token(self, i: int):
-        return lambda r, t: self._put(i, "token", t, r.logprobs[-1] if r.params.logprobs is not None else None)
+    def _on_token(self, i: int):  # called from the engine thread
+        put, inbox = self.mailbox.put, self.events
+        return lambda r, t: put(inbox, (i, "token", t, r.logprobs[-1] if r.params.logprobs is not None else None))
 
     def _on_finish(self, i: int):
-        return lambda r: self._put(i, "finish", r.finish_reason, r.error)
+        put, inbox = self.mailbox.put, self.events
+        return lambda r: put(inbox, (i, "finish", r.finish_reason, r.error))
+
+    async def take(self) -> list[Delta]:
+        """The Deltas of every event delivered by the next wake-up (one engine step's, or several steps' when the loop
+        fell behind; may be none), so a stream is written once per wake-up, not once per token. Call while `left`."""
+        out, choices, cancel = [], self.choices, self.engine.cancel
+        for i, kind, value, extra in await self.events.take():
+            d = choices[i].handle(kind, value, extra, cancel)
+            if d is not None:
+                self.left -= d.finish is not None or d.error is not None
+                out.append(d)
+        return out
 
     async def batches(self):
-        """Lists of Deltas: each wake-up takes every event delivered by then (one engine step's, or several steps'
-        when the loop fell behind), so a stream is written once per wake-up, not once per token."""
-        left = sum(not c.done for c in self.choices)
-        events, choices, cancel = self.events, self.choices, self.engine.cancel
-        while left:
-            out = []
-            for i, kind, value, extra in await events.take():
-                d = choices[i].handle(kind, value, extra, cancel)
-                if d is not None:
-                    left -= d.finish is not None or d.error is not None
-                    out.append(d)
-            if out:
+        """take()'s lists of Deltas, the empty ones left out, until every choice has finished."""
+        while self.left:
+            if out := await self.take():
                 yield out
 
     async def deltas(self):
@@ -397,9 +399,9 @@ async def sse(gen: Generation, include_usage: bool, chunk, event=None):
                 if (first := chunk(Delta(c.index), opening=True)) is not None]
         if head:
             yield "".join(head).encode()
-        async for ds in gen.batches():
+        while gen.left:
             out = []
-            for d in ds:
+            for d in await gen.take():
                 if d.error is not None:
                     gen.cancel()
                     out.append(f"data: {json.dumps(error_body(failure_status(d.error), d.error))}\n\n")

@@ -24,12 +24,15 @@ class IncrementalDecoder:
         self.bytes = token_bytes(tokenizer)
         byte_level = kind == "byte" or self.bytes is not None
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace") if byte_level else None
+        self.whole = token_texts(tokenizer, self.bytes) if byte_level else []
         self.chars: str | None = tokenizer.chars if kind == "char" else None
         self.ids: list[int] = []
         self.prefix = self.read = 0  # window: ids[prefix:read] is context already sent, ids[read:] not yet
 
     def step(self, token: int) -> str:
         if self.utf8 is not None:
+            if not self.utf8.buffer and token < len(self.whole) and (s := self.whole[token]) is not None:
+                return s  # no character begun: a token of whole characters is its text (what decode would give)
             return self.utf8.decode(self.bytes[token] if self.bytes is not None else bytes((token,)))
         if self.chars is not None:
             return self.chars[token]
@@ -74,6 +77,24 @@ def token_bytes(tokenizer) -> list[bytes] | None:
     return table
 
 
+_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its token_texts table, built once
+
+
+def token_texts(tokenizer, table: list[bytes] | None) -> list[str | None]:
+    """id -> the token's text where its bytes are whole UTF-8 characters, else None (a byte-level tokenizer: `table`,
+    its token_bytes, or None for the byte tokenizer, whose id is the byte). What the incremental UTF-8 decoder returns
+    for that token when it holds no partial character."""
+    if tokenizer not in _TEXTS:
+        out: list[str | None] = []
+        for b in table if table is not None else (bytes((i,)) for i in range(256)):
+            try:
+                out.append(b.decode("utf-8"))
+            except UnicodeDecodeError:
+                out.append(None)
+        _TEXTS[tokenizer] = out
+    return _TEXTS[tokenizer]
+
+
 class TextStream:
     def __init__(self, tokenizer, stop: list[str]):
         self.decoder = IncrementalDecoder(tokenizer)
@@ -85,7 +106,8 @@ class TextStream:
     def feed(self, token: int) -> tuple[str, bool]:
         """Add one token; returns (new text to send, whether a stop string was reached)."""
         self.ids.append(token)
-        return self._out(self.decoder.step(token), final=False)
+        piece = self.decoder.step(token)
+        return (piece, False) if not self.stop else self._out(piece, final=False)
 
     def flush(self) -> str:
         """The text held back, at the end of the generation (cut at a stop string it holds)."""

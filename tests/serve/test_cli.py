@@ -279,15 +279,24 @@ def test_the_server_keeps_idle_connections_past_a_clients_5_s():
 
 
 def test_serve_passes_its_keep_alive_to_uvicorn(monkeypatch):
-    """`evict serve`'s --timeout-keep-alive (default 65 s) is uvicorn's timeout_keep_alive."""
+    """`evict serve`'s --timeout-keep-alive (default 65 s) is uvicorn's timeout_keep_alive; the heap is frozen (out of
+    the cyclic GC's reach) before uvicorn runs."""
     import argparse
+    import gc
 
     import uvicorn
 
     from evict.serve import launch
 
     seen = []
-    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: seen.append(self.config.timeout_keep_alive))
+
+    def run(self, sockets=None):
+        seen.append(self.config.timeout_keep_alive)
+        frozen.append(gc.get_freeze_count())
+        gc.unfreeze()  # not this test process's heap for the rest of the session
+
+    frozen: list[int] = []
+    monkeypatch.setattr(uvicorn.Server, "run", run)
 
     class Engine:
         def stop(self, timeout=None):
@@ -297,7 +306,7 @@ def test_serve_passes_its_keep_alive_to_uvicorn(monkeypatch):
     launch.add_http_flags(p)
     for argv, want in (([], 65), (["--timeout-keep-alive", "12"], 12)):
         launch.serve_forever(object(), Engine(), launch.bind("127.0.0.1", 0), p.parse_args(argv))
-        assert seen[-1] == want
+        assert seen[-1] == want and frozen[-1] > 10_000
 
 
 @pytest.mark.parametrize("cpus, procs", [(None, 1), (2, 1), (8, 2), (16, 4), (128, 4)])
@@ -322,3 +331,45 @@ def test_a_busy_client_is_said_in_one_line(model_dir, tmp_path, capsys, monkeypa
     d = json.loads(out.read_text())
     assert len(err) == 1 and f"--client-procs {d['flags']['client_procs']}" in err[0]
     assert d["flags"]["client_procs"] == serve.default_client_procs() and d["summary"]["client_busy"] > 0
+
+
+def test_the_bench_clients_send_at_most_n_at_once_each_client_one_request_at_a_time(monkeypatch):
+    """Clients(3): 8 requests, at most 3 in flight, never two on one client (one connection each), every result
+    back to its caller, the waiting ones served in arrival order."""
+    import asyncio
+
+    from evict.bench import serve
+
+    busy: set = set()
+    peak, order = [0], []
+
+    async def fake(client, url, model, prompt, max_tokens, temperature, seed):
+        assert client not in busy
+        busy.add(client)
+        peak[0] = max(peak[0], len(busy))
+        order.append(prompt[0])
+        await asyncio.sleep(0.01 * (1 + prompt[0] % 3))
+        busy.discard(client)
+        return {"prompt": prompt}
+
+    monkeypatch.setattr(serve, "one_request", fake)
+
+    async def go():
+        async with serve.Clients(3) as clients:
+            assert len({id(c) for c in clients.all}) == 3
+            return await asyncio.gather(*(clients.send("u", "m", [i], 2, 0.0) for i in range(8)))
+
+    got = asyncio.run(go())
+    assert [r["prompt"] for r in got] == [[i] for i in range(8)]
+    assert peak[0] == 3 and order == list(range(8))
+
+
+def test_a_frozen_heap_is_out_of_the_collectors_reach_until_the_load_ends():
+    import gc
+
+    from evict.serve.launch import frozen_heap
+
+    before = gc.get_freeze_count()
+    with frozen_heap():
+        assert gc.get_freeze_count() > max(before, 10_000)
+    assert gc.get_freeze_count() == 0

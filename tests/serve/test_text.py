@@ -84,3 +84,24 @@ def test_a_decoder_decodes_each_token_window_not_the_whole_text(tokenizers):
     finally:
         del tok.decode
     assert max(seen) <= 8
+
+
+def test_a_token_of_whole_characters_is_its_text_unless_a_character_is_begun(tokenizers):
+    """token_texts: each byte-level token's text where its bytes are whole UTF-8 characters (None where not); the
+    decoder takes it only when it holds no begun character: a lone lead byte then 'A' is U+FFFD 'A', as decode says."""
+    from evict.serve.text import token_bytes, token_texts
+
+    byte = ByteTokenizer()
+    texts = token_texts(byte, None)
+    assert texts[:128] == [chr(i) for i in range(128)] and texts[128:] == [None] * 128
+    for ids in ([0xC3, 0x41], [0xE2, 0x82, 0x41, 0xE2, 0x82, 0xAC], [0xF0, 0x9F, 0xA6, 0x8A, 0x80, 0x20]):
+        d = IncrementalDecoder(byte)
+        assert "".join(d.step(t) for t in ids) + d.flush() == byte.decode(ids)
+    bpe = tokenizers[2]
+    table = token_bytes(bpe)
+    assert table is not None  # a byte-level BPE
+    for b, s in zip(table, token_texts(bpe, table)):
+        assert s == (b.decode("utf-8") if s is not None else None)
+        if s is None:
+            with pytest.raises(UnicodeDecodeError):
+                b.decode("utf-8")
