@@ -23,8 +23,9 @@
 #   train:   bench (cells per second, issue 10), mpsbench (the same, compiled, PROCS each with and without MPS), learns (dev/learns_gpu.py: session 12's two MQAR-learns failures over
 #            seeds and op forms), grid (a piece of `evict recall --full`: MIN, GRIDARGS, GRID; the runs
 #            of earlier pieces in results/recall/full/ are restored first: dev/grid_restore.py), lab (a piece of
-#            `evict lab $LAB --full` under MPS, pieces in results/$LAB/full/ restored first; LAB: capacity hybrid pairs state
-#            stories ttt, or counters: `evict lab state --counters-full`, pieces in results/state/counters_full/; CALL below), proflab (dev/profile_train.py: one cell's step, eager / graphed /
+#            `evict lab $LAB --full` under MPS, pieces in results/$LAB/full/ restored first; LAB: capacity hybrid pairs
+#            state stories ttt, or counters: `evict lab state --counters-full`, pieces in results/state/counters_full/;
+#            CALL below), proflab (dev/profile_train.py: one cell's step, eager / graphed /
 #            compiled, top kernels; PROFARGS="--hybrid PATTERN …": lab hybrid --full's models; "--pairs-dim D --arch …": lab pairs --full's top rungs; PROFTAG names the log), side (a side experiment of the grid: SIDE=finite | mla | gate | tied | untied | seeds, SIDEARGS; several names run side by side),
 #            hybriddepth (dev/hybrid_depth.py: lab hybrid --full's MQAR models under a longer schedule, side by side), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
 case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help

@@ -45,7 +45,8 @@ MODES = {"counters": ("state", "counters_full")}
 
 
 def mode_of(lab: str) -> tuple[str, str]:
-    """(the `evict lab` name, the mode) of a piece's name: ("state", "counters_full") for counters, (NAME, "full") else."""
+    """(the `evict lab` name, the mode) of a piece's name: ("state", "counters_full") for counters, else (NAME,
+    "full")."""
     return MODES.get(lab, (lab, "full"))
 
 
@@ -80,7 +81,7 @@ def main(target: str, pairs: list[str], lab: str = "recall") -> None:
     cfg = root / "config.json"
     # fields a saved config predates take their defaults (as sweep_folder does), e.g. recall's gate_dt
     defaults = json.loads(json.dumps(dataclasses.asdict(type(full)())))
-    want = {**defaults, **(json.loads(cfg.read_text()) if cfg.exists() else json.loads(json.dumps(dataclasses.asdict(full))))}
+    want = {**defaults, **json.loads(cfg.read_text() if cfg.exists() else json.dumps(dataclasses.asdict(full)))}
     restored = markers = rungs = 0
     for cfg_path, rows_path in zip(pairs[::2], pairs[1::2]):
         got = {**defaults, **json.loads(Path(cfg_path).read_text())}
@@ -136,5 +137,6 @@ if __name__ == "__main__":
         lab, args = args[1], args[2:]
     if len(args) < 3 or len(args) % 2 == 0 or lab not in {"recall", *LABS}:
         sys.exit("usage: python3 dev/grid_restore.py [--lab NAME] SWEEP_DIR CONFIG.json RESULTS.jsonl [CONFIG.json "
-                 "RESULTS.jsonl ...]  |  python3 dev/grid_restore.py --finished SWEEP_DIR  |  python3 dev/grid_restore.py --mode NAME")
+                 "RESULTS.jsonl ...]  |  python3 dev/grid_restore.py --finished SWEEP_DIR  |  python3 "
+                 "dev/grid_restore.py --mode NAME")
     main(args[0], args[1:], lab)

@@ -290,11 +290,13 @@ def _one_piece(tmp_path, monkeypatch, lab: str, cli: list[str], png: str) -> Pat
     assert main([*cli, "--minutes", "5", "--out", str(device)]) == 0
     at.mkdir()
     (at / f"lab_{lab}_config.json").write_text((device / "config.json").read_text())
-    (at / f"lab_{lab}_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in grid_restore.finished_rows(device)))
+    rows = grid_restore.finished_rows(device)
+    (at / f"lab_{lab}_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     monkeypatch.setattr(grid_piece, "ROOT", tmp_path)
     out = grid_piece.main(str(at), lab=lab)
     docs = out.parent
-    assert out.name == "piece1_results.jsonl" and len(out.read_text().splitlines()) == len(list((device / "runs").iterdir()))
+    assert out.name == "piece1_results.jsonl" and len(out.read_text().splitlines()) == len(rows)
+    assert len(rows) == len(list((device / "runs").iterdir()))  # every run finished in the one piece
     assert (docs / "table.md").read_text() == (device / "table.md").read_text() and (docs / png).stat().st_size > 0
     grid_restore.main(str(fresh), [str(docs / "piece1_config.json"), str(out)], lab=lab)
     module = importlib.import_module(f"evict.lab.{grid_restore.LABS[lab]}")
@@ -329,7 +331,8 @@ def test_a_counters_piece_lands_beside_the_state_labs_full_sweep(tmp_path, monke
                                 test_lengths=(8, 16), workers=1)
     monkeypatch.setattr(state, "COUNTERS_FULL", micro)
     docs = _one_piece(tmp_path, monkeypatch, "counters", ["lab", "state", "--counters-full"], "state.png")
-    assert docs == tmp_path / "results" / "state" / "counters_full" and not (tmp_path / "results" / "state" / "full").exists()
+    assert docs == tmp_path / "results" / "state" / "counters_full"
+    assert not (tmp_path / "results" / "state" / "full").exists()
 
 
 def test_the_new_pieces_restore_against_their_own_presets(tmp_path):
@@ -349,9 +352,11 @@ def test_the_new_pieces_restore_against_their_own_presets(tmp_path):
     with pytest.raises(SystemExit, match="steps differ"):
         grid_restore.main(str(tmp_path / "s"), _piece(tmp_path, json.loads(json.dumps(dataclasses.asdict(state.FULL))),
                                                       [row]), lab="counters")
-    assert grid_restore.mode_of("counters") == ("state", "counters_full") and grid_restore.mode_of("ttt") == ("ttt", "full")
+    assert grid_restore.mode_of("counters") == ("state", "counters_full")
+    assert grid_restore.mode_of("ttt") == ("ttt", "full")
     tool = [sys.executable, str(Path(__file__).parents[2] / "dev" / "grid_restore.py"), "--mode"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
-    assert subprocess.run([*tool, "counters"], capture_output=True, text=True, env=env).stdout == "state counters_full\n"
+    said = subprocess.run([*tool, "counters"], capture_output=True, text=True, env=env)
+    assert said.stdout == "state counters_full\n"
     bad = subprocess.run([*tool, "recall"], capture_output=True, text=True, env=env)
     assert bad.returncode == 1 and "--mode: expected one of" in bad.stderr
