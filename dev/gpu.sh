@@ -23,7 +23,9 @@
 #   train:   bench (cells per second, issue 10), mpsbench (the same, compiled, PROCS each with and without MPS), learns (dev/learns_gpu.py: session 12's two MQAR-learns failures over
 #            seeds and op forms), grid (a piece of `evict recall --full`: MIN, GRIDARGS, GRID; the runs
 #            of earlier pieces in results/recall/full/ are restored first: dev/grid_restore.py), lab (a piece of
-#            `evict lab $LAB --full` under MPS, pieces in results/$LAB/full/ restored first; CALL below), proflab (dev/profile_train.py: one cell's step, eager / graphed /
+#            `evict lab $LAB --full` under MPS, pieces in results/$LAB/full/ restored first; LAB: capacity hybrid pairs
+#            state stories ttt, or counters: `evict lab state --counters-full`, pieces in results/state/counters_full/;
+#            CALL below), proflab (dev/profile_train.py: one cell's step, eager / graphed /
 #            compiled, top kernels; PROFARGS="--hybrid PATTERN …": lab hybrid --full's models; "--pairs-dim D --arch …": lab pairs --full's top rungs; PROFTAG names the log), side (a side experiment of the grid: SIDE=finite | mla | gate | tied | untied | seeds, SIDEARGS; several names run side by side),
 #            hybriddepth (dev/hybrid_depth.py: lab hybrid --full's MQAR models under a longer schedule, side by side), dist (dev/dist_bench.sh: two GPUs, kind nvidia-h200-x2)
 case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
@@ -158,10 +160,13 @@ for what in "$@"; do
                 | quiet | grep "^| kda" | sed "s/^/MPS=$m /"; mps_off; done; done ;;  # cell-steps/s with and without MPS
     bench) timeout ${TO:-240} python3 -m evict.cli bench train --arch kda --procs 4 --train-steps ${STEPS:-100} --variants before graphs compiled \
              --out $OUT/bench_train_p4.json 2>&1 | quiet | tee $OUT/bench_train.log ;;
-    lab) too_late lab && continue
-         restore runs/lab_$LAB results/$LAB/full --lab $LAB  # LAB: capacity hybrid pairs state stories; MIN, LABARGS
+    lab) too_late lab && continue  # LAB: capacity counters hybrid pairs state stories ttt; MIN, LABARGS
+         # the lab and its mode (dev/grid_restore.py's MODES): "NAME full", or "state counters_full" for LAB=counters
+         # (`evict lab state --counters-full`, pieces in results/state/counters_full/)
+         read -r name mode < <(python3 dev/grid_restore.py --mode $LAB) || continue
+         restore runs/lab_$LAB results/$name/$mode --lab $LAB
          mps_on; own=LABARGS_$LAB  # LABARGS_state="--workers 8": that lab's own flags, else LABARGS
-         timeout $(piece_to 580) python3 -m evict.cli lab $LAB --full --minutes $(piece_min) --out runs/lab_$LAB \
+         timeout $(piece_to 580) python3 -m evict.cli lab $name --${mode//_/-} --minutes $(piece_min) --out runs/lab_$LAB \
            ${!own:-${LABARGS:-}} 2>&1 | grep -v "it/s\]$" | tail -40 | sed "s/^/$LAB: /"  # the log: the reply's output_tail ($OUT holds 8 files)
          mps_off
          # tables and plots: dev/grid_piece.py --lab writes them; named by lab, so two labs can share a call (lab+lab,

@@ -6,9 +6,10 @@
 
 A call packed as FILES_AT/out.tar.gz (more than the 8 files a call brings back: dev/gpu.sh) is read from inside it.
 
-`FILES_AT` is the `run` tool's folder of the call's $OUT (`bash dev/gpu.sh grid` / `lab` write those files there).
-The rows no committed piece holds yet (by run folder) become results/recall/full/piece<N>_results.jsonl beside a copy of
-the piece's config as piece<N>_config.json (results/NAME/full/ for a lab), N the next free number; nothing is written
+`FILES_AT` is the `run` tool's folder of the call's $OUT (`bash dev/gpu.sh grid` / `lab` write those files there). The
+rows no committed piece holds yet (by run folder) become results/recall/full/piece<N>_results.jsonl beside a copy of
+the piece's config as piece<N>_config.json (results/NAME/full/ for a lab; results/state/counters_full/ for `--lab
+counters`, the state lab's --counters-full: dev/grid_restore.py's MODES), N the next free number; nothing is written
 when every row is already committed. A pairs ladder's finished rungs (rows LADDER/RUNG) are committed too while their
 ladder is unfinished, so the next bare machine climbs on from them. Then the sweep's outputs are written here, by the
 lab itself, from every committed piece: the runs restored into a scratch folder (dev/grid_restore.py), then the lab's
@@ -73,7 +74,8 @@ def _unpacked(files_at: Path) -> Path:
 def main(files_at: str, lab: str = "recall", docs: str | None = None, table: bool = True,
          target: dict | None = None, side: str | None = None) -> Path | None:
     """Write the new piece; returns its results file (None when nothing was new). `target`: the sweep the pieces
-    belong to, as its config dict (default the lab's `--full` config, its module's FULL). `side`: a side experiment of
+    belong to, as its config dict (default the lab's `--full` config, its module's FULL; counters: COUNTERS_FULL).
+    `side`: a side experiment of
     the recall grid (`SIDE=NAME bash dev/gpu.sh side`: FILES_AT/NAME_config.json + NAME_results.jsonl), committed to
     results/recall/full/side_NAME/ with its own config as the target."""
     if lab != "recall" and lab not in grid_restore.LABS:
@@ -93,7 +95,7 @@ def main(files_at: str, lab: str = "recall", docs: str | None = None, table: boo
     except json.JSONDecodeError:
         sys.exit(f"{cfg}: not JSON")
     rows = _read_rows(res)
-    folder = Path(docs) if docs else ROOT / "results" / ("recall" if lab == "recall" else lab) / "full"
+    folder = Path(docs) if docs else ROOT / "results" / Path(*grid_restore.mode_of(lab))
     if side is not None:
         folder, target = folder / f"side_{side}", target if target is not None else config
     pieces = sorted(folder.glob("piece*_results.jsonl"), key=_number)
@@ -123,8 +125,9 @@ def _table(folder: Path, lab: str = "recall", target: dict | None = None) -> Non
     folder of every piece's runs): the lab's partial_table.md (if it writes one) while runs are left; every file the
     finished sweep wrote at its top level once none is."""
     module = importlib.import_module(f"evict.lab.{grid_restore.LABS.get(lab, 'recall')}")
-    config = target if target is not None else json.loads(json.dumps(dataclasses.asdict(module.FULL)))
-    sweep = dataclasses.replace(from_json(type(module.FULL), config), workers=1)  # nothing trains: no worker processes
+    full = grid_restore.preset(lab)
+    config = target if target is not None else json.loads(json.dumps(dataclasses.asdict(full)))
+    sweep = dataclasses.replace(from_json(type(full), config), workers=1)  # nothing trains: no worker processes
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config, indent=2))
         pairs = []

@@ -4,8 +4,9 @@ so the next piece skips them.
     python3 dev/grid_restore.py runs/grid results/recall/full/piece1_config.json results/recall/full/piece1_results.jsonl ...
     python3 dev/grid_restore.py --lab state runs/lab_state results/state/full/piece1_config.json ...results.jsonl
 
-For a lab (`--lab`: capacity, hybrid, pairs, state, stories), a row is restored only when its config equals the target
-sweep's (config.json, or the lab's FULL preset for a folder not yet started) in every field but `workers` and the
+For a lab (`--lab`: capacity, counters, hybrid, pairs, state, stories, ttt), a row is restored only when its config
+equals the target sweep's (config.json, or the lab's preset for a folder not yet started: FULL; counters: the state
+lab's COUNTERS_FULL, MODES) in every field but `workers` and the
 fields the lab's module names in WHICH_FIELDS (state: tasks, models, seeds — which runs exist, each row naming its own:
 a sweep that adds a task keeps the runs of the others), with the list fields it names in UNORDERED_FIELDS compared as
 sets (pairs' lrs: pieces climbed in another lr order are restored).
@@ -23,6 +24,7 @@ device session leaves half-climbed continues on the next bare machine from its f
 from the bottom: a ladder at d 256 climbs to L 4,096 and may outlast one session's calls.
 
     python3 dev/grid_restore.py --finished runs/lab_pairs > rows.jsonl   # what a call sends back (dev/gpu.sh)
+    python3 dev/grid_restore.py --mode counters                          # "state counters_full" (dev/gpu.sh lab)
 """
 
 import dataclasses
@@ -34,7 +36,25 @@ from pathlib import Path
 from evict.lab.sweep import EXECUTION_FIELDS, config_differences  # workers: how a sweep runs, not what it trains
 
 WHICH = {"archs", "settings", "d_models", "lrs", "lr_order", "seeds", "chunk_size", *EXECUTION_FIELDS}
-LABS = {"capacity": "capacity", "hybrid": "hybrid", "pairs": "pairs", "state": "state", "stories": "switch"}
+LABS = {"capacity": "capacity", "counters": "state", "hybrid": "hybrid", "pairs": "pairs", "state": "state",
+        "stories": "switch", "ttt": "ttt"}  # a piece's name -> its lab's module under evict/lab
+# a piece's name for a lab's GPU mode other than --full -> (the lab as `evict lab` names it, the mode): its pieces run
+# `evict lab LAB --MODE` (_ read as -) against the module's preset MODE.upper() and are committed in results/LAB/MODE/;
+# every other name runs `evict lab NAME --full` against FULL, committed in results/NAME/full/ (mode_of)
+MODES = {"counters": ("state", "counters_full")}
+
+
+def mode_of(lab: str) -> tuple[str, str]:
+    """(the `evict lab` name, the mode) of a piece's name: ("state", "counters_full") for counters, else (NAME,
+    "full")."""
+    return MODES.get(lab, (lab, "full"))
+
+
+def preset(lab: str):
+    """The sweep a lab's pieces belong to unless a folder says otherwise: its module's preset of the piece's mode
+    (FULL; counters: state.COUNTERS_FULL)."""
+    module = importlib.import_module(f"evict.lab.{LABS.get(lab, 'recall')}")
+    return getattr(module, mode_of(lab)[1].upper())
 
 
 def finished_rows(root: str | Path) -> list[dict]:
@@ -54,14 +74,14 @@ def _folder(root: Path, d: object, where: str) -> Path:
 
 
 def main(target: str, pairs: list[str], lab: str = "recall") -> None:
-    module = importlib.import_module(f"evict.lab.{LABS.get(lab, 'recall')}")
+    module, full = importlib.import_module(f"evict.lab.{LABS.get(lab, 'recall')}"), preset(lab)
     which = WHICH if lab == "recall" else {*EXECUTION_FIELDS, *getattr(module, "WHICH_FIELDS", ())}
     unordered = getattr(module, "UNORDERED_FIELDS", ())  # pairs' lrs: their order says only which run goes first
     root = Path(target)
     cfg = root / "config.json"
     # fields a saved config predates take their defaults (as sweep_folder does), e.g. recall's gate_dt
-    defaults = json.loads(json.dumps(dataclasses.asdict(type(module.FULL)())))
-    want = {**defaults, **(json.loads(cfg.read_text()) if cfg.exists() else json.loads(json.dumps(dataclasses.asdict(module.FULL))))}
+    defaults = json.loads(json.dumps(dataclasses.asdict(type(full)())))
+    want = {**defaults, **json.loads(cfg.read_text() if cfg.exists() else json.dumps(dataclasses.asdict(full)))}
     restored = markers = rungs = 0
     for cfg_path, rows_path in zip(pairs[::2], pairs[1::2]):
         got = {**defaults, **json.loads(Path(cfg_path).read_text())}
@@ -107,10 +127,16 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--finished"] and len(sys.argv) == 3:
         sys.stdout.write("".join(json.dumps(r) + "\n" for r in finished_rows(sys.argv[2])))
         sys.exit()
+    if sys.argv[1:2] == ["--mode"] and len(sys.argv) == 3:
+        if sys.argv[2] not in LABS:
+            sys.exit(f"--mode: expected one of {sorted(LABS)}, got {sys.argv[2]!r}")
+        print(*mode_of(sys.argv[2]))
+        sys.exit()
     args, lab = sys.argv[1:], "recall"
     if args[:1] == ["--lab"]:
         lab, args = args[1], args[2:]
     if len(args) < 3 or len(args) % 2 == 0 or lab not in {"recall", *LABS}:
         sys.exit("usage: python3 dev/grid_restore.py [--lab NAME] SWEEP_DIR CONFIG.json RESULTS.jsonl [CONFIG.json "
-                 "RESULTS.jsonl ...]  |  python3 dev/grid_restore.py --finished SWEEP_DIR")
+                 "RESULTS.jsonl ...]  |  python3 dev/grid_restore.py --finished SWEEP_DIR  |  python3 "
+                 "dev/grid_restore.py --mode NAME")
     main(args[0], args[1:], lab)

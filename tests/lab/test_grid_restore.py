@@ -2,8 +2,12 @@
 their cells' solved markers, so the next piece on a bare machine trains only what is left."""
 
 import dataclasses
+import importlib
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -273,3 +277,86 @@ def test_the_committed_pairs_pieces_restore_into_full(tmp_path):
     assert len(configs) >= 7 and rows > 100
     grid_restore.main(str(tmp_path / "r"), files, lab="pairs")
     assert len(list((tmp_path / "r" / "runs").rglob("result.json"))) == rows
+
+
+def _one_piece(tmp_path, monkeypatch, lab: str, cli: list[str], png: str) -> Path:
+    """A lab's sweep (its preset patched to a micro one) finished by one device piece (`evict lab … --minutes`),
+    committed by grid_piece under the repository's results folder (here tmp_path's) for `lab`, then restored on the
+    next bare machine (a folder not yet started: the preset is the target) where the same command trains nothing and
+    writes the same table. Returns the committed folder."""
+    from evict.cli import main
+
+    device, at, fresh = tmp_path / "device", tmp_path / "at", tmp_path / "fresh"
+    assert main([*cli, "--minutes", "5", "--out", str(device)]) == 0
+    at.mkdir()
+    (at / f"lab_{lab}_config.json").write_text((device / "config.json").read_text())
+    rows = grid_restore.finished_rows(device)
+    (at / f"lab_{lab}_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(grid_piece, "ROOT", tmp_path)
+    out = grid_piece.main(str(at), lab=lab)
+    docs = out.parent
+    assert out.name == "piece1_results.jsonl" and len(out.read_text().splitlines()) == len(rows)
+    assert len(rows) == len(list((device / "runs").iterdir()))  # every run finished in the one piece
+    assert (docs / "table.md").read_text() == (device / "table.md").read_text() and (docs / png).stat().st_size > 0
+    grid_restore.main(str(fresh), [str(docs / "piece1_config.json"), str(out)], lab=lab)
+    module = importlib.import_module(f"evict.lab.{grid_restore.LABS[lab]}")
+
+    def trains(job):
+        raise AssertionError(f"{job['dir']}: a restored run trained again")
+
+    monkeypatch.setattr(module, "run_one", trains)
+    assert main([*cli, "--minutes", "5", "--out", str(fresh)]) == 0
+    assert (fresh / "table.md").read_text() == (device / "table.md").read_text()
+    return docs
+
+
+def test_a_ttt_piece_is_committed_restored_and_not_trained_again(tmp_path, monkeypatch):
+    """`LAB=ttt bash dev/gpu.sh lab`'s round trip: `evict lab ttt --full` pieces land in results/ttt/full/."""
+    from evict.lab import ttt
+
+    micro = dataclasses.replace(ttt.QUICK, rules=("delta", "adagrad"), sizes=(3, 4), pairs=(1,), d_key=4, d_model=8,
+                                seq_len=8, vocab_size=8, steps=2, eval_every=1, batch_size=3, eval_batches=1, workers=1)
+    monkeypatch.setattr(ttt, "FULL", micro)
+    docs = _one_piece(tmp_path, monkeypatch, "ttt", ["lab", "ttt", "--full"], "ttt.png")
+    assert docs == tmp_path / "results" / "ttt" / "full"
+
+
+def test_a_counters_piece_lands_beside_the_state_labs_full_sweep(tmp_path, monkeypatch):
+    """`LAB=counters bash dev/gpu.sh lab` runs `evict lab state --counters-full`: its pieces land in
+    results/state/counters_full/, against COUNTERS_FULL, and leave results/state/full/ alone."""
+    from evict.lab import state
+
+    micro = dataclasses.replace(state.COUNTERS, tasks=("count_mod3",), models=("deltanet", "deltanet_neg"), d_model=16,
+                                n_heads=2, steps=2, batch_size=4, eval_every=2, eval_batches=1, train_lengths=(3, 8),
+                                test_lengths=(8, 16), workers=1)
+    monkeypatch.setattr(state, "COUNTERS_FULL", micro)
+    docs = _one_piece(tmp_path, monkeypatch, "counters", ["lab", "state", "--counters-full"], "state.png")
+    assert docs == tmp_path / "results" / "state" / "counters_full"
+    assert not (tmp_path / "results" / "state" / "full").exists()
+
+
+def test_the_new_pieces_restore_against_their_own_presets(tmp_path):
+    """A bare machine's folder not yet started: ttt's pieces are restored against ttt.FULL, counters' against
+    state.COUNTERS_FULL, and a piece of `lab state --full` is refused there (half the steps); `--mode` tells dev/gpu.sh
+    which `evict lab` command and pieces folder a name means."""
+    from evict.lab import state, ttt
+
+    full = json.loads(json.dumps(dataclasses.asdict(ttt.FULL)))
+    row = dict(task="mqar", rule="delta", size=32, seed=0, final=0.5, dir="mqar_delta_32_s0")
+    grid_restore.main(str(tmp_path / "t"), _piece(tmp_path, {**full, "workers": 8}, [row]), lab="ttt")
+    assert (tmp_path / "t" / "runs" / "mqar_delta_32_s0" / "result.json").exists()
+    counters = json.loads(json.dumps(dataclasses.asdict(state.COUNTERS_FULL)))
+    row = dict(task="count_mod5", model="kda_neg", seed=2, scaled_accuracy=1.0, dir="count_mod5_kda_neg_s2")
+    grid_restore.main(str(tmp_path / "c"), _piece(tmp_path, counters, [row]), lab="counters")
+    assert (tmp_path / "c" / "runs" / "count_mod5_kda_neg_s2" / "result.json").exists()
+    with pytest.raises(SystemExit, match="steps differ"):
+        grid_restore.main(str(tmp_path / "s"), _piece(tmp_path, json.loads(json.dumps(dataclasses.asdict(state.FULL))),
+                                                      [row]), lab="counters")
+    assert grid_restore.mode_of("counters") == ("state", "counters_full")
+    assert grid_restore.mode_of("ttt") == ("ttt", "full")
+    tool = [sys.executable, str(Path(__file__).parents[2] / "dev" / "grid_restore.py"), "--mode"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    said = subprocess.run([*tool, "counters"], capture_output=True, text=True, env=env)
+    assert said.stdout == "state counters_full\n"
+    bad = subprocess.run([*tool, "recall"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 1 and "--mode: expected one of" in bad.stderr
