@@ -217,7 +217,7 @@ def run_one(job: dict) -> dict | None:
     return {"task": job["task"], "rule": job["rule"], "size": job["size"], "seed": job["seed"],
             "metric": _metric(job["task"]), "final": final, "early": curve[0][1], "curve": curve,
             "state_numbers": state_numbers(job["rule"], sweep.d_key, d_v), "steps": sweep.steps,
-            "seconds": round(earlier + time.perf_counter() - start, 1),
+            "seconds": round(earlier + time.perf_counter() - start, 1), "device": device.type,
             "label": f"{job['task']} {job['rule']} {job['size']} {final:.3f}"}
 
 
