@@ -34,7 +34,7 @@ T0=${T0:-$(date +%s)}  # CALL (below) counts from here (a MODE+MODE group passes
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.tcache PYTHONPATH=$PWD
 mkdir -p .tcache "${OUT:=/tmp/out}"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 -c "import fastapi, uvicorn, httpx" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl/serve fastapi uvicorn httpx
+python3 -c "import fastapi, uvicorn, httpx, openai" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl/serve fastapi uvicorn httpx openai
 python3 -c "import fla" 2>/dev/null || python3 -m pip install -q --no-index --no-deps .whl/fla/*.whl
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 FORMS="kept_factors or kept_states or dstate_stages or intra_key_blocks or dkey_block or one_tile or out_forms"  # opt-in knobs' tests

@@ -28,7 +28,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 RES=${RES:-runs/bench/serve73}
 mkdir -p "$RES"
-$PY -c "import fastapi, uvicorn, httpx" 2>/dev/null || $PY -m pip install -q --no-index --find-links .whl/serve fastapi uvicorn httpx
+$PY -c "import fastapi, uvicorn, httpx, openai" 2>/dev/null || $PY -m pip install -q --no-index --find-links .whl/serve fastapi uvicorn httpx openai
 $PY -c "import httptools, uvloop" 2>/dev/null || $PY -m pip install -q --no-index --find-links .whl/serve httptools uvloop \
     || echo "no httptools / uvloop wheels in .whl/serve (bash dev/wheels.sh): uvicorn runs h11 + asyncio"
 $PY -c "import importlib.util as u; print('uvicorn http:', 'httptools' if u.find_spec('httptools') else 'h11', 'loop:', 'uvloop' if u.find_spec('uvloop') else 'asyncio')"
