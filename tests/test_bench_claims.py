@@ -53,10 +53,16 @@ def test_decode_ratios_from_a_run(tmp_path):
 
 
 def test_the_committed_1m_run_gives_the_hybrid_against_mla():
-    rows = [r for r in c.decode_ratios() if r["context"] == 1048576 and r["path"] == "compiled"]
-    raw = json.loads((c.REPO / "results/bench/decode/decode_cuda_fast_1m.json").read_text())["rows"]
-    ms = {x["model"]: x["ms_per_token"] for x in raw if x["variant"] == "compiled"}
-    assert len(rows) == 1 and rows[0]["MLA / hybrid"] == round(ms["mla"] / ms["hybrid"], 2)
+    for name in ("decode_cuda_fast_1m.json", "decode_cuda_1m_batched_h100.json"):
+        rows = [r for r in c.decode_ratios() if r["context"] == 1048576 and r["path"] == "compiled" and r["run"] == name]
+        raw = json.loads((c.REPO / "results/bench/decode" / name).read_text())["rows"]
+        ms = {(x["model"], x["batch"]): x["ms_per_token"] for x in raw if x["variant"] == "compiled"}
+        hybrid1, mla1 = ms[("hybrid", 1)], ms[("mla", 1)]
+        one = [r for r in rows if r["batch"] == "1"]
+        assert len(one) == 1 and one[0]["MLA / hybrid"] == round(mla1 / hybrid1, 2)
+    most = {m: max((b, t) for (mm, b), t in ms.items() if mm == m) for m in ("hybrid", "mla")}  # the largest batch
+    batched = [r for r in rows if r["batch"] == f"max ({most['hybrid'][0]} / {most['mla'][0]})"]
+    assert len(batched) == 1 and batched[0]["MLA / hybrid"] == round(most["mla"][1] / most["hybrid"][1], 2) > 3
 
 
 @pytest.mark.parametrize("B, T, H, D, seed", [(1, 1, 1, 4, 0), (2, 37, 3, 8, 1), (1, 70, 2, 5, 2)])

@@ -31,7 +31,7 @@ DEFAULT = CLAIMS[:5]  # attn_res_train trains for minutes: only when named
 EXACT = ("params", "decode")
 RELEASED_KDA = ("kimi_linear_48b", "kimi_k3")
 DECODE_RUNS = ("results/bench/decode/decode_cuda_fast.json", "results/bench/decode/decode_cuda_fast_1m.json",
-               "results/bench/decode/decode_cuda_paths_batched.json")
+               "results/bench/decode/decode_cuda_paths_batched.json", "results/bench/decode/decode_cuda_1m_batched_h100.json")
 
 
 # -- params: KDA over Gated DeltaNet ---------------------------------------------------------------------------------
