@@ -149,12 +149,11 @@ class Inbox:
         self.interval, self.first, self.urgent = interval, True, False
 
     def put_nowait(self, event: tuple) -> None:
-        items, waiter = self.items, self.waiter
-        items.append(event)
+        self.items.append(event)
         if event[1] != "token":
             self.urgent = True
-        if waiter is not None and (self.first or self.urgent or len(items) >= self.interval) and not waiter.done():
-            waiter.set_result(None)  # ready(), with items known not to be empty
+        if self.waiter is not None and not self.waiter.done() and self.ready():
+            self.waiter.set_result(None)
 
     def ready(self) -> bool:
         return bool(self.items) and (self.first or self.urgent or len(self.items) >= self.interval)
@@ -221,15 +220,10 @@ class Generation:
                 out.append(d)
         return out
 
-    async def batches(self):
-        """take()'s lists of Deltas, the empty ones left out, until every choice has finished."""
-        while self.left:
-            if out := await self.take():
-                yield out
-
     async def deltas(self):
-        async for ds in self.batches():
-            for d in ds:
+        """take()'s Deltas one by one, until every choice has finished."""
+        while self.left:
+            for d in await self.take():
                 yield d
 
     def cancel(self) -> None:
