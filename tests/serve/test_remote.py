@@ -62,7 +62,8 @@ def servers():
 
 
 def alone(model, prompt, n) -> list[int]:
-    return model.generate(torch.tensor([prompt]), max_new_tokens=n, temperature=0, prefill_chunk=16)[0, len(prompt):].tolist()
+    device = model.embed.weight.device  # the prompt on the model's device (the CUDA test's model is on the card)
+    return model.generate(torch.tensor([prompt], device=device), max_new_tokens=n, temperature=0, prefill_chunk=16)[0, len(prompt):].tolist()
 
 
 def answer(r) -> list:
