@@ -7,6 +7,12 @@
   on the residual stream [16384, 1024] float32 and the memory mixers' output [16384 · 8, 128] bf16.
 
     python3 dev/train_ops_bench.py [--out FILE.json]
+    python3 dev/train_ops_bench.py --chunk-rows 1 2 4 8 [--tokens 49152]   # session 70's question, below
+
+--chunk-rows M …: only the Triton loss at GPT-2's head (d 768, V 50257, --tokens rows), forward + backward under bf16
+autocast, at M × the default row chunk (CHUNK_ELEMENTS // V = 1,334 rows) each: ms, peak memory and the loss and
+gradients' difference from M = 1. The GPT-2 B48 profile (session 70) spent 5.8 ms of a 115 ms step in the 37 float32
+dW sums one per chunk; fewer, larger chunks sum fewer times, each chunk's logits cost M × 134 MB.
 """
 
 import argparse
@@ -20,6 +26,8 @@ from evict.ops.loss import linear_cross_entropy
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--out", default=None)
+p.add_argument("--chunk-rows", type=int, nargs="+", default=None, metavar="M")
+p.add_argument("--tokens", type=int, default=49152)
 a = p.parse_args()
 dev = "cuda"
 rows = []
@@ -34,7 +42,40 @@ def timed(fn) -> tuple[float, float]:
     return ms, (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
-for name, N, D, V in (("GPT-2 124M head", 16384, 768, 50257), ("KDA LM 226M head", 16384, 1024, 32768)):
+
+
+def chunk_rows(mults: list[int], N: int, D: int = 768, V: int = 50257) -> None:
+    """The Triton loss at `mults` × the default row chunk, each beside the default (M = 1)."""
+    from evict.ops.loss import CHUNK_ELEMENTS
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    h = torch.randn(N, D, device=dev, generator=g).requires_grad_()
+    w = (torch.randn(V, D, device=dev, generator=g) / D ** 0.5).requires_grad_()
+    t = torch.randint(0, V, (N,), device=dev, generator=g)
+    base = max(1, CHUNK_ELEMENTS // V)
+    ref = None
+    for m in [1] + [m for m in mults if m != 1]:
+        def step(r=base * m):
+            h.grad = w.grad = None
+            with torch.autocast(dev, dtype=torch.bfloat16):
+                out = linear_cross_entropy(h, w, t, impl="triton", rows=r)
+            out.loss.backward()
+            return out
+        ms, gib = timed(step)
+        out = step()
+        got = (float(out.loss), h.grad.clone(), w.grad.clone())
+        ref = ref or (ms, got)
+        (ms1, (l1, h1, w1)) = ref
+        rows.append({"piece": f"linear cross-entropy fwd+bwd, GPT-2 head N {N}, rows {base * m} ({-(-N // (base * m))} chunks)",
+                     "ms": round(ms, 3), "vs rows x1": round(ms / ms1, 3), "peak GiB": round(gib, 2),
+                     "loss diff": abs(got[0] - l1), "dh rel diff": float((got[1] - h1).norm() / h1.norm()),
+                     "dW rel diff": float((got[2] - w1).norm() / w1.norm())})
+        print(rows[-1], flush=True)
+
+
+if a.chunk_rows:
+    chunk_rows(a.chunk_rows, a.tokens)
+for name, N, D, V in () if a.chunk_rows else (("GPT-2 124M head", 16384, 768, 50257), ("KDA LM 226M head", 16384, 1024, 32768)):
     g = torch.Generator(device=dev).manual_seed(0)
     h = torch.randn(N, D, device=dev, generator=g).requires_grad_()
     w = (torch.randn(V, D, device=dev, generator=g) / D ** 0.5).requires_grad_()
@@ -70,7 +111,8 @@ def fused(x, w, eps=1e-6):
     return F.rms_norm(xf, (xf.shape[-1],), w, eps).to(x.dtype)
 
 
-for name, shape, dtype in (("residual stream", (16384, 1024), torch.float32), ("mixer output", (131072, 128), torch.bfloat16)):
+for name, shape, dtype in () if a.chunk_rows else (("residual stream", (16384, 1024), torch.float32),
+                                                    ("mixer output", (131072, 128), torch.bfloat16)):
     x = torch.randn(*shape, device=dev, dtype=dtype).requires_grad_()
     w = torch.ones(shape[-1], device=dev).requires_grad_()
     dy = torch.randn(*shape, device=dev, dtype=dtype)
