@@ -25,12 +25,13 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from evict.bench.autotune import parallel_autotune_compile
 from evict.cli_args import UserError, first_line, out_of_memory
 from evict.jsonfile import jsonl_records
 from evict.report import card, median_ms
@@ -263,7 +264,11 @@ def run_grid(out: str | os.PathLike, *, device: str = "cpu", progress: bool = Tr
         print(f"{len(todo_all) - len(todo)} of {len(todo_all)} cells already in {path}; running {len(todo)}", flush=True)
     from tqdm.auto import tqdm
 
-    with path.open("a") as f:
+    fla_cuda = device.startswith("cuda") and any(c["kernel"].startswith("fla_") for c in todo)
+    # fla tunes its kernels per shape, each config compiled one after the other (75-116 s a cell on an H100, session
+    # 70): its configs compile side by side first, then are timed as before (the same choice; evict/bench/autotune.py)
+    tuning: AbstractContextManager[dict] = parallel_autotune_compile(log=False) if fla_cuda else nullcontext({})
+    with tuning, path.open("a") as f:
         for cell in tqdm(todo, desc="cells", disable=not progress):
             row = run_cell(cell, device, timer=timer, max_math_tokens=max_math_tokens)
             row.update(stamp)
