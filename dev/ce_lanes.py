@@ -1,7 +1,7 @@
 """A candidate for the loss's row kernel (evict/ops/loss_triton.py), checked and timed beside it (issue 74, session 70).
 
 GPT-2 B48's profile (H100, session 70) spent 11.6 ms of a 115 ms step in `_ce_rows_kernel`: 312 µs a chunk of
-1,334 × 50,304 bf16 logits, ~2.3× its bytes at the card's copy bandwidth. Its first pass does four block-wide
+1,335 × 50,304 bf16 logits, ~2.3× its bytes at the card's copy bandwidth. Its first pass does four block-wide
 reductions per 4,096 logits (the block's max, the first index of it, the sum of exponentials, the running max's
 rescale reads the reduced max), each a cross-warp exchange. The candidate keeps a running state per lane instead
 — max m_j, sum s_j (rescaled when m_j grows), the first index of its own largest logit — and reduces across lanes
@@ -113,7 +113,7 @@ def check(kernel, logits, vocab, targets, inv, name) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=1334, help="rows of one chunk (GPT-2 B48's default chunk: 1,334)")
+    p.add_argument("--tokens", type=int, default=1335, help="rows of one chunk (GPT-2 B48's default chunk: 2^26 // 50,257 = 1,335)")
     p.add_argument("--vocab", type=int, default=50257, help="logits per row (GPT-2's: 50,257; padded to 64s: 50,304)")
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--out", default=None)
