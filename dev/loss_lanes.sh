@@ -8,6 +8,7 @@
 # packed memory op's last two owed GPU cases, the chunk sweep. A step that would end past D seconds is skipped; the
 # results ($OUT/r.tgz) are rewritten after each step. If the tests pass and the step is faster: `git apply
 # dev/loss_lanes.patch`, set the chunk the timings chose, delete dev/ce_lanes.py, this script and the patch.
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT/r; D=${D:-450}
 T0=$(date +%s); left() { echo $(( D - ($(date +%s) - T0) )); }
