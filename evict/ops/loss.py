@@ -33,7 +33,6 @@ IMPLS = ("auto", "torch", "triton")
 # aligned leading dimension: at GPT-2's V 50257 the whole chunked loss ran at about a quarter of the aligned KDA head's
 # FLOP rate (dev/train_ops_bench.py, H100, 2026-12-06); the padded form's speed is not yet measured.
 ALIGN = 64
-_ADDMM_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")  # addmm(..., out_dtype=) exists (torch >= 2.8)
 CHUNK_ELEMENTS = 1 << 26  # logits per chunk by default (rows = this // V): 256 MiB of float32 at most
 
 
@@ -75,7 +74,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 from .loss_triton import ce_rows_triton
 
                 g16 = hc @ w.t()  # [c, V (padded)]
-                row_loss, row_ok = ce_rows_triton(g16, tc, inv, vocab=V, ignore_index=ignore_index, grad=want)
+                row_loss, row_ok = ce_rows_triton(g16[:, :V], tc, inv, ignore_index=ignore_index, grad=want)
                 loss += row_loss.sum()
                 correct += row_ok.sum()
             else:
@@ -85,7 +84,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if dh is not None:
                 dh[a:a + rows] = g16 @ w
             if dw is not None:
-                _add_product(dw, g16[:, :V].t(), hc)
+                dw.add_((g16.t() @ hc)[:V])
         ctx.save_for_backward(dh, dw)
         ctx.h_dtype, ctx.w_dtype = h.dtype, weight.dtype
         ctx.mark_non_differentiable(correct, labelled)
@@ -97,16 +96,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         gh = None if dh is None else (dh * dloss).to(ctx.h_dtype)
         gw = None if dw is None else (dw * dloss).to(ctx.w_dtype)
         return gh, gw, None, None, None, None, None, None, None
-
-
-def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b, in place. With 16-bit a, b and a float32 acc on CUDA, one product that sums into acc in float32
-    (`addmm`'s out_dtype, torch >= 2.8; session 70's GPT-2 B48 profile spent 5.8 ms of a 115 ms step adding each
-    chunk's bf16 dW into the float32 sum); elsewhere the product in a, b's dtype, then the sum."""
-    if a.is_cuda and a.dtype != acc.dtype and _ADDMM_DTYPE:
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    else:
-        acc.add_(a @ b)
 
 
 def _chunk_torch(hc, w, tc, vc, inv, acc, dtype, grad: bool):
