@@ -20,9 +20,8 @@
 #            formed K e^{g_C - g}: their GPU tests, then dev/fwd_stages.py --fla-bwd: both output forms, the default marked,
 #            fwd+bwd with the kernel table, GDN's backward as before, fla's fwd and fwd+bwd; both shapes; ~230 s)
 #   decode:  decode, decode1m, decodebench, decodecompile, decodeprofile, dial (the chunk dial's GPU numbers)
-#   train:   losschunk (session 70's two questions about the loss at GPT-2's head, B48: dev/ce_lanes.py, the row kernel
-#            with per-lane running sums and 16-byte loads over the padded vocabulary beside the library's, checked
-#            against float64, then timed; dev/train_ops_bench.py --chunk-rows 1 2 4 8, the row chunk 1-8x the default), bench (cells per second, issue 10), mpsbench (the same, compiled, PROCS each with and without MPS), learns (dev/learns_gpu.py: session 12's two MQAR-learns failures over
+#   train:   losschunk (the loss at GPT-2's head, B48: dev/train_ops_bench.py --chunk-rows 1 2 4 8, the row chunk
+#            1-8x the default), bench (cells per second, issue 10), mpsbench (the same, compiled, PROCS each with and without MPS), learns (dev/learns_gpu.py: session 12's two MQAR-learns failures over
 #            seeds and op forms), grid (a piece of `evict recall --full`: MIN, GRIDARGS, GRID; the runs
 #            of earlier pieces in results/recall/full/ are restored first: dev/grid_restore.py), lab (a piece of
 #            `evict lab $LAB --full` under MPS, pieces in results/$LAB/full/ restored first; LAB: capacity hybrid pairs
@@ -139,8 +138,7 @@ for what in "$@"; do
              timeout ${TO:-120} python3 dev/triton_tune.py --shapes 4x8192,1x32768 --variants ${VARS:-fkt,fktw4,fktw444,ks,fkrc,c32fktw444,c32ks,c32fkrc} \
                2>&1 | quiet | tee $OUT/close12_time.log
              timeout 40 python3 dev/triton_tune.py --shapes 256x512 --heads 4 --dim 32 --variants c16fktds2,c16ks 2>&1 | quiet | tee $OUT/close12_lab.log ;;
-    losschunk) timeout ${TO:-150} python3 dev/ce_lanes.py --out $OUT/ce_lanes.json 2>&1 | quiet | tee $OUT/ce_lanes.log
-               timeout ${TO:-150} python3 dev/train_ops_bench.py --chunk-rows ${ROWSX:-1 2 4 8} --out $OUT/losschunk.json 2>&1 \
+    losschunk) timeout ${TO:-150} python3 dev/train_ops_bench.py --chunk-rows ${ROWSX:-1 2 4 8} --out $OUT/losschunk.json 2>&1 \
                | quiet | tee $OUT/losschunk.log ;;
     kgrid) cp results/bench/grid/grid_h100.jsonl $OUT/grid_cuda.jsonl 2>/dev/null  # the committed rows: resume past them
            timeout ${TO:-540} python3 -m evict.cli bench grid --device cuda ${GRIDFLAGS:-} --out $OUT/grid_cuda.jsonl 2>&1 \

@@ -31,9 +31,14 @@ from .memory import triton as _tri
 IMPLS = ("auto", "torch", "triton")
 # The Triton form pads the vocabulary to a multiple of this with zero weight rows, so the head's bf16 products have an
 # aligned leading dimension: at GPT-2's V 50257 the whole chunked loss ran at about a quarter of the aligned KDA head's
-# FLOP rate (dev/train_ops_bench.py, H100, 2026-12-06); the padded form's speed is not yet measured.
+# FLOP rate (dev/train_ops_bench.py, H100, 2026-12-06); with it (and the row kernel's
+# 16-byte loads over the padded row) GPT-2 B48 compiled reached 40.3 % MFU (BENCHMARKS.md, session 72).
 ALIGN = 64
-CHUNK_ELEMENTS = 1 << 26  # logits per chunk by default (rows = this // V): 256 MiB of float32 at most
+_ADDMM_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")  # addmm(..., out_dtype=) exists (torch >= 2.8)
+# Logits per chunk by default (rows = this // V; 1 GiB of float32 at most). GPT-2 124M compiled, B48 x T1024, H100,
+# 2026-12-07 (session 72): 2^26 -> 38.9 % MFU at 11.69 GiB, 2^27 -> 39.8 % at 11.92, 2^28 -> 40.3-40.4 % at 12.42,
+# 2^29 -> 40.7 % at 13.43: fewer, longer products and row launches, for 0.7 GiB more at the peak.
+CHUNK_ELEMENTS = 1 << 28
 
 
 class LossOut(NamedTuple):
@@ -74,7 +79,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 from .loss_triton import ce_rows_triton
 
                 g16 = hc @ w.t()  # [c, V (padded)]
-                row_loss, row_ok = ce_rows_triton(g16[:, :V], tc, inv, ignore_index=ignore_index, grad=want)
+                row_loss, row_ok = ce_rows_triton(g16, tc, inv, vocab=V, ignore_index=ignore_index, grad=want)
                 loss += row_loss.sum()
                 correct += row_ok.sum()
             else:
@@ -84,7 +89,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if dh is not None:
                 dh[a:a + rows] = g16 @ w
             if dw is not None:
-                dw.add_((g16.t() @ hc)[:V])
+                _add_product(dw, g16[:, :V].t(), hc)
         ctx.save_for_backward(dh, dw)
         ctx.h_dtype, ctx.w_dtype = h.dtype, weight.dtype
         ctx.mark_non_differentiable(correct, labelled)
@@ -96,6 +101,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         gh = None if dh is None else (dh * dloss).to(ctx.h_dtype)
         gw = None if dw is None else (dw * dloss).to(ctx.w_dtype)
         return gh, gw, None, None, None, None, None, None, None
+
+
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, in place. With 16-bit a, b and a float32 acc on CUDA, one product that sums into acc in float32
+    (`addmm`'s out_dtype, torch >= 2.8; session 70's GPT-2 B48 profile spent 5.8 ms of a 115 ms step adding each
+    chunk's bf16 dW into the float32 sum); elsewhere the product in a, b's dtype, then the sum."""
+    if a.is_cuda and a.dtype != acc.dtype and _ADDMM_DTYPE:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.add_(a @ b)
 
 
 def _chunk_torch(hc, w, tc, vc, inv, acc, dtype, grad: bool):
