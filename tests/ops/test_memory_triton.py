@@ -786,33 +786,41 @@ def test_gpu_one_tile_states_match_reference(dtype, gate, delta):
     _check_opt_in(gate, delta, dtype, dict(carry_halves=False), dict(halves=False))
 
 
+# The packed cases (offsets, H, K, V, strong decay, offsets' device), one test item each so that pytest-xdist spreads
+# their Triton compiles over its workers (as one test, the channel-gate delta cases ran past 250 s on an H100).
+PACKED_GPU_CASES = {
+    "odd": (OFFSETS, 3, 128, 96, False, "cuda"),
+    "whole-chunks": ([0, 128, 128, 320], 2, 128, 128, False, "cpu"),
+    "strong": ([0, 0, 333, 1000, 1001, 1064, 1300], 2, 64, 64, True, "cpu"),
+    "40-short-K16": (list(range(0, 41 * 37, 37)), 2, 16, 16, False, "cuda"),
+    "70-fused": (list(range(0, 71 * 23, 23)), 2, 32, 32, False, "cuda"),
+}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", list(PACKED_GPU_CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gate,delta", list(itertools.product(GATES, (False, True))))
-def test_gpu_packed_sequences_match_each_sequence_alone(dtype, gate, delta):
+def test_gpu_packed_sequences_match_each_sequence_alone(dtype, gate, delta, case):
     """cu_seqlens through the kernels equals the kernels run on each sequence alone, and the float64 reference per
     sequence, outputs, final states and every input's gradient: odd lengths, empty sequences, 40 short sequences,
     K = 16 (zero-padded to MIN_K), strong decay; offsets on the GPU and on the CPU; 70 sequences x 2 heads (bf16: enough
     to fill an H100 / H200, so the output is fused into the carry, `fuse_out_default`); whole chunks only (no copies)."""
-    for offsets, H, K, V, strong, dev in ((OFFSETS, 3, 128, 96, False, "cuda"),
-                                          ([0, 128, 128, 320], 2, 128, 128, False, "cpu"),
-                                          ([0, 0, 333, 1000, 1001, 1064, 1300], 2, 64, 64, True, "cpu"),
-                                          (list(range(0, 41 * 37, 37)), 2, 16, 16, False, "cuda"),
-                                          (list(range(0, 71 * 23, 23)), 2, 32, 32, False, "cuda")):
-        xd, x64 = _cuda(make_packed(offsets, H, K, V, gate=gate, beta_max=1.5, strong=strong, seed=K), dtype)
-        cu = torch.tensor(offsets, device=dev)
-        o, s = run(xd, delta, cu_seqlens=cu, impl="triton")
-        assert o.dtype == dtype and s.dtype == torch.float32 and s.shape == (len(offsets) - 1, H, K, V)
-        assert torch.isfinite(o).all() and torch.isfinite(s).all(), offsets
-        for impl, xs in (("triton", xd), ("reference", x64)):
-            o_seq, s_seq = per_sequence(xs, offsets, delta, impl=impl)
-            assert rel(o, o_seq) <= TOL[dtype] and rel(s, s_seq) <= TOL[dtype], (impl, K, rel(o, o_seq), rel(s, s_seq))
-        g = packed_grads(xd, offsets, delta, packed=True, cu_device=dev, impl="triton")
-        for impl, xs in (("triton", xd), ("reference", x64)):
-            g_seq = packed_grads(xs, offsets, delta, packed=False, impl=impl)
-            for name in g_seq:
-                err = rel(g[name], g_seq[name])
-                assert torch.isfinite(g[name]).all() and err <= TOL[dtype], (impl, K, name, err)
+    offsets, H, K, V, strong, dev = PACKED_GPU_CASES[case]
+    xd, x64 = _cuda(make_packed(offsets, H, K, V, gate=gate, beta_max=1.5, strong=strong, seed=K), dtype)
+    cu = torch.tensor(offsets, device=dev)
+    o, s = run(xd, delta, cu_seqlens=cu, impl="triton")
+    assert o.dtype == dtype and s.dtype == torch.float32 and s.shape == (len(offsets) - 1, H, K, V)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all(), offsets
+    for impl, xs in (("triton", xd), ("reference", x64)):
+        o_seq, s_seq = per_sequence(xs, offsets, delta, impl=impl)
+        assert rel(o, o_seq) <= TOL[dtype] and rel(s, s_seq) <= TOL[dtype], (impl, K, rel(o, o_seq), rel(s, s_seq))
+    g = packed_grads(xd, offsets, delta, packed=True, cu_device=dev, impl="triton")
+    for impl, xs in (("triton", xd), ("reference", x64)):
+        g_seq = packed_grads(xs, offsets, delta, packed=False, impl=impl)
+        for name in g_seq:
+            err = rel(g[name], g_seq[name])
+            assert torch.isfinite(g[name]).all() and err <= TOL[dtype], (impl, K, name, err)
 
 
 @pytest.mark.gpu
