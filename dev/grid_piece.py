@@ -9,7 +9,8 @@ A call packed as FILES_AT/out.tar.gz (more than the 8 files a call brings back: 
 `FILES_AT` is the `run` tool's folder of the call's $OUT (`bash dev/gpu.sh grid` / `lab` write those files there). The
 rows no committed piece holds yet (by run folder) become results/recall/full/piece<N>_results.jsonl beside a copy of
 the piece's config as piece<N>_config.json (results/NAME/full/ for a lab; results/state/counters_full/ for `--lab
-counters`, the state lab's --counters-full: dev/grid_restore.py's MODES), N the next free number; nothing is written
+counters`, the state lab's --counters-full; results/capacity/heads_full/ for `--lab heads`, the capacity lab's
+--heads-full: dev/grid_restore.py's MODES), N the next free number; nothing is written
 when every row is already committed. A pairs ladder's finished rungs (rows LADDER/RUNG) are committed too while their
 ladder is unfinished, so the next bare machine climbs on from them. Then the sweep's outputs are written here, by the
 lab itself, from every committed piece: the runs restored into a scratch folder (dev/grid_restore.py), then the lab's

@@ -4,9 +4,9 @@ so the next piece skips them.
     python3 dev/grid_restore.py runs/grid results/recall/full/piece1_config.json results/recall/full/piece1_results.jsonl ...
     python3 dev/grid_restore.py --lab state runs/lab_state results/state/full/piece1_config.json ...results.jsonl
 
-For a lab (`--lab`: capacity, counters, hybrid, pairs, state, stories, ttt), a row is restored only when its config
+For a lab (`--lab`: capacity, counters, heads, hybrid, pairs, state, stories, ttt), a row is restored only when its config
 equals the target sweep's (config.json, or the lab's preset for a folder not yet started: FULL; counters: the state
-lab's COUNTERS_FULL, MODES) in every field but `workers` and the
+lab's COUNTERS_FULL, heads: capacity_heads.HEADS_FULL; MODES) in every field but `workers` and the
 fields the lab's module names in WHICH_FIELDS (state: tasks, models, seeds — which runs exist, each row naming its own:
 a sweep that adds a task keeps the runs of the others), with the list fields it names in UNORDERED_FIELDS compared as
 sets (pairs' lrs: pieces climbed in another lr order are restored).
@@ -36,23 +36,23 @@ from pathlib import Path
 from evict.lab.sweep import EXECUTION_FIELDS, config_differences  # workers: how a sweep runs, not what it trains
 
 WHICH = {"archs", "settings", "d_models", "lrs", "lr_order", "seeds", "chunk_size", *EXECUTION_FIELDS}
-LABS = {"capacity": "capacity", "counters": "state", "hybrid": "hybrid", "pairs": "pairs", "state": "state",
-        "stories": "switch", "ttt": "ttt"}  # a piece's name -> its lab's module under evict/lab
+LABS = {"capacity": "capacity", "counters": "state", "heads": "capacity_heads", "hybrid": "hybrid", "pairs": "pairs",
+        "state": "state", "stories": "switch", "ttt": "ttt"}  # a piece's name -> its lab's module under evict/lab
 # a piece's name for a lab's GPU mode other than --full -> (the lab as `evict lab` names it, the mode): its pieces run
 # `evict lab LAB --MODE` (_ read as -) against the module's preset MODE.upper() and are committed in results/LAB/MODE/;
 # every other name runs `evict lab NAME --full` against FULL, committed in results/NAME/full/ (mode_of)
-MODES = {"counters": ("state", "counters_full")}
+MODES = {"counters": ("state", "counters_full"), "heads": ("capacity", "heads_full")}
 
 
 def mode_of(lab: str) -> tuple[str, str]:
-    """(the `evict lab` name, the mode) of a piece's name: ("state", "counters_full") for counters, else (NAME,
-    "full")."""
+    """(the `evict lab` name, the mode) of a piece's name: ("state", "counters_full") for counters, ("capacity",
+    "heads_full") for heads, else (NAME, "full")."""
     return MODES.get(lab, (lab, "full"))
 
 
 def preset(lab: str):
     """The sweep a lab's pieces belong to unless a folder says otherwise: its module's preset of the piece's mode
-    (FULL; counters: state.COUNTERS_FULL)."""
+    (FULL; counters: state.COUNTERS_FULL; heads: capacity_heads.HEADS_FULL)."""
     module = importlib.import_module(f"evict.lab.{LABS.get(lab, 'recall')}")
     return getattr(module, mode_of(lab)[1].upper())
 

@@ -161,6 +161,28 @@ def test_a_labs_last_piece_writes_its_finished_sweep(tmp_path, stem):
     assert json.loads((docs / "config.json").read_text())["workers"] == 3
 
 
+def test_the_heads_lab_is_committed_as_the_capacity_labs_heads_full_mode(tmp_path):
+    """--lab heads: `evict lab capacity --heads-full` in pieces (dev/gpu.sh LAB=heads): its mode, its folder
+    (results/capacity/heads_full/), its preset as the default target (a piece of another step count is refused), and
+    the finished table is capacity_heads' own, the same as where the sweep ran."""
+    from evict.lab import capacity_heads
+
+    mode = subprocess.run([sys.executable, str(Path(__file__).parents[2] / "dev" / "grid_restore.py"), "--mode", "heads"],
+                          capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert mode.stdout.split() == ["capacity", "heads_full"]
+    assert grid_restore.preset("heads") is capacity_heads.HEADS_FULL
+    full = json.loads(json.dumps(dataclasses.asdict(capacity_heads.HEADS_FULL)))
+    with pytest.raises(SystemExit, match="steps differ"):
+        grid_restore.main(str(tmp_path / "a"), _piece(tmp_path, {**full, "steps": 100}, []), lab="heads")
+    micro = dataclasses.replace(capacity_heads.HEADS, sizes=(4, 8), layouts=("1x4", "4x2"), rules=("delta",), steps=3,
+                                batch_size=4, eval_batches=1, workers=1)
+    ran = capacity_heads.run_sweep(micro, out=tmp_path / "device")
+    docs = _device_calls(tmp_path, ran, "lab_heads", "heads", first=2)
+    assert (docs / "table.md").read_text() == (ran / "table.md").read_text()
+    assert (docs / "results.jsonl").read_text() == (ran / "results.jsonl").read_text()
+    assert json.loads((docs / "config.json").read_text())["layouts"] == ["1x4", "4x2"]
+
+
 def test_a_side_experiment_is_committed_beside_the_grid_against_its_own_config(tmp_path):
     """--side NAME: a side experiment's rows (NAME_config.json + NAME_results.jsonl) go to side_NAME/ and its table is
     written against its own config (here a fixed training set), not `--full`'s; a bad name is one line."""
