@@ -15,6 +15,8 @@
 #            precision (dev/check_precision.py), kgrid (`evict bench grid`: the kernel table over N x head dim x chunk,
 #            GRIDFLAGS, default the full grid; rows resume from the committed results/bench/grid/grid_h100.jsonl), claims
 #            (`evict bench claims --device cuda`: CLAIMS, default situ attn_res dplr, each its own process under TO, MODES),
+#            artrain (`--claims attn_res_train --full --seeds SEEDS --resume` over the committed
+#            results/bench/claims/attn_res_train_full.json: a seed or two a call, the result holding every seed so far),
 #            fuse (session 59's output-in-the-carry form, forward_triton(fuse_out=True): its GPU tests, then
 #            dev/fwd_stages.py: old vs new vs fla per stage, both shapes), kbwd (session 60: fuse_out by shape and the backward's
 #            formed K e^{g_C - g}: their GPU tests, then dev/fwd_stages.py --fla-bwd: both output forms, the default marked,
@@ -146,6 +148,11 @@ for what in "$@"; do
     claims) for c in ${CLAIMS:-situ attn_res dplr}; do  # one process (and timeout) per claim: a slow one costs only itself
               timeout ${TO:-150} python3 -m evict.cli bench claims --device cuda --claims $c --modes ${MODES:-eager compiled} \
                 --out $OUT/claims_$c.json 2>&1 | quiet | tee $OUT/claims_$c.log; done ;;
+    artrain) f=attn_res_train_full.json  # `--claims attn_res_train --full` SEEDS (default 0) at a time, resumed from the
+             # committed results/bench/claims/$f: its JSON, .md and plot come back; copy them there (dev/LOG.md says how)
+             [ -e results/bench/claims/$f ] && cp results/bench/claims/$f $OUT/$f
+             timeout $(piece_to ${TO:-560}) python3 -m evict.cli bench claims --device cuda --claims attn_res_train --full \
+               --seeds ${SEEDS:-0} --resume --out $OUT/$f 2>&1 | quiet | tee $OUT/attn_res_train_full.log ;;
     precision) timeout ${TO:-200} python3 dev/check_precision.py ${GATES:-channel} 2>&1 | tee $OUT/precision.log
                timeout ${TO:-150} python3 dev/triton_tune.py --variants v0,pr3,rc3,rc3t 2>&1 | quiet | tee $OUT/precision_time.log ;;
     decode) timeout ${TO:-240} python3 -m evict.cli bench decode --device cuda --paths before graph compiled --batch1-only \

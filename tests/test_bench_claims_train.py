@@ -119,3 +119,46 @@ def test_a_later_claim_failing_leaves_no_plot(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="^decode: none of"):
         c.run_claims(("attn_res_train", "decode"), device="cpu", out=tmp_path / "art.json")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_resume_keeps_whole_seeds_and_trains_only_the_others(tmp_path, monkeypatch, capsys):
+    """`--seeds 1 --resume` over a result of seed 0 (the same setting): seed 0's three runs are kept as they were (not
+    trained again: three new runs, not six), seed 1's are trained, and the JSON, table and summary hold both seeds —
+    how a --full run is trained a seed per device call."""
+    import evict.train
+    from evict.cli import main
+
+    monkeypatch.setattr(ct, "QUICK", ct.with_overrides(ct.QUICK, **TINY))
+    out = tmp_path / "art.json"
+    main(["bench", "claims", "--claims", "attn_res_train", "--seeds", "0", "--out", str(out)])
+    first = json.loads(out.read_text())["attn_res_train"]
+    assert first["setting"]["seeds"] == [0] and len(first["runs"]) == 3
+    real, trained = evict.train.train, []
+    monkeypatch.setattr(evict.train, "train", lambda model, task, cfg, *a, **k: trained.append(cfg.seed) or real(model, task, cfg, *a, **k))
+    main(["bench", "claims", "--claims", "attn_res_train", "--seeds", "1", "--resume", "--out", str(out)])
+    assert trained == [1, 1, 1] and "seeds 0 kept from" in capsys.readouterr().out
+    both = json.loads(out.read_text())["attn_res_train"]
+    assert both["setting"]["seeds"] == [0, 1] and both["runs"][:3] == first["runs"]
+    assert [r["seed"] for r in both["table"]] == [0, 1] and both["summary"]["seeds"] == 2
+    # again with both seeds named: nothing left to train, the same result
+    trained.clear()
+    main(["bench", "claims", "--claims", "attn_res_train", "--seeds", "0", "1", "--resume", "--out", str(out)])
+    assert trained == [] and json.loads(out.read_text())["attn_res_train"]["runs"] == both["runs"]
+
+
+def test_resume_refuses_another_setting_or_file_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(ct, "QUICK", ct.with_overrides(ct.QUICK, **TINY))
+    out = tmp_path / "art.json"
+    other = {"attn_res_train": {"setting": {**json.loads(json.dumps(ct.QUICK)), "steps": 9, "device": "cpu"}, "runs": []}}
+    out.write_text(json.dumps(other))
+    says = cli_error(["bench", "claims", "--claims", "attn_res_train", "--resume", "--out", str(out)], capsys)
+    assert f"--resume: {out}: trained at another setting (steps differ)" in says
+    assert json.loads(out.read_text()) == other  # untouched
+    out.write_text("{not json")
+    assert "is not an `evict bench claims` JSON with attn_res_train runs" in cli_error(
+        ["bench", "claims", "--claims", "attn_res_train", "--resume", "--out", str(out)], capsys)
+    for argv, want in ((["--claims", "params", "--seeds", "1"], "--seeds: expected --claims attn_res_train"),
+                       (["--claims", "params", "--resume", "--out", str(out)], "--resume: expected --claims attn_res_train"),
+                       (["--claims", "attn_res_train", "--resume"], "--resume: expected --out"),
+                       (["--claims", "attn_res_train", "--seeds", "1", "1"], "--seeds: expected distinct seeds")):
+        assert want in cli_error(["bench", "claims", *argv], capsys)

@@ -193,14 +193,17 @@ def preset_overheads() -> list[dict]:
     return rows
 
 
-def _attn_res_train(result: dict, device: str, full: bool, out) -> str:
-    """Train the comparison (claims_train), put it in result, plot it beside `out`; the report's section."""
+def _attn_res_train(result: dict, device: str, full: bool, out, seeds=None, earlier: dict | None = None) -> str:
+    """Train the comparison (claims_train), put it in result, plot it beside `out`; the report's section. seeds: the
+    mode's seeds instead; earlier: a result of the same setting whose whole seeds are kept (compare_attn_res)."""
     from evict.report import markdown_table
 
     from . import claims_train as ct
 
     s = dict(ct.FULL if full else ct.QUICK, device=device)
-    r = ct.compare_attn_res(s)
+    if seeds is not None:
+        s["seeds"] = tuple(seeds)
+    r = ct.compare_attn_res(s, earlier=earlier)
     result["attn_res_train"] = r
     if out:  # drawn by run_claims with the JSON, once every claim has run (nothing written before a failure)
         from pathlib import Path
@@ -215,9 +218,10 @@ def _attn_res_train(result: dict, device: str, full: bool, out) -> str:
 
 
 def run_claims(claims=DEFAULT, *, device: str = "cpu", compile: bool = True, modes=("eager",), out=None,
-               full: bool = False) -> dict:
+               full: bool = False, seeds=None, earlier: dict | None = None) -> dict:
     """Compute / time / train each of `claims`, print one section per claim, write JSON (and .md beside it, and
-    attn_res_train's plot as STEM_attn_res_train.png) to `out`. full: attn_res_train at its GPU scale."""
+    attn_res_train's plot as STEM_attn_res_train.png) to `out`. full: attn_res_train at its GPU scale; seeds: its
+    seeds instead of the mode's; earlier: an attn_res_train result whose whole seeds are kept, not trained again."""
     from evict.cli_args import first_line, out_of_memory
     from evict.report import card, markdown_table, write_json
 
@@ -233,7 +237,7 @@ def run_claims(claims=DEFAULT, *, device: str = "cpu", compile: bool = True, mod
             result["params"], result["params_widths"], result["params_presets"] = rows, widths, preset_overheads()
             text.append("## KDA's parameters over Gated DeltaNet's (exact, from the modules)\n\n" + params_markdown(rows, widths))
         elif claim == "attn_res_train":
-            text.append(_attn_res_train(result, device, full, out))
+            text.append(_attn_res_train(result, device, full, out, seeds, earlier))
         elif claim == "decode":
             rows = decode_ratios()
             if not rows:

@@ -19,6 +19,7 @@ plain runs' is an extrapolation, flagged).
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from typing import Any
@@ -102,13 +103,41 @@ def multiplier(plain_1x: float, plain_more: float, attn_res: float, flops_ratio:
     return round(steps / flops_ratio, 3), note
 
 
-def compare_attn_res(s: dict | None = None, *, progress: bool = True) -> dict:
-    """The runs of every seed, the per-seed table and the summary (see the module docstring)."""
+def kept_seeds(s: dict, earlier: dict | None) -> dict[int, list[dict]]:
+    """Of an earlier result (compare_attn_res's dict, e.g. read back from a claims JSON), the runs of each seed whose
+    three arms all ran, by seed — when it was trained at setting `s` in every field but `seeds`; else ValueError naming
+    the fields that differ. None: nothing kept."""
+    if earlier is None:
+        return {}
+    if not (isinstance(earlier, dict) and isinstance(earlier.get("setting"), dict) and isinstance(earlier.get("runs"), list)):
+        raise ValueError("expected an attn_res_train result (its setting and runs)")
+    want = json.loads(json.dumps({k: v for k, v in s.items() if k != "seeds"}))
+    got = {k: v for k, v in earlier["setting"].items() if k != "seeds"}
+    differ = sorted(k for k in {*want, *got} if want.get(k) != got.get(k))
+    if differ:
+        raise ValueError(f"trained at another setting ({', '.join(differ)} differ)")
+    by: dict[int, list[dict]] = {}
+    for r in earlier["runs"]:
+        by.setdefault(r["seed"], []).append(r)
+    return {seed: rs for seed, rs in by.items() if sorted(r["arm"] for r in rs) == sorted(ARMS)}
+
+
+def compare_attn_res(s: dict | None = None, *, progress: bool = True, earlier: dict | None = None) -> dict:
+    """The runs of every seed, the per-seed table and the summary (see the module docstring). `earlier`: a result of
+    the same setting but its seeds (kept_seeds) whose whole seeds are kept, not trained again: the result holds its
+    seeds, then those of `s` it lacked (so a GPU run can be trained a seed per call)."""
     from evict.tasks.text import TextTask
 
     s = dict(QUICK if s is None else s)
+    kept = kept_seeds(s, earlier)
+    s["seeds"] = (*kept, *(seed for seed in s["seeds"] if seed not in kept))
     runs: list[dict] = []
     for seed in s["seeds"]:
+        if seed in kept:
+            runs += sorted(kept[seed], key=lambda r: ARMS.index(r["arm"]))
+            if progress:
+                print(f"seed {seed}: its {len(ARMS)} runs kept from the earlier result", flush=True)
+            continue
         task = TextTask(seq_len=s["seq_len"], seed=seed)
         for name, on, steps in (("plain", False, s["steps"]), (MORE, False, round(FACTOR * s["steps"])),
                                 ("AttnRes", True, s["steps"])):
@@ -123,6 +152,7 @@ def compare_attn_res(s: dict | None = None, *, progress: bool = True) -> dict:
 
 
 MORE = f"plain x{FACTOR:g}"
+ARMS = ("plain", MORE, "AttnRes")  # a seed's runs, in the order they train
 
 
 def summarize(runs: list[dict]) -> dict:

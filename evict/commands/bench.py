@@ -3,7 +3,7 @@ themselves are evict/bench/)."""
 
 from __future__ import annotations
 
-from evict.cli_args import UserError, batch_by_length, described, device, positive_int, writable_file
+from evict.cli_args import UserError, batch_by_length, described, device, positive_int, seed, writable_file
 
 
 def _resolve_device(args) -> str:
@@ -64,13 +64,41 @@ def run_claims(args) -> None:
                         f"got --device {args.device}, --claims {' '.join(args.claims)})")
     from pathlib import Path
 
+    for flag, given in (("--seeds", args.seeds is not None), ("--resume", args.resume)):
+        if given and "attn_res_train" not in args.claims:
+            raise UserError(f"{flag}: expected --claims attn_res_train (its seeds; got --claims {' '.join(args.claims)})")
+    if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
+        raise UserError(f"--seeds: expected distinct seeds, got {' '.join(map(str, args.seeds))}")
+    if args.resume and not args.out:
+        raise UserError("--resume: expected --out (the JSON whose attn_res_train seeds are kept)")
     if args.out:
         writable_file(args.out, "--out")
         writable_file(Path(args.out).with_suffix(".md"), "--out (its .md beside it)")
+    earlier = _earlier_attn_res(Path(args.out), args) if args.resume and Path(args.out).exists() else None
     from evict.bench.claims import run_claims as run
 
     run(tuple(dict.fromkeys(args.claims)), device=args.device, compile=not args.no_compile, modes=tuple(args.modes),
-        out=args.out, full=args.full)
+        out=args.out, full=args.full, seeds=args.seeds, earlier=earlier)
+
+
+def _earlier_attn_res(path, args) -> dict:
+    """--resume: the attn_res_train result in the existing --out, checked against this command's setting before
+    anything trains (a file that is not one, or of another setting, is one line)."""
+    import json
+
+    from evict.bench import claims_train as ct
+
+    try:
+        earlier = json.loads(path.read_text())["attn_res_train"]
+        s = dict(ct.FULL if args.full else ct.QUICK, device=args.device)
+        kept = ct.kept_seeds(s, earlier)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise UserError(f"--resume: {path} is not an `evict bench claims` JSON with attn_res_train runs "
+                        f"({type(e).__name__})") from None
+    except ValueError as e:
+        raise UserError(f"--resume: {path}: {e}") from None
+    print(f"--resume: seeds {', '.join(map(str, kept)) or 'none'} kept from {path}")
+    return earlier
 
 
 def _claims_arguments(o) -> None:
@@ -82,6 +110,11 @@ def _claims_arguments(o) -> None:
     o.add_argument("--full", action="store_true",
                    help="attn_res_train at its GPU scale (12 layers of d 384, 3,000 steps, 3 seeds) instead of the "
                         "quick CPU one")
+    o.add_argument("--seeds", nargs="+", type=seed, metavar="SEED",
+                   help="attn_res_train: these seeds instead of the mode's (quick 0 1, full 0 1 2)")
+    o.add_argument("--resume", action="store_true",
+                   help="attn_res_train: keep the whole seeds of the existing --out (same setting) and train only the "
+                        "others; the result holds both (a --full run a seed or two per call)")
     o.add_argument("--no-compile", action="store_true", help="situ: time the eager (unfused) form only")
     o.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager"],
                    help="attn_res: the training step eager and / or with each block compiled")
@@ -227,7 +260,9 @@ def _benches() -> dict:
             "evict bench claims --claims params decode --out results/bench/claims/exact.json",
             "evict bench claims --device cuda --claims attn_res situ dplr --modes eager compiled "
             "--out results/bench/claims/timed_h100.json",
-            "evict bench claims --claims attn_res_train --out results/bench/claims/attn_res_train_quick.json")),
+            "evict bench claims --claims attn_res_train --out results/bench/claims/attn_res_train_quick.json",
+            "evict bench claims --device cuda --claims attn_res_train --full --seeds 1 --resume "
+            "--out results/bench/claims/attn_res_train_full.json")),
         "decode": (run_decode, decode_arguments, "cpu, cuda, cuda:N or auto", (
             "time per output token vs context, each memory kind at equal width and depth",
             "Time one decode step of attention, MLA, KDA, the 3:1 hybrid and k3_mini models of equal width and depth "
