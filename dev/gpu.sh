@@ -170,7 +170,7 @@ for what in "$@"; do
                 | quiet | grep "^| kda" | sed "s/^/MPS=$m /"; mps_off; done; done ;;  # cell-steps/s with and without MPS
     bench) timeout ${TO:-240} python3 -m evict.cli bench train --arch kda --procs 4 --train-steps ${STEPS:-100} --variants before graphs compiled \
              --out $OUT/bench_train_p4.json 2>&1 | quiet | tee $OUT/bench_train.log ;;
-    lab) too_late lab && continue  # LAB: capacity counters heads hybrid pairs state stories ttt; MIN, LABARGS
+    lab) too_late lab && continue  # LAB: capacity context counters heads hybrid pairs state stories ttt; MIN, LABARGS
          # the lab and its mode (dev/grid_restore.py's MODES): "NAME full", or "state counters_full" for LAB=counters
          # (`evict lab state --counters-full`, pieces in results/state/counters_full/), "capacity heads_full" for
          # LAB=heads (`evict lab capacity --heads-full`, pieces in results/capacity/heads_full/)

@@ -12,7 +12,8 @@ the piece's config as piece<N>_config.json (results/NAME/full/ for a lab; result
 counters`, the state lab's --counters-full; results/capacity/heads_full/ for `--lab heads`, the capacity lab's
 --heads-full: dev/grid_restore.py's MODES), N the next free number; nothing is written
 when every row is already committed. A pairs ladder's finished rungs (rows LADDER/RUNG) are committed too while their
-ladder is unfinished, so the next bare machine climbs on from them. Then the sweep's outputs are written here, by the
+ladder is unfinished, so the next bare machine climbs on from them; so are the context lab's timed models (rows
+@decode/MODEL), so the next piece times only the rest. Then the sweep's outputs are written here, by the
 lab itself, from every committed piece: the runs restored into a scratch folder (dev/grid_restore.py), then the lab's
 `run_sweep` over it as a piece of no time, which trains nothing. While runs are left, recall writes partial_table.md
 (every cell whose best over lr is known), and so do the state, hybrid and pairs labs (every cell whose seeds are all
@@ -113,9 +114,11 @@ def main(files_at: str, lab: str = "recall", docs: str | None = None, table: boo
     out = folder / f"piece{n}_results.jsonl"
     shutil.copyfile(cfg, folder / f"piece{n}_config.json")
     out.write_text("".join(json.dumps(r) + "\n" for r in new))
-    rungs = sum("/" in r["dir"] for r in new)
-    also = f", and {rungs} finished rungs of ladders not finished" if rungs else ""
-    print(f"wrote {out} ({len(new) - rungs} new runs of {sum('/' not in r['dir'] for r in rows)}{also}) and its config")
+    others = sum(grid_restore.is_other(r["dir"]) for r in new)  # the context lab's decode timings
+    rungs = sum("/" in r["dir"] for r in new) - others
+    also = (f", and {rungs} finished rungs of ladders not finished" if rungs else "") + \
+        (f", and {others} models' decode timings" if others else "")
+    print(f"wrote {out} ({len(new) - rungs - others} new runs of {sum('/' not in r['dir'] for r in rows)}{also}) and its config")
     if table:
         _table(folder, lab, target)
     return out

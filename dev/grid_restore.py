@@ -4,7 +4,7 @@ so the next piece skips them.
     python3 dev/grid_restore.py runs/grid results/recall/full/piece1_config.json results/recall/full/piece1_results.jsonl ...
     python3 dev/grid_restore.py --lab state runs/lab_state results/state/full/piece1_config.json ...results.jsonl
 
-For a lab (`--lab`: capacity, counters, heads, hybrid, pairs, state, stories, ttt), a row is restored only when its config
+For a lab (`--lab`: capacity, context, counters, heads, hybrid, pairs, state, stories, ttt), a row is restored only when its config
 equals the target sweep's (config.json, or the lab's preset for a folder not yet started: FULL; counters: the state
 lab's COUNTERS_FULL, heads: capacity_heads.HEADS_FULL; MODES) in every field but `workers` and the
 fields the lab's module names in WHICH_FIELDS (state: tasks, models, seeds — which runs exist, each row naming its own:
@@ -36,8 +36,11 @@ from pathlib import Path
 from evict.lab.sweep import EXECUTION_FIELDS, config_differences  # workers: how a sweep runs, not what it trains
 
 WHICH = {"archs", "settings", "d_models", "lrs", "lr_order", "seeds", "chunk_size", *EXECUTION_FIELDS}
-LABS = {"capacity": "capacity", "counters": "state", "heads": "capacity_heads", "hybrid": "hybrid", "pairs": "pairs",
-        "state": "state", "stories": "switch", "ttt": "ttt"}  # a piece's name -> its lab's module under evict/lab
+LABS = {"capacity": "capacity", "context": "context", "counters": "state", "heads": "capacity_heads", "hybrid": "hybrid",
+        "pairs": "pairs", "state": "state", "stories": "switch", "ttt": "ttt"}  # a piece's name -> its module under evict/lab
+# rows that are not training runs: the context lab's decode timings (ROOT/decode/MODEL/result.json), named "@decode/MODEL"
+# ("@" is in no run's folder name), so that a piece's timed models come back and are not timed again
+OTHER = {"@decode": "decode"}
 # a piece's name for a lab's GPU mode other than --full -> (the lab as `evict lab` names it, the mode): its pieces run
 # `evict lab LAB --MODE` (_ read as -) against the module's preset MODE.upper() and are committed in results/LAB/MODE/;
 # every other name runs `evict lab NAME --full` against FULL, committed in results/NAME/full/ (mode_of)
@@ -59,17 +62,32 @@ def preset(lab: str):
 
 def finished_rows(root: str | Path) -> list[dict]:
     """Every finished run under ROOT/runs as a row naming its folder (`dir`, relative to runs/): each run's
-    result.json, and a pairs ladder's finished rungs (runs/LADDER/RUNG/result.json) as rows of dir LADDER/RUNG."""
+    result.json, and a pairs ladder's finished rungs (runs/LADDER/RUNG/result.json) as rows of dir LADDER/RUNG; then
+    the OTHER rows (the context lab's timed models, ROOT/decode/MODEL/result.json, as dir "@decode/MODEL")."""
     runs = Path(root) / "runs"
     found = sorted([*runs.glob("*/result.json"), *runs.glob("*/*/result.json")])
-    return [{**json.loads(f.read_text()), "dir": f.parent.relative_to(runs).as_posix()} for f in found]
+    rows = [{**json.loads(f.read_text()), "dir": f.parent.relative_to(runs).as_posix()} for f in found]
+    for tag, folder in OTHER.items():
+        for f in sorted((Path(root) / folder).glob("*/result.json")):
+            rows.append({**json.loads(f.read_text()), "dir": f"{tag}/{f.parent.name}"})
+    return rows
+
+
+def is_other(d: str) -> bool:
+    """Whether a row's dir names an OTHER row (not a run, not a ladder's rung)."""
+    return d.split("/")[0] in OTHER
 
 
 def _folder(root: Path, d: object, where: str) -> Path:
-    """A row's run folder under root/runs: one name, or LADDER/RUNG; never outside runs/."""
+    """A row's run folder under root/runs: one name, or LADDER/RUNG; never outside runs/. An OTHER row's ("@decode/M")
+    is its folder under root (root/decode/M)."""
     parts = d.split("/") if isinstance(d, str) else []
     if not 1 <= len(parts) <= 2 or any(p in ("", ".", "..") or "\\" in p for p in parts):
         sys.exit(f"{where}: a row's \"dir\" must be a run folder (NAME or LADDER/RUNG), got {d!r}")
+    if parts[0] in OTHER:
+        if len(parts) != 2:
+            sys.exit(f"{where}: a row's \"dir\" {d!r} names no folder after {parts[0]}/")
+        return root / OTHER[parts[0]] / parts[1]
     return root / "runs" / Path(*parts)
 
 
@@ -82,7 +100,7 @@ def main(target: str, pairs: list[str], lab: str = "recall") -> None:
     # fields a saved config predates take their defaults (as sweep_folder does), e.g. recall's gate_dt
     defaults = json.loads(json.dumps(dataclasses.asdict(type(full)())))
     want = {**defaults, **json.loads(cfg.read_text() if cfg.exists() else json.dumps(dataclasses.asdict(full)))}
-    restored = markers = rungs = 0
+    restored = markers = rungs = others = 0
     for cfg_path, rows_path in zip(pairs[::2], pairs[1::2]):
         got = {**defaults, **json.loads(Path(cfg_path).read_text())}
         differ = config_differences(want, got, which, unordered)
@@ -99,10 +117,12 @@ def main(target: str, pairs: list[str], lab: str = "recall") -> None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(row, indent=2))
             restored += 1
-            rungs += "/" in d
-    print(f"restored {restored - rungs} finished runs into {root / 'runs'}"
+            others += is_other(d)
+            rungs += "/" in d and not is_other(d)
+    print(f"restored {restored - rungs - others} finished runs into {root / 'runs'}"
           + (f", {markers} solved-cell markers" if markers else "")
-          + (f", {rungs} finished rungs of ladders not finished" if rungs else ""))
+          + (f", {rungs} finished rungs of ladders not finished" if rungs else "")
+          + (f", {others} models' decode timings" if others else ""))
 
 
 def _solved(root: Path, row: dict, target: float) -> int:

@@ -41,6 +41,7 @@ import dataclasses
 import json
 import logging
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -227,11 +228,14 @@ def run_one(job: dict) -> dict | None:
             **diverged(res), "label": f"{m.label} d{m.d_model} tail {tail}"}
 
 
-def time_one(job: dict) -> dict:
-    """Decode ms per token and cache bytes of one model at every context (batch 1, weights untrained)."""
+def time_one(job: dict) -> dict | None:
+    """Decode ms per token and cache bytes of one model at every context (batch 1, weights untrained); None when the
+    piece is over before it starts (out_of_time: left for the next piece)."""
     from evict.distributed import resolve_device
     from evict.models import decode_cost
 
+    if out_of_time(job):
+        return None
     sweep = from_json(ContextSweep, job["sweep"])
     m = from_json(Model, job["model"])
     dev = resolve_device(sweep.device)
@@ -441,15 +445,25 @@ def run_sweep(sweep: ContextSweep, out: str | Path | None = None, minutes: float
     resumable like the runs) and write the table, table.csv and the plot."""
     validate(sweep)
     root = sweep_folder("context", sweep, out, which=WHICH_FIELDS)
+    stop_at = None if minutes is None else time.time() + 60 * minutes  # the piece's end, for the decode timing too
     timed: list[dict] = []
 
     def decoded() -> list[dict]:
         if not timed:
-            timed.extend(decode_all(sweep, root))
+            rows = decode_all(sweep, root, stop_at)
+            if rows is None:
+                raise _DecodeLeft
+            timed.extend(rows)
         return timed
 
-    run_grid("context", sweep, root, jobs_for=jobs_for, run_one=run_one, minutes=minutes, which=WHICH_FIELDS,
-             report=lambda sw, res: report(sw, res, decoded()), plot=lambda sw, res, path: plot(sw, res, decoded(), path))
+    try:
+        run_grid("context", sweep, root, jobs_for=jobs_for, run_one=run_one, minutes=minutes, which=WHICH_FIELDS,
+                 report=lambda sw, res: report(sw, res, decoded()), plot=lambda sw, res, path: plot(sw, res, decoded(), path))
+    except _DecodeLeft:
+        done = sum(1 for m in models(sweep) if (root / "decode" / m.name / "result.json").exists())
+        print(f"context: stopped after {minutes:g} min: every run trained, {done} of {len(models(sweep))} models' decode "
+              f"timed; run the same command with --out {root} to continue (the table comes with the last model's timing)")
+        return root
     if timed:  # every run finished (run_grid wrote the table)
         results = [json.loads(line) for line in (root / "results.jsonl").read_text().splitlines()]
         rows = table_rows(sweep, results, timed)
@@ -461,12 +475,20 @@ def run_sweep(sweep: ContextSweep, out: str | Path | None = None, minutes: float
     return root
 
 
-def decode_all(sweep: ContextSweep, root: Path) -> list[dict]:
+class _DecodeLeft(Exception):
+    """A timed piece ended with models' decode timing left (run_sweep: no table yet; the next piece times them)."""
+
+
+def decode_all(sweep: ContextSweep, root: Path, stop_at: float | None = None) -> list[dict] | None:
     """Every model's decode row, one model at a time (run_jobs with one worker: <root>/decode/<model>/result.json),
-    also written to <root>/decode.jsonl."""
+    also written to <root>/decode.jsonl; None when the piece ends (`stop_at`, wall-clock) with models left, whose
+    timing the next piece does (the finished ones are kept: a timed model is not timed again)."""
     vocab = TextTask(corpus=sweep.corpus, tokenizer="char", seq_len=sweep.train_len).vocab_size
     jobs = [{"model": dataclasses.asdict(m), "sweep": dataclasses.asdict(sweep), "vocab_size": vocab,
-             "dir": str(root / "decode" / m.name)} for m in models(sweep)]
-    rows = [r for r in run_jobs(time_one, jobs, workers=1, desc="decode") if r is not None]
+             "dir": str(root / "decode" / m.name), "stop_at": stop_at} for m in models(sweep)]
+    outs = run_jobs(time_one, jobs, workers=1, desc="decode")
+    if any(r is None for r in outs):
+        return None
+    rows = [r for r in outs if r is not None]
     (root / "decode.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return rows

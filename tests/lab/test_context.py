@@ -147,6 +147,28 @@ def test_sweep_runs_resumes_and_writes_outputs(tmp_path, single_thread_runs):
         run_sweep(replace(sweep, steps=3), out=root)
 
 
+def test_a_timed_piece_leaves_decode_timing_to_the_next(tmp_path, single_thread_runs, capsys):
+    """--minutes: a piece that ends with models' decode timing left writes no table and says so; the next piece times
+    only those models (the timed ones are kept) and writes the table."""
+    (tmp_path / "c.txt").write_text(CORPUS)
+    sweep = replace(MICRO, corpus=str(tmp_path / "c.txt"))
+    root = run_sweep(sweep, out=tmp_path / "sweep")
+    left = models(sweep)[0].name
+    for name in ("table.md", "table.csv", "decode.jsonl", "context.png"):
+        (root / name).unlink()
+    (root / "decode" / left / "result.json").unlink()
+    stamps = {p: p.stat().st_mtime_ns for p in root.glob("*/*/result.json")}
+    capsys.readouterr()
+    run_sweep(sweep, out=root, minutes=1e-9)
+    said = capsys.readouterr().out
+    n = len(models(sweep))
+    assert f"every run trained, {n - 1} of {n} models' decode timed" in said and f"--out {root}" in said
+    assert not (root / "table.md").exists() and not (root / "decode" / left / "result.json").exists()
+    run_sweep(sweep, out=root)
+    assert (root / "table.md").exists() and (root / "decode" / left / "result.json").exists()
+    assert stamps == {p: p.stat().st_mtime_ns for p in stamps}  # nothing else trained or timed again
+
+
 BAD = [
     ["--ratios", "2:2"], ["--ratios", "5:1"], ["--kinds", "rnn"], ["--scales", "12"], ["--scales", "0"],
     ["--contexts", "16", "64"], ["--contexts", "64", "32"], ["--train-len", "0"], ["--decode-contexts", "0"],

@@ -183,6 +183,44 @@ def test_the_heads_lab_is_committed_as_the_capacity_labs_heads_full_mode(tmp_pat
     assert json.loads((docs / "config.json").read_text())["layouts"] == ["1x4", "4x2"]
 
 
+def test_the_context_labs_decode_timings_travel_with_its_pieces(tmp_path, monkeypatch):
+    """--lab context: a piece's rows include its timed models (dir "@decode/MODEL", from ROOT/decode/MODEL); they are
+    restored there, so the last piece's table is written here from the device's timings — the same table as where the
+    sweep ran — and nothing is timed on this machine (a piece without them writes no table)."""
+    from evict.lab import context
+
+    (tmp_path / "c.txt").write_text("ROMEO: But soft, what light through yonder window breaks?\n" * 300)
+    micro = dataclasses.replace(context.QUICK, ratios=("1:0", "0:1"), n_layers=2, scales=(8,), head_dim=8,
+                                train_len=8, contexts=(8, 16), decode_contexts=(32,), windows=4, steps=2, batch_size=2,
+                                decode_steps=1, decode_warmup=0, seeds=1, workers=1, corpus=str(tmp_path / "c.txt"))
+    ran = context.run_sweep(micro, out=tmp_path / "device")
+    rows = grid_restore.finished_rows(ran)
+    timed = [r for r in rows if r["dir"].startswith("@decode/")]
+    assert sorted(r["dir"] for r in timed) == sorted(f"@decode/{m.name}" for m in context.models(micro))
+    config = json.loads((ran / "config.json").read_text())
+    docs, at = tmp_path / "docs", tmp_path / "files_at"
+    at.mkdir()
+    (at / "lab_context_config.json").write_text(json.dumps(config))
+    real = context.time_one  # here only ever asked past the scratch piece's end, so it times nothing
+    monkeypatch.setattr(context, "time_one", lambda job: real(job) if context.out_of_time(job) else pytest.fail("timed here"))
+    runs = [r for r in rows if r not in timed]
+    (at / "lab_context_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+    grid_piece.main(str(at), lab="context", docs=str(docs), target=config)  # every run, no timing: no table
+    assert not (docs / "table.md").exists()
+    (at / "lab_context_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    grid_piece.main(str(at), lab="context", docs=str(docs), target=config)
+    assert [json.loads(line)["dir"] for line in (docs / "piece2_results.jsonl").read_text().splitlines()] == \
+        [r["dir"] for r in timed]
+    assert (docs / "table.md").read_text() == (ran / "table.md").read_text()
+    restored = tmp_path / "restored"
+    restored.mkdir()
+    (restored / "config.json").write_text(json.dumps(config))  # the sweep the pieces belong to (else FULL's)
+    grid_restore.main(str(restored), [str(docs / "piece2_config.json"), str(docs / "piece2_results.jsonl")], lab="context")
+    assert (restored / "decode" / context.models(micro)[0].name / "result.json").exists()
+    with pytest.raises(SystemExit, match="names no folder after @decode/"):
+        grid_restore.main(str(restored), _piece(tmp_path, config, [{"dir": "@decode"}]), lab="context")
+
+
 def test_a_side_experiment_is_committed_beside_the_grid_against_its_own_config(tmp_path):
     """--side NAME: a side experiment's rows (NAME_config.json + NAME_results.jsonl) go to side_NAME/ and its table is
     written against its own config (here a fixed training set), not `--full`'s; a bad name is one line."""
