@@ -5,8 +5,8 @@ output fused into the carry (`forward_triton(fuse_out=True)`) and without it (th
 the default picks by shape (`fuse_out_default`) marked, fla's chunked forward when installed, and the same as CUDA
 time per kernel (the stage table); forward + backward through autograd for evict's two forms, and its kernels for the
 default form; for Gated DeltaNet also the backward with a scalar gate's K e^{g_C - g} formed in the kernels
-(`backward.FORM_KD`, opt-in; stored by default); the first stage's parts by ablation (timing
-only); SDPA's causal forward at the first shape (default dispatch and FlashAttention-2 forced); with `--fla-bwd`, last,
+(`backward.FORM_KD`, opt-in; stored by default); the first stage's parts by ablation at chunks 32 and 64 at every
+shape (timing only); SDPA's causal forward at the first shape (default dispatch and FlashAttention-2 forced); with `--fla-bwd`, last,
 fla's forward + backward (its first call autotunes). Each section stops when `--budget` seconds have passed since
 the start, so one device call ends on time.
 Usage: python dev/fwd_stages.py [--shapes 4x8192,1x32768] [--budget 150] [--no-bwd] [--fla-bwd]
@@ -97,15 +97,18 @@ def main():
                 print(rows[-1], flush=True)
                 for r in mine:
                     r["vs fla"] = f"{r['fwd ms'] / rows[-1]['fwd ms']:.2f}x"
-            # the first stage's parts at the first shape (timing only: ablations skip work and give wrong results)
-            if (B, T) == shapes[0] and not late():
+            # the first stage's parts at every shape, at chunks 32 and 64 (the same tokens: where a chunk of 64 costs
+            # twice a chunk of 32's per token, which part grows); timing only: ablations skip work, wrong results
+            for C in (32, 64):
+                if late():
+                    break
                 q, k, v, la, beta = args
                 ab = {}
                 for bits, what in ((0, "whole"), (1, "no Gram strips"), (2, "no diagonal inverses"),
                                    (4, "no Neumann / W / U dots")):
                     ab[what] = round(bench(lambda: intra(q, k, v, la, beta, True, store=q.dtype, kd=False, ablate=bits,
-                                                         chunk=auto_chunk(B, H, D), qg=rule == "kda")), 4)
-                rows.append({"op": "evict first stage alone", "shape": tag, "note": str(ab)})
+                                                         chunk=C, qg=rule == "kda")), 4)
+                rows.append({"op": f"evict first stage alone, chunk {C}", "shape": tag, "note": str(ab)})
                 print(rows[-1], flush=True)
             if rule == "kda" and (B, T) == shapes[0] and not late():
                 qs, ks, vs = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
