@@ -200,10 +200,7 @@ def _attn_res_train(result: dict, device: str, full: bool, out, seeds=None, earl
 
     from . import claims_train as ct
 
-    s = dict(ct.FULL if full else ct.QUICK, device=device)
-    if seeds is not None:
-        s["seeds"] = tuple(seeds)
-    r = ct.compare_attn_res(s, earlier=earlier)
+    r = ct.compare_attn_res(ct.setting(full, device, seeds), earlier=earlier)
     result["attn_res_train"] = r
     if out:  # drawn by run_claims with the JSON, once every claim has run (nothing written before a failure)
         from pathlib import Path

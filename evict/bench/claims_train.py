@@ -103,6 +103,14 @@ def multiplier(plain_1x: float, plain_more: float, attn_res: float, flops_ratio:
     return round(steps / flops_ratio, 3), note
 
 
+def setting(full: bool, device: str, seeds=None) -> dict:
+    """The comparison's setting: FULL (the GPU scale) or QUICK on `device`, with `seeds` instead of its own if given."""
+    s = dict(FULL if full else QUICK, device=device)
+    if seeds is not None:
+        s["seeds"] = tuple(seeds)
+    return s
+
+
 def kept_seeds(s: dict, earlier: dict | None) -> dict[int, list[dict]]:
     """Of an earlier result (compare_attn_res's dict, e.g. read back from a claims JSON), the runs of each seed whose
     three arms all ran, by seed — when it was trained at setting `s` in every field but `seeds`; else ValueError naming
@@ -111,9 +119,9 @@ def kept_seeds(s: dict, earlier: dict | None) -> dict[int, list[dict]]:
         return {}
     if not (isinstance(earlier, dict) and isinstance(earlier.get("setting"), dict) and isinstance(earlier.get("runs"), list)):
         raise ValueError("expected an attn_res_train result (its setting and runs)")
-    want = json.loads(json.dumps({k: v for k, v in s.items() if k != "seeds"}))
-    got = {k: v for k, v in earlier["setting"].items() if k != "seeds"}
-    differ = sorted(k for k in {*want, *got} if want.get(k) != got.get(k))
+    from evict.lab.sweep import config_differences
+
+    differ = config_differences(json.loads(json.dumps(s)), earlier["setting"], which=("seeds",))
     if differ:
         raise ValueError(f"trained at another setting ({', '.join(differ)} differ)")
     by: dict[int, list[dict]] = {}

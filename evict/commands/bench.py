@@ -90,8 +90,7 @@ def _earlier_attn_res(path, args) -> dict:
 
     try:
         earlier = json.loads(path.read_text())["attn_res_train"]
-        s = dict(ct.FULL if args.full else ct.QUICK, device=args.device)
-        kept = ct.kept_seeds(s, earlier)
+        kept = ct.kept_seeds(ct.setting(args.full, args.device, args.seeds), earlier)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise UserError(f"--resume: {path} is not an `evict bench claims` JSON with attn_res_train runs "
                         f"({type(e).__name__})") from None
