@@ -3,11 +3,11 @@
 # session 73 on the CPU (no device time was left). dev/one_dot.patch adds forward.ONE_DOT (opt-in): the first stage's
 # Gram matrices in one [C, K] x [K, C] dot per chunk instead of C / SC strips, in `_intra_one_kernel` compiled without
 # the strips (sm_90, bf16, K 128: 207 registers at chunks of 32 and 232 at 64 with 8 warps, no spill, against the
-# one-tile kernel's 255 and 100 / 440 B spilled); per-channel gates whose chunk spreads past SPREAD go to a second
-# launch by strips. Its interpreter tests pass on the CPU and dev/ptx_same.py finds the default kernels' PTX unchanged.
+# one-tile kernel's 255 and 100 / 440 B spilled); per-channel gates go through each channel's midpoint, and chunks
+# spreading past 2 SPREAD = 80 go to a second launch by strips. Its interpreter tests pass on the CPU and dev/ptx_same.py finds the default kernels' PTX unchanged.
 # Here: the patch applied, its GPU tests (test_gpu_one_dot_matches_reference), the default forward and gradient GPU
 # tests, then dev/fwd_stages.py (ONE_DOT rows beside the default and fla, whole op and first stage alone, 4 / 8 warps,
-# and KDA with every chunk past SPREAD). A step that would end past D seconds is skipped; results ($OUT/r.tgz) are
+# and KDA with every chunk past 2 SPREAD). A step that would end past D seconds is skipped; results ($OUT/r.tgz) are
 # rewritten after each step. If the tests pass and it is faster: `git apply dev/one_dot.patch`, then make it the
 # default where the timings say, and delete this script and the patch.
 case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
