@@ -13,6 +13,7 @@ Identical PTX means a refactor or an added opt-in branch left the GPU-tested cod
 
 import argparse
 import importlib
+import inspect
 import re
 import subprocess
 import sys
@@ -45,6 +46,9 @@ def _compile(fn, sig, consts, warps, stages):
     sig = {n: t for n, t in sig.items() if n in fn.arg_names}  # an argument the old kernel lacks: not passed
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*") or t == "i32"}
     consts = {n: v for n, v in consts.items() if n in fn.arg_names}  # a constexpr the old kernel lacks: its default
+    # a constexpr not named here takes its default, as at a launch (else the compiler keeps it as a runtime value)
+    consts.update({a.name: a.default for a in fn.params if a.is_constexpr and a.name not in consts
+                   and a.default is not inspect.Parameter.empty})
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps, "num_stages": stages})
     code = k.asm["ptx"].split(".section\t.debug")[0]  # the DWARF sections name inlined helpers: not code
