@@ -7,11 +7,12 @@
 # spreading past 2 SPREAD = 80 go to a second launch by strips. With it, forward.INV_DOTS (opt-in): the four
 # diagonal 16 x 16 inverses as (I - L)(I + L^2)(I + L^4)(I + L^8), six batched dots, instead of 15 row updates. And
 # backward.ONE_DOT (opt-in): the key kernel's phase 3 per chunk in dots (`_chunk_grads`, 16 key columns a tile)
-# instead of per 16-row strip, the chunks past 2 SPREAD by strips. Its interpreter tests pass on the CPU and dev/ptx_same.py finds the default kernels' PTX unchanged.
+# instead of per 16-row strip, the chunks past 2 SPREAD by strips. Its interpreter tests pass on the CPU and
+# dev/ptx_same.py finds the default kernels' PTX unchanged.
 # Here: the patch applied, its GPU tests (test_gpu_one_dot_matches_reference: 72, each form alone), dev/fwd_stages.py
 # (ONE_DOT with and without INV_DOTS beside the default and fla, whole op and first stage alone, 4 / 8 warps, KDA with
-# every chunk past 2 SPREAD; backward.ONE_DOT's forward + backward), then the default forward's GPU tests. A step that would end past D seconds is skipped; results ($OUT/r.tgz) are
-# rewritten after each step. If the tests pass and it is faster: `git apply dev/one_dot.patch`, then make it the
+# every chunk past 2 SPREAD; backward.ONE_DOT's forward + backward), then the default forward's GPU tests. A step
+# that would end past D seconds is skipped; results ($OUT/r.tgz) are rewritten after each step. If the tests pass and it is faster: `git apply dev/one_dot.patch`, then make it the
 # default where the timings say, and delete this script and the patch.
 case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache
