@@ -12,8 +12,9 @@
 # Here: the patch applied, its GPU tests (test_gpu_one_dot_matches_reference: 72, each form alone), dev/fwd_stages.py
 # (ONE_DOT with and without INV_DOTS beside the default and fla, whole op and first stage alone, 4 / 8 warps, KDA with
 # every chunk past 2 SPREAD; backward.ONE_DOT's forward + backward), then the default forward's GPU tests. A step
-# that would end past D seconds is skipped; results ($OUT/r.tgz) are rewritten after each step. If the tests pass and it is faster: `git apply dev/one_dot.patch`, then make it the
-# default where the timings say, and delete this script and the patch.
+# that would end past D seconds is skipped; results ($OUT/r.tgz) are rewritten after each step. If the tests pass
+# and it is faster: `git apply dev/one_dot.patch`, then make it the default where the timings say, and delete this
+# script and the patch.
 case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac  # the comment above is the help
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT/r; D=${D:-560}
